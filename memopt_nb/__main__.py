@@ -1,0 +1,39 @@
+"""Command line: ``python -m memopt_nb demo`` (the main job on a built-in model) and ``python -m memopt_nb bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memopt_nb", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="profile a built-in model, plan under a budget, train under the plan")
+    demo.add_argument("--model", default="gpt", help="zoo model: gpt, resnet, vit, unet, mlp (default gpt)")
+    demo.add_argument("--budget", type=float, default=0.6, help="budget as a fraction of the unoptimized peak")
+    demo.add_argument("--steps", type=int, default=3, help="training steps to compare")
+    demo.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="run the evaluation suite and write results/bench.{md,json,png}")
+    bench.add_argument("--quick", action="store_true", help="a small suite for CI")
+    bench.add_argument("--out", default="results", help="output folder")
+    args = parser.parse_args(argv)
+    from .errors import MemoptError
+
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            res = run_demo(args.model, args.budget, args.steps, args.seed)
+            return 0 if res["loss_matched"] else 1
+        from .bench import run_bench  # noqa: PLC0415
+
+        run_bench(quick=args.quick, out=args.out)
+        return 0
+    except MemoptError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

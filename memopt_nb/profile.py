@@ -1,0 +1,861 @@
+"""``memopt.profile``: what a model's training step costs, per unit.
+
+A *unit* is a module on which a plan decides (a transformer block, a ResNet block). The profiler runs a few real
+training steps (and restores the model, optimizer and RNG afterwards) to measure:
+
+* per unit: forward and backward time, bytes autograd saves inside it (each storage once, parameters excluded), its
+  internal ("interior") bytes that recompute or swap can free, input/output/parameter bytes, and flags (RNG ops,
+  running statistics);
+* the step as a timeline of *segments* — each unit's forward and backward, and the code between units — with the
+  memory level at the start of each segment and its peak above that level, with every unit kept and with every unit
+  recomputed;
+* *storage groups*: saved or unit-input storages with the same producer, savers and consumers, and the unit boundary at
+  which nothing but autograd refers to them any more. This is what lets the simulator predict swap and recompute
+  exactly, skip connections and shared boundary tensors included;
+* totals: parameter, gradient, optimizer-state bytes, the measured peak and the bytes not attributed to units.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import datetime
+import difflib
+import html
+import json
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .budget import format_bytes
+from .device import DeviceSpec
+from .errors import ProfileError
+from .plan import unit_fingerprint
+from .runtime.measure import model_device
+from .runtime.memory import meter_for
+from .runtime.recompute import checkpointed_call, running_stat_modules
+from .runtime.step import preserved_state, training_step
+
+PROFILE_FORMAT = "memopt_nb.profile"
+PROFILE_SCHEMA = 1
+_use_count = lambda st: torch._C._storage_Use_Count(st._cdata)  # noqa: E731
+_RNG_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "randperm", "exponential")
+
+
+# ====================================================================== data
+@dataclass
+class UnitProfile:
+    """What one unit costs.
+
+    Attributes:
+        name: qualified module name; index: position in forward order; type: module class name.
+        fwd_time, bwd_time: median seconds of its forward and backward (backward includes its parameters' grads).
+        saved_bytes: bytes autograd saves inside the unit (unique storages, parameters and buffers excluded).
+        interior_bytes: saved bytes created inside the unit and needed by no one else — what recompute frees.
+        input_bytes, output_bytes, param_bytes: sizes of its inputs, outputs and parameters.
+        has_rng: runs random ops (dropout); recompute replays them. has_running_stats: has BatchNorm-like buffers.
+        recomputable, swappable: whether a plan may recompute / swap it.
+        fwd_segment, bwd_segment: indices of its forward and backward in ``ModelProfile.segments``.
+        rc_fwd_rel_peak, rc_bwd_rel_peak: peak above the segment's start level when the unit is recomputed.
+    """
+
+    name: str
+    index: int
+    type: str
+    fwd_time: float
+    bwd_time: float
+    saved_bytes: int
+    interior_bytes: int
+    input_bytes: int
+    output_bytes: int
+    param_bytes: int
+    has_rng: bool
+    has_running_stats: bool
+    recomputable: bool
+    swappable: bool
+    fwd_segment: int
+    bwd_segment: int
+    rc_fwd_rel_peak: int
+    rc_bwd_rel_peak: int
+    input_shapes: list[list[int]] = field(default_factory=list)
+    output_shapes: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class Segment:
+    """One stretch of the training step: a unit's forward (``"fwd"``), its backward (``"bwd"``) or other code.
+
+    ``start_level`` is the device memory in use when it starts (every unit kept), ``rel_peak`` the peak during it above
+    that level, ``time`` its median duration in seconds.
+    """
+
+    kind: str
+    unit: int
+    label: str
+    time: float
+    start_level: int
+    rel_peak: int
+
+
+@dataclass
+class StorageGroup:
+    """Storages that units save or take as input, grouped by who makes, saves and uses them.
+
+    Attributes:
+        nbytes: total bytes; count: number of storages.
+        producer: unit that created them (-1: code outside units).
+        savers: units that save them for backward; outside_saver: code outside units saves them too.
+        consumers: units that receive them as forward input.
+        free_pos: the segment boundary (index) at which nothing but autograd refers to them any more, or ``None`` if
+            something still does at the end of the forward.
+        outside_release: for storages code outside units saves, the segment in which that code's backward lets go.
+    """
+
+    nbytes: int
+    count: int
+    producer: int
+    savers: tuple[int, ...]
+    consumers: tuple[int, ...]
+    outside_saver: bool
+    free_pos: int | None
+    outside_release: int | None = None
+
+
+@dataclass
+class ModelProfile:
+    """What a model's training step costs, per unit — the input of the simulator and every planner.
+
+    Build one with :func:`profile`. It round-trips through JSON (:meth:`save`, :meth:`load`) and renders as a table in
+    a notebook.
+    """
+
+    units: list[UnitProfile]
+    segments: list[Segment]
+    groups: list[StorageGroup]
+    device: DeviceSpec
+    peak_bytes: int
+    step_time: float
+    start_level: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    unattributed_bytes: int
+    batch_size: int | None
+    fingerprint: tuple[dict[str, Any], ...]
+    excluded: list[dict[str, str]] = field(default_factory=list)
+    coverage: float = 1.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._model_ref: weakref.ref | None = None
+
+    # ------------------------------------------------------------------ convenience
+    @property
+    def n_units(self) -> int:
+        return len(self.units)
+
+    @property
+    def unit_names(self) -> list[str]:
+        return [u.name for u in self.units]
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The profiled model, while it is alive in this session (not saved to JSON)."""
+        return self._model_ref() if self._model_ref is not None else None
+
+    def unit(self, name: str) -> UnitProfile:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise ProfileError(f"no unit named {name!r}; units: {', '.join(self.unit_names)}")
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "format": PROFILE_FORMAT,
+            "schema_version": PROFILE_SCHEMA,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+        }
+        d["units"] = [dataclasses.asdict(u) for u in self.units]
+        d["segments"] = [dataclasses.asdict(s) for s in self.segments]
+        d["groups"] = [dataclasses.asdict(g) for g in self.groups]
+        d["device"] = self.device.to_dict()
+        d["fingerprint"] = [dict(f) for f in self.fingerprint]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ProfileError("not a memopt_nb profile (missing \"format\": \"memopt_nb.profile\")")
+        if not isinstance(data.get("schema_version"), int) or data["schema_version"] > PROFILE_SCHEMA:
+            raise ProfileError(f"profile schema {data.get('schema_version')!r} is not readable by this memopt_nb "
+                               f"(reads up to {PROFILE_SCHEMA})")
+        try:
+            kw = {k: v for k, v in data.items() if k not in ("format", "schema_version")}
+            kw["units"] = [UnitProfile(**u) for u in kw["units"]]
+            kw["segments"] = [Segment(**s) for s in kw["segments"]]
+            kw["groups"] = [StorageGroup(**{**g, "savers": tuple(g["savers"]), "consumers": tuple(g["consumers"])})
+                            for g in kw["groups"]]
+            kw["device"] = DeviceSpec.from_dict(kw["device"])
+            kw["fingerprint"] = tuple(kw["fingerprint"])
+            return cls(**kw)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"corrupt profile: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"corrupt profile file: not valid JSON ({exc.msg})") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelProfile:
+        return cls.from_json(Path(path).read_text())
+
+    # ------------------------------------------------------------------ display
+    def summary(self) -> str:
+        return (f"{self.meta.get('model_class', 'model')}: {self.n_units} units, peak {format_bytes(self.peak_bytes)}, "
+                f"step {self.step_time * 1e3:.1f} ms on {self.device.name}")
+
+    def __repr__(self) -> str:
+        return f"<ModelProfile {self.summary()}>"
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{u.index}</td><td>{html.escape(u.name)}</td><td>{html.escape(u.type)}</td>"
+            f"<td>{u.fwd_time * 1e3:.2f}</td><td>{u.bwd_time * 1e3:.2f}</td><td>{format_bytes(u.saved_bytes)}</td>"
+            f"<td>{format_bytes(u.interior_bytes)}</td><td>{format_bytes(u.output_bytes)}</td>"
+            f"<td>{format_bytes(u.param_bytes)}</td>"
+            f"<td>{'rng ' if u.has_rng else ''}{'bn' if u.has_running_stats else ''}</td></tr>"
+            for u in self.units
+        )
+        totals = (f"peak {format_bytes(self.peak_bytes)} · step {self.step_time * 1e3:.1f} ms · params "
+                  f"{format_bytes(self.param_bytes)} · optimizer state {format_bytes(self.optimizer_state_bytes)} · "
+                  f"not in units {format_bytes(self.unattributed_bytes)} · units cover {self.coverage:.0%} of saved "
+                  f"bytes · device {html.escape(self.device.name)}")
+        excluded = ""
+        if self.excluded:
+            excluded = "<p>excluded: " + "; ".join(html.escape(f"{e['name']} ({e['reason']})")
+                                                   for e in self.excluded) + "</p>"
+        return (
+            f"<div><b>{html.escape(self.summary())}</b><p>{totals}</p>{excluded}<table><thead><tr><th>#</th>"
+            "<th>unit</th><th>type</th><th>fwd ms</th><th>bwd ms</th><th>saved</th><th>interior</th><th>output</th>"
+            f"<th>params</th><th>flags</th></tr></thead><tbody>{rows}</tbody></table></div>"
+        )
+
+
+# ====================================================================== unit selection
+def _container_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Children of ModuleList/Sequential containers, outermost first, expanding nested containers."""
+    names = {m: n for n, m in model.named_modules()}
+
+    def is_container(m: nn.Module) -> bool:
+        # a list of blocks, not a short sequence of plain layers (conv, norm, activation)
+        return (isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
+                and any(len(list(c.children())) > 0 for c in m.children()))
+
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(m: nn.Module) -> None:
+        if is_container(m):
+            for child in m.children():
+                if is_container(child):
+                    visit(child)
+                else:
+                    out.append((names[child], child))
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return out
+
+
+def _select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]]) -> tuple[list[str], list[dict]]:
+    """Pick unit names; returns (names in forward order, excluded with reasons)."""
+    all_names = [n for n, _ in model.named_modules() if n]
+    if isinstance(units, str) and units != "auto":
+        units = [units]
+    if units == "auto":
+        candidates = [n for n, _ in _container_children(model)]
+        usable = [n for n in candidates if info[n]["calls"] == 1 and info[n]["backward"]]
+        if len(usable) < 2 or len(usable) > 64:
+            best = None
+            for depth in range(1, 6):
+                names = [n for n in all_names if n.count(".") == depth - 1]
+                ok = [n for n in names if info[n]["calls"] == 1 and info[n]["backward"]]
+                cover = sum(info[n]["saved"] for n in ok)
+                score = (4 <= len(ok) <= 64, cover, -abs(len(ok) - 16))
+                if ok and (best is None or score > best[0]):
+                    best = (score, names)
+            if best is not None and (len(usable) < 2 or best[0][0]):
+                candidates = best[1]
+    elif isinstance(units, int) and not isinstance(units, bool):
+        if units < 1:
+            raise ProfileError(f"units as a depth must be >= 1, got {units}")
+        candidates = [n for n in all_names if n.count(".") == units - 1]
+        if not candidates:
+            raise ProfileError(f"the model has no modules at depth {units}")
+    elif isinstance(units, (list, tuple)):
+        candidates = []
+        for n in units:
+            if not isinstance(n, str):
+                raise ProfileError(f"unit names must be strings, got {n!r}")
+            if n not in info:
+                close = difflib.get_close_matches(n, all_names, n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ProfileError(f"the model has no module named {n!r}{hint}")
+            candidates.append(n)
+        for i, a in enumerate(candidates):
+            for b in candidates[i + 1:]:
+                if b.startswith(a + ".") or a.startswith(b + ".") or a == b:
+                    raise ProfileError(f"units {a!r} and {b!r} overlap; give modules that do not contain each other")
+    else:
+        raise ProfileError(f"units must be 'auto', an int depth or a list of module names, got {units!r}")
+    chosen, excluded = [], []
+    for n in candidates:
+        calls = info[n]["calls"]
+        if calls == 0:
+            excluded.append({"name": n, "reason": "not called in forward"})
+        elif calls > 1:
+            excluded.append({"name": n, "reason": f"called {calls} times per forward"})
+        elif not info[n]["backward"]:
+            excluded.append({"name": n, "reason": "its output needs no gradient"})
+        else:
+            chosen.append(n)
+    chosen.sort(key=lambda n: info[n]["order"])
+    if not chosen:
+        raise ProfileError("no usable units: " + "; ".join(f"{e['name']} ({e['reason']})" for e in excluded)
+                           if excluded else "the model has no module to plan on; pass units=[...]")
+    return chosen, excluded
+
+
+class _OpWatcher(TorchDispatchMode):
+    """Notes which modules on the stack run random ops."""
+
+    def __init__(self, stack: list[str], rng: set[str]) -> None:
+        super().__init__()
+        self.stack, self.rng = stack, rng
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if self.stack and any(k in func.__name__ for k in _RNG_OPS):
+            self.rng.update(self.stack)
+        return func(*args, **(kwargs or {}))
+
+
+def _discover(model: nn.Module, inputs: Sequence[Any]) -> tuple[dict[str, dict[str, Any]], int]:
+    """One forward with hooks on every module: call counts, order, saved bytes, backward reach, RNG."""
+    info: dict[str, dict[str, Any]] = {n: {"calls": 0, "order": 10**9, "saved": 0, "backward": False, "seen": set()}
+                                       for n, _ in model.named_modules()}
+    stack: list[str] = []
+    rng: set[str] = set()
+    order = [0]
+    handles = []
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    total = [0]
+    all_seen: set[int] = set()
+
+    def pre(name: str) -> Callable:
+        def hook(mod: nn.Module, args: Any) -> None:
+            d = info[name]
+            d["calls"] += 1
+            if d["order"] == 10**9:
+                d["order"] = order[0]
+                order[0] += 1
+            stack.append(name)
+
+        return hook
+
+    def post(name: str) -> Callable:
+        def hook(mod: nn.Module, args: Any, out: Any) -> None:
+            if stack and stack[-1] == name:
+                stack.pop()
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out)):
+                info[name]["backward"] = True
+
+        return hook
+
+    for name, mod in model.named_modules():
+        if name:
+            handles.append(mod.register_forward_pre_hook(pre(name)))
+            handles.append(mod.register_forward_hook(post(name)))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in param_ptrs and st.nbytes() > 0:
+                if ptr not in all_seen:
+                    all_seen.add(ptr)
+                    total[0] += st.nbytes()
+                for name in stack:
+                    if ptr not in info[name]["seen"]:
+                        info[name]["seen"].add(ptr)
+                        info[name]["saved"] += st.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpWatcher(stack, rng):
+            out = model(*inputs)
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    for name in rng:
+        info[name]["rng"] = True
+    for d in info.values():
+        d.pop("seen")
+    return info, total[0]
+
+
+# ====================================================================== instrumented runs
+class _SInfo:
+    __slots__ = ("nbytes", "producer", "savers", "consumers", "outside", "free_pos", "weak", "outside_release")
+
+    def __init__(self, st: torch.UntypedStorage, producer: int) -> None:
+        self.nbytes = st.nbytes()
+        self.producer = producer
+        self.savers: set[int] = set()
+        self.consumers: set[int] = set()
+        self.outside = False
+        self.free_pos: int | None = None
+        self.outside_release: int | None = None
+        self.weak = weakref.ref(st)  # never a strong reference: handles keep saved storages alive, as autograd would
+
+
+class _Handle:
+    __slots__ = ("st", "offset", "size", "stride", "dtype")
+
+    def __init__(self, st: torch.UntypedStorage, t: torch.Tensor) -> None:
+        self.st, self.offset, self.size, self.stride, self.dtype = st, t.storage_offset(), t.size(), t.stride(), t.dtype
+
+
+class _OutsideRef:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _unpack(h: Any) -> torch.Tensor:
+    if isinstance(h, torch.Tensor):
+        return h
+    if isinstance(h, _OutsideRef):
+        return h.t
+    return torch.empty(0, dtype=h.dtype, device=h.st.device).set_(h.st, h.offset, h.size, h.stride)
+
+
+class _Run:
+    """Instrumentation for one profiled step: marks at unit boundaries and, in observe mode, storage bookkeeping."""
+
+    def __init__(self, model: nn.Module, unit_names: list[str], mark: Callable[[Any], None], *, observe: bool,
+                 recompute: bool) -> None:
+        self.model = model
+        self.names = unit_names
+        self.modules = [model.get_submodule(n) for n in unit_names]
+        self.mark = mark
+        self.observe = observe
+        self.recompute = recompute
+        self.n_marks = 0
+        self.infos: dict[int, _SInfo] = {}
+        self.produced: dict[int, tuple[weakref.ref, int]] = {}
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self.hook_events: dict[int, tuple[list[tuple[str, int]], int]] = {}
+        self.pending_inputs: dict[int, int] = {}
+        self.unit_io: dict[int, tuple[list[list[int]], list[list[int]], int, int]] = {}
+        self._installed: list[tuple[nn.Module, Any]] = []
+        self.bwd_started: set[int] = set()
+
+    # -- marks
+    def _mark(self, label: Any) -> int:
+        self.mark(label)
+        self.n_marks += 1
+        return self.n_marks - 1
+
+    # -- storage bookkeeping (observe mode)
+    def _info(self, st: torch.UntypedStorage, producer: int) -> _SInfo:
+        inf = self.infos.get(id(st))
+        if inf is None or inf.weak() is not st:
+            inf = _SInfo(st, producer)
+            self.infos[id(st)] = inf
+        return inf
+
+    def _producer_of(self, st: torch.UntypedStorage) -> int:
+        entry = self.produced.get(id(st))
+        if entry is not None and entry[0]() is st:
+            return entry[1]
+        return -1
+
+    def _scan(self, pos: int) -> None:
+        for inf in self.infos.values():
+            if inf.free_pos is not None:
+                continue
+            st = inf.weak()  # holding the Python storage object adds exactly one reference
+            if st is None or _use_count(st) <= 1:
+                inf.free_pos = pos
+
+    def _outside_pack(self, t: torch.Tensor) -> Any:
+        if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta:
+            st = t.untyped_storage()
+            if st.data_ptr() not in self.param_ptrs and st.nbytes() > 0:
+                inf = self._info(st, self._producer_of(st))
+                inf.outside = True
+                # a direct reference (like autograd's own), plus a marker that tells when that code's backward is done
+                marker = _OutsideRef(t)
+                weakref.finalize(marker, self._outside_released, inf)
+                return marker
+        return t
+
+    def _outside_released(self, inf: _SInfo) -> None:
+        inf.outside_release = max(inf.outside_release or 0, self.n_marks - 1)
+
+    def outer_hooks(self) -> Any:
+        if not self.observe:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._outside_pack, _unpack)
+
+    # -- backward marks: one hook per tensor, "end" events before "start" events
+    def _tensor_event(self, t: torch.Tensor, kind: str, unit: int) -> None:
+        key = id(t)
+        entry = self.hook_events.get(key)
+        if entry is not None and entry[1] is not None and entry[1]() is t:
+            entry[0].append((kind, unit))
+            return
+        events: list[tuple[str, int]] = [(kind, unit)]
+        self.hook_events[key] = (events, weakref.ref(t))
+
+        def hook(grad: torch.Tensor) -> None:
+            for k, u in sorted(events, key=lambda e: (e[0] != "end", -e[1])):
+                if k == "end":
+                    left = self.pending_inputs.get(u, 0) - 1
+                    self.pending_inputs[u] = left
+                    if left == 0:
+                        self._mark(("bwd_end", u))
+                elif u not in self.bwd_started:
+                    self.bwd_started.add(u)
+                    self._mark(("bwd_start", u))
+
+        t.register_hook(hook)
+
+    # -- unit wrappers
+    def install(self) -> None:
+        for index, module in enumerate(self.modules):
+            previous = module.__dict__.get("forward")
+            inner = previous or type(module).forward.__get__(module, type(module))
+            module.forward = self._wrapper(index, module, inner)
+            self._installed.append((module, previous))
+
+    def remove(self) -> None:
+        for module, previous in reversed(self._installed):
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        self._installed.clear()
+
+    def _wrapper(self, index: int, module: nn.Module, inner: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            pos = self._mark(("fwd_start", index))
+            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            grad_inputs = {id(t): t for t in leaves if t.requires_grad}
+            self.pending_inputs[index] = len(grad_inputs)
+            for t in grad_inputs.values():
+                self._tensor_event(t, "end", index)
+            in_ptrs = set()
+            for t in leaves:
+                if t.layout == torch.strided and not t.is_meta:
+                    st = t.untyped_storage()
+                    in_ptrs.add(id(st))
+                    if self.observe and st.data_ptr() not in self.param_ptrs and st.nbytes() > 0:
+                        self._info(st, self._producer_of(st)).consumers.add(index)
+            if self.observe:
+                self._scan(pos)
+            if self.recompute:
+                out = checkpointed_call(module, inner, *args, **kwargs)
+            elif self.observe:
+                ptrs = self.param_ptrs
+
+                def pack(t: torch.Tensor) -> Any:
+                    if not (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta):
+                        return t
+                    st = t.untyped_storage()
+                    if st.data_ptr() in ptrs or st.nbytes() == 0:
+                        return t
+                    inf = self._info(st, self._producer_of(st) if id(st) in in_ptrs else index)
+                    inf.savers.add(index)
+                    return _Handle(st, t)
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                    out = inner(*args, **kwargs)
+            else:
+                out = inner(*args, **kwargs)
+            pos = self._mark(("fwd_end", index))
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            for t in outs:
+                if t.layout == torch.strided and not t.is_meta:
+                    st = t.untyped_storage()
+                    if id(st) not in in_ptrs:
+                        self.produced[id(st)] = (weakref.ref(st), index)
+                if t.requires_grad:
+                    self._tensor_event(t, "start", index)
+            if self.observe:
+                self._scan(pos)
+                self.unit_io[index] = (
+                    [list(t.shape) for t in leaves],
+                    [list(t.shape) for t in outs],
+                    _unique_bytes(leaves),
+                    _unique_bytes(outs),
+                )
+            return out
+
+        return forward
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t.layout != torch.strided or t.is_meta:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],
+                  device: torch.device, *, observe: bool, recompute: bool) -> tuple[list, _Run, int]:
+    meter = meter_for(device)
+    meter.track(model, optimizer, list(inputs))
+    meter.reset_peak()
+    run = _Run(model, names, meter.mark, observe=observe, recompute=recompute)
+    run.install()
+    try:
+        with meter:
+            run._mark(("step_start", -1))
+            with run.outer_hooks():
+                training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)))
+    finally:
+        run.remove()
+    return meter.marks, run, int(meter.peak)
+
+
+class _Clock:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stamps: list[Any] = []
+
+    def mark(self, label: Any) -> None:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.stamps.append((label, ev))
+        else:
+            self.stamps.append((label, time.perf_counter()))
+
+    def durations(self) -> list[float]:
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(self.device)
+            evs = [e for _, e in self.stamps]
+            return [evs[i].elapsed_time(evs[i + 1]) / 1e3 for i in range(len(evs) - 1)]
+        ts = [t for _, t in self.stamps]
+        return [ts[i + 1] - ts[i] for i in range(len(ts) - 1)]
+
+
+def _timed_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],
+                device: torch.device) -> tuple[list[Any], list[float]]:
+    clock = _Clock(device)
+    run = _Run(model, names, clock.mark, observe=False, recompute=False)
+    run.install()
+    try:
+        if device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(device)
+        run._mark(("step_start", -1))
+        training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)))
+    finally:
+        run.remove()
+    return [lab for lab, _ in clock.stamps], clock.durations()
+
+
+# ====================================================================== building the profile
+def _segments_from(marks: list[tuple[Any, int, int]], n_units: int) -> tuple[list[Segment], dict, dict]:
+    segs: list[Segment] = []
+    fwd_seg, bwd_seg = {}, {}
+    for i in range(len(marks) - 1):
+        (label, level, _), (nlabel, _, peak) = marks[i], marks[i + 1]
+        kind, unit = label
+        if kind == "fwd_start" and nlabel == ("fwd_end", unit):
+            seg = Segment("fwd", unit, f"fwd {unit}", 0.0, level, max(0, peak - level))
+            fwd_seg[unit] = len(segs)
+        elif kind == "bwd_start":
+            seg = Segment("bwd", unit, f"bwd {unit}", 0.0, level, max(0, peak - level))
+            bwd_seg[unit] = len(segs)
+        else:
+            seg = Segment("other", -1, f"to {nlabel[0]}" + (f" {nlabel[1]}" if nlabel[1] >= 0 else ""), 0.0, level,
+                          max(0, peak - level))
+        segs.append(seg)
+    missing = [u for u in range(n_units) if u not in fwd_seg or u not in bwd_seg]
+    if missing:
+        raise ProfileError(f"units {missing} did not run a forward and a backward exactly once in the step")
+    return segs, fwd_seg, bwd_seg
+
+
+def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+            optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
+            device: DeviceSpec | None = None) -> ModelProfile:
+    """Profile one training step of ``model`` on ``example_inputs``.
+
+    Args:
+        model: the model, on the device it trains on.
+        example_inputs: positional inputs of ``model(...)``, at the batch size you train with.
+        loss_fn: ``loss_fn(output) -> scalar``; by default the output itself if scalar, else its sum.
+        optimizer: the optimizer you train with (its state counts towards memory); optional.
+        units: ``"auto"`` (repeated blocks: children of ModuleList/Sequential containers, about 4–64 of them), a
+            list of qualified module names, or an int depth in the module tree.
+        repeats: timed steps; times are medians.
+        device: the DeviceSpec of the device measured (detected by default).
+
+    The model, optimizer and RNG state are restored afterwards. Modules that run more than once per forward, not at
+    all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
+    if not example_inputs:
+        raise ProfileError("profile() needs example inputs: memopt.profile(model, x) with x a batch of inputs")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ProfileError("loss_fn must be callable: loss_fn(output) -> scalar tensor")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ProfileError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ProfileError(f"repeats must be a positive int, got {repeats!r}")
+    dev = model_device(model, example_inputs)
+    spec = device if device is not None else DeviceSpec.detect(dev)
+    inputs = tuple(example_inputs)
+    t_start = time.perf_counter()
+    with preserved_state(model, optimizer):
+        try:
+            training_step(model, inputs, loss_fn, optimizer)  # warm-up: optimizer state, lazy init
+        except ProfileError:
+            raise
+        except Exception as exc:
+            raise ProfileError(f"a training step of the model failed before profiling: {type(exc).__name__}: {exc}"
+                               ) from exc
+        info, total_saved = _discover(model, inputs)
+        names, excluded = _select_units(model, units, info)
+        n = len(names)
+        keep_marks, run, peak = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=True,
+                                              recompute=False)
+        rc_marks, _, _ = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True)
+        timings: list[list[float]] = []
+        labels_ref = [m[0] for m in keep_marks]
+        for _ in range(repeats):
+            labels, durations = _timed_step(model, inputs, loss_fn, optimizer, names, dev)
+            if labels != labels_ref:
+                raise ProfileError("the step ran differently between repeats (data-dependent control flow?)")
+            timings.append(durations)
+        static = _static_bytes(model, optimizer)
+    segs, fwd_seg, bwd_seg = _segments_from(keep_marks, n)
+    for i, seg in enumerate(segs):
+        seg.time = statistics.median(t[i] for t in timings)
+    rc_rel = {}
+    if [m[0] for m in rc_marks] == labels_ref:
+        for i in range(len(rc_marks) - 1):
+            rc_rel[i] = max(0, rc_marks[i + 1][2] - rc_marks[i][1])
+    groups = _groups_from(run)
+    modules = dict(model.named_modules())
+    spec_link = spec.has_host_link
+    unit_list = []
+    for i, name in enumerate(names):
+        mod = modules[name]
+        saved = sum(g.nbytes for g in groups if i in g.savers)
+        interior = sum(g.nbytes for g in groups if g.savers == (i,) and g.producer == i and not g.outside_saver)
+        in_shapes, out_shapes, in_bytes, out_bytes = run.unit_io.get(i, ([], [], 0, 0))
+        unit_list.append(UnitProfile(
+            name=name, index=i, type=type(mod).__name__, fwd_time=segs[fwd_seg[i]].time, bwd_time=segs[bwd_seg[i]].time,
+            saved_bytes=saved, interior_bytes=interior, input_bytes=in_bytes, output_bytes=out_bytes,
+            param_bytes=sum(p.numel() * p.element_size() for p in mod.parameters()),
+            has_rng=bool(info[name].get("rng")), has_running_stats=bool(running_stat_modules(mod)),
+            recomputable=True, swappable=spec_link, fwd_segment=fwd_seg[i], bwd_segment=bwd_seg[i],
+            rc_fwd_rel_peak=rc_rel.get(fwd_seg[i], segs[fwd_seg[i]].rel_peak),
+            rc_bwd_rel_peak=rc_rel.get(bwd_seg[i], segs[bwd_seg[i]].rel_peak + 0),
+            input_shapes=in_shapes, output_shapes=out_shapes,
+        ))
+    unit_saved = sum(g.nbytes for g in groups if g.savers)
+    batch = None
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if first is not None:
+        batch = int(first.shape[0])
+    prof = ModelProfile(
+        units=unit_list, segments=segs, groups=groups, device=spec, peak_bytes=peak,
+        step_time=sum(s.time for s in segs), start_level=keep_marks[0][1], param_bytes=static["params"],
+        grad_bytes=static["params_trainable"], optimizer_state_bytes=static["optimizer"],
+        buffer_bytes=static["buffers"], input_bytes=_unique_bytes([x for x in inputs if isinstance(x, torch.Tensor)]),
+        unattributed_bytes=max(0, peak - static["params"] - static["params_trainable"] - static["optimizer"]
+                               - static["buffers"] - unit_saved),
+        batch_size=batch, fingerprint=tuple(unit_fingerprint(nm, modules[nm]) for nm in names), excluded=excluded,
+        coverage=(unit_saved / total_saved) if total_saved else 1.0,
+        meta={
+            "model_class": type(model).__name__,
+            "torch_version": torch.__version__,
+            "repeats": repeats,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "profile_seconds": round(time.perf_counter() - t_start, 3),
+            "rc_marks_matched": bool(rc_rel),
+        },
+    )
+    prof._model_ref = weakref.ref(model)
+    return prof
+
+
+def _static_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    opt = 0
+    if optimizer is not None:
+        seen = set()
+        for state in optimizer.state.values():
+            for v in tree_leaves(state):
+                if isinstance(v, torch.Tensor) and v.data_ptr() not in seen:
+                    seen.add(v.data_ptr())
+                    opt += v.numel() * v.element_size()
+    return {"params": params, "params_trainable": trainable, "buffers": buffers, "optimizer": opt}
+
+
+def _groups_from(run: _Run) -> list[StorageGroup]:
+    agg: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for inf in run.infos.values():
+        if not inf.savers and not inf.consumers:
+            continue
+        key = (inf.producer, tuple(sorted(inf.savers)), tuple(sorted(inf.consumers)), inf.outside, inf.free_pos,
+               inf.outside_release)
+        agg[key][0] += inf.nbytes
+        agg[key][1] += 1
+    out = [StorageGroup(nbytes=v[0], count=v[1], producer=k[0], savers=k[1], consumers=k[2], outside_saver=k[3],
+                        free_pos=k[4], outside_release=k[5]) for k, v in agg.items()]
+    out.sort(key=lambda g: (g.savers[-1] if g.savers else max(g.consumers), g.producer, g.free_pos or 0))
+    return out

@@ -1,0 +1,105 @@
+"""``memopt.measure``: peak device memory and step time of real training steps."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..budget import format_bytes
+from ..errors import ProfileError
+from ..plan import Plan
+from .apply import AppliedPlan
+from .memory import meter_for
+from .step import preserved_state, training_step
+
+
+@dataclass
+class Measurement:
+    """What real training steps used.
+
+    Attributes:
+        peak_bytes: peak device memory of one step (CUDA: ``max_memory_allocated``; CPU: live tensor storages on the
+            emulated device, swap host store excluded).
+        step_time: median seconds per step over the timed steps.
+        step_times: every timed step's seconds.
+        losses: loss of every step run (warm-up, memory step and timed steps), for equality checks.
+        device: ``"cpu"`` or ``"cuda:0"``.
+        method: the plan's method, or ``"none"``.
+        swap_stats: what the swap engine did (bytes moved, waits), if the plan swaps.
+    """
+
+    peak_bytes: int
+    step_time: float
+    step_times: list[float]
+    losses: list[float]
+    device: str
+    method: str
+    swap_stats: dict[str, float] = field(default_factory=dict)
+
+    def _repr_html_(self) -> str:
+        return (f"<b>{html.escape(self.method)}</b> on {self.device}: peak {format_bytes(self.peak_bytes)}, "
+                f"step {self.step_time * 1e3:.2f} ms (median of {len(self.step_times)})")
+
+    def __repr__(self) -> str:
+        return (f"Measurement({self.method}: peak {format_bytes(self.peak_bytes)}, step {self.step_time * 1e3:.2f} ms, "
+                f"{len(self.step_times)} timed steps on {self.device})")
+
+
+def model_device(model: nn.Module, inputs: Sequence[Any]) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+            optimizer: torch.optim.Optimizer | None = None, plan: Plan | None = None, steps: int = 3,
+            warmup: int = 1) -> Measurement:
+    """Run real training steps (optionally under ``plan``) and report peak memory and median step time.
+
+    One warm-up step creates optimizer state, one step is measured for memory, then ``steps`` steps are timed. The
+    model, optimizer and RNG are restored afterwards, so measuring has no side effects.
+    """
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"measure() needs a torch.nn.Module, got {type(model).__name__}")
+    if steps < 1:
+        raise ProfileError(f"steps must be >= 1, got {steps}")
+    device = model_device(model, inputs)
+    ctx: Any = AppliedPlan(plan, model) if plan is not None else contextlib.nullcontext()
+    losses: list[float] = []
+    times: list[float] = []
+    with preserved_state(model, optimizer), ctx:
+        for _ in range(warmup):
+            losses.append(training_step(model, inputs, loss_fn, optimizer).item())
+        meter = meter_for(device)
+        meter.track(model, optimizer, list(inputs))
+        meter.reset_peak()
+        with meter:
+            loss = training_step(model, inputs, loss_fn, optimizer)
+        peak = int(meter.peak)
+        losses.append(loss.item())
+        for _ in range(steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = training_step(model, inputs, loss_fn, optimizer)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        stats = dict(ctx.stats) if isinstance(ctx, AppliedPlan) else {}
+    return Measurement(peak_bytes=peak, step_time=statistics.median(times), step_times=times, losses=losses,
+                       device=str(device), method=plan.method if plan is not None else "none", swap_stats=stats)

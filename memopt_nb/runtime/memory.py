@@ -1,0 +1,222 @@
+"""Device memory measurement: what a training step holds, event by event.
+
+* On CUDA, :class:`CudaMeter` reads the caching allocator (``memory_allocated`` / ``max_memory_allocated``), which
+  includes kernel workspaces.
+* On the CPU (the emulated device), :class:`StorageTracker` is a ``TorchDispatchMode`` that sees every tensor storage an
+  operator creates and follows its lifetime with a weak reference, like ``torch.distributed._tools.MemTracker``. Tensors
+  the swap engine keeps in its host store are created where the tracker does not look and are not counted; tensors it
+  brings back are registered with :func:`note_device_storage`.
+
+Both meters record *marks* — ``(label, level, peak since the previous mark)`` — that the profiler turns into a timeline.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_ACTIVE: list[Any] = []
+
+
+def active_meter() -> Any | None:
+    """The meter currently measuring, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def note_device_storage(storage: torch.UntypedStorage) -> None:
+    """Tell the active CPU tracker about a device-pool storage created outside its view (swap engine prefetch)."""
+    meter = active_meter()
+    if isinstance(meter, StorageTracker):
+        meter.add_storage(storage)
+
+
+class _MeterBase:
+    def __init__(self) -> None:
+        self.marks: list[tuple[Any, int, int]] = []
+        self._mark_peak = 0
+
+    def mark(self, label: Any) -> None:
+        """Record the current level and the peak since the previous mark, then start a new interval."""
+        level = self.current
+        self.marks.append((label, level, max(self._interval_peak(), level)))
+        self._reset_interval(level)
+
+    # implemented by subclasses
+    current: int
+    peak: int
+
+    def _interval_peak(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _reset_interval(self, level: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class StorageTracker(_MeterBase, TorchDispatchMode):
+    """Bytes of live tensor storages on one device, with peak, as a dispatch mode.
+
+    Use as a context manager around a training step; call :meth:`track` first for tensors that already exist
+    (parameters, gradients, optimizer state, inputs).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        _MeterBase.__init__(self)
+        TorchDispatchMode.__init__(self)
+        self.device = torch.device(device)
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+        self._ipeak = 0
+
+    # -- registration
+    def add_storage(self, st: torch.UntypedStorage) -> None:
+        if st.device.type != self.device.type:
+            return
+        key = id(st)
+        nbytes = st.nbytes()
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None and entry[0]() is st:
+                if entry[1] != nbytes:  # resized in place
+                    self.current += nbytes - entry[1]
+                    self._live[key] = (entry[0], nbytes)
+                    self._bump()
+                return
+            ref = weakref.ref(st, self._make_callback(key))
+            self._live[key] = (ref, nbytes)
+            self.current += nbytes
+            self._bump()
+
+    def _make_callback(self, key: int):  # noqa: ANN202
+        def _dead(ref: weakref.ref) -> None:
+            with self._lock:
+                entry = self._live.get(key)
+                if entry is not None and entry[0] is ref:
+                    del self._live[key]
+                    self.current -= entry[1]
+
+        return _dead
+
+    def _bump(self) -> None:
+        if self.current > self.peak:
+            self.peak = self.current
+        if self.current > self._ipeak:
+            self._ipeak = self.current
+
+    def track(self, *objs: Any) -> None:
+        """Count tensors that exist already: tensors, modules (parameters, buffers, grads), optimizers (state)."""
+        for obj in objs:
+            for t in _tensors_of(obj):
+                if t.device.type == self.device.type and not t.is_meta:
+                    self.add_storage(t.untyped_storage())
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+        self._ipeak = self.current
+
+    # -- marks
+    def _interval_peak(self) -> int:
+        return self._ipeak
+
+    def _reset_interval(self, level: int) -> None:
+        self._ipeak = level
+
+    # -- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device.type:
+                self.add_storage(t.untyped_storage())
+        return out
+
+    def __enter__(self) -> StorageTracker:
+        _ACTIVE.append(self)
+        return TorchDispatchMode.__enter__(self)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            TorchDispatchMode.__exit__(self, *exc)
+        finally:
+            _ACTIVE.remove(self)
+
+
+class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU
+    """The CUDA caching allocator's view of one device, with the same interface as :class:`StorageTracker`."""
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self._overall = 0
+
+    @property
+    def current(self) -> int:  # type: ignore[override]
+        return torch.cuda.memory_allocated(self.device)
+
+    @property
+    def peak(self) -> int:  # type: ignore[override]
+        return max(self._overall, torch.cuda.max_memory_allocated(self.device))
+
+    def track(self, *objs: Any) -> None:
+        """Existing tensors are already counted by the allocator."""
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._overall = torch.cuda.memory_allocated(self.device)
+
+    def _interval_peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _reset_interval(self, level: int) -> None:
+        self._overall = self.peak
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def __enter__(self) -> CudaMeter:
+        torch.cuda.synchronize(self.device)
+        self.reset_peak()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.synchronize(self.device)
+        _ACTIVE.remove(self)
+
+
+def meter_for(device: torch.device | str) -> StorageTracker | CudaMeter:
+    """The right meter for a device."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaMeter(device)
+    return StorageTracker(device)
+
+
+def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
+    if obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+        return
+    if isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from obj.buffers()
+        return
+    if isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            for v in tree_leaves(state):
+                if isinstance(v, torch.Tensor):
+                    yield v
+        return
+    for v in tree_leaves(obj):
+        if isinstance(v, torch.Tensor):
+            yield v

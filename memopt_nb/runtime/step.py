@@ -1,0 +1,104 @@
+"""One training step as memopt_nb measures it, and a guard that leaves the model as it was."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from ..errors import ProfileError
+
+Mark = Callable[[Any], None]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss used when none is given: the output itself if it is a scalar, else the sum of its elements.
+
+    A stand-in: it has the same backward graph shape as most real losses, so memory and time are representative.
+    """
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else output.float().sum()
+    tensors = [t for t in _leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ProfileError("the model's output has no floating-point tensor; pass loss_fn=... to say what to train")
+    return sum(t.float().sum() for t in tensors)  # type: ignore[return-value]
+
+
+def _leaves(obj: Any) -> list[Any]:
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(obj)
+
+
+def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
+                  optimizer: torch.optim.Optimizer | None, mark: Mark | None = None) -> torch.Tensor:
+    """Forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``; returns the detached loss.
+
+    ``mark(label)`` is called at ``"forward_end"``, ``"loss_end"``, ``"backward_end"``, ``"optimizer_end"`` and
+    ``"step_end"`` so a meter can split the step into phases.
+    """
+    mark = mark or (lambda label: None)
+    output = model(*inputs)
+    mark("forward_end")
+    loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                           f"{tuple(getattr(loss, 'shape', ()))}")
+    del output
+    mark("loss_end")
+    loss.backward()
+    mark("backward_end")
+    if optimizer is not None:
+        optimizer.step()
+    mark("optimizer_end")
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        for p in model.parameters():
+            p.grad = None
+    mark("step_end")
+    return loss.detach()
+
+
+def _to_host(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return t.detach().to("cpu", copy=True)
+    return t
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Run training steps that leave no trace: parameters, buffers, grads, optimizer state and RNG are restored.
+
+    Copies are kept in host memory, so they do not count towards device memory.
+    """
+    params = {n: _to_host(p) for n, p in model.named_parameters()}
+    grads = {n: (_to_host(p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
+    buffers = {n: _to_host(b) for n, b in model.named_buffers()}
+    opt_state = tree_map(_to_host, optimizer.state_dict()) if optimizer is not None else None
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    training = {m: m.training for m in model.modules()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(params[n])
+                g = grads[n]
+                p.grad = None if g is None else g.to(p.device)
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        if optimizer is not None:
+            optimizer.load_state_dict(opt_state)
+            if not opt_state["state"]:
+                optimizer.state.clear()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for m, flag in training.items():
+            m.training = flag

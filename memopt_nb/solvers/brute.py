@@ -1,0 +1,46 @@
+"""Exhaustive search over every plan — the test oracle for small profiles (at most 12 units)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..device import DeviceSpec
+from ..errors import MemoptError
+from ..plan import STRATEGIES, Plan
+from .common import as_simulator, check_budget, make_plan, unit_options
+
+MAX_UNITS = 12
+MAX_PLANS = 5_000_000
+
+
+def brute_force(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
+                strategies: Sequence[str] = STRATEGIES, batch: int = 20000) -> Plan:
+    """Simulate every combination of unit options and return the fastest plan that fits ``budget``."""
+    sim = as_simulator(profile, device)
+    b = check_budget(sim, budget, strategies)
+    if sim.n > MAX_UNITS:
+        raise MemoptError(f"brute force is for at most {MAX_UNITS} units, this profile has {sim.n}")
+    opts = [unit_options(sim, u, strategies) for u in range(sim.n)]
+    total = int(np.prod([len(o) for o in opts]))
+    if total > MAX_PLANS:
+        raise MemoptError(f"{total} plans are too many to enumerate (limit {MAX_PLANS}); restrict strategies")
+    best = (np.inf, None)
+    it = itertools.product(*opts)
+    while True:
+        chunk = list(itertools.islice(it, batch))
+        if not chunk:
+            break
+        arr = np.array(chunk)  # (B, n, 3)
+        peak, t = sim.evaluate(arr[:, :, 0], arr[:, :, 1], arr[:, :, 2])
+        t = np.where(peak <= b, t, np.inf)
+        i = int(np.argmin(t))
+        if t[i] < best[0]:
+            best = (float(t[i]), arr[i])
+    if best[1] is None:  # pragma: no cover - check_budget guarantees a feasible plan exists
+        raise MemoptError("no plan fits the budget")
+    a = best[1]
+    return make_plan(sim, a[:, 0], a[:, 1], a[:, 2], budget=b, method="brute_force", plans_enumerated=total)

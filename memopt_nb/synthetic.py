@@ -1,0 +1,102 @@
+"""Synthetic profiles of chain-like models, for planner tests and benchmarks at sizes no CPU zoo model reaches.
+
+A synthetic chain has ``n`` units with random forward times (backward ≈ 2×), internal saved bytes and boundary
+tensors; optionally some boundaries are also saved by the unit that produced them (as a ReLU saves its output). The
+memory levels are computed from the same storage groups the simulator uses, so the profile is self-consistent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .device import DeviceSpec
+from .profile import ModelProfile, Segment, StorageGroup, UnitProfile
+
+MiB = 2**20
+
+
+def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, device: DeviceSpec | None = None,
+                  static_bytes: int = 64 * MiB, spread: float = 1.0) -> ModelProfile:
+    """A random ``n``-unit chain profile; ``spread`` scales how much units differ from each other."""
+    rng = np.random.default_rng(seed)
+    dev = device or DeviceSpec(name="synthetic-gpu", kind="preset", capacity_bytes=16 * 2**30,
+                               h2d_bytes_per_s=12e9, d2h_bytes_per_s=12e9, compute_flops=10e12,
+                               note="synthetic device for planner tests")
+    var = lambda size: np.exp(rng.normal(0.0, 0.5 * spread, size))  # noqa: E731
+    fwd = 2e-3 * var(n)
+    bwd = fwd * (1.6 + 0.8 * rng.random(n))
+    interior = (24 * MiB * var(n)).astype(np.int64)
+    boundary = (4 * MiB * var(n + 1)).astype(np.int64)
+    shared = rng.random(n) < shared_boundaries
+    transient_f = (interior * (0.2 + 0.3 * rng.random(n))).astype(np.int64)
+    transient_b = (interior * (0.3 + 0.3 * rng.random(n))).astype(np.int64)
+    # segment layout: pre, then (fwd u, gap) per unit, head, loss, then bwd per unit (descending), tail
+    kinds, units, labels, times = ["other"], [-1], ["to fwd_start 0"], [1e-4]
+    fwd_seg, bwd_seg = {}, {}
+    for u in range(n):
+        fwd_seg[u] = len(kinds)
+        kinds += ["fwd", "other"]
+        units += [u, -1]
+        labels += [f"fwd {u}", f"to fwd_start {u + 1}" if u + 1 < n else "to forward_end"]
+        times += [float(fwd[u]), 0.0]
+    head = len(kinds) - 1
+    times[head] = 3e-4
+    kinds += ["other", "other"]
+    units += [-1, -1]
+    labels += ["to loss_end", f"to bwd_start {n - 1}"]
+    times += [5e-5, 5e-4]
+    for u in range(n - 1, -1, -1):
+        bwd_seg[u] = len(kinds)
+        kinds.append("bwd")
+        units.append(u)
+        labels.append(f"bwd {u}")
+        times.append(float(bwd[u]))
+    kinds.append("other")
+    units.append(-1)
+    labels.append("to step_end")
+    times.append(1e-3)
+    S = len(kinds)
+    groups: list[StorageGroup] = []
+    for u in range(n):
+        groups.append(StorageGroup(nbytes=int(interior[u]), count=8, producer=u, savers=(u,), consumers=(),
+                                   outside_saver=False, free_pos=fwd_seg[u] + 1))
+        # the unit's input (the previous unit's output, or the embedding for unit 0)
+        prod = u - 1
+        savers = (u - 1, u) if (u > 0 and shared[u - 1]) else (u,)
+        groups.append(StorageGroup(nbytes=int(boundary[u]), count=1, producer=prod, savers=savers, consumers=(u,),
+                                   outside_saver=False, free_pos=fwd_seg[u] + 2 if u + 1 < n else None))
+    # baseline level at each segment start, from group residency (kept: resident from birth to its last backward)
+    level = np.full(S, float(static_bytes))
+    for g in groups:
+        birth = fwd_seg[g.producer] if g.producer >= 0 else 0
+        end = max(bwd_seg[s] for s in g.savers)
+        level[birth + 1: end + 1] += g.nbytes
+    grads = 0.0
+    seg_list = []
+    for k in range(S):
+        u = units[k]
+        if kinds[k] == "fwd":
+            rel = float(transient_f[u] + interior[u])
+        elif kinds[k] == "bwd":
+            rel = float(transient_b[u])
+            grads += 0.0
+        else:
+            rel = 0.0
+        seg_list.append(Segment(kinds[k], u, labels[k], float(times[k]), int(level[k]), int(rel)))
+    unit_list = []
+    for u in range(n):
+        unit_list.append(UnitProfile(
+            name=f"blocks.{u}", index=u, type="SyntheticBlock", fwd_time=float(fwd[u]), bwd_time=float(bwd[u]),
+            saved_bytes=int(interior[u] + boundary[u]), interior_bytes=int(interior[u]),
+            input_bytes=int(boundary[u]), output_bytes=int(boundary[u + 1]), param_bytes=0, has_rng=False,
+            has_running_stats=False, recomputable=True, swappable=dev.has_host_link, fwd_segment=fwd_seg[u],
+            bwd_segment=bwd_seg[u], rc_fwd_rel_peak=int(transient_f[u]),
+            rc_bwd_rel_peak=int(interior[u] + transient_b[u] + transient_f[u])))
+    peak = int(max(s.start_level + s.rel_peak for s in seg_list))
+    return ModelProfile(
+        units=unit_list, segments=seg_list, groups=groups, device=dev, peak_bytes=peak, step_time=float(sum(times)),
+        start_level=int(level[0]), param_bytes=static_bytes // 4, grad_bytes=static_bytes // 4,
+        optimizer_state_bytes=static_bytes // 2, buffer_bytes=0, input_bytes=0, unattributed_bytes=0, batch_size=None,
+        fingerprint=tuple({"name": f"blocks.{u}", "type": "SyntheticBlock", "param_shapes": []} for u in range(n)),
+        meta={"model_class": f"SyntheticChain{n}", "synthetic_seed": seed},
+    )

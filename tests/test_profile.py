@@ -1,0 +1,94 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import memopt_nb as memopt
+from memopt_nb.errors import ProfileError
+from memopt_nb.profile import ModelProfile
+
+EXPECTED_UNITS = {
+    "gpt": [f"blocks.{i}" for i in range(6)],
+    "vit": [f"blocks.{i}" for i in range(6)],
+    "mlp": [f"blocks.{i}" for i in range(6)],
+    "resnet": [f"layers.{i}.{j}" for i in range(3) for j in range(2)],
+    "unet": ["down.0", "down.1", "down.2", "up.0", "up.1"],
+}
+
+
+@pytest.mark.parametrize("name", memopt.zoo.MODELS)
+def test_auto_units_are_the_repeated_blocks(name, zoo_profiles):
+    _, _, prof = zoo_profiles[name]
+    assert prof.unit_names == EXPECTED_UNITS[name]
+    assert prof.coverage > 0.9
+    for u in prof.units:
+        assert u.fwd_time > 0 and u.bwd_time > 0 and u.saved_bytes > 0
+        assert 0 < u.interior_bytes <= u.saved_bytes
+    assert prof.peak_bytes > prof.param_bytes + prof.optimizer_state_bytes
+    # Adam: exp_avg and exp_avg_sq per parameter, plus a 4-byte step counter per tensor
+    n_tensors = len(prof.model.state_dict()) if prof.model is not None else 0
+    assert 2 * prof.param_bytes <= prof.optimizer_state_bytes <= 2 * prof.param_bytes + 8 * max(n_tensors, 1)
+
+
+def test_profile_json_roundtrip_and_html(zoo_profiles, tmp_path):
+    _, _, prof = zoo_profiles["unet"]
+    back = ModelProfile.load(prof.save(tmp_path / "p.json"))
+    assert back.to_dict() == prof.to_dict()
+    html = prof._repr_html_()
+    assert "down.0" in html and "<table>" in html
+
+
+def test_profiling_leaves_no_trace():
+    zm = memopt.zoo.build("resnet")
+    opt = torch.optim.SGD(zm.model.parameters(), lr=0.1, momentum=0.9)
+    state = {k: v.clone() for k, v in zm.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
+    assert all(torch.equal(state[k], v) for k, v in zm.model.state_dict().items())
+    assert not opt.state
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in zm.model.parameters())
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+        self.unused = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.blocks[0](x)  # blocks.0 runs twice
+
+
+def test_modules_called_twice_or_never_are_excluded():
+    prof = memopt.profile(Twice(), torch.randn(4, 8, requires_grad=True), repeats=1)
+    assert "blocks.0" not in prof.unit_names
+    reasons = {e["name"]: e["reason"] for e in prof.excluded}
+    assert "2 times" in reasons["blocks.0"]
+    prof2 = memopt.profile(Twice(), torch.randn(4, 8), units=["blocks.1", "blocks.2", "unused"], repeats=1)
+    assert prof2.unit_names == ["blocks.1", "blocks.2"]
+    assert {e["name"]: e["reason"] for e in prof2.excluded}["unused"] == "not called in forward"
+
+
+def test_profile_errors_are_clear():
+    model = Twice()
+    x = torch.randn(4, 8)
+    with pytest.raises(ProfileError, match="did you mean"):
+        memopt.profile(model, x, units=["block.1"])
+    with pytest.raises(ProfileError, match="overlap"):
+        memopt.profile(model, x, units=["blocks", "blocks.1"])
+    with pytest.raises(ProfileError, match="nn.Module"):
+        memopt.profile("model", x)
+    with pytest.raises(ProfileError, match="example inputs"):
+        memopt.profile(model)
+    with pytest.raises(ProfileError, match="training step of the model failed"):
+        memopt.profile(model, torch.randn(4, 3))
+    with pytest.raises(ProfileError, match="scalar"):
+        memopt.profile(model, x, loss_fn=lambda out: out)
+
+
+def test_depth_units():
+    prof = memopt.profile(memopt.zoo.build("mlp").model, torch.randn(8, 256), units=2, repeats=1)
+    assert all(n.count(".") == 1 for n in prof.unit_names)
+    assert "blocks.0" in prof.unit_names

@@ -1,0 +1,150 @@
+"""Plans change memory and time, never results: losses, gradients and BatchNorm statistics are bit-identical."""
+
+import pytest
+import torch
+
+import memopt_nb as memopt
+from memopt_nb.errors import PlanError
+from memopt_nb.plan import Plan
+
+MIXED = ["swap", "recompute", "keep", "swap", "swap", "recompute", "keep", "swap", "recompute"]
+
+
+def run(zm, plan, steps=2):
+    torch.manual_seed(1234)
+    losses, grads = [], []
+    ctx = memopt.plan(plan, zm.model) if plan is not None else None
+    if ctx:
+        ctx.apply()
+    try:
+        for _ in range(steps):
+            zm.model.zero_grad(set_to_none=True)
+            loss = zm.loss_fn(zm.model(*zm.inputs))
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append({n: p.grad.clone() for n, p in zm.model.named_parameters()})
+    finally:
+        if ctx:
+            ctx.remove()
+    bufs = {n: b.clone() for n, b in zm.model.named_buffers()}
+    return losses, grads, bufs
+
+
+def plans_for(prof):
+    n = prof.n_units
+    mixed = (MIXED * 3)[:n]
+    return {
+        "keep": Plan.uniform(prof, "keep"),
+        "recompute": Plan.uniform(prof, "recompute"),
+        "swap": Plan.uniform(prof, "swap", offload_window=1, prefetch_distance=1),
+        "mixed": Plan.from_strategies(prof, mixed, offload_window=[i % 3 for i in range(n)],
+                                      prefetch_distance=[(2 * i) % 4 for i in range(n)]),
+    }
+
+
+@pytest.mark.parametrize("name", memopt.zoo.MODELS)
+def test_plans_do_not_change_results(name, zoo_profiles):
+    zm0, _, prof = zoo_profiles[name]
+    for label, plan in plans_for(prof).items():
+        fresh = [memopt.zoo.build(name) for _ in range(2)]
+        ref = run(fresh[0], None)
+        got = run(fresh[1], plan)
+        assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0])), (name, label, "loss")
+        for ga, gb in zip(ref[1], got[1]):
+            for k in ga:
+                assert torch.equal(ga[k], gb[k]), (name, label, k)
+        for k in ref[2]:
+            assert torch.equal(ref[2][k], got[2][k]), (name, label, "buffer", k)
+
+
+def test_dropout_is_on_and_batchnorm_updates_once(zoo_profiles):
+    zm, _, prof = zoo_profiles["resnet"]
+    assert any(u.has_running_stats for u in prof.units)
+    g, _, gp = zoo_profiles["gpt"]
+    assert all(u.has_rng for u in gp.units)
+    # a plain torch checkpoint would update running statistics twice: ours must match no-plan
+    fresh = memopt.zoo.build("resnet")
+    before = {n: b.clone() for n, b in fresh.model.named_buffers() if "num_batches" in n}
+    with memopt.plan(Plan.uniform(prof, "recompute"), fresh.model):
+        fresh.loss_fn(fresh.model(*fresh.inputs)).backward()
+    for n, b in fresh.model.named_buffers():
+        if "num_batches" in n:
+            assert b.item() == before[n].item() + 1
+
+
+def _snapshot(model):
+    return {name: (dict(m.__dict__).get("forward"), dict(m._forward_hooks), dict(m._forward_pre_hooks),
+                   dict(m._backward_hooks)) for name, m in model.named_modules()}
+
+
+def test_exact_restore_also_on_error(zoo_profiles):
+    zm, _, prof = zoo_profiles["gpt"]
+    model = zm.model
+    before = _snapshot(model)
+    plan = plans_for(prof)["mixed"]
+    with memopt.plan(plan, model):
+        assert "forward" in model.blocks[0].__dict__
+    assert _snapshot(model) == before
+    with pytest.raises(RuntimeError, match="boom"):
+        with memopt.plan(plan, model):
+            zm.loss_fn(model(*zm.inputs)).backward()
+            raise RuntimeError("boom")
+    assert _snapshot(model) == before
+    with pytest.raises(KeyboardInterrupt):
+        with memopt.plan(plan, model):
+            raise KeyboardInterrupt
+    assert _snapshot(model) == before
+
+
+def test_nested_application_is_refused(zoo_profiles):
+    zm, _, prof = zoo_profiles["mlp"]
+    p = Plan.uniform(prof, "recompute")
+    before = _snapshot(zm.model)
+    with memopt.plan(p, zm.model):
+        with pytest.raises(PlanError, match="already applied"):
+            with memopt.plan(p, zm.model):
+                pass
+    assert _snapshot(zm.model) == before
+
+
+def test_inference_and_accumulation_inside_block(zoo_profiles):
+    name = "vit"
+    _, _, prof = zoo_profiles[name]
+    plan = plans_for(prof)["mixed"]
+    ref, got = memopt.zoo.build(name), memopt.zoo.build(name)
+    torch.manual_seed(0)
+    for _ in range(3):  # gradient accumulation: three forward/backward passes, one optimizer step
+        ref.loss_fn(ref.model(*ref.inputs)).backward()
+    torch.manual_seed(0)
+    with memopt.plan(plan, got.model) as applied:
+        for _ in range(3):
+            got.loss_fn(got.model(*got.inputs)).backward()
+        got.model.eval()
+        with torch.no_grad():
+            out = got.model(*got.inputs)
+        got.model.train()
+        assert applied.stats["offloaded_bytes"] > 0
+    with torch.no_grad():
+        ref.model.eval()
+        assert torch.equal(out, ref.model(*ref.inputs))
+    for a, b in zip(ref.model.parameters(), got.model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_plan_needs_a_model_after_json(zoo_profiles, tmp_path):
+    _, _, prof = zoo_profiles["mlp"]
+    p = Plan.load(Plan.uniform(prof, "recompute").save(tmp_path / "p.json"))
+    with pytest.raises(PlanError, match="pass the model"):
+        memopt.plan(p)
+    with pytest.raises(PlanError, match="takes a Plan"):
+        memopt.plan("not a plan")
+
+
+def test_plan_for_other_model_is_refused_unchanged(zoo_profiles):
+    _, _, prof = zoo_profiles["gpt"]
+    other = memopt.zoo.build("mlp").model
+    before = _snapshot(other)
+    with pytest.raises(PlanError, match="another model"):
+        with memopt.plan(Plan.uniform(prof, "recompute"), other):
+            pass
+    assert _snapshot(other) == before
