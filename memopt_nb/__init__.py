@@ -3,7 +3,7 @@
 ``import memopt_nb as memopt``::
 
     prof = memopt.profile(model, x, loss_fn=loss_fn, optimizer=opt)   # what each unit costs
-    p = memopt.solvers.optimal(prof, budget="60%")                    # a plan under a memory budget
+    p = memopt.search(prof, budget="60%")                             # two PPO agents search a plan
     memopt.simulate(prof, p)                                           # predicted peak and step time
     with memopt.plan(p):                                               # apply it to your own training loop
         ...
@@ -25,6 +25,7 @@ from .errors import BudgetError, MemoptError, PlanError, ProfileError
 from .plan import Decision, Plan
 from .profile import ModelProfile, UnitProfile
 from .profile import profile as profile
+from .rl.search import search
 from .runtime.apply import AppliedPlan
 from .runtime.apply import plan as plan
 from .runtime.measure import Measurement, measure
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Measurement", "MemoptError", "ModelProfile", "Plan",
     "PlanError", "ProfileError", "SimResult", "Simulator", "UnitProfile", "format_bytes", "measure", "parse_bytes",
-    "plan", "profile", "simulate", "solvers", "zoo",
+    "plan", "profile", "search", "simulate", "solvers", "zoo",
 ]
 
 

@@ -1,0 +1,288 @@
+"""``MemoryPlanningEnv`` — a PettingZoo ``ParallelEnv`` in which two cooperating agents write a memory plan.
+
+Agents: ``"strategy"`` picks keep / recompute / swap for each unit; ``"timing"`` picks the offload window and prefetch
+distance of each swapped unit. One episode walks the units in forward order, *pipelined*: at step ``t`` the strategy
+agent decides unit ``t`` while the timing agent decides unit ``t − 1``, whose strategy it already sees. So both agents
+act at every step (``n + 1`` steps; at the two ends one agent has only a no-op), which is why this is a ParallelEnv
+rather than a turn-based AEC environment: no agent ever waits, and PPO batches both agents' transitions alike.
+
+Observations (``{"observation": float32 vector, "action_mask": int8 vector}``):
+
+* the unit's normalized forward/backward time, internal saved bytes, copy-to-compute ratio, position;
+* the memory state: how far the plan so far exceeds the budget if every remaining unit kept everything, and if every
+  remaining unit took its most frugal option ("what the remaining units need at least"), which share of the saving
+  still possible is needed, the recent load of the copy engine, and the overhead so far;
+* per action, what it would take off the current peak and what it would cost in time (from the task's marginal model),
+  and where the unit's cheapest way to save memory ranks among the units still ahead;
+* a look-ahead window of the next units; the device (copy overlap, link speed relative to compute via the ratio).
+
+Action masks: recompute/swap where the unit allows it, swap only with a host link, timings only for swapped units and
+only where they differ in effect, and any action after which the budget is out of reach even if every remaining unit
+takes its most frugal option (by the marginal model; for the unit decided at the same step by the other agent, its
+most frugal allowed option is assumed). An action outside the mask is replaced by the first allowed one.
+
+Reward (cooperative, from the exact simulator at the end of the episode): the team objective is
+``J = overhead + penalty`` with ``overhead = step_time / keep_all_time − 1`` and a penalty that jumps to 1 and grows
+with how far the peak exceeds the budget. It is split into *difference rewards*: the strategy agent earns
+``−J(plan with default timings)``, the timing agent ``J(default timings) − J(plan)`` — what its timings added. Both are
+paid densely: each step carries the marginal-model cost of that step's choice, and the last step carries the exact
+remainder, so every agent's episode return is exactly its share (shaping that leaves the returns unchanged). Returns
+are scaled by ``reward_scale``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.utils import seeding
+from pettingzoo import ParallelEnv
+
+from ..simulate import KEEP, RECOMPUTE, SWAP
+from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
+
+STRATEGY, TIMING = "strategy", "timing"
+_N_COMMON = 8
+_N_UNIT = 9
+_N_LOOK = 7
+
+
+class MemoryPlanningEnv(ParallelEnv):
+    """Two agents plan keep/recompute/swap and swap timing for the units of one profile under one budget."""
+
+    metadata = {"name": "memopt_planning_v0", "render_modes": []}
+
+    def __init__(self, task: PlanningTask, lookahead: int = 4, reward_scale: float = 10.0) -> None:
+        self.task = task
+        self.lookahead = lookahead
+        self.reward_scale = reward_scale
+        self.possible_agents = [STRATEGY, TIMING]
+        self.agents: list[str] = []
+        self.render_mode = None
+        n = task.n
+        self._t_unit = task.base_time / n
+        self._b_unit = task.budget / n
+        self._dims = {
+            STRATEGY: _N_COMMON + _N_UNIT + 3 * 3 + lookahead * _N_LOOK,
+            TIMING: _N_COMMON + _N_UNIT + 3 + 3 * len(TIMINGS),
+        }
+        self._actions = {STRATEGY: 3, TIMING: len(TIMINGS)}
+        self.np_random, _ = seeding.np_random(None)
+
+    # ------------------------------------------------------------------ spaces (cached: the API test checks identity)
+    @functools.cache  # noqa: B019 - one env, two agents
+    def observation_space(self, agent: str) -> spaces.Space:
+        return spaces.Dict({
+            "observation": spaces.Box(-np.inf, np.inf, (self._dims[agent],), np.float32),
+            "action_mask": spaces.Box(0, 1, (self._actions[agent],), np.int8),
+        })
+
+    @functools.cache  # noqa: B019
+    def action_space(self, agent: str) -> spaces.Space:
+        return spaces.Discrete(self._actions[agent])
+
+    # ------------------------------------------------------------------ episode
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
+        if seed is not None:
+            self.np_random, _ = seeding.np_random(seed)
+        task = self.task
+        n = task.n
+        self.agents = list(self.possible_agents)
+        self.t = 0
+        self.codes = np.zeros(n, dtype=np.int64)
+        self.windows = np.ones(n, dtype=np.int64)
+        self.dists = np.ones(n, dtype=np.int64)
+        self.level = task.base_peaks.copy()  # per-segment peak with every decided unit's marginal applied
+        self.spent = 0.0  # marginal-model overhead of the decisions so far
+        self.shaped = {STRATEGY: 0.0, TIMING: 0.0}
+        self._obs, self._masks = self._observe()
+        return self._obs, {a: {} for a in self.agents}
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        task = self.task
+        n, t = task.n, self.t
+        rewards = {STRATEGY: 0.0, TIMING: 0.0}
+        # timing for unit t-1 (its strategy was chosen at the previous step)
+        if t >= 1 and self.codes[t - 1] == SWAP:
+            j = self._allowed(TIMING, actions.get(TIMING, 0))
+            self.windows[t - 1], self.dists[t - 1] = TIMINGS[j]
+            self.level += task.marg_peak[t - 1, 2 + j]
+            cost = task.marg_time[t - 1, 2 + j] - task.marg_time[t - 1, 2 + DEFAULT_TIMING]
+            self.spent += task.marg_time[t - 1, 2 + j]
+            rewards[TIMING] = -cost / task.base_time * self.reward_scale
+        # strategy for unit t
+        if t < n:
+            s = self._allowed(STRATEGY, actions.get(STRATEGY, 0))
+            self.codes[t] = s
+            if s != SWAP:
+                self.level += task.marg_peak[t, s]
+                self.spent += task.marg_time[t, s]
+                cost = task.marg_time[t, s]
+            else:
+                cost = task.marg_time[t, 2 + DEFAULT_TIMING]
+            rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
+        for a in rewards:
+            self.shaped[a] += rewards[a]
+        self.t = t + 1
+        done = self.t > n
+        infos: dict[str, dict] = {a: {} for a in self.agents}
+        if done:
+            rewards, result = self._settle(rewards)
+            infos = {a: dict(result) for a in self.agents}
+        self._obs, self._masks = self._observe()
+        terms = {a: done for a in self.agents}
+        truncs = {a: False for a in self.agents}
+        obs = self._obs
+        if done:
+            self.agents = []
+        return obs, rewards, terms, truncs, infos
+
+    def _settle(self, rewards: dict[str, float]) -> tuple[dict[str, float], dict[str, Any]]:
+        """Exact evaluation of the finished plan and of the same strategies with default timings."""
+        task = self.task
+        codes = np.stack([self.codes, self.codes])
+        dw, dd = TIMINGS[DEFAULT_TIMING]
+        windows = np.stack([self.windows, np.where(self.codes == SWAP, dw, 1)])
+        dists = np.stack([self.dists, np.where(self.codes == SWAP, dd, 1)])
+        peak, time = task.evaluate(codes, windows, dists)
+        j = task.overhead(time) + task.penalty(peak)
+        share = {STRATEGY: -j[1] * self.reward_scale, TIMING: -(j[0] - j[1]) * self.reward_scale}
+        for a in rewards:
+            # the last step pays what the dense rewards have not: episode return == the agent's exact share
+            rewards[a] += share[a] - self.shaped[a]
+        result = {"codes": self.codes.copy(), "windows": self.windows.copy(), "dists": self.dists.copy(),
+                  "peak": float(peak[0]), "time": float(time[0]), "feasible": bool(peak[0] <= task.budget),
+                  "objective": float(j[0]), "return": {a: float(v) for a, v in share.items()}}
+        return rewards, result
+
+    def _allowed(self, agent: str, action: Any) -> int:
+        a = int(action)
+        mask = self._masks[agent]
+        if 0 <= a < mask.size and mask[a]:
+            return a
+        return int(np.flatnonzero(mask)[0])
+
+    # ------------------------------------------------------------------ observations and masks
+    def _observe(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        task = self.task
+        n, t = task.n, self.t
+        budget = task.budget
+        tol = budget * (1 + 1e-9)
+        # pending unit t-1: a swap whose timing is still open counts with its most frugal timing
+        level = self.level
+        pending = None
+        if 1 <= t <= n and self.codes[t - 1] == SWAP:
+            opts = np.flatnonzero(task.option_ok[t - 1, 2:])
+            pending = task.marg_peak[t - 1, 2 + opts]
+            level = level + pending.min(axis=0)
+        rest = task.suffix_min[min(t + 1, n)]
+        cur = float(level.max())
+        need = max(cur - budget, 0.01 * budget)
+        # how much of what the remaining units could still take off is needed, and the recent load of the copy engine
+        need_ratio = max(cur - budget, 0.0) / max(float(task.suffix_red[min(t, n)]), 1.0)
+        recent = [v for v in range(max(0, t - 3), min(t, n))]
+        load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if self.codes[v] == SWAP)
+        load /= max(sum(task.sim.fwd_time[v] for v in range(max(0, t - 3), min(t + 1, n))), 1e-12)
+        common = np.array([t / n, (n - t) / n, (cur - budget) / budget,
+                           (float((level + task.suffix_min[min(t, n)]).max()) - budget) / budget,
+                           self.spent / task.base_time, float(task.sim.device.copy_overlap), min(need_ratio, 5.0),
+                           min(load, 10.0)], dtype=np.float64)
+        obs: dict[str, dict[str, np.ndarray]] = {}
+        masks: dict[str, np.ndarray] = {}
+        # strategy agent, unit t
+        s_mask = np.zeros(3, dtype=np.int8)
+        s_feat = np.zeros(self._dims[STRATEGY])
+        if t < n:
+            choice = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE]]
+            swap_opts = np.flatnonzero(task.option_ok[t, 2:])
+            swap_min = task.marg_peak[t, 2 + swap_opts].min(axis=0) if swap_opts.size else np.zeros(task.S)
+            choice.append(swap_min)
+            ok = [True, bool(task.option_ok[t, RECOMPUTE]), bool(task.option_ok[t, 2:].any())]
+            for o in range(3):
+                s_mask[o] = ok[o] and float((level + choice[o] + rest).max()) <= tol
+            if not s_mask.any():
+                s_mask[:] = ok
+            unit = self._unit_features(t)
+            per = []
+            costs = [task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE], task.marg_time[t, 2 + DEFAULT_TIMING]]
+            for o in range(3):
+                per += [(cur - float((level + choice[o]).max())) / need, costs[o] / self._t_unit, float(s_mask[o])]
+            look = []
+            for v in range(t + 1, t + 1 + self.lookahead):
+                if v < n:
+                    rc_red = (cur - float((level + task.marg_peak[v, RECOMPUTE]).max())) / need
+                    sw_red = (cur - float((level + task.min_marg[v]).max())) / need
+                    look += [1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
+                             task.profile.units[v].interior_bytes / self._b_unit,
+                             task.marg_time[v, RECOMPUTE] / self._t_unit,
+                             task.marg_time[v, 2 + DEFAULT_TIMING] / self._t_unit, rc_red, sw_red]
+                else:
+                    look += [0.0] * _N_LOOK
+            s_feat = np.concatenate([common, unit, per, look])
+        else:
+            s_mask[KEEP] = 1
+        obs[STRATEGY] = {"observation": s_feat.astype(np.float32), "action_mask": s_mask}
+        masks[STRATEGY] = s_mask
+        # timing agent, unit t-1
+        m = len(TIMINGS)
+        t_mask = np.zeros(m, dtype=np.int8)
+        t_feat = np.zeros(self._dims[TIMING])
+        p = t - 1
+        if pending is not None:
+            # unit t is being decided at the same step: like the strategy mask, assume it takes its most frugal
+            # allowed option (a combination that still misses the budget ends the episode with a penalty)
+            if t < n:
+                allowed = [o for o in range(3) if s_mask[o]]
+                cand = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE], swap_min]
+                frugal = np.min([cand[o] for o in allowed], axis=0)
+            else:
+                frugal = np.zeros(task.S)
+            base = self.level + frugal + rest
+            ok = task.option_ok[p, 2:]
+            for j in range(m):
+                t_mask[j] = ok[j] and float((base + task.marg_peak[p, 2 + j]).max()) <= tol
+            if not t_mask.any():
+                t_mask[:] = ok
+            default = task.marg_time[p, 2 + DEFAULT_TIMING]
+            per = []
+            ref = float(self.level.max())
+            for j in range(m):
+                red = (ref - float((self.level + task.marg_peak[p, 2 + j]).max())) / need
+                per += [red, (task.marg_time[p, 2 + j] - default) / self._t_unit, float(t_mask[j])]
+            onehot = np.eye(3)[self.codes[p]]
+            t_feat = np.concatenate([common, self._unit_features(p), onehot, per])
+        else:
+            t_mask[0] = 1
+        obs[TIMING] = {"observation": t_feat.astype(np.float32), "action_mask": t_mask}
+        masks[TIMING] = t_mask
+        return obs, masks
+
+    def _unit_features(self, u: int) -> np.ndarray:
+        task = self.task
+        unit = task.profile.units[u]
+        later = task.best_eff[u + 1:]
+        rank = lambda e: float((later < e).mean()) if later.size else 0.0  # noqa: E731 - share of cheaper units ahead
+        return np.array([
+            rank(task.rc_eff[u]),
+            rank(task.swap_eff[u]),
+            u / task.n,
+            task.sim.dur[task.sim.fwd_seg[u]] / self._t_unit,
+            task.sim.dur[task.sim.bwd_seg[u]] / self._t_unit,
+            unit.interior_bytes / self._b_unit,
+            min(float(task.copy_ratio[u]), 10.0),
+            float(task.option_ok[u, RECOMPUTE]),
+            float(task.option_ok[u, 2:].any()),
+        ])
+
+    def render(self) -> None:
+        """Nothing to render; the notebook dashboard shows the search instead."""
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ plan access
+    def plan_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The (partial) plan as strategy codes, windows and distances."""
+        return self.codes.copy(), self.windows.copy(), self.dists.copy()

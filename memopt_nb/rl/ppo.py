@@ -1,0 +1,246 @@
+"""Proximal Policy Optimization for the two planning agents, written in the manner of CleanRL's ``ppo.py``.
+
+One actor-critic per agent: the strategy and timing agents see different observations and choose from different
+action sets, so a shared network would only have to learn to tell them apart. Each is trained on its own (difference)
+reward by the same loop: rollouts from ``num_envs`` copies of the environment, GAE, clipped policy and value losses, an
+entropy bonus, masked logits, Adam. No SuperSuit, no argument parsing: construct :class:`PPOConfig` directly.
+
+Randomness comes only from a ``torch.Generator`` and a NumPy generator seeded with ``config.seed``, so a search is
+reproducible and leaves the global RNG of the user's session untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class PPOConfig:
+    total_timesteps: int = 60_000
+    """total environment steps, summed over the vectorized copies"""
+    learning_rate: float = 2.5e-4
+    """Adam learning rate of both agents"""
+    num_envs: int = 16
+    """number of environment copies stepped together"""
+    num_steps: int | None = None
+    """steps per copy per rollout; ``None`` means one episode (units + 1 steps)"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to zero over the run"""
+    gamma: float = 1.0
+    """discount factor (episodes are short and the objective is their total cost)"""
+    gae_lambda: float = 0.95
+    """lambda of generalized advantage estimation"""
+    num_minibatches: int = 4
+    """minibatches per update epoch"""
+    update_epochs: int = 4
+    """epochs over each rollout"""
+    norm_adv: bool = True
+    """normalize advantages within a minibatch"""
+    clip_coef: float = 0.2
+    """surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """clip the value loss as in the PPO paper"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """global gradient-norm clip"""
+    target_kl: float | None = None
+    """stop an update early when the approximate KL exceeds this"""
+    hidden: int = 64
+    """width of the two hidden layers of actor and critic"""
+    seed: int = 0
+    """seed of every random choice (initialization, sampling, minibatch order)"""
+
+
+def layer_init(layer: nn.Linear, std: float, gen: torch.Generator, bias_const: float = 0.0) -> nn.Linear:
+    torch.nn.init.orthogonal_(layer.weight, std, generator=gen)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    """Actor and critic MLPs (tanh), CleanRL's initialization: √2 hidden, 0.01 actor head, 1.0 critic head."""
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden), np.sqrt(2), gen), nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden), np.sqrt(2), gen), nn.Tanh(),
+            layer_init(nn.Linear(hidden, 1), 1.0, gen),
+        )
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden), np.sqrt(2), gen), nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden), np.sqrt(2), gen), nn.Tanh(),
+            layer_init(nn.Linear(hidden, n_actions), 0.01, gen),
+        )
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(x)
+
+    def get_action_and_value(self, x: torch.Tensor, mask: torch.Tensor, action: torch.Tensor | None = None,
+                             gen: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+        logits = self.actor(x).masked_fill(mask == 0, -1e9)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        probs = logp_all.exp()
+        if action is None:
+            action = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        logprob = logp_all.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
+        entropy = -(probs * logp_all).sum(-1)
+        return action, logprob, entropy, self.critic(x).squeeze(-1)
+
+    def greedy(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.actor(x).masked_fill(mask == 0, -1e9).argmax(-1)
+
+
+def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[dict], None] | None = None,
+          on_iteration: Callable[[dict], None] | None = None) -> dict[str, Agent]:
+    """Train one agent per PettingZoo agent of ``make_env()`` with PPO; returns the agents.
+
+    ``on_episode(info)`` receives each finished episode's info (of the first agent); ``on_iteration(stats)`` is called
+    after each update with mean episodic returns per agent and the losses. Raising in a callback stops training.
+    """
+    gen = torch.Generator().manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    envs = [make_env() for _ in range(config.num_envs)]
+    names = list(envs[0].possible_agents)
+    first = names[0]
+    num_steps = config.num_steps or (envs[0].task.n + 1)
+    batch_size = config.num_envs * num_steps
+    minibatch_size = max(1, batch_size // config.num_minibatches)
+    num_iterations = max(1, config.total_timesteps // batch_size)
+    agents = {a: Agent(envs[0].observation_space(a)["observation"].shape[0], envs[0].action_space(a).n,
+                       config.hidden, gen) for a in names}
+    optims = {a: torch.optim.Adam(agents[a].parameters(), lr=config.learning_rate, eps=1e-5) for a in names}
+    E = config.num_envs
+
+    def stack(obs_list: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        o = {a: torch.as_tensor(np.stack([ob[a]["observation"] for ob in obs_list])) for a in names}
+        m = {a: torch.as_tensor(np.stack([ob[a]["action_mask"] for ob in obs_list])) for a in names}
+        return o, m
+
+    current = [env.reset(seed=config.seed + i)[0] for i, env in enumerate(envs)]
+    next_obs, next_mask = stack(current)
+    next_done = torch.zeros(E)
+    buf = {a: {
+        "obs": torch.zeros((num_steps, E, next_obs[a].shape[1])),
+        "mask": torch.zeros((num_steps, E, next_mask[a].shape[1]), dtype=torch.int8),
+        "actions": torch.zeros((num_steps, E), dtype=torch.long),
+        "logprobs": torch.zeros((num_steps, E)),
+        "rewards": torch.zeros((num_steps, E)),
+        "values": torch.zeros((num_steps, E)),
+        "dones": torch.zeros((num_steps, E)),
+    } for a in names}
+    ep_return = {a: np.zeros(E) for a in names}
+    global_step = 0
+    start = time.perf_counter()
+    for iteration in range(1, num_iterations + 1):
+        if config.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / num_iterations
+            for opt in optims.values():
+                opt.param_groups[0]["lr"] = frac * config.learning_rate
+        finished = {a: [] for a in names}
+        for step in range(num_steps):
+            global_step += E
+            acts = {}
+            for a in names:
+                b = buf[a]
+                b["obs"][step] = next_obs[a]
+                b["mask"][step] = next_mask[a]
+                b["dones"][step] = next_done
+                with torch.no_grad():
+                    action, logprob, _, value = agents[a].get_action_and_value(next_obs[a], next_mask[a], gen=gen)
+                b["actions"][step], b["logprobs"][step], b["values"][step] = action, logprob, value
+                acts[a] = action.numpy()
+            dones = np.zeros(E)
+            for i, env in enumerate(envs):
+                obs_i, rew_i, term_i, trunc_i, info_i = env.step({a: int(acts[a][i]) for a in names})
+                for a in names:
+                    buf[a]["rewards"][step, i] = float(rew_i[a])
+                    ep_return[a][i] += float(rew_i[a])
+                if term_i[first] or trunc_i[first]:
+                    dones[i] = 1.0
+                    for a in names:
+                        finished[a].append(ep_return[a][i])
+                        ep_return[a][i] = 0.0
+                    if on_episode is not None:
+                        on_episode(info_i[first])
+                    obs_i, _ = env.reset()
+                current[i] = obs_i
+            next_obs, next_mask = stack(current)
+            next_done = torch.as_tensor(dones, dtype=torch.float32)
+        stats: dict[str, Any] = {"iteration": iteration, "global_step": global_step,
+                                 "sps": int(global_step / max(time.perf_counter() - start, 1e-9))}
+        for a in names:
+            b = buf[a]
+            with torch.no_grad():
+                next_value = agents[a].get_value(next_obs[a]).reshape(1, -1)
+                advantages = torch.zeros_like(b["rewards"])
+                lastgaelam = 0
+                for t in reversed(range(num_steps)):
+                    if t == num_steps - 1:
+                        nextnonterminal = 1.0 - next_done
+                        nextvalues = next_value
+                    else:
+                        nextnonterminal = 1.0 - b["dones"][t + 1]
+                        nextvalues = b["values"][t + 1]
+                    delta = b["rewards"][t] + config.gamma * nextvalues * nextnonterminal - b["values"][t]
+                    lastgaelam = delta + config.gamma * config.gae_lambda * nextnonterminal * lastgaelam
+                    advantages[t] = lastgaelam
+                returns = advantages + b["values"]
+            b_obs = b["obs"].reshape(batch_size, -1)
+            b_mask = b["mask"].reshape(batch_size, -1)
+            b_actions = b["actions"].reshape(-1)
+            b_logprobs = b["logprobs"].reshape(-1)
+            b_adv = advantages.reshape(-1)
+            b_returns = returns.reshape(-1)
+            b_values = b["values"].reshape(-1)
+            clipfracs = []
+            for _epoch in range(config.update_epochs):
+                order = rng.permutation(batch_size)
+                for lo in range(0, batch_size, minibatch_size):
+                    mb = torch.as_tensor(order[lo: lo + minibatch_size])
+                    _, newlogprob, entropy, newvalue = agents[a].get_action_and_value(b_obs[mb], b_mask[mb],
+                                                                                        b_actions[mb])
+                    logratio = newlogprob - b_logprobs[mb]
+                    ratio = logratio.exp()
+                    with torch.no_grad():
+                        approx_kl = ((ratio - 1) - logratio).mean()
+                        clipfracs.append(((ratio - 1.0).abs() > config.clip_coef).float().mean().item())
+                    mb_adv = b_adv[mb]
+                    if config.norm_adv and mb_adv.numel() > 1:
+                        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                    pg_loss = torch.max(-mb_adv * ratio,
+                                        -mb_adv * torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef)).mean()
+                    if config.clip_vloss:
+                        v_unclipped = (newvalue - b_returns[mb]) ** 2
+                        v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -config.clip_coef,
+                                                               config.clip_coef)
+                        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
+                    else:
+                        v_loss = 0.5 * ((newvalue - b_returns[mb]) ** 2).mean()
+                    entropy_loss = entropy.mean()
+                    loss = pg_loss - config.ent_coef * entropy_loss + v_loss * config.vf_coef
+                    optims[a].zero_grad()
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(agents[a].parameters(), config.max_grad_norm)
+                    optims[a].step()
+                if config.target_kl is not None and approx_kl > config.target_kl:
+                    break
+            stats[f"{a}/episodic_return"] = float(np.mean(finished[a])) if finished[a] else float("nan")
+            stats[f"{a}/policy_loss"] = float(pg_loss.item())
+            stats[f"{a}/value_loss"] = float(v_loss.item())
+            stats[f"{a}/entropy"] = float(entropy_loss.item())
+            stats[f"{a}/approx_kl"] = float(approx_kl.item())
+            stats[f"{a}/clipfrac"] = float(np.mean(clipfracs)) if clipfracs else 0.0
+        if on_iteration is not None:
+            on_iteration(stats)
+    return agents

@@ -1,0 +1,187 @@
+"""``memopt.search``: the dual-agent PPO search for a plan (MemOpt's method), with an optional polish."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..device import DeviceSpec
+from ..plan import Plan
+from ..simulate import SWAP
+from ..solvers.common import make_plan
+from .env import STRATEGY, TIMING, MemoryPlanningEnv
+from .ppo import PPOConfig, train
+from .task import N_OPTIONS, TIMINGS, PlanningTask
+
+METHOD = "memopt-ppo"
+
+
+def default_timesteps(n_units: int) -> int:
+    """The default PPO budget: about 1,500 episodes' worth of steps, between 20k and 100k."""
+    return int(min(100_000, max(20_000, 1500 * (n_units + 1))))
+
+
+def _option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    codes = np.minimum(opt_idx, 2)
+    w = np.ones_like(opt_idx)
+    d = np.ones_like(opt_idx)
+    swap = opt_idx >= 2
+    tw = np.array([t[0] for t in TIMINGS])
+    td = np.array([t[1] for t in TIMINGS])
+    w[swap] = tw[opt_idx[swap] - 2]
+    d[swap] = td[opt_idx[swap] - 2]
+    return codes, w, d
+
+
+def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.ndarray:
+    idx = codes.copy()
+    for u in np.flatnonzero(codes == SWAP):
+        idx[u] = 2 + TIMINGS.index((int(windows[u]), int(dists[u])))
+    return idx
+
+
+def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
+           max_rounds: int = 100) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Best-improvement local search: change one unit's option at a time while the simulator says it helps."""
+    cur = _to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
+    peak, t = task.evaluate(*[a[None] for a in _option_arrays(cur)])
+    best_t = float(t[0]) if peak[0] <= task.budget else math.inf
+    moves = 0
+    n = task.n
+    for _ in range(max_rounds):
+        cand = np.repeat(cur[None], n * N_OPTIONS, axis=0)
+        units = np.repeat(np.arange(n), N_OPTIONS)
+        opts = np.tile(np.arange(N_OPTIONS), n)
+        cand[np.arange(n * N_OPTIONS), units] = opts
+        ok = task.option_ok[units, opts]
+        cand = cand[ok]
+        peak, t = task.evaluate(*_option_arrays(cand))
+        t = np.where(peak <= task.budget, t, math.inf)
+        i = int(np.argmin(t))
+        if not t[i] < best_t * (1 - 1e-12):
+            break
+        cur, best_t = cand[i], float(t[i])
+        moves += 1
+    c, w, d = _option_arrays(cur)
+    return c, w, d, moves
+
+
+def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+           total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
+           config: PPOConfig | None = None, polish_plan: bool = True) -> Plan:
+    """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
+
+    Args:
+        profile: a :class:`~memopt_nb.profile.ModelProfile`.
+        budget: bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak, or ``None`` for the device's capacity. A budget
+            below the minimum feasible peak raises :class:`~memopt_nb.errors.BudgetError` before any training.
+        device: the device to plan for (default: the profiled one), e.g. ``"a100-40gb"``.
+        total_timesteps: PPO environment steps (default :func:`default_timesteps`).
+        seed: the same seed gives the same plan.
+        callback: called with one history row per PPO iteration (for live widgets).
+        config: a full :class:`~memopt_nb.rl.ppo.PPOConfig` (its ``total_timesteps``/``seed`` are overridden by the
+            arguments above when given).
+        polish_plan: run a local search on the agents' best plan; what it adds is reported separately.
+
+    The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak so
+    far, feasible fraction), ``agents_step_time`` (what the agents alone reached), ``polished_step_time``,
+    ``search_seconds`` and ``interrupted`` (Ctrl-C returns the best plan so far).
+    """
+    t0 = time.perf_counter()
+    task = PlanningTask(profile, budget, device)
+    cfg = config or PPOConfig()
+    cfg = PPOConfig(**{**cfg.__dict__, "seed": seed,
+                       "total_timesteps": total_timesteps or (config.total_timesteps if config else
+                                                              default_timesteps(task.n))})
+    best: dict[str, Any] = {"time": math.inf, "peak": math.inf, "plan": None, "episode": None}
+    least_bad: dict[str, Any] = {"objective": math.inf, "plan": None, "peak": math.inf, "time": math.inf}
+    history: list[dict[str, Any]] = []
+    window = {"episodes": 0, "feasible": 0}
+    episodes = [0]
+
+    def on_episode(info: dict) -> None:
+        episodes[0] += 1
+        window["episodes"] += 1
+        plan = (info["codes"], info["windows"], info["dists"])
+        if info["feasible"]:
+            window["feasible"] += 1
+            if info["time"] < best["time"]:
+                best.update(time=info["time"], peak=info["peak"], plan=plan, episode=episodes[0])
+        elif info["objective"] < least_bad["objective"]:
+            least_bad.update(objective=info["objective"], plan=plan, peak=info["peak"], time=info["time"])
+
+    def on_iteration(stats: dict) -> None:
+        row = {
+            "iteration": stats["iteration"],
+            "global_step": stats["global_step"],
+            "seconds": time.perf_counter() - t0,
+            "reward_strategy": stats[f"{STRATEGY}/episodic_return"],
+            "reward_timing": stats[f"{TIMING}/episodic_return"],
+            "entropy_strategy": stats[f"{STRATEGY}/entropy"],
+            "entropy_timing": stats[f"{TIMING}/entropy"],
+            "best_step_time": best["time"] if best["plan"] is not None else None,
+            "best_peak": best["peak"] if best["plan"] is not None else None,
+            "feasible_fraction": window["feasible"] / max(window["episodes"], 1),
+            "budget": task.budget,
+            "base_step_time": task.base_time,
+            "base_peak": task.base_peak,
+        }
+        window.update(episodes=0, feasible=0)
+        history.append(row)
+        if callback is not None:
+            callback(row)
+
+    interrupted = False
+    try:
+        agents = train(lambda: MemoryPlanningEnv(task), cfg, on_episode=on_episode, on_iteration=on_iteration)
+        _greedy_rollout(task, agents, on_episode)
+    except KeyboardInterrupt:
+        interrupted = True
+    seconds = time.perf_counter() - t0
+    meta = {"history": history, "search_seconds": seconds, "interrupted": interrupted,
+            "total_timesteps": cfg.total_timesteps, "episodes": episodes[0], "best_episode": best["episode"],
+            "base_step_time": task.base_time}
+    if best["plan"] is None:
+        warnings.warn("the agents found no plan within the budget; returning the least infeasible one, flagged",
+                      stacklevel=2)
+        if least_bad["plan"] is None:
+            least_bad["plan"] = _option_arrays(np.zeros(task.n, dtype=np.int64))
+        c, w, d = least_bad["plan"]
+        return make_plan(task.sim, c, w, d, budget=task.budget, method=METHOD, seed=seed,
+                         **meta, no_feasible_plan=True, agents_step_time=None, polished_step_time=None)
+    c, w, d = best["plan"]
+    agents_time = best["time"]
+    moves = 0
+    if polish_plan and not interrupted:
+        c, w, d, moves = polish(task, c, w, d)
+    plan = make_plan(task.sim, c, w, d, budget=task.budget, method=METHOD, seed=seed, **meta,
+                     agents_step_time=agents_time, agents_peak=best["peak"],
+                     agents_decisions=[int(x) for x in _to_options(*best["plan"])],
+                     polished=moves > 0, polish_moves=moves)
+    plan.meta["polished_step_time"] = plan.predicted_step_time
+    plan.meta["search_seconds"] = time.perf_counter() - t0
+    return plan
+
+
+def _greedy_rollout(task: PlanningTask, agents: dict, on_episode: Callable[[dict], None]) -> None:
+    """One deterministic episode with each agent's most likely action; its plan competes like any other."""
+    import torch
+
+    env = MemoryPlanningEnv(task)
+    obs, _ = env.reset()
+    info: dict = {}
+    while env.agents:
+        acts = {}
+        for a in env.agents:
+            x = torch.as_tensor(obs[a]["observation"])[None]
+            m = torch.as_tensor(obs[a]["action_mask"])[None]
+            with torch.no_grad():
+                acts[a] = int(agents[a].greedy(x, m)[0])
+        obs, _, _, _, infos = env.step(acts)
+        info = infos.get(STRATEGY, info)
+    on_episode(info)

@@ -1,0 +1,121 @@
+import numpy as np
+import pytest
+from pettingzoo.test import parallel_api_test
+
+import memopt_nb as memopt
+from memopt_nb import solvers
+from memopt_nb.errors import BudgetError
+from memopt_nb.rl.env import MemoryPlanningEnv
+from memopt_nb.rl.task import PlanningTask
+from memopt_nb.synthetic import chain_profile
+
+
+def task_for(n=8, seed=0, frac=0.4, device=None):
+    prof = chain_profile(n, seed=seed, device=device)
+    lo = solvers.min_peak(prof)
+    return PlanningTask(prof, int(lo + frac * (prof.peak_bytes - lo)))
+
+
+def test_pettingzoo_parallel_api():
+    parallel_api_test(MemoryPlanningEnv(task_for()), num_cycles=200)
+
+
+def test_spaces_are_cached_and_masks_valid():
+    env = MemoryPlanningEnv(task_for())
+    assert env.observation_space("strategy") is env.observation_space("strategy")
+    assert env.action_space("timing") is env.action_space("timing")
+    obs, _ = env.reset(seed=0)
+    for a in env.agents:
+        m = obs[a]["action_mask"]
+        assert m.dtype == np.int8 and m.ndim == 1 and m.any()
+        assert env.observation_space(a).contains(obs[a])
+
+
+def rollout(env, seed, steps_seed):
+    rng = np.random.default_rng(steps_seed)
+    obs, _ = env.reset(seed=seed)
+    trace = []
+    while env.agents:
+        acts = {a: int(rng.choice(np.flatnonzero(obs[a]["action_mask"]))) for a in env.agents}
+        obs, rew, term, trunc, info = env.step(acts)
+        trace.append(({a: obs[a]["observation"].copy() for a in obs}, dict(rew)))
+    return trace, info
+
+
+def test_multi_step_determinism():
+    task = task_for(10, seed=3)
+    a, ia = rollout(MemoryPlanningEnv(task), 5, 9)
+    b, ib = rollout(MemoryPlanningEnv(task), 5, 9)
+    assert len(a) == len(b) == task.n + 1
+    for (oa, ra), (ob, rb) in zip(a, b):
+        assert ra == rb
+        for k in oa:
+            assert np.array_equal(oa[k], ob[k])
+    assert ia["strategy"]["time"] == ib["strategy"]["time"]
+
+
+def test_returns_are_the_difference_rewards():
+    task = task_for(8, seed=1)
+    env = MemoryPlanningEnv(task)
+    trace, info = rollout(env, 0, 4)
+    total = {a: sum(r[a] for _, r in trace) for a in ("strategy", "timing")}
+    res = info["strategy"]
+    objective = task.overhead(res["time"]) + task.penalty(res["peak"])
+    assert total["strategy"] + total["timing"] == pytest.approx(-env.reward_scale * objective, rel=1e-9, abs=1e-9)
+    assert total["strategy"] == pytest.approx(res["return"]["strategy"], rel=1e-9, abs=1e-9)
+
+
+def test_same_seed_same_plan_and_history():
+    prof = chain_profile(8, seed=2)
+    a = memopt.search(prof, "70%", total_timesteps=3000, seed=11)
+    b = memopt.search(prof, "70%", total_timesteps=3000, seed=11)
+    assert a == b and a.same_decisions(b)
+    assert [r["reward_strategy"] for r in a.meta["history"]] == [r["reward_strategy"] for r in b.meta["history"]]
+    assert a.method == "memopt-ppo" and a.seed == 11
+
+
+@pytest.mark.parametrize("n,seed,frac,dev", [(6, 0, 0.3, None), (6, 1, 0.6, None), (8, 2, 0.4, None),
+                                             (10, 3, 0.5, None), (12, 4, 0.35, None), (8, 5, 0.5, "cpu")])
+def test_agents_reach_the_optimum_on_small_cases(n, seed, frac, dev):
+    device = None
+    if dev == "cpu":
+        device = memopt.DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9,
+                                   d2h_bytes_per_s=5e9, compute_flops=1e11, copy_overlap=False)
+    prof = chain_profile(n, seed=seed, device=device)
+    lo = solvers.min_peak(prof)
+    budget = int(lo + frac * (prof.peak_bytes - lo))
+    oracle = solvers.brute_force(prof, budget) if n <= 5 else solvers.optimal(prof, budget)
+    plan = memopt.search(prof, budget, total_timesteps=12000, seed=0, polish_plan=False)
+    assert plan.feasible
+    assert plan.meta["agents_step_time"] <= 1.02 * oracle.predicted_step_time
+
+
+def test_callback_history_and_interrupt():
+    prof = chain_profile(8, seed=4)
+    rows = []
+
+    def cb(row):
+        rows.append(row)
+        if len(rows) == 3:
+            raise KeyboardInterrupt
+
+    plan = memopt.search(prof, "70%", total_timesteps=20000, callback=cb)
+    assert len(rows) == 3 and plan.meta["interrupted"] is True
+    assert plan.feasible and plan.meta["history"] == rows
+    for key in ("reward_strategy", "reward_timing", "best_step_time", "best_peak", "feasible_fraction"):
+        assert key in rows[-1]
+
+
+def test_budget_below_minimum_raises_before_training():
+    prof = chain_profile(6, seed=0)
+    calls = []
+    with pytest.raises(BudgetError, match="smallest peak"):
+        memopt.search(prof, solvers.min_peak(prof) - 1, callback=calls.append)
+    assert calls == []
+
+
+def test_search_on_a_zoo_profile_and_a_preset(zoo_profiles):
+    _, _, prof = zoo_profiles["gpt"]
+    plan = memopt.search(prof, "60%", device="a100-40gb", total_timesteps=4000)
+    assert plan.feasible and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert memopt.simulate(prof, plan, device="a100-40gb").peak_bytes == plan.predicted_peak_bytes
