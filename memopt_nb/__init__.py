@@ -22,6 +22,7 @@ from . import solvers, zoo  # noqa: E402,I001
 from .budget import format_bytes, parse_bytes
 from .device import DeviceSpec
 from .errors import BudgetError, MemoptError, PlanError, ProfileError
+from .evaluate import Evaluation, evaluate
 from .plan import Decision, Plan
 from .profile import ModelProfile, UnitProfile
 from .profile import profile as profile
@@ -35,9 +36,9 @@ from .simulate import simulate as simulate
 __version__ = "0.1.0"
 
 __all__ = [
-    "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Measurement", "MemoptError", "ModelProfile", "Plan",
-    "PlanError", "ProfileError", "SimResult", "Simulator", "UnitProfile", "format_bytes", "measure", "parse_bytes",
-    "plan", "profile", "search", "simulate", "solvers", "zoo",
+    "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
+    "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "UnitProfile", "evaluate",
+    "format_bytes", "measure", "parse_bytes", "plan", "profile", "search", "simulate", "solvers", "zoo",
 ]
 
 

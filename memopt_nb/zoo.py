@@ -270,7 +270,7 @@ def unet(batch_size: int = 8, widths: tuple[int, ...] = (16, 32, 64), image: int
     return ZooModel(model, (x,), lambda out: F.mse_loss(out, target), "unet")
 
 
-def mlp(batch_size: int = 256, width: int = 256, depth: int = 6, classes: int = 10, dropout: float = 0.1,
+def mlp(batch_size: int = 1024, width: int = 128, depth: int = 8, classes: int = 10, dropout: float = 0.1,
         seed: int = 0) -> ZooModel:
     """Residual MLP with LayerNorm, GELU and dropout."""
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ from memopt_nb.profile import ModelProfile
 EXPECTED_UNITS = {
     "gpt": [f"blocks.{i}" for i in range(6)],
     "vit": [f"blocks.{i}" for i in range(6)],
-    "mlp": [f"blocks.{i}" for i in range(6)],
+    "mlp": [f"blocks.{i}" for i in range(8)],
     "resnet": [f"layers.{i}.{j}" for i in range(3) for j in range(2)],
     "unet": ["down.0", "down.1", "down.2", "up.0", "up.1"],
 }
@@ -89,6 +89,6 @@ def test_profile_errors_are_clear():
 
 
 def test_depth_units():
-    prof = memopt.profile(memopt.zoo.build("mlp").model, torch.randn(8, 256), units=2, repeats=1)
+    prof = memopt.profile(memopt.zoo.build("mlp").model, torch.randn(8, 128), units=2, repeats=1)
     assert all(n.count(".") == 1 for n in prof.unit_names)
     assert "blocks.0" in prof.unit_names
