@@ -293,6 +293,22 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
             # the forward waits at the release point for this job, if it carries anything
             p.row({sigma[r]: 1.0, q: -1.0, has: -big}, lo=-big)
             q_prev = q
+        # valid cuts (they strengthen the relaxation, not the model): everything issued at or after boundary e' that
+        # is due by release point r must have crossed the link by then, whatever the queue order
+        releases = sorted({r for (_, r) in form.d2h_jobs})
+        issues = sorted({e for (e, _) in form.d2h_jobs})
+        for r in releases:
+            for e0 in issues:
+                if e0 > r:
+                    break
+                row: Expr = {}
+                for (e, rr), bytes_expr in form.d2h_jobs.items():
+                    if e >= e0 and rr <= r:
+                        _add(row, bytes_expr, -inv_d2h)
+                if row:
+                    row[sigma[r]] = 1.0
+                    row[rho[e0]] = row.get(rho[e0], 0.0) - 1.0
+                    p.row(row, lo=0.0)
         # host-to-device queue: per owner, in backward order
         h_prev = None
         for u in range(n - 1, -1, -1):
@@ -312,6 +328,17 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
                 p.row(row, lo=-big)
             p.row({sigma[int(sim.bwd_seg[u])]: 1.0, h: -1.0}, lo=0.0)
             h_prev = h
+        # valid cuts: prefetches start no earlier than the first backward trigger, so all the bytes of owners >= u
+        # are back only after that much link time
+        first_bwd = int(min(sim.bwd_seg))
+        acc: Expr = {}
+        for u in range(n - 1, -1, -1):
+            _add(acc, form.h2d_bytes[u], -inv_h2d)
+            if acc and form.sw[u]:
+                row = dict(acc)
+                row[sigma[int(sim.bwd_seg[u])]] = 1.0
+                row[rho[first_bwd]] = row.get(rho[first_bwd], 0.0) - 1.0
+                p.row(row, lo=0.0)
         objective = {rho[S]: 1.0}
         const = 0.0
     res = p.solve(objective, time_limit)
