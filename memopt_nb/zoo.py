@@ -1,7 +1,8 @@
 """Small but real architectures, built from code (no downloads), sized to train on two CPU cores in seconds.
 
 Each builder returns a :class:`ZooModel` ``(model, inputs, loss_fn, name)``: call ``loss_fn(model(*inputs))`` to get
-the training loss. Data is random but seeded, so the same seed gives the same model and batch.
+the training loss. Data is random but seeded, so the same seed gives the same model and batch; ``device="cuda"`` puts
+model, inputs and targets on a GPU.
 
 * ``gpt`` — GPT-style decoder: token + position embedding, pre-norm blocks with causal self-attention (explicit softmax,
   attention and residual dropout) and a GELU MLP, LM head, cross-entropy.
@@ -227,58 +228,63 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def gpt(batch_size: int = 8, seq_len: int = 128, vocab: int = 256, d_model: int = 128, n_layers: int = 6,
-        n_heads: int = 4, dropout: float = 0.1, seed: int = 0) -> ZooModel:
+        n_heads: int = 4, dropout: float = 0.1, seed: int = 0,
+        device: str | torch.device = "cpu") -> ZooModel:
     """GPT-style decoder (about 1.2 M parameters at the defaults)."""
     torch.manual_seed(seed)
     model = GPT(vocab, seq_len, d_model, n_layers, n_heads, dropout)
     g = _gen(seed + 1)
-    idx = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    target = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    return ZooModel(model, (idx,), lambda out: F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1)),
-                    "gpt")
+    idx = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
+    target = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
+    return ZooModel(model.to(device), (idx,),
+                    lambda out: F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1)), "gpt")
 
 
 def resnet(batch_size: int = 32, widths: tuple[int, ...] = (16, 32, 64), blocks_per_stage: int = 2,
-           classes: int = 10, seed: int = 0) -> ZooModel:
+           classes: int = 10, seed: int = 0,
+        device: str | torch.device = "cpu") -> ZooModel:
     """ResNet-style CNN on 32×32 images, BatchNorm throughout."""
     torch.manual_seed(seed)
     model = ResNet(widths, blocks_per_stage, classes)
     g = _gen(seed + 1)
-    x = torch.randn(batch_size, 3, 32, 32, generator=g)
-    y = torch.randint(0, classes, (batch_size,), generator=g)
-    return ZooModel(model, (x,), lambda out: F.cross_entropy(out, y), "resnet")
+    x = torch.randn(batch_size, 3, 32, 32, generator=g).to(device)
+    y = torch.randint(0, classes, (batch_size,), generator=g).to(device)
+    return ZooModel(model.to(device), (x,), lambda out: F.cross_entropy(out, y), "resnet")
 
 
 def vit(batch_size: int = 16, image: int = 32, patch: int = 4, d_model: int = 128, n_layers: int = 6,
-        n_heads: int = 4, classes: int = 10, dropout: float = 0.1, seed: int = 0) -> ZooModel:
+        n_heads: int = 4, classes: int = 10, dropout: float = 0.1, seed: int = 0,
+        device: str | torch.device = "cpu") -> ZooModel:
     """ViT-style encoder on 32×32 images (65 tokens)."""
     torch.manual_seed(seed)
     model = ViT(image, patch, d_model, n_layers, n_heads, classes, dropout)
     g = _gen(seed + 1)
-    x = torch.randn(batch_size, 3, image, image, generator=g)
-    y = torch.randint(0, classes, (batch_size,), generator=g)
-    return ZooModel(model, (x,), lambda out: F.cross_entropy(out, y), "vit")
+    x = torch.randn(batch_size, 3, image, image, generator=g).to(device)
+    y = torch.randint(0, classes, (batch_size,), generator=g).to(device)
+    return ZooModel(model.to(device), (x,), lambda out: F.cross_entropy(out, y), "vit")
 
 
-def unet(batch_size: int = 8, widths: tuple[int, ...] = (16, 32, 64), image: int = 32, seed: int = 0) -> ZooModel:
+def unet(batch_size: int = 8, widths: tuple[int, ...] = (16, 32, 64), image: int = 32, seed: int = 0,
+        device: str | torch.device = "cpu") -> ZooModel:
     """U-Net with skip connections and BatchNorm, MSE to a target image."""
     torch.manual_seed(seed)
     model = UNet(widths)
     g = _gen(seed + 1)
-    x = torch.randn(batch_size, 3, image, image, generator=g)
-    target = torch.randn(batch_size, 3, image, image, generator=g)
-    return ZooModel(model, (x,), lambda out: F.mse_loss(out, target), "unet")
+    x = torch.randn(batch_size, 3, image, image, generator=g).to(device)
+    target = torch.randn(batch_size, 3, image, image, generator=g).to(device)
+    return ZooModel(model.to(device), (x,), lambda out: F.mse_loss(out, target), "unet")
 
 
 def mlp(batch_size: int = 1024, width: int = 128, depth: int = 8, classes: int = 10, dropout: float = 0.1,
-        seed: int = 0) -> ZooModel:
+        seed: int = 0,
+        device: str | torch.device = "cpu") -> ZooModel:
     """Residual MLP with LayerNorm, GELU and dropout."""
     torch.manual_seed(seed)
     model = MLP(width, depth, classes, dropout)
     g = _gen(seed + 1)
-    x = torch.randn(batch_size, width, generator=g)
-    y = torch.randint(0, classes, (batch_size,), generator=g)
-    return ZooModel(model, (x,), lambda out: F.cross_entropy(out, y), "mlp")
+    x = torch.randn(batch_size, width, generator=g).to(device)
+    y = torch.randint(0, classes, (batch_size,), generator=g).to(device)
+    return ZooModel(model.to(device), (x,), lambda out: F.cross_entropy(out, y), "mlp")
 
 
 BUILDERS: dict[str, Callable[..., ZooModel]] = {"gpt": gpt, "resnet": resnet, "vit": vit, "unet": unet, "mlp": mlp}
