@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..device import DeviceSpec
 from ..plan import Plan
@@ -137,11 +138,17 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             callback(row)
 
     interrupted = False
+    # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
+    # machine (so a seed gives the same plan everywhere). The user's setting is restored afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         agents = train(lambda: MemoryPlanningEnv(task), cfg, on_episode=on_episode, on_iteration=on_iteration)
         _greedy_rollout(task, agents, on_episode)
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        torch.set_num_threads(threads)
     seconds = time.perf_counter() - t0
     meta = {"history": history, "search_seconds": seconds, "interrupted": interrupted,
             "total_timesteps": cfg.total_timesteps, "episodes": episodes[0], "best_episode": best["episode"],
@@ -170,8 +177,6 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
 
 def _greedy_rollout(task: PlanningTask, agents: dict, on_episode: Callable[[dict], None]) -> None:
     """One deterministic episode with each agent's most likely action; its plan competes like any other."""
-    import torch
-
     env = MemoryPlanningEnv(task)
     obs, _ = env.reset()
     info: dict = {}
