@@ -120,6 +120,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         row = {
             "iteration": stats["iteration"],
             "global_step": stats["global_step"],
+            "total_timesteps": cfg.total_timesteps,
             "seconds": time.perf_counter() - t0,
             "reward_strategy": stats[f"{STRATEGY}/episodic_return"],
             "reward_timing": stats[f"{TIMING}/episodic_return"],

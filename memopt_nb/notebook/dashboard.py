@@ -1,0 +1,325 @@
+"""A live dashboard for ``memopt.search``: stats, a progress bar and an image of the learning curves.
+
+Use it as the search's callback, or let it run the search::
+
+    dash = SearchDashboard(prof)                       # shows itself when the first PPO iteration is done
+    p = memopt.search(prof, "60%", callback=dash)
+    dash.finish(p)                                     # final frame, with the best plan's memory timeline
+
+    p = live_search(prof, "60%")                       # the same in one call (what %memopt_plan does)
+
+In a Jupyter kernel it is an ``ipywidgets.VBox`` of an ``HTML`` stats line, a ``FloatProgress`` and an ``Image`` (a PNG
+drawn with matplotlib's Agg renderer): the reward curves of both agents, the best feasible peak against the budget, the
+best plan's step-time overhead and share of feasible episodes, and the memory timeline of the unoptimized step (the
+best plan's timeline is added in the final frame, from the returned plan). It is redrawn synchronously from the
+callback — no ``Output`` widget and no threads, both of which misbehave without a live frontend — at most every
+``min_interval`` seconds (0.3 by default, longer if drawing itself would take more than a quarter of the time), and
+always once more at the end. When a notebook is executed headless (nbclient, papermill) the widget state, image
+included, is saved in the notebook. Outside a kernel (plain IPython, a script) it prints a text line every few seconds.
+
+``MEMOPT_NB_TIMESTEPS``: an environment variable with the number of PPO timesteps the ``%memopt_plan`` magic and the
+tutorials use when none is given (CI sets it small); see :func:`timesteps_from_env`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import memopt_nb as memopt
+
+from .plots import figure_png, search_figure
+
+__all__ = ["TIMESTEPS_ENV", "SearchDashboard", "in_notebook", "live_search", "timesteps_from_env"]
+
+#: Environment variable with the default number of PPO timesteps for ``%memopt_plan`` and the tutorials.
+TIMESTEPS_ENV = "MEMOPT_NB_TIMESTEPS"
+
+
+def timesteps_from_env(default: int | None = None) -> int | None:
+    """``int(os.environ["MEMOPT_NB_TIMESTEPS"])`` if set (and non-empty), else ``default`` (``None``: the search's
+    own default). Raises ``ValueError`` naming the variable if it is not a positive integer."""
+    raw = os.environ.get(TIMESTEPS_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{TIMESTEPS_ENV}={raw!r} is not an integer number of PPO timesteps") from None
+    if value <= 0:
+        raise ValueError(f"{TIMESTEPS_ENV}={raw!r} must be a positive number of PPO timesteps")
+    return value
+
+
+def in_notebook() -> bool:
+    """Whether we run inside a Jupyter kernel (ipykernel), where widgets can be shown."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython is a dependency
+        return False
+    ip = get_ipython()
+    return ip is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(ip).__mro__)
+
+
+def _fmt_ms(seconds: float | None) -> str:
+    return "–" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.2f} ms"
+
+
+def _fmt_num(x: Any) -> str:
+    return "–" if x is None or not isinstance(x, (int, float)) or not math.isfinite(x) else f"{x:+.3g}"
+
+
+def _fmt_bytes(x: Any) -> str:
+    return "–" if x is None or not math.isfinite(float(x)) else memopt.format_bytes(x)
+
+
+class SearchDashboard:
+    """Live view of a ``memopt.search``; call it with each history row (it is the search's ``callback``).
+
+    Args:
+        profile: the profile being planned for; needed for the memory-timeline panel (optional otherwise).
+        device: the device planned for (as given to ``memopt.search``), used to simulate the timelines.
+        total_timesteps: the search's ``total_timesteps``, for the progress bar (unknown: the bar fills at the end).
+        mode: ``"auto"`` (widgets in a Jupyter kernel, text lines elsewhere), ``"widget"``, ``"text"`` or ``"none"``.
+        min_interval: seconds between redraws at most; the first row and :meth:`finish` always draw.
+        max_overhead: keep the time spent drawing below this share of the search (stretches the interval); ``None``
+            to draw every ``min_interval`` regardless.
+        text_interval: seconds between text lines in ``"text"`` mode.
+        title: shown above the stats.
+        clock: the time source (tests pass a fake one).
+        dpi: resolution of the image.
+
+    Attributes: ``history`` (rows seen), ``frames`` (images rendered), ``lines`` (text lines printed), ``widget``
+    (the ``VBox``, widget mode only), ``plan`` (set by :meth:`finish`).
+    """
+
+    def __init__(self, profile: Any = None, *, device: Any = None, total_timesteps: int | None = None,
+                 mode: str = "auto", min_interval: float = 0.3, max_overhead: float | None = 0.25,
+                 text_interval: float = 2.0, title: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 dpi: float = 80, out: Callable[[str], None] = print) -> None:
+        if mode not in ("auto", "widget", "text", "none"):
+            raise ValueError(f"mode must be 'auto', 'widget', 'text' or 'none', got {mode!r}")
+        if mode == "auto":
+            mode = "widget" if in_notebook() else "text"
+        self.mode = mode
+        self.profile = profile
+        self.device = device
+        self.total_timesteps = total_timesteps
+        self.min_interval = float(min_interval)
+        self.max_overhead = max_overhead
+        self.text_interval = float(text_interval)
+        self.title = title
+        self.clock = clock
+        self.dpi = dpi
+        self.out = out
+        self.history: list[dict[str, Any]] = []
+        self.frames = 0
+        self.lines = 0
+        self.plan: Any = None
+        self.widget: Any = None
+        self._shown = False
+        self._finished = False
+        self._last_stats: float | None = None
+        self._last_image: float | None = None
+        self._image_interval = self.min_interval
+        self._last_text: float | None = None
+        self._printed: Any = None
+        self._fig: Any = None
+        self._unoptimized: Any = None
+        self._best_sim: Any = None
+        if mode == "widget":
+            self._build_widget()
+
+    # ------------------------------------------------------------------ widgets
+    def _build_widget(self) -> None:
+        import ipywidgets as widgets
+
+        self.stats = widgets.HTML(value=self._stats_html())
+        self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="search", bar_style="info",
+                                              layout=widgets.Layout(width="60%"))
+        self.image = widgets.Image(format="png", layout=widgets.Layout(width="auto", max_width="100%"))
+        self.widget = widgets.VBox([self.stats, self.progress, self.image])
+
+    def _show(self) -> None:
+        if self._shown:
+            return
+        self._shown = True
+        if self.mode == "widget":
+            from IPython.display import display
+
+            display(self.widget)
+
+    # ------------------------------------------------------------------ the callback
+    def __call__(self, row: dict[str, Any]) -> None:
+        """Record one history row from ``memopt.search`` and redraw if enough time has passed."""
+        self.history.append(dict(row))
+        if self.mode == "none":
+            return
+        now = self.clock()
+        if self.mode == "text":
+            if self._last_text is None or now - self._last_text >= self.text_interval:
+                self._last_text = now
+                self._print_line(self.history[-1])
+            return
+        if self._last_stats is None or now - self._last_stats >= self.min_interval:
+            self._last_stats = now
+            self._update_stats()
+        if self._last_image is None or now - self._last_image >= self._image_interval:
+            self._render_image()
+            self._last_image = self.clock()
+        self._show()
+
+    def finish(self, plan: Any = None, error: BaseException | None = None) -> None:
+        """Draw the final frame: the best plan's memory timeline (simulated from ``plan``) and its summary."""
+        self.plan = plan
+        self._finished = True
+        if plan is not None and self.profile is not None:
+            try:
+                self._best_sim = memopt.simulate(self.profile, plan, device=self.device)
+            except memopt.MemoptError:
+                self._best_sim = None
+        if self.mode == "none":
+            return
+        if self.mode == "text":
+            if self.history and self._printed is not self.history[-1]:
+                self._print_line(self.history[-1])
+            self.out(self._final_text(error))
+            self.lines += 1
+            return
+        self._update_stats(error)
+        if self.history or plan is not None:
+            self._render_image()
+        self._show()
+
+    def run(self, profile: Any, budget: Any, device: Any = None, **search_kwargs: Any) -> Any:
+        """``memopt.search(profile, budget, device, callback=self, **search_kwargs)``, then :meth:`finish`.
+
+        Errors the search raises before it starts (a budget below the minimum, a bad budget) propagate before anything
+        is shown.
+        """
+        if self.profile is None:
+            self.profile = profile
+        if device is not None:
+            self.device = device
+        if self.total_timesteps is None:
+            self.total_timesteps = search_kwargs.get("total_timesteps")
+        try:
+            plan = memopt.search(profile, budget, device, callback=self, **search_kwargs)
+        except BaseException as exc:
+            if self._shown:
+                self.finish(None, error=exc)
+            raise
+        self.finish(plan)
+        return plan
+
+    # ------------------------------------------------------------------ drawing
+    def _total(self) -> int | None:
+        if self.history and self.history[-1].get("total_timesteps"):
+            return int(self.history[-1]["total_timesteps"])
+        return self.total_timesteps
+
+    def _unoptimized_sim(self) -> Any:
+        if self._unoptimized is None and self.profile is not None:
+            keep = memopt.Plan.uniform(self.profile, "keep")
+            self._unoptimized = memopt.simulate(self.profile, keep, device=self.device)
+        return self._unoptimized
+
+    def _render_image(self) -> None:
+        t0 = self.clock()
+        budget = self.history[-1]["budget"] if self.history else getattr(self.plan, "budget_bytes", None)
+        self._fig = search_figure(self.history, unoptimized=self._unoptimized_sim(), best=self._best_sim,
+                                  budget=budget, fig=self._fig)
+        png = figure_png(self._fig, dpi=self.dpi)
+        with self.image.hold_sync():
+            self.image.value = png
+        self.frames += 1
+        cost = self.clock() - t0
+        if self.max_overhead:
+            self._image_interval = max(self.min_interval, cost / self.max_overhead)
+
+    def _update_stats(self, error: BaseException | None = None) -> None:
+        total = self._total()
+        last = self.history[-1] if self.history else {}
+        with self.progress.hold_sync():
+            if self._finished:
+                self.progress.value = 1.0
+            elif total:
+                self.progress.value = min(1.0, last.get("global_step", 0) / total)
+            steps = f"{last.get('global_step', 0):,}" + (f"/{total:,}" if total else "")
+            self.progress.description = "done" if self._finished else "search"
+            if self._finished:
+                bad = error is not None or self.plan is None or bool(self.plan.meta.get("no_feasible_plan"))
+                warn = self.plan is not None and bool(self.plan.meta.get("interrupted"))
+                self.progress.bar_style = "danger" if bad else ("warning" if warn else "success")
+            self.progress.tooltip = f"{steps} PPO timesteps"
+        with self.stats.hold_sync():
+            self.stats.value = self._stats_html(error)
+
+    def _stats_html(self, error: BaseException | None = None) -> str:
+        head = f"<b>{html.escape(self.title)}</b><br>" if self.title else ""
+        if not self.history and self.plan is None:
+            return head + "<span>memopt.search: waiting for the first PPO iteration…</span>"
+        r = self.history[-1] if self.history else {}
+        total = self._total()
+        cells = []
+        if r:
+            steps = f"{r['global_step']:,}" + (f" / {total:,}" if total else "")
+            best_t, base_t = r.get("best_step_time"), r.get("base_step_time")
+            over = (f" (+{(best_t / base_t - 1) * 100:.1f}% vs unoptimized)" if best_t and base_t else "")
+            cells += [
+                f"iteration <b>{r['iteration']}</b>, {steps} timesteps, {r['seconds']:.1f} s",
+                f"best peak <b>{_fmt_bytes(r.get('best_peak'))}</b> / budget {_fmt_bytes(r.get('budget'))} "
+                f"(unoptimized {_fmt_bytes(r.get('base_peak'))})",
+                f"best step <b>{_fmt_ms(best_t)}</b>{over}",
+                f"reward strategy {_fmt_num(r.get('reward_strategy'))}, timing {_fmt_num(r.get('reward_timing'))}; "
+                f"feasible episodes {r.get('feasible_fraction', 0):.0%}",
+            ]
+        if self._finished:
+            cells.append(html.escape(self._final_text(error)))
+        return head + "<br>".join(cells)
+
+    def _line(self, r: dict[str, Any]) -> str:
+        total = self._total()
+        steps = f"{r['global_step']}" + (f"/{total}" if total else "")
+        return (f"[memopt.search] iter {r['iteration']:>4}  step {steps}  {r['seconds']:.1f}s  reward strategy "
+                f"{_fmt_num(r.get('reward_strategy'))} timing {_fmt_num(r.get('reward_timing'))}  best peak "
+                f"{_fmt_bytes(r.get('best_peak'))} / budget {_fmt_bytes(r.get('budget'))}  best step "
+                f"{_fmt_ms(r.get('best_step_time'))}")
+
+    def _print_line(self, r: dict[str, Any]) -> None:
+        self._printed = r
+        self.out(self._line(r))
+        self.lines += 1
+
+    def _final_text(self, error: BaseException | None = None) -> str:
+        if error is not None:
+            return f"search failed: {type(error).__name__}: {error}"
+        p = self.plan
+        if p is None:
+            return "search finished without a plan"
+        parts = [f"done: {p.summary()}"]
+        agents, polished = p.meta.get("agents_step_time"), p.meta.get("polished_step_time")
+        if agents is not None and polished is not None:
+            parts.append(f"agents reached {_fmt_ms(agents)}, polish {_fmt_ms(polished)}")
+        if p.meta.get("no_feasible_plan"):
+            parts.append("NO feasible plan found: raise the budget or the timesteps")
+        if p.meta.get("interrupted"):
+            parts.append("interrupted: best plan so far")
+        if p.meta.get("search_seconds") is not None:
+            parts.append(f"{p.meta['search_seconds']:.1f} s")
+        return "; ".join(parts)
+
+
+def live_search(profile: Any, budget: Any, device: Any = None, *, total_timesteps: int | None = None, seed: int = 0,
+                mode: str = "auto", title: str | None = None, **search_kwargs: Any) -> Any:
+    """``memopt.search`` with a :class:`SearchDashboard`; returns the plan.
+
+    ``total_timesteps`` defaults to ``$MEMOPT_NB_TIMESTEPS`` if set, else the search's own default.
+    """
+    steps = total_timesteps if total_timesteps is not None else timesteps_from_env()
+    dash = SearchDashboard(profile, device=device, total_timesteps=steps, mode=mode, title=title)
+    return dash.run(profile, budget, device, total_timesteps=steps, seed=seed, **search_kwargs)

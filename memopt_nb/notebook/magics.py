@@ -1,0 +1,367 @@
+"""``%memopt_profile`` and ``%memopt_plan``: profile and plan from a notebook cell (``%load_ext memopt_nb``).
+
+Line magic — profile objects already in the notebook::
+
+    %memopt_profile model x --loss loss_fn --optimizer opt -o prof
+    %memopt_profile model *inputs --loss loss_fn --optimizer Adam -q -o prof
+
+Cell magic — run the cell, then profile the model it defines::
+
+    %%memopt_profile --model model --inputs x --loss loss_fn --optimizer opt -o prof
+    model = MyNet()
+    x = torch.randn(32, 3, 32, 32)
+    ...
+
+Plan — run ``memopt.search`` with the live dashboard and store the plan (in ``plan`` unless ``-o`` says otherwise)::
+
+    %memopt_plan prof --budget 60%
+    %memopt_plan prof --budget 2GiB --device a100-40gb --timesteps 20000 --seed 1 -o p
+
+Mistakes (an unknown name, an object that is not an ``nn.Module``, a bad budget, a budget below the smallest peak
+any plan reaches) raise ``UsageError`` with the reason and no traceback. A trailing ``;`` silences the result. While
+the extension is loaded a ``ModelProfile`` displays as its table plus a per-unit memory/time chart.
+``%unload_ext memopt_nb`` removes the magics and that display hook again.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import keyword
+from typing import Any
+
+import torch
+from IPython.core import magic_arguments as ma
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+
+import memopt_nb as memopt
+
+from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
+from .plots import figure_png, unit_chart
+
+try:
+    from IPython.core.magic import output_can_be_silenced
+except ImportError:  # pragma: no cover - IPython < 8.13
+    def output_can_be_silenced(func: Any) -> Any:
+        return func
+
+__all__ = ["DEFAULT_PLAN_NAME", "MemoptMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+#: Where ``%memopt_plan`` stores its plan in the notebook's namespace when ``-o`` is not given.
+DEFAULT_PLAN_NAME = "plan"
+
+_LINE_MAGICS = ("memopt_profile", "memopt_plan")
+_CELL_MAGICS = ("memopt_profile",)
+_state: dict[int, dict[str, Any]] = {}
+
+
+# ====================================================================== helpers
+def _strip_semicolon(line: str) -> tuple[str, bool]:
+    """The magic's arguments without a trailing ``;`` (which silences the result), and whether there was one."""
+    stripped = line.rstrip()
+    if stripped.endswith(";"):
+        return stripped[:-1].rstrip(), True
+    return line, False
+
+
+def _unquote(text: str | None) -> str | None:
+    """IPython splits magic arguments keeping quotes (``'a b'`` stays quoted); drop one matching pair."""
+    if text is not None and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _article(name: str) -> str:
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+def _check_output_name(name: str | None) -> None:
+    if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
+        raise UsageError(f"-o {name!r}: the output name must be a Python identifier, e.g. -o prof")
+
+
+def _optimizer_classes() -> dict[str, type]:
+    return {name.lower(): cls for name, cls in vars(torch.optim).items()
+            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+
+
+def _parse_units(text: str | None) -> Any:
+    text = _unquote(text)
+    if text is None or text.strip() in ("", "auto"):
+        return "auto"
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise UsageError(f"--units {text!r}: give 'auto', a depth (an int) or comma-separated module names")
+    return names
+
+
+def _profile_display(prof: memopt.ModelProfile) -> None:
+    """How a ModelProfile displays while the extension is loaded: its table, then the per-unit chart."""
+    from IPython.display import HTML, Image, display
+
+    if not in_notebook():
+        print(repr(prof))
+        return
+    display(HTML(prof._repr_html_()))
+    try:
+        fig = unit_chart(prof)
+    except ValueError:  # a profile without units: the table says it all
+        return
+    display(Image(data=figure_png(fig), format="png"))
+
+
+def profile_chart_html(prof: memopt.ModelProfile) -> str:
+    """The profile's table and its per-unit chart as one HTML string (an inline PNG), e.g. for reports."""
+    png = base64.b64encode(figure_png(unit_chart(prof))).decode("ascii")
+    return prof._repr_html_() + f'<img alt="per-unit memory and time" src="data:image/png;base64,{png}">'
+
+
+# ====================================================================== the magics
+@magics_class
+class MemoptMagics(Magics):
+    """The memopt_nb magics; registered by ``%load_ext memopt_nb``."""
+
+    # ------------------------------------------------------------------ namespace access
+    def _eval(self, expr: str, what: str) -> Any:
+        """Evaluate a name or expression in the notebook's namespace; a user's mistake becomes a UsageError."""
+        expr = _unquote(expr) or ""
+        ns = self.shell.user_ns
+        if expr.isidentifier() and expr not in ns and expr not in self.shell.user_global_ns:
+            close = difflib.get_close_matches(expr, [k for k in ns if not k.startswith("_")], n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else "; define it in a cell first"
+            raise UsageError(f"{what}: no variable named {expr!r} in the notebook{hint}")
+        try:
+            return eval(expr, self.shell.user_global_ns, ns)  # noqa: S307 - the user's own notebook code
+        except SyntaxError:
+            raise UsageError(f"{what}: {expr!r} is not a Python name or expression (quote expressions that contain "
+                             f"spaces)") from None
+        except Exception as exc:
+            raise UsageError(f"{what}: evaluating {expr!r} failed: {type(exc).__name__}: {exc}") from None
+
+    def _model(self, name: str) -> torch.nn.Module:
+        obj = self._eval(name, "model")
+        if not isinstance(obj, torch.nn.Module):
+            raise UsageError(f"model: {name!r} is {_article(type(obj).__name__)}, not a torch.nn.Module")
+        return obj
+
+    def _inputs(self, exprs: list[str]) -> list[Any]:
+        if not exprs:
+            raise UsageError("give the model's example inputs: %memopt_profile MODEL INPUT... (e.g. "
+                             "%memopt_profile model x, or *inputs to unpack a tuple)")
+        out: list[Any] = []
+        for e in exprs:
+            e = _unquote(e) or ""
+            if e.startswith("*"):
+                value = self._eval(e[1:], "input")
+                try:
+                    out.extend(list(value))
+                except TypeError:
+                    kind = _article(type(value).__name__)
+                    raise UsageError(f"input {e!r}: {e[1:]!r} is {kind}, which cannot be unpacked with *") from None
+            else:
+                out.append(self._eval(e, "input"))
+        return out
+
+    def _loss(self, expr: str | None) -> Any:
+        if expr is None:
+            return None
+        fn = self._eval(expr, "--loss")
+        if not callable(fn):
+            kind = _article(type(fn).__name__)
+            raise UsageError(f"--loss: {expr!r} is {kind}, not a function loss_fn(output) -> scalar")
+        return fn
+
+    def _optimizer(self, name: str | None, model: torch.nn.Module) -> Any:
+        if name is None:
+            return None
+        ns = self.shell.user_ns
+        name = _unquote(name) or ""
+        if name in ns or not name.isidentifier():
+            obj = self._eval(name, "--optimizer")
+            if isinstance(obj, torch.optim.Optimizer):
+                return obj
+            if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+                kind = _article(type(obj).__name__)
+                raise UsageError(f"--optimizer: {name!r} is {kind}, not a torch.optim.Optimizer "
+                                 "(or the name of an optimizer class such as Adam)")
+            cls = obj
+        else:
+            classes = _optimizer_classes()
+            cls = classes.get(name.lower())
+            if cls is None:
+                raise UsageError(f"--optimizer: {name!r} is neither a variable in the notebook nor a torch.optim "
+                                 f"class; use your optimizer's variable name or one of {', '.join(sorted(classes))}")
+        try:
+            return cls(model.parameters())
+        except Exception as exc:
+            raise UsageError(f"--optimizer: could not create {cls.__name__}(model.parameters()): {exc}; create it "
+                             "in a cell and pass its name") from None
+
+    # ------------------------------------------------------------------ %memopt_profile
+    @ma.magic_arguments()
+    @ma.argument("target", nargs="*", metavar="MODEL INPUT",
+                 help="the model's name, then its example inputs (names or expressions; *name unpacks a tuple)")
+    @ma.argument("--model", help="name of the nn.Module (cell magic: default is the one module the cell defines)")
+    @ma.argument("--inputs", nargs="+", metavar="INPUT", help="example inputs (instead of positional ones)")
+    @ma.argument("--loss", metavar="EXPR", help="loss function loss_fn(output) -> scalar (default: output.sum())")
+    @ma.argument("--optimizer", metavar="NAME",
+                 help="your optimizer's variable name, or a torch.optim class (Adam, SGD, ...) built on the model")
+    @ma.argument("--units", metavar="UNITS",
+                 help="'auto' (default: the blocks of ModuleList/Sequential containers), a depth in the module tree, "
+                      "or comma-separated module names")
+    @ma.argument("--repeats", type=int, default=3, help="timed steps; times are medians (default 3)")
+    @ma.argument("-o", "--output", metavar="NAME", help="store the ModelProfile in the notebook as NAME")
+    @ma.argument("-q", "--quiet", action="store_true", help="do not display the profile")
+    @output_can_be_silenced
+    @line_cell_magic
+    def memopt_profile(self, line: str, cell: str | None = None) -> Any:
+        """Profile one training step of a model per unit: forward/backward time and saved activations, and its peak.
+
+        Line magic: ``%memopt_profile MODEL INPUT... [--loss EXPR] [--optimizer NAME] [--units U] [-o NAME] [-q]``
+        profiles objects already in the notebook. Cell magic: ``%%memopt_profile --model NAME --inputs NAME...``
+        runs the cell first (its names stay defined; its last expression is not displayed), then profiles the model
+        it defines. Returns the ``ModelProfile`` (shown as a table with a
+        per-unit memory/time chart; ``-q`` or a trailing ``;`` hides it, ``-o NAME`` stores it).
+        """
+        line, silenced = _strip_semicolon(line)
+        args = ma.parse_argstring(self.memopt_profile, line)
+        _check_output_name(args.output)
+        target = list(args.target)
+        if args.model is not None:
+            model_name = args.model
+        elif target:
+            model_name = target.pop(0)
+        else:
+            model_name = None
+        input_exprs = list(args.inputs or []) + target
+        if cell is not None:
+            model_name = self._run_cell(cell, model_name)
+        elif model_name is None:
+            raise UsageError("give the model to profile: %memopt_profile MODEL INPUT... (see %memopt_profile?)")
+        model = self._model(model_name)
+        inputs = self._inputs(input_exprs)
+        loss_fn = self._loss(args.loss)
+        optimizer = self._optimizer(args.optimizer, model)
+        units = _parse_units(args.units)
+        if args.repeats < 1:
+            raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
+        try:
+            prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=optimizer, units=units,
+                                  repeats=args.repeats)
+        except memopt.MemoptError as exc:
+            raise UsageError(f"memopt.profile: {exc}") from None
+        if args.output:
+            self.shell.user_ns[args.output] = prof
+        if args.quiet or silenced:
+            return None
+        return prof
+
+    def _run_cell(self, cell: str, model_name: str | None) -> str:
+        """Run the cell in the notebook's namespace (user errors propagate); return the model's name."""
+        ns = self.shell.user_ns
+        before = {k: id(v) for k, v in ns.items()}
+        code = self.shell.transform_cell(cell)
+        exec(compile(code, "<%%memopt_profile cell>", "exec"), self.shell.user_global_ns, ns)  # noqa: S102
+        if model_name is not None:
+            return model_name
+        new = [k for k, v in ns.items() if isinstance(v, torch.nn.Module) and before.get(k) != id(v)
+               and not k.startswith("_")]
+        if len(new) == 1:
+            return new[0]
+        if not new:
+            raise UsageError("the cell defined no torch.nn.Module; name the model with --model NAME")
+        raise UsageError(f"the cell defined several modules ({', '.join(sorted(new))}); say which to profile with "
+                         "--model NAME")
+
+    # ------------------------------------------------------------------ %memopt_plan
+    @ma.magic_arguments()
+    @ma.argument("profile", metavar="PROFILE", help="name of a ModelProfile in the notebook (from %%memopt_profile)")
+    @ma.argument("--budget", required=True,
+                 help="memory budget: bytes, '2GiB', '800MB', or a share of the unoptimized peak such as '60%%'")
+    @ma.argument("--device", metavar="PRESET",
+                 help="plan for a GPU preset instead of the profiled device: " + ", ".join(
+                     memopt.DeviceSpec.preset_names()))
+    @ma.argument("--timesteps", type=int, metavar="N",
+                 help="PPO timesteps (default: $MEMOPT_NB_TIMESTEPS if set, else the search's default)")
+    @ma.argument("--seed", type=int, default=0, help="random seed; the same seed gives the same plan (default 0)")
+    @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
+                 help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
+    @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
+    @output_can_be_silenced
+    @line_magic
+    def memopt_plan(self, line: str) -> Any:
+        """Search a memory plan with the two PPO agents (``memopt.search``), watching them learn in a live dashboard.
+
+        ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S] [-o NAME] [--no-widget]``
+
+        The dashboard shows both agents' rewards, the best plan's peak against the budget and, at the end, the memory
+        timeline of the best plan against the unoptimized step. The plan is stored in the notebook as ``plan`` (or
+        ``-o NAME``) and returned; apply it with ``with memopt.plan(plan): ...``.
+        """
+        line, silenced = _strip_semicolon(line)
+        args = ma.parse_argstring(self.memopt_plan, line)
+        _check_output_name(args.output)
+        prof = self._eval(args.profile, "profile")
+        if not isinstance(prof, memopt.ModelProfile):
+            kind = _article(type(prof).__name__)
+            raise UsageError(f"profile: {args.profile!r} is {kind}, not a ModelProfile; make one "
+                             "with %memopt_profile MODEL INPUT... -o prof")
+        device = None
+        if args.device is not None:
+            try:
+                device = memopt.DeviceSpec.preset(args.device)
+            except memopt.MemoptError as exc:
+                raise UsageError(f"--device: {exc}") from None
+        budget: Any = (_unquote(args.budget.strip()) or "").strip()
+        if budget.isdigit():
+            budget = int(budget)
+        if args.timesteps is not None and args.timesteps <= 0:
+            raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
+        try:
+            steps = args.timesteps if args.timesteps is not None else timesteps_from_env()
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode="text" if args.no_widget else "auto",
+                               title=f"memopt.search: {prof.summary()}")
+        try:
+            plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed)
+        except memopt.MemoptError as exc:
+            raise UsageError(f"--budget {args.budget}: {exc}" if isinstance(exc, memopt.BudgetError)
+                             else str(exc)) from None
+        self.shell.user_ns[args.output] = plan
+        print(f"memopt: plan stored as `{args.output}`; apply it with `with memopt.plan({args.output}): ...`")
+        if silenced:
+            return None
+        return plan
+
+
+# ====================================================================== extension entry points
+def load_ipython_extension(ip: Any) -> None:
+    """Register the magics and the ModelProfile display (``%load_ext memopt_nb``)."""
+    ip.register_magics(MemoptMagics)
+    key = id(ip)
+    if key not in _state:
+        formatter = ip.display_formatter.ipython_display_formatter
+        previous = formatter.for_type(memopt.ModelProfile, _profile_display)
+        _state[key] = {"previous": previous}
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    """Remove everything :func:`load_ipython_extension` added (``%unload_ext memopt_nb``)."""
+    manager = ip.magics_manager
+    for name in _LINE_MAGICS:
+        if getattr(manager.magics["line"].get(name), "__self__", None).__class__ is MemoptMagics:
+            manager.magics["line"].pop(name, None)
+    for name in _CELL_MAGICS:
+        if getattr(manager.magics["cell"].get(name), "__self__", None).__class__ is MemoptMagics:
+            manager.magics["cell"].pop(name, None)
+    manager.registry.pop(MemoptMagics.__name__, None)
+    state = _state.pop(id(ip), None)
+    formatter = ip.display_formatter.ipython_display_formatter
+    formatter.pop(memopt.ModelProfile, None)
+    if state is not None and state["previous"] is not None:
+        formatter.for_type(memopt.ModelProfile, state["previous"])

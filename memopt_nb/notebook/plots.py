@@ -1,0 +1,399 @@
+"""Static plots of profiles, plans and searches — each function returns a matplotlib ``Figure``.
+
+They work anywhere (a notebook, a script, a headless CI job): figures are drawn with matplotlib's Agg renderer and
+never registered with ``pyplot``, so nothing is shown twice and nothing leaks; in a notebook a returned figure renders
+as a PNG, elsewhere save it with ``fig.savefig("x.png")``. Styling is seaborn's ``whitegrid``.
+
+* :func:`memory_timeline` — device memory over one simulated training step (forward, then backward) for one or more
+  plans, against the budget.
+* :func:`unit_chart` — per unit: saved bytes (coloured by the plan's strategy, swap timing annotated) and forward /
+  backward time. Without a plan it is the profile's per-unit memory/time chart.
+* :func:`reward_curves` — mean episodic return of the strategy and the timing agent per PPO iteration.
+* :func:`peak_curve` — best feasible peak found so far against the budget and the unoptimized peak.
+* :func:`search_figure` — the four panels of the live search dashboard in one figure.
+
+``history`` arguments take the rows ``memopt.search`` passes to its callback, or a plan from ``memopt.search`` (its
+``meta["history"]``). The evaluation plots of the evaluation API are not here yet (that API does not exist yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import matplotlib as mpl
+import matplotlib.patches  # noqa: F401 - mpl.patches
+import matplotlib.ticker  # noqa: F401 - mpl.ticker
+import numpy as np
+import seaborn as sns
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+import memopt_nb as memopt
+
+__all__ = [
+    "STRATEGY_COLORS", "MemoptFigure", "figure_png", "memory_timeline", "new_figure", "peak_curve", "reward_curves",
+    "search_figure", "styled", "unit_chart",
+]
+
+_PALETTE = sns.color_palette("deep")
+#: Colours of the three strategies in every chart.
+STRATEGY_COLORS = {"keep": _PALETTE[0], "recompute": _PALETTE[1], "swap": _PALETTE[2]}
+AGENT_COLORS = {"strategy": _PALETTE[3], "timing": _PALETTE[4]}
+BUDGET_COLOR = "#c0392b"
+BASE_COLOR = "0.45"
+
+
+class MemoptFigure(Figure):
+    """A matplotlib Figure that renders itself as a PNG in IPython/Jupyter even without a pyplot backend."""
+
+    def _repr_png_(self) -> bytes:
+        return figure_png(self)
+
+
+def figure_png(fig: Figure, dpi: float | None = None) -> bytes:
+    """The figure as PNG bytes (what the dashboard's Image widget shows)."""
+    if fig.canvas is None or not isinstance(fig.canvas, FigureCanvasAgg):
+        FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi if dpi is not None else fig.dpi, facecolor=fig.get_facecolor())
+    return buf.getvalue()
+
+
+@contextlib.contextmanager
+def styled() -> Iterator[None]:
+    """seaborn's ``whitegrid`` style, ``deep`` palette and a compact ``notebook`` context, only inside the block."""
+    with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.8), \
+            mpl.rc_context({"axes.titlesize": 10, "legend.fontsize": 8, "legend.framealpha": 0.8,
+                            "axes.prop_cycle": mpl.cycler(color=_PALETTE)}):
+        yield
+
+
+def new_figure(nrows: int = 1, ncols: int = 1, figsize: tuple[float, float] = (7.0, 3.6), dpi: float = 90,
+               **kwargs: Any) -> tuple[MemoptFigure, Any]:
+    """A styled :class:`MemoptFigure` with an Agg canvas and a grid of axes (``Figure.subplots`` semantics), for plots
+    of your own in the same look: ``fig, (a, b) = new_figure(1, 2); a.plot(...); fig``. Draw inside ``with styled():``
+    to keep seaborn's style for artists added later."""
+    with styled():
+        fig = MemoptFigure(figsize=figsize, dpi=dpi, layout="constrained")
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(nrows, ncols, squeeze=True, **kwargs)
+    return fig, axes
+
+
+def _byte_scale(max_bytes: float) -> tuple[float, str]:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if max_bytes >= div:
+            return float(div), unit
+    return 1.0, "B"
+
+
+def _history_rows(history: Any) -> list[dict[str, Any]]:
+    if isinstance(history, memopt.Plan):
+        history = history.meta.get("history")
+        if history is None:
+            raise ValueError("this plan has no search history (meta['history']); it was not made by memopt.search")
+    if isinstance(history, Mapping):
+        raise TypeError("history must be a list of rows from memopt.search's callback, not a single row")
+    rows = list(history or [])
+    for r in rows:
+        if not isinstance(r, Mapping):
+            raise TypeError(f"history rows must be dicts (memopt.search callback rows), got {type(r).__name__}")
+    return rows
+
+
+def _col(rows: Sequence[Mapping[str, Any]], key: str) -> np.ndarray:
+    """One column of history rows as floats, ``None``/missing as NaN."""
+    out = np.full(len(rows), np.nan)
+    for i, r in enumerate(rows):
+        v = r.get(key)
+        if v is not None:
+            try:
+                out[i] = float(v)
+            except (TypeError, ValueError):
+                pass
+    return out
+
+
+def _axes_or_new(ax: Any, figsize: tuple[float, float]) -> tuple[Figure, Any]:
+    if ax is not None:
+        return ax.figure, ax
+    return new_figure(1, 1, figsize=figsize)
+
+
+# ====================================================================== memory timeline
+def _as_results(profile: Any, plans: Any, device: Any, labels: Sequence[str] | None) -> list[tuple[str, Any]]:
+    if isinstance(plans, (memopt.Plan, memopt.SimResult)):
+        items = [(None, plans)]
+    elif isinstance(plans, Mapping):
+        items = list(plans.items())
+    else:
+        items = [(None, p) for p in plans]
+    if not items:
+        raise ValueError("memory_timeline needs at least one plan or SimResult")
+    if labels is not None:
+        if len(labels) != len(items):
+            raise ValueError(f"got {len(labels)} labels for {len(items)} plans")
+        items = [(lab, p) for lab, (_, p) in zip(labels, items)]
+    out = []
+    for label, p in items:
+        if isinstance(p, memopt.Plan):
+            if profile is None:
+                raise ValueError("pass the profile to simulate plans, or pass SimResults from memopt.simulate")
+            sim = memopt.simulate(profile, p, device=device)
+            label = label or p.method
+        elif isinstance(p, memopt.SimResult):
+            sim = p
+            label = label or "plan"
+        else:
+            raise TypeError(f"memory_timeline takes Plans or SimResults, got {type(p).__name__}")
+        out.append((str(label), sim))
+    return out
+
+
+def _draw_timeline(ax: Any, results: Sequence[tuple[str, Any]], budget: float | None,
+                   colors: Sequence[Any] | None = None) -> None:
+    peak_all = max([float(s.peak_bytes) for _, s in results] + [float(budget or 0)])
+    div, unit = _byte_scale(peak_all)
+    for i, (label, sim) in enumerate(results):
+        rows = sim.timeline
+        if not rows:
+            continue
+        t = np.array([r["time"] for r in rows]) * 1e3
+        b = np.array([r["bytes"] for r in rows]) / div
+        color = colors[i] if colors is not None else _PALETTE[i % len(_PALETTE)]
+        ax.plot(t, b, "-", color=color, lw=1.6, label=f"{label}: peak {memopt.format_bytes(sim.peak_bytes)}")
+        k = int(np.argmax(b))
+        ax.plot([t[k]], [b[k]], "o", color=color, ms=4)
+        if i == 0:
+            bwd = [r["time"] * 1e3 for r in rows if r.get("phase") == "backward"]
+            if bwd:
+                ax.axvspan(bwd[0], t[-1], color="0.5", alpha=0.07, lw=0)
+                ax.text(bwd[0], 0.02, " backward", transform=ax.get_xaxis_transform(), fontsize=7, color="0.35")
+                ax.text(t[0], 0.02, " forward", transform=ax.get_xaxis_transform(), fontsize=7, color="0.35")
+    if budget:
+        ax.axhline(budget / div, color=BUDGET_COLOR, ls="--", lw=1.2, label=f"budget {memopt.format_bytes(budget)}")
+    ax.set_xlabel("simulated time in the step (ms)")
+    ax.set_ylabel(f"device memory ({unit})")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right")
+
+
+def memory_timeline(profile: Any, plans: Any, *, device: Any = None, budget: Any = None,
+                    labels: Sequence[str] | None = None, ax: Any = None, title: str | None = None) -> Figure:
+    """Device memory over one training step (forward, then backward) of one or more plans, and the budget line.
+
+    Args:
+        profile: the :class:`~memopt_nb.ModelProfile` the plans were made for (not needed if you pass SimResults).
+        plans: a ``Plan`` or ``SimResult``, a list of them, or a ``{label: plan}`` dict. Plans are simulated with
+            ``memopt.simulate(profile, plan, device)``.
+        device: device to simulate for (default: the profiled one), e.g. ``"a100-40gb"``.
+        budget: the budget line (bytes or ``"2GiB"``; ``"60%"`` of the profile's peak); default: the first plan's.
+        labels: legend labels (default: each plan's method).
+        ax: draw into this Axes instead of a new figure.
+    """
+    results = _as_results(profile, plans, device, labels)
+    if budget is None:
+        budget = results[0][1].budget_bytes
+    elif isinstance(budget, str) and budget.strip().endswith("%"):
+        if profile is None:
+            raise ValueError("a percentage budget needs the profile")
+        try:
+            budget = profile.peak_bytes * float(budget.strip()[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"cannot read {budget!r} as a percentage; write e.g. '60%'") from None
+    else:
+        budget = memopt.parse_bytes(budget)
+    fig, ax = _axes_or_new(ax, (7.0, 3.4))
+    with styled():
+        _draw_timeline(ax, results, budget)
+        ax.set_title(title or "memory over one training step")
+    return fig
+
+
+# ====================================================================== per-unit chart
+def unit_chart(profile: Any, plan: Any = None, *, title: str | None = None) -> Figure:
+    """Per unit: saved bytes and forward/backward time; with a plan, bars are coloured by strategy and swapped units
+    are labelled with their offload window ``w`` and prefetch distance ``d``.
+
+    Each memory bar is what the unit saves for backward (``saved_bytes``); its hatched part is what recomputing the unit
+    frees (``interior_bytes``).
+    """
+    units = list(profile.units)
+    if not units:
+        raise ValueError("the profile has no units")
+    if plan is not None:
+        if list(plan.units) != [u.name for u in units]:
+            raise ValueError("the plan was made for other units than this profile's: "
+                             f"{plan.units[:3]}... vs {[u.name for u in units][:3]}...")
+        strategies = plan.strategies
+    else:
+        strategies = [None] * len(units)
+    n = len(units)
+    fig, (ax_m, ax_t) = new_figure(2, 1, figsize=(max(6.5, min(12.0, 0.45 * n + 3)), 4.4), sharex=True)
+    x = np.arange(n)
+    saved = np.array([u.saved_bytes for u in units], dtype=float)
+    interior = np.array([u.interior_bytes for u in units], dtype=float)
+    div, unit = _byte_scale(max(saved.max(), 1.0))
+    with styled():
+        colors = [STRATEGY_COLORS.get(s, _PALETTE[0]) if s else _PALETTE[0] for s in strategies]
+        ax_m.bar(x, saved / div, color=colors, alpha=0.9)
+        ax_m.bar(x, interior / div, fill=False, hatch="///", edgecolor="white", lw=0)
+        ax_m.set_ylabel(f"saved ({unit})")
+        handles = [mpl.patches.Patch(facecolor="0.6", hatch="///", edgecolor="white", label="interior")]
+        if plan is not None:
+            for i, d in enumerate(plan.decisions):
+                if d.strategy == "swap":
+                    ax_m.text(i, saved[i] / div, f"w{d.offload_window} d{d.prefetch_distance}", ha="center",
+                              va="bottom", fontsize=7)
+            handles = [mpl.patches.Patch(color=c, label=s) for s, c in STRATEGY_COLORS.items()] + handles
+            ax_m.set_title(title or f"plan per unit ({plan.method}); swap: w = offload window, d = prefetch distance")
+        else:
+            ax_m.set_title(title or "per unit: saved activations (hatched: freed by recompute) and time")
+        ax_m.legend(handles=handles, loc="upper right", ncols=len(handles))
+        ax_m.set_ylim(top=max(saved.max() / div, 1e-9) * 1.3)
+        fwd = np.array([u.fwd_time for u in units]) * 1e3
+        bwd = np.array([u.bwd_time for u in units]) * 1e3
+        ax_t.bar(x - 0.2, fwd, width=0.4, color=_PALETTE[7], label="forward")
+        ax_t.bar(x + 0.2, bwd, width=0.4, color=_PALETTE[5], label="backward")
+        ax_t.set_ylabel("time (ms)")
+        ax_t.legend(loc="upper right", ncols=2)
+        ax_t.set_xticks(x)
+        ax_t.set_xticklabels([u.name for u in units], rotation=45 if n > 6 else 0, ha="right" if n > 6 else "center",
+                             fontsize=7)
+    return fig
+
+
+# ====================================================================== search curves
+def _draw_rewards(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    it = _col(rows, "iteration")
+    for agent in ("strategy", "timing"):
+        y = _col(rows, f"reward_{agent}")
+        ok = np.isfinite(y)
+        ax.plot(it[ok], y[ok], "-", marker="." if ok.sum() < 30 else None, color=AGENT_COLORS[agent], lw=1.4,
+                label=f"{agent} agent")
+    ax.set_xlabel("PPO iteration")
+    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel("mean episodic return")
+    ax.set_title("reward of both agents")
+    ax.legend(loc="best")
+
+
+def _draw_peaks(ax: Any, rows: Sequence[Mapping[str, Any]], budget: float | None = None) -> None:
+    it = _col(rows, "iteration")
+    peak = _col(rows, "best_peak")
+    budgets = _col(rows, "budget")
+    base = _col(rows, "base_peak")
+    budget = budget if budget is not None else (budgets[-1] if len(budgets) and np.isfinite(budgets[-1]) else None)
+    ref = [v for v in (np.nanmax(peak) if np.isfinite(peak).any() else np.nan, budget or np.nan,
+                       base[-1] if len(base) else np.nan) if np.isfinite(v)]
+    div, unit = _byte_scale(max(ref) if ref else 1.0)
+    ok = np.isfinite(peak)
+    ax.plot(it[ok], peak[ok] / div, "-", drawstyle="steps-post", color=STRATEGY_COLORS["keep"], lw=1.6,
+            marker="." if ok.sum() < 30 else None, label="best plan's peak")
+    if budget:
+        ax.axhline(budget / div, color=BUDGET_COLOR, ls="--", lw=1.2, label=f"budget {memopt.format_bytes(budget)}")
+    if len(base) and np.isfinite(base[-1]):
+        ax.axhline(base[-1] / div, color=BASE_COLOR, ls=":", lw=1.2, label="unoptimized peak")
+    if len(it) and not ok.any():
+        ax.text(0.5, 0.5, "no feasible plan yet", transform=ax.transAxes, ha="center", va="center", color="0.4")
+    ax.set_xlabel("PPO iteration")
+    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel(f"peak ({unit})")
+    ax.set_ylim(bottom=0)
+    ax.set_title("best feasible peak vs budget")
+    ax.legend(loc="lower right")
+
+
+def _draw_step_time(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    it = _col(rows, "iteration")
+    best = _col(rows, "best_step_time")
+    base = _col(rows, "base_step_time")
+    overhead = (best / base - 1.0) * 100
+    ok = np.isfinite(overhead)
+    ax.plot(it[ok], overhead[ok], "-", drawstyle="steps-post", color=_PALETTE[1], lw=1.6,
+            marker="." if ok.sum() < 30 else None, label="best plan's step-time overhead")
+    ax.set_xlabel("PPO iteration")
+    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel("overhead vs unoptimized (%)")
+    ax.set_title("best plan's step time and feasible episodes")
+    ax2 = ax.twinx()
+    ax2.grid(False)
+    frac = _col(rows, "feasible_fraction") * 100
+    ax2.plot(it, frac, color=_PALETTE[7], lw=1.0, alpha=0.7, label="feasible episodes (%)")
+    ax2.set_ylim(0, 105)
+    ax2.set_ylabel("feasible episodes (%)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="best")
+
+
+def reward_curves(history: Any, *, ax: Any = None) -> Figure:
+    """Mean episodic return of the strategy agent and the timing agent per PPO iteration.
+
+    Iterations in which no episode finished (NaN returns) are left out of the lines.
+    """
+    rows = _history_rows(history)
+    fig, ax = _axes_or_new(ax, (6.0, 3.2))
+    with styled():
+        _draw_rewards(ax, rows)
+    return fig
+
+
+def peak_curve(history: Any, *, budget: Any = None, ax: Any = None) -> Figure:
+    """The best feasible peak found so far per PPO iteration, against the budget and the unoptimized peak."""
+    rows = _history_rows(history)
+    fig, ax = _axes_or_new(ax, (6.0, 3.2))
+    with styled():
+        _draw_peaks(ax, rows, None if budget is None else float(memopt.parse_bytes(budget)))
+    return fig
+
+
+def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, budget: float | None = None,
+                  fig: Figure | None = None, title: str | None = None) -> Figure:
+    """The live dashboard's figure: rewards, best peak vs budget, best step time, and the memory timeline.
+
+    Args:
+        history: rows from ``memopt.search``'s callback (or its plan).
+        unoptimized: ``SimResult`` of the unoptimized step (every unit kept), drawn in the timeline panel.
+        best: ``SimResult`` of the best plan, drawn over it (the dashboard passes it in its final frame).
+        budget: bytes; default: the budget in the history rows.
+        fig: redraw into this figure (cleared first) instead of making a new one.
+        title: a title over the four panels.
+    """
+    rows = _history_rows(history)
+    if budget is None:
+        b = _col(rows, "budget")
+        budget = float(b[-1]) if len(b) and np.isfinite(b[-1]) else None
+    with styled():
+        if fig is None:
+            fig = MemoptFigure(figsize=(10.0, 6.2), dpi=90, layout="constrained")
+            FigureCanvasAgg(fig)
+        else:
+            fig.clear()
+        axes = fig.subplots(2, 2).ravel()
+        _draw_rewards(axes[0], rows)
+        _draw_peaks(axes[1], rows, budget)
+        _draw_step_time(axes[2], rows)
+        ax = axes[3]
+        results, colors = [], []
+        if unoptimized is not None:
+            results.append(("unoptimized", unoptimized))
+            colors.append(BASE_COLOR)
+        if best is not None:
+            results.append(("best plan", best))
+            colors.append(STRATEGY_COLORS["keep"])
+        if results:
+            _draw_timeline(ax, results, budget, colors=colors)
+            ax.set_title("memory timeline: " + " vs ".join(lab for lab, _ in results))
+            if best is None:
+                ax.text(0.98, 0.55, "the best plan's timeline is drawn\nwhen the search ends",
+                        transform=ax.transAxes, ha="right", va="center", fontsize=8, color="0.35")
+        else:
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, "memory timeline: pass the profile", transform=ax.transAxes, ha="center")
+        if title:
+            fig.suptitle(title, fontsize=11)
+    return fig

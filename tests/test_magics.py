@@ -1,0 +1,228 @@
+"""The %memopt_profile / %%memopt_profile / %memopt_plan magics in an IPython shell."""
+
+import math
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import get_ipython
+from IPython.utils.capture import capture_output
+
+import memopt_nb as memopt
+from memopt_nb.notebook import magics
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "memopt_nb")
+    shell.run_cell(
+        "import torch\nimport memopt_nb as memopt\n"
+        "model, inputs, loss_fn, _ = memopt.zoo.gpt(batch_size=2, seq_len=32, d_model=32, n_layers=2, n_heads=2)\n"
+        "(x,) = inputs\nopt = torch.optim.Adam(model.parameters())\nnot_a_model = 3\n"
+    ).raise_error()
+    yield shell
+    shell.run_line_magic("unload_ext", "memopt_nb")
+
+
+@pytest.fixture(scope="module")
+def prof(ip):
+    return ip.run_line_magic("memopt_profile", "model x --loss loss_fn --optimizer opt --repeats 1 -o prof")
+
+
+@pytest.fixture(autouse=True)
+def no_pager(monkeypatch):
+    """Output must go through display/print: IPython's pager is lost when a notebook runs headless."""
+    import IPython.core.page
+
+    def refuse(*a, **k):
+        raise AssertionError("the pager was used")
+
+    monkeypatch.setattr(IPython.core.page, "page", refuse)
+
+
+def test_magics_are_registered(ip):
+    lines = ip.magics_manager.magics["line"]
+    assert {"memopt_profile", "memopt_plan"} <= set(lines)
+    assert "memopt_profile" in ip.magics_manager.magics["cell"]
+    assert ip.extension_manager.load_extension("memopt_nb") == "already loaded"
+
+
+def test_help_comes_from_magic_arguments(ip):
+    doc = ip.find_line_magic("memopt_plan").__doc__
+    assert "--budget" in doc and "--device" in doc and "--no-widget" in doc and "60%" in doc
+    assert f"default: {magics.DEFAULT_PLAN_NAME}" in doc
+    doc = ip.find_line_magic("memopt_profile").__doc__
+    for opt in ("--loss", "--optimizer", "--units", "-o", "-q", "--model", "--inputs"):
+        assert opt in doc
+
+
+def test_line_profile_stores_and_returns_a_profile(ip, prof):
+    assert isinstance(prof, memopt.ModelProfile)
+    assert ip.user_ns["prof"] is prof
+    assert prof.unit_names == ["blocks.0", "blocks.1"]
+    assert prof.optimizer_state_bytes > 0  # the optimizer was profiled with the model
+    direct = memopt.profile(ip.user_ns["model"], ip.user_ns["x"], loss_fn=ip.user_ns["loss_fn"],
+                            optimizer=ip.user_ns["opt"], repeats=1)
+    assert direct.peak_bytes == prof.peak_bytes  # the magic profiles exactly what the API does
+
+
+def test_star_inputs_optimizer_class_units_and_quiet(ip):
+    out = ip.run_line_magic("memopt_profile", "model *inputs --loss loss_fn --optimizer Adam --units blocks.1 "
+                                              "--repeats 1 -q -o p1")
+    assert out is None
+    p1 = ip.user_ns["p1"]
+    assert p1.unit_names == ["blocks.1"] and p1.optimizer_state_bytes > 0
+
+
+def test_trailing_semicolon_silences(ip):
+    loud = ip.run_cell("%memopt_profile model x --repeats 1 -o p2")
+    assert isinstance(loud.result, memopt.ModelProfile)
+    quiet = ip.run_cell("%memopt_profile model x --repeats 1 -o p3;")
+    quiet.raise_error()
+    assert quiet.result is None and isinstance(ip.user_ns["p3"], memopt.ModelProfile)
+
+
+def test_cell_magic_profiles_the_model_the_cell_defines(ip):
+    cell = ("net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())"
+            " for _ in range(3)])\nbatch = torch.randn(8, 16)\n")
+    res = ip.run_cell_magic("memopt_profile", "--inputs batch -o cprof --repeats 1", cell)
+    assert isinstance(res, memopt.ModelProfile) and ip.user_ns["cprof"] is res
+    assert res.n_units == 3 and isinstance(ip.user_ns["net"], torch.nn.Sequential)
+    # with --model, and the line's trailing ';' silences the cell magic too
+    res = ip.run_cell_magic("memopt_profile", "--model net2 --inputs batch --repeats 1 -o cprof2;",
+                            "net2 = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())\n")
+    assert res is None and ip.user_ns["cprof2"].n_units == 2
+
+
+def test_cell_magic_mistakes(ip):
+    with pytest.raises(UsageError, match="several modules"):
+        ip.run_cell_magic("memopt_profile", "--inputs batch", "a = torch.nn.Linear(16, 2)\nb = torch.nn.Linear(16, 2)")
+    with pytest.raises(UsageError, match="no torch.nn.Module"):
+        ip.run_cell_magic("memopt_profile", "--inputs batch", "y = 1")
+    with pytest.raises(ZeroDivisionError):  # errors in the user's own code are not hidden
+        ip.run_cell_magic("memopt_profile", "--inputs batch", "1 / 0")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("", "give the model"),
+    ("nosuchmodel x", "no variable named 'nosuchmodel'"),
+    ("modle x", "did you mean model"),
+    ("not_a_model x", "'not_a_model' is an int, not a torch.nn.Module"),
+    ("model", "example inputs"),
+    ("model nosuchinput", "no variable named 'nosuchinput'"),
+    ("model *not_a_model", "cannot be unpacked"),
+    ("model 'x +'", "not a Python name or expression"),
+    ("model x --loss not_a_model", "not a function"),
+    ("model x --optimizer adamx", "neither a variable in the notebook nor a torch.optim class"),
+    ("model x --optimizer not_a_model", "not a torch.optim.Optimizer"),
+    ("model x --units nosuch.module", "memopt.profile"),
+    ("model x --repeats 0", "--repeats"),
+    ("model x -o 1abc", "identifier"),
+    ("model x --bogus", "unrecognized arguments"),
+])
+def test_profile_mistakes_are_usage_errors(ip, line, message):
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_profile", line)
+    assert message in str(err.value)
+
+
+def test_plan_stores_under_the_default_name(ip, prof, capsys):
+    lo = memopt.solvers.min_peak(prof)
+    budget = int(lo + 0.5 * (prof.peak_bytes - lo))
+    ip.user_ns.pop(magics.DEFAULT_PLAN_NAME, None)
+    p = ip.run_line_magic("memopt_plan", f"prof --budget {budget} --timesteps 96 --no-widget")
+    assert isinstance(p, memopt.Plan) and ip.user_ns[magics.DEFAULT_PLAN_NAME] is p
+    assert p.budget_bytes == budget and p.feasible and p.predicted_peak_bytes <= budget
+    assert p.meta["total_timesteps"] == 96 and p.seed == 0
+    out = capsys.readouterr().out
+    assert "[memopt.search] iter" in out and "stored as `plan`" in out
+    hist = p.meta["history"]
+    assert hist and all(math.isfinite(r["best_peak"]) for r in hist if r["best_peak"] is not None)
+
+
+def test_plan_percentage_device_seed_env_and_output(ip, prof, monkeypatch):
+    lo = memopt.solvers.min_peak(prof)
+    pct = math.ceil(100 * (lo + 0.5 * (prof.peak_bytes - lo)) / prof.peak_bytes)
+    monkeypatch.setenv("MEMOPT_NB_TIMESTEPS", "96")
+    res = ip.run_cell(f"%memopt_plan prof --budget {pct}% --device a100-40gb --seed 3 -o p_gpu --no-widget;")
+    res.raise_error()
+    assert res.result is None  # silenced
+    p = ip.user_ns["p_gpu"]
+    assert p.budget_bytes == int(prof.peak_bytes * pct / 100)
+    assert p.device["name"] == "a100-40gb" and p.seed == 3 and p.meta["total_timesteps"] == 96
+
+
+@pytest.mark.parametrize("line, message", [
+    ("prof", "the following arguments are required: --budget"),
+    ("nosuch --budget 60%", "no variable named 'nosuch'"),
+    ("model --budget 60%", "'model' is a GPT, not a ModelProfile"),
+    ("prof --budget lots", "cannot read 'lots'"),
+    ("prof --budget 0", "positive"),
+    ("prof --budget 2000%", "percentage"),
+    ("prof --budget 60% --device tpu-v9", "unknown device preset 'tpu-v9'"),
+    ("prof --budget 60% --timesteps 0", "--timesteps must be a positive"),
+    ("prof --budget 60% --timesteps many", "invalid int value"),
+    ("prof --budget 60% -o for", "identifier"),
+])
+def test_plan_mistakes_are_usage_errors(ip, prof, line, message):
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", line)
+    assert message in str(err.value)
+
+
+def test_budget_below_the_minimum_states_the_minimum(ip, prof):
+    lo = memopt.solvers.min_peak(prof)
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", f"prof --budget {lo - 1} --timesteps 96")
+    assert memopt.format_bytes(lo) in str(err.value) and str(lo) in str(err.value)
+    with pytest.raises(UsageError, match="smallest peak"):
+        ip.run_line_magic("memopt_plan", "prof --budget 1%")
+
+
+def test_bad_env_timesteps_is_a_usage_error(ip, prof, monkeypatch):
+    monkeypatch.setenv("MEMOPT_NB_TIMESTEPS", "lots")
+    with pytest.raises(UsageError, match="MEMOPT_NB_TIMESTEPS"):
+        ip.run_line_magic("memopt_plan", "prof --budget 90%")
+
+
+def test_profile_display_in_a_notebook_is_table_and_chart(prof, monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(magics, "in_notebook", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append(obj))
+    magics._profile_display(prof)
+    html, image = shown
+    assert isinstance(html, IPython.display.HTML) and "blocks.0" in html.data and "fwd ms" in html.data
+    assert isinstance(image, IPython.display.Image) and image.data[:4] == b"\x89PNG"
+    assert magics.profile_chart_html(prof).count("data:image/png;base64,") == 1
+
+
+def test_profile_display_in_a_terminal_is_text(prof, capsys):
+    magics._profile_display(prof)
+    assert capsys.readouterr().out.strip() == repr(prof)
+
+
+def test_unload_removes_everything_and_reload_works(ip, prof):
+    from memopt_nb.notebook.magics import MemoptMagics
+
+    fmt = ip.display_formatter.ipython_display_formatter
+    assert fmt.lookup_by_type(memopt.ModelProfile) is magics._profile_display
+    ip.run_line_magic("unload_ext", "memopt_nb")
+    try:
+        assert "memopt_profile" not in ip.magics_manager.magics["line"]
+        assert "memopt_plan" not in ip.magics_manager.magics["line"]
+        assert "memopt_profile" not in ip.magics_manager.magics["cell"]
+        assert MemoptMagics.__name__ not in ip.magics_manager.registry
+        with pytest.raises(KeyError):
+            fmt.lookup_by_type(memopt.ModelProfile)
+        with pytest.raises(UsageError):
+            ip.run_line_magic("memopt_profile", "model x")
+        with capture_output() as cap:
+            ip.display_formatter.format(prof)
+        assert not cap.outputs  # back to the plain rich repr
+    finally:
+        ip.run_line_magic("load_ext", "memopt_nb")
+    assert "memopt_plan" in ip.magics_manager.magics["line"]
+    assert fmt.lookup_by_type(memopt.ModelProfile) is magics._profile_display
