@@ -56,7 +56,8 @@ def numbers(value):
 
 def test_there_are_tutorials():
     names = [p.name for p in NOTEBOOKS]
-    assert "01_quickstart.ipynb" in names and "02_strategy_and_timing.ipynb" in names
+    assert {"01_quickstart.ipynb", "02_strategy_and_timing.ipynb", "03_evaluate.ipynb"} <= set(names)
+    assert "benchmarks.ipynb" in names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -76,7 +77,7 @@ def test_notebook_executes(path, notebook_env):
     views = [o["data"][WIDGET_VIEW]["model_id"] for o in outputs if WIDGET_VIEW in o.get("data", {})]
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     assert all(mid in state for mid in views), "every displayed widget has its state saved in the notebook"
-    if path.parent.name == "tutorials":
+    if path.name in ("01_quickstart.ipynb", "02_strategy_and_timing.ipynb"):
         assert views, "the tutorial shows the live dashboard"
     images = [m for m in state.values() if m["model_name"] == "ImageModel"]
     assert len(images) >= len(views)
@@ -98,3 +99,10 @@ def test_notebook_executes(path, notebook_env):
         assert summary["gpu_plan_step_time"] >= summary["optimum_step_time"] * (1 - 1e-9)
         assert summary["here_plan_step_time_on_gpu"] >= summary["optimum_step_time"] * (1 - 1e-9)
         assert len(summary["swap_all_stalls_ms"]) == 12
+    if path.name == "03_evaluate.ipynb":
+        assert summary["flat_worth_it"] is False
+        assert summary["gpu_source"] == "simulated"
+        assert summary["best_plan_max_batch"] >= summary["plain_max_batch"]
+        assert ("worth it" in summary["cpu_verdict"]) and 0.0 <= summary["r2_memory_plain"] <= 1.0
+    if path.name == "benchmarks.ipynb":
+        assert summary["cases"] >= 2 and summary["seconds"] > 0
