@@ -23,11 +23,14 @@ most frugal allowed option is assumed). An action outside the mask is replaced b
 
 Reward (cooperative, from the exact simulator at the end of the episode): the team objective is
 ``J = overhead + penalty`` with ``overhead = step_time / keep_all_time − 1`` and a penalty that jumps to 1 and grows
-with how far the peak exceeds the budget. It is split into *difference rewards*: the strategy agent earns
-``−J(plan with default timings)``, the timing agent ``J(default timings) − J(plan)`` — what its timings added. Both are
-paid densely: each step carries the marginal-model cost of that step's choice, and the last step carries the exact
-remainder, so every agent's episode return is exactly its share (shaping that leaves the returns unchanged). Returns
-are scaled by ``reward_scale``.
+with how far the peak exceeds the budget. The timing agent earns a *difference reward*,
+``J(same strategies, default timings) − J(plan)`` — what its timings added, which only its own choices move. The
+strategy agent earns ``−min(J(plan), J(default timings))``: its strategies judged with the better of the timings tried,
+so that neither the timing agent's exploration nor a fixed default timing (which would teach it that a swap only the
+right timing hides is bad) counts against it. Both are paid densely: each step carries the marginal-model cost of
+that step's choice (for a swap, the cheapest allowed timing), and the last step carries the exact remainder, so every
+agent's episode return is exactly its share (shaping that leaves the returns unchanged). Returns are scaled by
+``reward_scale``.
 """
 
 from __future__ import annotations
@@ -120,8 +123,8 @@ class MemoryPlanningEnv(ParallelEnv):
                 self.level += task.marg_peak[t, s]
                 self.spent += task.marg_time[t, s]
                 cost = task.marg_time[t, s]
-            else:
-                cost = task.marg_time[t, 2 + DEFAULT_TIMING]
+            else:  # optimistic: as if the timing agent picks the cheapest allowed timing
+                cost = task.marg_time[t, 2 + np.flatnonzero(task.option_ok[t, 2:])].min()
             rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
         for a in rewards:
             self.shaped[a] += rewards[a]
@@ -148,13 +151,14 @@ class MemoryPlanningEnv(ParallelEnv):
         dists = np.stack([self.dists, np.where(self.codes == SWAP, dd, 1)])
         peak, time = task.evaluate(codes, windows, dists)
         j = task.overhead(time) + task.penalty(peak)
-        share = {STRATEGY: -j[1] * self.reward_scale, TIMING: -(j[0] - j[1]) * self.reward_scale}
+        share = {STRATEGY: -min(j[0], j[1]) * self.reward_scale, TIMING: -(j[0] - j[1]) * self.reward_scale}
         for a in rewards:
             # the last step pays what the dense rewards have not: episode return == the agent's exact share
             rewards[a] += share[a] - self.shaped[a]
         result = {"codes": self.codes.copy(), "windows": self.windows.copy(), "dists": self.dists.copy(),
                   "peak": float(peak[0]), "time": float(time[0]), "feasible": bool(peak[0] <= task.budget),
-                  "objective": float(j[0]), "return": {a: float(v) for a, v in share.items()}}
+                  "objective": float(j[0]), "objective_default_timing": float(j[1]),
+                  "return": {a: float(v) for a, v in share.items()}}
         return rewards, result
 
     def _allowed(self, agent: str, action: Any) -> int:

@@ -23,8 +23,13 @@ METHOD = "memopt-ppo"
 
 
 def default_timesteps(n_units: int) -> int:
-    """The default PPO budget: about 1,500 episodes' worth of steps, between 20k and 100k."""
-    return int(min(100_000, max(20_000, 1500 * (n_units + 1))))
+    """The default PPO budget: about 1,500 episodes' worth of steps, between 30k and 100k."""
+    return int(min(100_000, max(30_000, 1500 * (n_units + 1))))
+
+
+def default_restarts(n_units: int) -> int:
+    """Independent agent pairs sharing the budget: two for small problems, where one pair settles early."""
+    return 2 if n_units <= 24 else 1
 
 
 def _option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -74,7 +79,7 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
 
 def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
-           config: PPOConfig | None = None, polish_plan: bool = True) -> Plan:
+           config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None) -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
 
     Args:
@@ -88,6 +93,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         config: a full :class:`~memopt_nb.rl.ppo.PPOConfig` (its ``total_timesteps``/``seed`` are overridden by the
             arguments above when given).
         polish_plan: run a local search on the agents' best plan; what it adds is reported separately.
+        restarts: independent agent pairs trained one after the other, each on an equal share of the timesteps
+            (default :func:`default_restarts`); the best plan of all of them is returned.
 
     The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak so
     far, feasible fraction), ``agents_step_time`` (what the agents alone reached), ``polished_step_time``,
@@ -116,10 +123,17 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         elif info["objective"] < least_bad["objective"]:
             least_bad.update(objective=info["objective"], plan=plan, peak=info["peak"], time=info["time"])
 
+    restart = [0]
+    offset = {"iterations": 0, "steps": 0}
+
     def on_iteration(stats: dict) -> None:
+        if stats["iteration"] == 1 and history:  # a new agent pair continues the numbering
+            offset["iterations"] = history[-1]["iteration"]
+            offset["steps"] = history[-1]["global_step"]
         row = {
-            "iteration": stats["iteration"],
-            "global_step": stats["global_step"],
+            "iteration": stats["iteration"] + offset["iterations"],
+            "restart": restart[0],
+            "global_step": stats["global_step"] + offset["steps"],
             "total_timesteps": cfg.total_timesteps,
             "seconds": time.perf_counter() - t0,
             "reward_strategy": stats[f"{STRATEGY}/episodic_return"],
@@ -139,20 +153,27 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             callback(row)
 
     interrupted = False
+    runs = max(1, int(restarts if restarts is not None else default_restarts(task.n)))
     # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
     # machine (so a seed gives the same plan everywhere). The user's setting is restored afterwards.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        agents = train(lambda: MemoryPlanningEnv(task), cfg, on_episode=on_episode, on_iteration=on_iteration)
-        _greedy_rollout(task, agents, on_episode)
+        for k in range(runs):
+            restart[0] = k
+            run_cfg = PPOConfig(**{**cfg.__dict__, "seed": seed * 7919 + k,
+                                   "total_timesteps": cfg.total_timesteps // runs})
+            agents = train(lambda: MemoryPlanningEnv(task), run_cfg, on_episode=on_episode,
+                           on_iteration=on_iteration)
+            _greedy_rollout(task, agents, on_episode)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         torch.set_num_threads(threads)
     seconds = time.perf_counter() - t0
     meta = {"history": history, "search_seconds": seconds, "interrupted": interrupted,
-            "total_timesteps": cfg.total_timesteps, "episodes": episodes[0], "best_episode": best["episode"],
+            "total_timesteps": cfg.total_timesteps, "restarts": runs, "episodes": episodes[0],
+            "best_episode": best["episode"],
             "base_step_time": task.base_time}
     if best["plan"] is None:
         warnings.warn("the agents found no plan within the budget; returning the least infeasible one, flagged",
