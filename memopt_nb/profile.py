@@ -743,6 +743,9 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
+    from .distributed import check_plain
+
+    check_plain(model, "profile")  # DDP / FSDP2: profile the plain model, then wrap it (memopt_nb.distributed)
     if not example_inputs:
         raise ProfileError("profile() needs example inputs: memopt.profile(model, x) with x a batch of inputs")
     if loss_fn is not None and not callable(loss_fn):
@@ -771,6 +774,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         rc_marks, _, _ = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True)
         timings: list[list[float]] = []
         labels_ref = [m[0] for m in keep_marks]
+        _timed_step(model, inputs, loss_fn, optimizer, names, dev)  # untimed: the tracked steps leave caches cold
         for _ in range(repeats):
             labels, durations = _timed_step(model, inputs, loss_fn, optimizer, names, dev)
             if labels != labels_ref:

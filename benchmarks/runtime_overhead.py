@@ -1,0 +1,205 @@
+"""Runtime overhead of applying a plan, on the zoo models (CPU).
+
+Two comparisons, each timed on real training steps (forward, loss, backward, Adam step, zero_grad) in one process, with
+the two variants interleaved A B A B ... so that drift of this (shared, noisy) machine hits both alike:
+
+(a) ``Plan.uniform(profile, "keep")`` applied with ``with memopt.plan(p, model):`` vs. no plan — target ratio <= 1.03;
+(b) ``Plan.uniform(profile, "recompute")`` applied the same way vs. hand-applied non-reentrant checkpointing,
+    ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`` on the same units (each unit's ``forward``
+    monkeypatched by this script and restored afterwards) — target ratio <= 1.03.
+
+The plan is entered and left around every timed step (the timer covers only the step inside the block; what entering
+and leaving costs is reported separately), so both variants of a pair run in the same conditions. Ratios are
+``median(plan) / median(reference)``; the "paired" column is the median of the per-pair ratios, which cancels drift
+even better. The plans are made from a profile of the model itself (``memopt.profile``, one timed repeat).
+
+    python benchmarks/runtime_overhead.py            # zoo default batch sizes, 25 pairs per comparison (~2 min)
+    python benchmarks/runtime_overhead.py --quick    # 7 pairs per comparison (~30 s)
+
+Both modes use the zoo's default batch sizes (``--batch-scale`` changes them) and one torch thread (``--threads``): on
+this shared 2-vCPU machine, 2-thread steps are at times 10-50x slower for seconds to minutes, 1-thread steps are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import _common
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import memopt_nb as memopt
+from memopt_nb import zoo
+
+TARGET = 1.03
+
+
+def train_step(model: torch.nn.Module, inputs: tuple[Any, ...], loss_fn: Callable, opt: torch.optim.Optimizer) -> float:
+    """One real training step; returns its seconds (garbage collection held off while timing)."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        loss = loss_fn(model(*inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+
+
+@contextlib.contextmanager
+def hand_checkpoint(model: torch.nn.Module, unit_names: list[str]) -> Iterator[None]:
+    """Wrap each unit's forward in non-reentrant ``torch.utils.checkpoint``; restore the modules afterwards."""
+    saved = []
+    for name in unit_names:
+        module = model.get_submodule(name)
+        had_own = "forward" in module.__dict__
+        previous = module.__dict__.get("forward")
+        inner = module.forward  # bound method (or the instance attribute, if one exists)
+
+        def forward(*args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward
+        saved.append((module, had_own, previous))
+    try:
+        yield
+    finally:
+        for module, had_own, previous in reversed(saved):
+            if had_own:
+                module.forward = previous
+            else:
+                del module.forward
+
+
+class PlanTimer:
+    """Times a step inside ``with memopt.plan(p, model):``, and separately what entering/leaving costs."""
+
+    def __init__(self, plan: memopt.Plan, model: torch.nn.Module) -> None:
+        self.plan, self.model = plan, model
+        self.apply_s: list[float] = []
+
+    def step(self, inputs: tuple[Any, ...], loss_fn: Callable, opt: torch.optim.Optimizer) -> float:
+        t0 = time.perf_counter()
+        ctx = memopt.plan(self.plan, self.model)
+        ctx.apply()
+        t1 = time.perf_counter()
+        try:
+            dt = train_step(self.model, inputs, loss_fn, opt)
+        finally:
+            t2 = time.perf_counter()
+            ctx.remove()
+            t3 = time.perf_counter()
+        self.apply_s.append((t1 - t0) + (t3 - t2))
+        return dt
+
+
+def interleaved(a: Callable[[], float], b: Callable[[], float], reps: int) -> tuple[list[float], list[float]]:
+    """One untimed warm-up of each, then ``reps`` pairs A B A B ..."""
+    a()
+    b()
+    ta, tb = [], []
+    for _ in range(reps):
+        ta.append(a())
+        tb.append(b())
+    return ta, tb
+
+
+def forwards_untouched(model: torch.nn.Module) -> bool:
+    return not any("forward" in m.__dict__ for m in model.modules())
+
+
+def run_model(name: str, batch: int, reps: int) -> dict[str, Any]:
+    model, inputs, loss_fn, _ = zoo.build(name, batch_size=batch)
+    opt = torch.optim.Adam(model.parameters())
+    prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
+    keep = memopt.Plan.uniform(prof, "keep")
+    rc = memopt.Plan.uniform(prof, "recompute")
+    units = prof.unit_names
+
+    train_step(model, inputs, loss_fn, opt)  # creates the Adam state and warms the allocator
+    plain = lambda: train_step(model, inputs, loss_fn, opt)  # noqa: E731
+    keep_t = PlanTimer(keep, model)
+    rc_t = PlanTimer(rc, model)
+
+    def hand() -> float:
+        with hand_checkpoint(model, units):
+            return train_step(model, inputs, loss_fn, opt)
+
+    t_plain, t_keep = interleaved(plain, lambda: keep_t.step(inputs, loss_fn, opt), reps)
+    t_hand, t_rc = interleaved(hand, lambda: rc_t.step(inputs, loss_fn, opt), reps)
+    assert forwards_untouched(model), "a variant left a wrapped forward behind"
+    med = _common.median
+    return {
+        "model": name, "batch": batch, "units": len(units),
+        "plain": med(t_plain), "keep": med(t_keep), "hand": med(t_hand), "rc": med(t_rc),
+        "ratio_a": med(t_keep) / med(t_plain), "paired_a": med([k / p for k, p in zip(t_keep, t_plain)]),
+        "ratio_b": med(t_rc) / med(t_hand), "paired_b": med([r / h for r, h in zip(t_rc, t_hand)]),
+        "spread_plain": (max(t_plain) - min(t_plain)) / med(t_plain),
+        "apply_us": med(keep_t.apply_s + rc_t.apply_s) * 1e6,
+        "n_pairs": reps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="7 pairs per comparison instead of 25")
+    ap.add_argument("--models", default=",".join(zoo.MODELS), help="comma-separated zoo models (default: all)")
+    ap.add_argument("--reps", type=int, default=None, help="interleaved pairs per comparison (>= 5; default 25, "
+                    "quick 7)")
+    ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the zoo's default batch sizes")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 = torch's default)")
+    args = ap.parse_args()
+    _common.set_threads(args.threads)
+    args.reps = args.reps if args.reps is not None else (7 if args.quick else 25)
+    if args.reps < 5:
+        ap.error("--reps must be >= 5 (medians of fewer repetitions are not worth quoting here)")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    t_start = time.perf_counter()
+    print(f"# runtime overhead ({'quick' if args.quick else 'default'} mode) — {_common.environment_line()}")
+    print(f"median of {args.reps} interleaved pairs per comparison, target ratio <= {TARGET}\n", flush=True)
+    results = []
+    for name in models:
+        batch = max(1, round(zoo.build(name).inputs[0].shape[0] * args.batch_scale))
+        results.append(run_model(name, batch, args.reps))
+        r = results[-1]
+        print(f"  {name}: (a) {r['ratio_a']:.3f}  (b) {r['ratio_b']:.3f}", flush=True)
+    rows = []
+    for r in results:
+        ok_a, ok_b = r["ratio_a"] <= TARGET, r["ratio_b"] <= TARGET
+        rows.append([
+            r["model"], r["batch"], r["units"], f"{r['plain'] * 1e3:.1f}", f"{r['keep'] * 1e3:.1f}",
+            f"{r['ratio_a']:.3f}", f"{r['paired_a']:.3f}", f"{r['hand'] * 1e3:.1f}", f"{r['rc'] * 1e3:.1f}",
+            f"{r['ratio_b']:.3f}", f"{r['paired_b']:.3f}", f"{r['spread_plain'] * 100:.1f}",
+            f"{r['apply_us']:.0f}", ("ok" if ok_a else "MISS") + " / " + ("ok" if ok_b else "MISS"),
+        ])
+    print()
+    print(_common.md_table(
+        ["model", "batch", "units", "no plan ms", "keep plan ms", "(a) ratio", "(a) paired", "hand ckpt ms",
+         "rc plan ms", "(b) ratio", "(b) paired", "no-plan spread %", "apply+remove µs", "(a) / (b)"],
+        rows, "lrrrrrrrrrrrrc"))
+    miss_a = [r["model"] for r in results if r["ratio_a"] > TARGET]
+    miss_b = [r["model"] for r in results if r["ratio_b"] > TARGET]
+    print()
+    print("spread = (max - min) / median of the no-plan steps: the noise floor of this machine for that model. "
+          "(a): a keep-all plan that swaps nothing wraps no module, so its ratio is pure noise.")
+    print("(b) is not like for like on BatchNorm models (resnet, unet): plain checkpointing updates BatchNorm running "
+          "statistics a second time in the recomputation; memopt's recompute redirects that update to throw-away "
+          "copies, which costs a few clones per BatchNorm per step.")
+    print(f"summary: (a) keep-plan/no-plan <= {TARGET}: {len(results) - len(miss_a)}/{len(results)} met"
+          + (f" (missed: {', '.join(miss_a)})" if miss_a else "")
+          + f"; (b) recompute-plan/hand checkpoint <= {TARGET}: {len(results) - len(miss_b)}/{len(results)} met"
+          + (f" (missed: {', '.join(miss_b)})" if miss_b else "")
+          + f" — {'ALL TARGETS MET' if not miss_a and not miss_b else 'TARGETS MISSED'}"
+          + f" [{time.perf_counter() - t_start:.0f} s]")
+
+
+if __name__ == "__main__":
+    main()
