@@ -37,6 +37,11 @@ def _train(model_name: str, steps: int, plan: Plan | None, seed: int) -> tuple[l
     return losses, [p.detach().clone() for p in zm.model.parameters()]
 
 
+def _short(d: object) -> str:
+    s = {"keep": "K", "recompute": "R", "swap": "S"}[d.strategy]
+    return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy == "swap" else "")
+
+
 def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, seed: int = 0,
              planner: Callable | None = None, out: Callable[[str], None] = print) -> dict[str, object]:
     """Run the demo and return its figures (also printed through ``out``)."""
@@ -48,7 +53,8 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
     lowest = min_peak(prof)
     budget = max(int(budget_fraction * prof.peak_bytes), lowest)
     if planner is None:
-        from .solvers import optimal as planner
+        from .rl.search import search as planner
+    out(f"searching a plan under {budget / prof.peak_bytes:.0%} of the peak with the two PPO agents ...")
     plan = planner(prof, budget)
     sim = simulate(prof, plan)
     base = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=steps)
@@ -59,7 +65,9 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
         torch.equal(a, b) for a, b in zip(ref_params, plan_params))
     ratio = under.step_time / base.step_time
     counts = plan.counts()
-    out(f"plan ({plan.method}): keep {counts['keep']}, recompute {counts['recompute']}, swap {counts['swap']}")
+    took = plan.meta.get("search_seconds")
+    out(f"plan ({plan.method}{f', {took:.0f} s' if took else ''}): keep {counts['keep']}, recompute "
+        f"{counts['recompute']}, swap {counts['swap']}  — {' '.join(_short(d) for d in plan.decisions)}")
     out(f"  unoptimized peak (measured): {format_bytes(base.peak_bytes)}")
     out(f"  budget:                      {format_bytes(budget)} ({budget / prof.peak_bytes:.0%} of the peak)")
     out(f"  predicted peak under plan:   {format_bytes(sim.peak_bytes)}")
