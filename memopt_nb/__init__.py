@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import solvers, zoo  # noqa: E402,I001
+from . import distributed, solvers, zoo  # noqa: E402,I001
 
 # NB: `plan` must be bound after `.plan` (the module) is imported, so that `memopt.plan` is the context manager.
 from .budget import format_bytes, parse_bytes
 from .device import DeviceSpec
-from .errors import BudgetError, MemoptError, PlanError, ProfileError
+from .errors import BudgetError, MemoptError, PlanError, ProfileError, WrapOrderError
 from .evaluate import Evaluation, evaluate
 from .plan import Decision, Plan
 from .profile import ModelProfile, UnitProfile
@@ -37,8 +37,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
-    "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "UnitProfile", "evaluate",
-    "format_bytes", "measure", "parse_bytes", "plan", "profile", "search", "simulate", "solvers", "zoo",
+    "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "UnitProfile", "WrapOrderError",
+    "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile", "search", "simulate",
+    "solvers", "zoo",
 ]
 
 

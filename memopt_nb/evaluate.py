@@ -36,7 +36,7 @@ from .plan import Plan
 from .profile import profile as profile_model
 from .runtime.measure import measure
 from .simulate import Simulator
-from .solvers import BASELINES, optimal
+from .solvers import BASELINES, min_peak, optimal
 from .zoo import build
 
 DEFAULT_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "optimal", "memopt-ppo", "grad_accum")
@@ -104,10 +104,14 @@ class Evaluation:
     best_method: str | None
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: per batch size, the smallest peak any plan reaches (simulated; ``solvers.min_peak``): no method can fit a
+    #: batch whose minimum is above the budget, so it bounds every method's max batch
+    min_peak_bytes: dict[int, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "device": self.device, "source": self.source, "budget_bytes": self.budget_bytes,
-                "batch_sizes": self.batch_sizes, "verdict": self.verdict, "worth_it": self.worth_it,
+                "batch_sizes": self.batch_sizes, "min_peak_bytes": self.min_peak_bytes,
+                "verdict": self.verdict, "worth_it": self.worth_it,
                 "best_method": self.best_method, "warnings": self.warnings, "seconds": self.seconds,
                 "methods": {k: v.to_dict() for k, v in self.methods.items()}}
 
@@ -420,13 +424,14 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
             dk = r.fit["k"] - base.fit.get("k", 0.0)
             da = base.fit.get("alpha", 0.0) - r.fit.get("alpha", 0.0)
             r.p_score = (da / dk) if dk > 0 else (math.inf if da > 0 else None)
+    floor = {b: int(min_peak(Simulator(prof_at(b), spec))) for b in sizes}
     verdict, worth, best = _verdict(results, plain_max)
     for w in warn:
         warnings.warn(w, stacklevel=2)
     return Evaluation(model=name, device=(spec.name if spec else ref_prof.device.name),
                       source="simulated" if simulated else "measured", budget_bytes=value, batch_sizes=list(sizes),
                       methods=results, verdict=verdict, worth_it=worth, best_method=best, warnings=warn,
-                      seconds=time.perf_counter() - t_start)
+                      seconds=time.perf_counter() - t_start, min_peak_bytes=floor)
 
 
 def _grad_accum(none: MethodResult | None, sizes: list[int], built: dict, prof_at: Callable, budget: int,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import sys
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -93,11 +94,22 @@ def _fingerprint_matches(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     ]
 
 
+def plain_module_type(module: Any) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` swaps it for a dynamic ``FSDP<Class>(FSDPModule, Class)``."""
+    cls = type(module)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing can be sharded unless something imported it
+    if fsdp is not None and isinstance(module, fsdp.FSDPModule):
+        for base in cls.__mro__[1:]:
+            if not issubclass(base, fsdp.FSDPModule):
+                return base
+    return cls
+
+
 def unit_fingerprint(name: str, module: Any) -> dict[str, Any]:
-    """What identifies a unit across runs: its name, module type and parameter shapes."""
+    """What identifies a unit across runs: its name, module type (the plain one under FSDP2) and parameter shapes."""
     return {
         "name": name,
-        "type": type(module).__name__,
+        "type": plain_module_type(module).__name__,
         "param_shapes": [list(p.shape) for p in module.parameters()],
     }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import datetime
 import difflib
@@ -186,8 +187,9 @@ class ModelProfile:
         d = {
             "format": PROFILE_FORMAT,
             "schema_version": PROFILE_SCHEMA,
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-        }
+            **{f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
+               if f.name not in ("units", "segments", "groups", "device")},
+        }  # copies: a profile made from this dict shares nothing with this one
         d["units"] = [dataclasses.asdict(u) for u in self.units]
         d["segments"] = [dataclasses.asdict(s) for s in self.segments]
         d["groups"] = [dataclasses.asdict(g) for g in self.groups]

@@ -44,6 +44,13 @@ def test_evaluate_simulated_on_a_preset_is_labelled():
     assert ev.source == "simulated" and ev.device == "v100-16gb"
     assert all(s == "simulated" for r in ev.methods.values() for s in r.source)
     check_consistency(ev)
+    # the minimum peak bounds every plan (simulated figures: the same model), and the optimum fits where it fits
+    for i, b in enumerate(ev.batch_sizes):
+        floor = ev.min_peak_bytes[b]
+        for r in ev.methods.values():
+            if r.peak_bytes[i] is not None and r.method != "grad_accum":
+                assert r.peak_bytes[i] >= floor, (r.method, b)
+        assert ev.methods["optimal"].feasible[i] == (floor <= ev.budget_bytes), b
 
 
 class Wide(nn.Module):
@@ -110,4 +117,8 @@ def test_bench_quick_writes_consistent_files(tmp_path):
                     assert tp > 0 and math.isfinite(tp)
                     if name != "grad_accum":
                         assert peak <= ev["budget_bytes"]
+    for h in data["cases"]:
+        if "next_batch" in h:  # a batch above every baseline's max: fits no plan if its minimum exceeds the budget
+            ppo_fits = (h["ppo_max_batch"] or 0) >= h["next_batch"]
+            assert not ppo_fits or h["min_peak_over_budget"] <= 1.0
     assert "| mlp |" in (tmp_path / "bench.md").read_text()

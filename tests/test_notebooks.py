@@ -56,7 +56,8 @@ def numbers(value):
 
 def test_there_are_tutorials():
     names = [p.name for p in NOTEBOOKS]
-    assert {"01_quickstart.ipynb", "02_strategy_and_timing.ipynb", "03_evaluate.ipynb"} <= set(names)
+    assert {"01_quickstart.ipynb", "02_strategy_and_timing.ipynb", "03_evaluate.ipynb",
+            "04_more_than_one_device.ipynb"} <= set(names)
     assert "benchmarks.ipynb" in names
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..distributed import order_guard, unwrap
 from ..errors import PlanError
 from ..plan import Plan, effective_triggers
 from .recompute import checkpointed_call
@@ -47,6 +48,8 @@ class AppliedPlan:
                 )
         if not isinstance(model, nn.Module):
             raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        model = unwrap(model)  # a DDP wrapper's names gain "module."; the plan names the wrapped module's units
+        self._guard: Any = None
         self.plan = plan
         self.model = model
         self.engine: SwapEngine | None = None
@@ -89,6 +92,7 @@ class AppliedPlan:
         model_ptrs = _storage_ptrs(list(model.parameters()) + list(model.buffers())) if has_swap else set()
         _APPLIED[model] = self
         try:
+            self._guard = order_guard(model, modules, names)  # sharding after this point raises at forward
             for index, (module, strategy) in enumerate(zip(modules, strategies, strict=True)):
                 if strategy == "keep" and not has_swap:
                     continue
@@ -138,6 +142,9 @@ class AppliedPlan:
             else:
                 module.__dict__.pop("forward", None)
         self._installed.clear()
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         if self.engine is not None:
             self._stats = {**self.engine.stats, **self.engine.pool_stats()}
             self.engine.close()

@@ -84,12 +84,20 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
     losses: list[float] = []
     times: list[float] = []
     with preserved_state(model, optimizer), ctx:
-        for _ in range(warmup):
+        for _ in range(warmup - 1):
             losses.append(training_step(model, inputs, loss_fn, optimizer).item())
         meter = meter_for(device)
         meter.track(model, optimizer, list(inputs))
-        meter.reset_peak()
         with meter:
+            # the last warm-up step under the meter too: on CPU it then also counts memory the step keeps that no
+            # Python object lists (DDP's gradient buckets, first used by the all-reduce of this step)
+            if warmup > 0:
+                losses.append(training_step(model, inputs, loss_fn, optimizer).item())
+            if hasattr(meter, "watch"):  # FSDP2 resizes its unsharded parameters where a dispatch mode cannot see it
+                from ..distributed import resized_storages
+
+                meter.watch(resized_storages(model))
+            meter.reset_peak()
             loss = training_step(model, inputs, loss_fn, optimizer)
         peak = int(meter.peak)
         losses.append(loss.item())

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 _ACTIVE: list[Any] = []
@@ -74,6 +74,7 @@ class StorageTracker(_MeterBase, TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self._ipeak = 0
+        self._watched: list[weakref.ref] = []
 
     # -- registration
     def add_storage(self, st: torch.UntypedStorage) -> None:
@@ -114,8 +115,28 @@ class StorageTracker(_MeterBase, TorchDispatchMode):
         """Count tensors that exist already: tensors, modules (parameters, buffers, grads), optimizers (state)."""
         for obj in objs:
             for t in _tensors_of(obj):
-                if t.device.type == self.device.type and not t.is_meta:
-                    self.add_storage(t.untyped_storage())
+                for q in _plain(t):
+                    if q.device.type == self.device.type and not q.is_meta:
+                        self.add_storage(q.untyped_storage())
+
+    def watch(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        """Follow storages whose size changes outside the dispatcher: re-read them before and after every operator.
+
+        FSDP2 frees and re-allocates its unsharded parameters with ``UntypedStorage.resize_``, which no dispatch mode
+        sees (``memopt_nb.distributed.resized_storages`` lists them).
+        """
+        for st in storages:
+            if st.device.type == self.device.type:
+                self._watched.append(weakref.ref(st))
+                self.add_storage(st)
+
+    def _resync(self) -> None:
+        for ref in self._watched:
+            st = ref()
+            if st is not None:
+                entry = self._live.get(id(st))
+                if entry is None or entry[1] != st.nbytes():
+                    self.add_storage(st)
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -130,10 +151,15 @@ class StorageTracker(_MeterBase, TorchDispatchMode):
 
     # -- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if self._watched:
+            self._resync()
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device.type:
-                self.add_storage(t.untyped_storage())
+                for q in _plain(t):
+                    self.add_storage(q.untyped_storage())
+        if self._watched:
+            self._resync()
         return out
 
     def __enter__(self) -> StorageTracker:
@@ -194,6 +220,17 @@ def meter_for(device: torch.device | str) -> StorageTracker | CudaMeter:
     if device.type == "cuda":
         return CudaMeter(device)
     return StorageTracker(device)
+
+
+def _plain(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The tensors that hold ``t``'s memory: itself, or for a wrapper subclass (DTensor) its inner local tensors."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not is_traceable_wrapper_subclass(t):
+        yield t
+        return
+    for name in t.__tensor_flatten__()[0]:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
+            yield from _plain(inner)
 
 
 def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:

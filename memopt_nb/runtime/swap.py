@@ -396,7 +396,9 @@ class SwapEngine:
             if not _manageable(t):
                 return t
             st = t.untyped_storage()
-            if st.nbytes() == 0 or st.data_ptr() in param_ptrs:
+            # a view of a parameter stays, even one the caller could not list: FSDP2's unsharded parameters (views of
+            # its all-gather buffers) all-gathered by a module sharded inside the unit, after param_ptrs was taken
+            if st.nbytes() == 0 or st.data_ptr() in param_ptrs or isinstance(t._base, torch.nn.Parameter):
                 return t
             rec = p.records.get(id(st))
             if rec is None or rec.storage is not st:

@@ -1,0 +1,146 @@
+"""More than one device: DDP and FSDP2 on 2 CPU ranks (gloo), launched by torchrun like a user would.
+
+The 2-rank runs are `examples/ddp_train.py` itself (the README's command), so the example is what is tested.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.nn as nn
+
+import memopt_nb as memopt
+from memopt_nb import distributed as mdist
+from memopt_nb.errors import ProfileError, WrapOrderError
+from memopt_nb.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+
+
+def _torchrun(tmp: Path, *args: str) -> list[dict]:
+    out = tmp / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "examples" / "ddp_train.py"), "--json", str(out), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Rows of both ranks, for DDP and for FSDP2 (4 GPT blocks, batch 4 per rank, 3 steps, a mixed plan)."""
+    return {s: _torchrun(tmp_path_factory.mktemp(s), *(["--fsdp"] if s == "fsdp" else [])) for s in ("ddp", "fsdp")}
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_mixed_plan_on_two_ranks_trains_like_no_plan(runs, sharding):
+    rows = runs[sharding]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert "keep 1" in r["plan"] and "recompute 1" in r["plan"] and "swap 2" in r["plan"]
+        assert r["swap"]["offloaded_bytes"] > 0  # the swap units really offloaded on this rank
+        assert r["losses"] == r["ref_losses"]
+        assert r["params_equal"] or r["max_param_diff"] < 1e-6, r["max_param_diff"]
+        assert r["peak_plan"] < r["peak_no_plan"]
+    assert rows[0]["losses"] != rows[1]["losses"]  # each rank trained on its own batch
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_per_rank_prediction_within_10_percent(runs, sharding):
+    for r in runs[sharding]:
+        for key in ("plan", "no_plan"):
+            measured, predicted = r[f"peak_{key}"], r[f"predicted_{key}"]
+            assert abs(predicted - measured) <= 0.10 * measured, (sharding, r["rank"], key, measured, predicted)
+
+
+def test_fsdp_peak_below_ddp_by_about_the_sharded_state(runs):
+    ddp, fsdp = runs["ddp"][0], runs["fsdp"][0]
+    sharded = fsdp["state_plain"] - fsdp["state_rank"]  # parameters, gradients, optimizer state: half on each rank
+    assert sharded > 0.4 * fsdp["state_plain"]
+    for key in ("peak_no_plan", "peak_plan"):
+        saved = ddp[key] - fsdp[key]
+        # DDP also holds its gradient buckets, FSDP2 holds all-gathered units: "about", within half the state either way
+        assert 0.5 * sharded < saved < 1.5 * sharded, (key, saved, sharded)
+
+
+# ---------------------------------------------------------------- one process, world size 1: the order rules
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _small():
+    zm = memopt.zoo.build("gpt", batch_size=2, seq_len=16, d_model=32, n_layers=3)
+    prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, repeats=1)
+    return zm, prof, Plan.from_strategies(prof, ["swap", "recompute", "keep"])
+
+
+def test_wrapped_or_sharded_models_cannot_be_profiled(group):
+
+    zm, prof, plan = _small()
+    ddp = nn.parallel.DistributedDataParallel(zm.model)
+    with pytest.raises(WrapOrderError, match="plain model"):
+        memopt.profile(ddp, *zm.inputs, loss_fn=zm.loss_fn)
+    sharded = mdist.fully_shard_units(memopt.zoo.build("gpt", batch_size=2, seq_len=16, d_model=32, n_layers=3).model,
+                                      plan)
+    with pytest.raises(WrapOrderError, match="fully_shard"):
+        memopt.profile(sharded, *zm.inputs, loss_fn=zm.loss_fn)
+    assert isinstance(WrapOrderError("x"), ProfileError)
+
+
+def test_plan_applies_through_ddp_and_sharding_inside_a_plan_raises(group):
+    from torch.distributed.fsdp import fully_shard
+
+    zm, prof, plan = _small()
+    ddp = nn.parallel.DistributedDataParallel(zm.model)
+    with memopt.plan(plan, ddp) as applied:  # names resolve through DDP's "module." prefix
+        zm.loss_fn(ddp(*zm.inputs)).backward()
+    assert applied.stats["offloaded_bytes"] > 0
+
+    fresh = memopt.zoo.build("gpt", batch_size=2, seq_len=16, d_model=32, n_layers=3)
+    with memopt.plan(plan, fresh.model):
+        fully_shard(fresh.model.get_submodule(plan.units[0]))
+        with pytest.raises(WrapOrderError, match="shard first"):
+            fresh.model(*fresh.inputs)
+
+
+def test_fsdp_fingerprint_uses_the_plain_class(group):
+    zm, prof, plan = _small()
+    sharded = mdist.fully_shard_units(zm.model, plan)
+    unit = sharded.get_submodule(plan.units[0])
+    assert type(unit).__name__.startswith("FSDP")
+    assert mdist.plain_module_type(unit) is type(memopt.zoo.build("gpt", n_layers=1).model.get_submodule("blocks.0"))
+    plan.validate(sharded)  # the plan made for the plain model is valid for its sharded form
+
+
+# ---------------------------------------------------------------- per-rank accounting: arithmetic on a profile
+def test_per_rank_accounting(zoo_profiles):
+    _, _, prof = zoo_profiles["gpt"]
+    same = mdist.per_rank(prof, 4, None)
+    assert same.peak_bytes == prof.peak_bytes and same.meta["per_rank"]["world_size"] == 4
+    p2, p4 = mdist.per_rank(prof, 2, "fsdp"), mdist.per_rank(prof, 4, "fsdp")
+    for q, n in ((p2, 2), (p4, 4)):
+        assert q.param_bytes == pytest.approx(prof.param_bytes / n, rel=0.02)
+        assert q.optimizer_state_bytes == pytest.approx(prof.optimizer_state_bytes / n, rel=0.02)
+    assert p4.peak_bytes < p2.peak_bytes < prof.peak_bytes
+    ddp = mdist.per_rank(prof, 2, "ddp", bucket_bytes=1000)
+    assert ddp.peak_bytes == prof.peak_bytes + 1000  # buckets live through the whole step
+    keep = Plan.uniform(p2, "keep")
+    assert memopt.simulate(p2, keep).peak_bytes == p2.peak_bytes
+    with pytest.raises(ProfileError, match="sharding must be one of"):
+        mdist.per_rank(prof, 2, "zero3")
+    with pytest.raises(ProfileError, match="world_size"):
+        mdist.per_rank(prof, 0, "fsdp")
+    with pytest.raises(ProfileError, match="already per rank"):
+        mdist.per_rank(p2, 2, "fsdp")
+    assert "per_rank" not in prof.meta  # the plain profile is left as it was
