@@ -11,7 +11,7 @@ import torch.nn as nn
 from ..distributed import order_guard, unwrap
 from ..errors import PlanError
 from ..plan import Plan, effective_triggers
-from .recompute import checkpointed_call
+from .recompute import checkpointed_call, running_stat_modules
 from .swap import SwapEngine
 
 _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -107,13 +107,14 @@ class AppliedPlan:
         previous = module.__dict__.get("forward")
         inner = previous if had_own else type(module).forward.__get__(module, type(module))
         engine = self.engine
+        stats = running_stat_modules(module)  # once, not per call
 
         if engine is None:  # recompute only
 
             def forward(*args: Any, **kwargs: Any) -> Any:
                 if not torch.is_grad_enabled():
                     return inner(*args, **kwargs)
-                return checkpointed_call(module, inner, *args, **kwargs)
+                return checkpointed_call(stats, inner, *args, **kwargs)
 
         else:
 
@@ -122,7 +123,7 @@ class AppliedPlan:
                     return inner(*args, **kwargs)
                 p = engine.begin_unit(index)
                 if strategy == "recompute":
-                    out = checkpointed_call(module, inner, *args, **kwargs)
+                    out = checkpointed_call(stats, inner, *args, **kwargs)
                 else:
                     ptrs = model_ptrs | _storage_ptrs(module.parameters())
                     with engine.hooks(p, index, ptrs):

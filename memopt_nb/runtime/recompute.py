@@ -48,9 +48,13 @@ def frozen_running_stats(modules: list[nn.Module]) -> Iterator[None]:
                 setattr(m, name, buf)
 
 
-def checkpointed_call(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``forward(*args, **kwargs)`` under non-reentrant checkpointing with RNG and BatchNorm handled."""
-    stat_modules = running_stat_modules(module)
+def checkpointed_call(module: nn.Module | list[nn.Module], forward: Callable[..., Any], *args: Any,
+                      **kwargs: Any) -> Any:
+    """Run ``forward(*args, **kwargs)`` under non-reentrant checkpointing with RNG and BatchNorm handled.
+
+    ``module`` is the unit, or its :func:`running_stat_modules` found once beforehand (what a plan does).
+    """
+    stat_modules = module if isinstance(module, list) else running_stat_modules(module)
     calls = [0]
 
     def run(*a: Any, **k: Any) -> Any:
