@@ -136,7 +136,7 @@ def markdown(result: dict[str, Any]) -> str:
               "÷ optimal | next batch: min peak ÷ budget | min peak ÷ lowest baseline peak | verdict |",
               "|---|---|---|---|---|---|---|---|"]
     for h in result["cases"]:
-        nxt = f"{h['next_batch']}: {_f(h['min_peak_over_budget'], 2)}" if "next_batch" in h else "–"
+        nxt = f"{h['next_batch']}: {_f(h['min_peak_over_budget'], 3)}" if "next_batch" in h else "–"
         lines.append(f"| {h['model']} | {h['device']} | {_f(h.get('max_batch_ratio'), 2)} | "
                      f"{_f(h.get('throughput_ratio'), 3)} | {_f(h.get('throughput_vs_optimal'), 3)} | {nxt} | "
                      f"{_f(h.get('min_peak_vs_lowest_baseline'), 3)} | {h['verdict']} |")
