@@ -486,17 +486,18 @@ def _verdict(results: dict[str, MethodResult], plain_max: int | None) -> tuple[s
     accum = results.get("grad_accum")
     accum_tp = accum.max_throughput if accum is not None else None
     ref_tp = max(base_tp, accum_tp or 0.0)
-    ref_label = f"plain training at batch {plain_max}"
-    if accum_tp and accum_tp > base_tp:
-        ref_label += f" (+ gradient accumulation: {accum_tp:,.1f} samples/s)"
+    ref_label = f"plain training at batch {plain_max} ({base_tp:,.1f} samples/s)"
+    if accum_tp and accum_tp > base_tp:  # the stronger reference: plain training's batch, accumulated further
+        ref_label = (f"plain training with gradient accumulation ({accum_tp:,.1f} samples/s; at batch {plain_max} "
+                     f"alone {base_tp:,.1f})")
     if not plans:
         return f"no plan fits the budget beyond what {ref_label} reaches — not worth it", False, None
     best = max(plans, key=lambda k: plans[k].max_throughput)
     r = plans[best]
     gain = r.max_throughput / ref_tp - 1.0 if ref_tp > 0 else math.inf
     if gain > 0.02 and (r.best_batch or 0) > plain_max:
-        return (f"{best} raises the max batch from {plain_max} to {r.max_batch} and throughput from {base_tp:,.1f} to "
-                f"{r.max_throughput:,.1f} samples/s ({gain:+.0%}) over {ref_label} — worth it"), True, best
+        return (f"{best} raises the max batch from {plain_max} to {r.max_batch} and throughput to "
+                f"{r.max_throughput:,.1f} samples/s, {gain:+.0%} over {ref_label} — worth it"), True, best
     plateau = _plateau(none)
     parts = [f"no plan beats {ref_label}: the best, {best}, reaches {r.max_throughput:,.1f} samples/s"]
     if plateau is not None and plateau <= plain_max:
