@@ -19,7 +19,7 @@ from typing import Any
 from . import distributed, solvers, zoo  # noqa: E402,I001
 
 # NB: `plan` must be bound after `.plan` (the module) is imported, so that `memopt.plan` is the context manager.
-from .budget import format_bytes, parse_bytes
+from .budget import format_bytes, parse_bytes, resolve_budget
 from .device import DeviceSpec
 from .errors import BudgetError, MemoptError, PlanError, ProfileError, WrapOrderError
 from .evaluate import Evaluation, evaluate
@@ -38,8 +38,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
     "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "UnitProfile", "WrapOrderError",
-    "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile", "search", "simulate",
-    "solvers", "zoo",
+    "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile", "resolve_budget", "search",
+    "simulate", "solvers", "zoo",
 ]
 
 

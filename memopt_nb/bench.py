@@ -53,8 +53,8 @@ def headline(ev: Evaluation) -> dict[str, Any]:
     above = [b for b in ev.batch_sizes if b > best_batch]
     if above and ev.min_peak_bytes:
         b = above[0]
-        lowest = min((r.peak_bytes[r.batch_sizes.index(b)] for r in bases
-                      if r.peak_bytes[r.batch_sizes.index(b)] is not None), default=None)
+        i = ev.batch_sizes.index(b)  # every method's lists are aligned with ev.batch_sizes
+        lowest = min((r.peak_bytes[i] for r in bases if r.peak_bytes[i] is not None), default=None)
         floor = ev.min_peak_bytes.get(b)
         if lowest and floor:
             out["next_batch"] = b

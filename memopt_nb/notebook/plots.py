@@ -197,15 +197,10 @@ def memory_timeline(profile: Any, plans: Any, *, device: Any = None, budget: Any
     results = _as_results(profile, plans, device, labels)
     if budget is None:
         budget = results[0][1].budget_bytes
-    elif isinstance(budget, str) and budget.strip().endswith("%"):
-        if profile is None:
-            raise ValueError("a percentage budget needs the profile")
-        try:
-            budget = profile.peak_bytes * float(budget.strip()[:-1]) / 100
-        except ValueError:
-            raise ValueError(f"cannot read {budget!r} as a percentage; write e.g. '60%'") from None
     else:
-        budget = memopt.parse_bytes(budget)
+        if profile is None and isinstance(budget, str) and budget.strip().endswith("%"):
+            raise ValueError("a percentage budget needs the profile")
+        budget = memopt.resolve_budget(budget, reference=profile.peak_bytes if profile is not None else None)
     fig, ax = _axes_or_new(ax, (7.0, 3.4))
     with styled():
         _draw_timeline(ax, results, budget)
