@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from .errors import BudgetError
 
@@ -25,45 +26,105 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+#: The largest byte quantity accepted (1 EiB): anything above is a typo, and must still fit an int64.
+MAX_BYTES = 2**60
+_HINT = ("write a size like '512MiB', '1.5GiB' or '800MB', a number of bytes, or a share of the unoptimized peak "
+         "like '60%'")
+
+
+def _checked(amount: float | int, value: Any) -> int:
+    """``amount`` bytes as an int, refusing what is not finite, not positive, rounds to 0 bytes, or is absurdly big."""
+    if isinstance(amount, float) and not math.isfinite(amount):
+        raise BudgetError(f"a byte quantity must be a finite number of bytes, got {_show(value)}; {_HINT}")
+    if amount <= 0:
+        raise BudgetError(f"a byte quantity must be positive, got {_show(value)}; {_HINT}")
+    if amount > MAX_BYTES:
+        raise BudgetError(f"{_show(value)} is more than 1 EiB, which no device has; {_HINT}")
+    n = int(amount)
+    if n < 1:
+        raise BudgetError(f"{value!r} is less than one byte; {_HINT}")
+    return n
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(value: Any) -> float | int:
+    """A bare number: an int or float, or a string holding one (no unit)."""
+    if isinstance(value, (int, float)):
+        return value
+    match = _PATTERN.match(value)
+    if match is None or match.group(2):
+        raise ValueError(value)
+    return float(match.group(1))
+
+
 def parse_bytes(value: int | float | str) -> int:
     """Turn ``1.5GiB``, ``"800MB"``, ``"123"`` or an int of bytes into an int of bytes.
 
     Decimal units (kB, MB, GB) are powers of 1000, binary units (KiB, MiB, GiB) and the bare letters K, M, G are
-    powers of 1024. Raises :class:`BudgetError` for anything else, naming the accepted forms.
+    powers of 1024. Raises :class:`BudgetError` for anything else, naming the accepted forms: a quantity that is not
+    finite, not positive, less than one byte (``0.6`` is refused: it is no size, and :func:`resolve_budget` reads it
+    as a share) or more than 1 EiB.
     """
     if isinstance(value, bool):
         raise BudgetError(f"a byte quantity must be a number or a string like '1.5GiB', not {value!r}")
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value <= 0:
-            raise BudgetError(f"a byte quantity must be a positive number of bytes, got {value!r}")
-        return int(value)
+    if isinstance(value, int):
+        return _checked(value, value)
+    if isinstance(value, float):
+        if math.isfinite(value) and 0 < value < 1:
+            raise BudgetError(f"{value!r} is less than one byte; {_HINT}")
+        return _checked(value, value)
     if not isinstance(value, str):
         raise BudgetError(f"a byte quantity must be a number or a string like '1.5GiB', not {type(value).__name__}")
     match = _PATTERN.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise BudgetError(
-            f"cannot read {value!r} as a byte quantity; write e.g. '1.5GiB', '800MB', '512MiB' or a number of bytes"
-        )
-    amount = float(match.group(1)) * _UNITS[unit]
-    if amount <= 0:
-        raise BudgetError(f"a byte quantity must be positive, got {value!r}")
-    return int(amount)
+        raise BudgetError(f"cannot read {value!r} as a byte quantity; {_HINT}")
+    return _checked(float(match.group(1)) * _UNITS[unit], value)
 
 
 def resolve_budget(value: int | float | str, reference: int | None = None) -> int:
-    """Parse a budget; ``"60%"`` means 60% of ``reference`` (the unoptimized peak of a profile)."""
+    """Parse a budget into bytes: the one parser the API and the notebook magics share.
+
+    Accepted: a number of bytes (``2_000_000``, ``"2000000"``), a size (``"1.5GiB"``, ``"800MB"``), a percentage of
+    ``reference`` (``"60%"``), or a bare fraction strictly between 0 and 1 (``0.6`` or ``"0.6"``), also read as that
+    share of ``reference``. ``reference`` is the unoptimized peak of a profile; without it a percentage or a fraction
+    is refused, as is anything that comes to less than one byte, is not finite, or exceeds 1 EiB
+    (:class:`BudgetError`, naming the forms that work).
+    """
     if isinstance(value, str) and value.strip().endswith("%"):
-        if reference is None:
-            raise BudgetError(f"budget {value!r} is a percentage, but there is no unoptimized peak to take it of")
+        text = value.strip()[:-1].strip()
         try:
-            pct = float(value.strip()[:-1])
+            pct = float(text)
         except ValueError:
             raise BudgetError(f"cannot read {value!r} as a percentage; write e.g. '60%'") from None
-        if not 0 < pct <= 1000:
+        if not 0 < pct <= 1000:  # also refuses nan and inf
             raise BudgetError(f"a percentage budget must be between 0% and 1000%, got {value!r}")
-        return int(reference * pct / 100)
+        return _share(value, pct / 100, reference)
+    if not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:
+            number = _number(value)
+        except ValueError:
+            number = None
+        if number is not None and 0 < number < 1:
+            return _share(value, float(number), reference)
     return parse_bytes(value)
+
+
+def _share(value: Any, fraction: float, reference: int | None) -> int:
+    pct = f"{fraction * 100:g}%"
+    if reference is None:
+        kind = "a percentage" if isinstance(value, str) and value.strip().endswith("%") else f"a fraction ({pct})"
+        raise BudgetError(f"budget {value!r} is {kind} of the unoptimized peak, but there is no profile here to take "
+                          "it of; give a size like '512MiB' or '1.5GiB'")
+    n = int(reference * fraction)
+    if n < 1:
+        raise BudgetError(f"budget {value!r} ({pct} of {format_bytes(reference)}) is less than one byte; "
+                          f"{_HINT}")
+    return n
 
 
 def format_bytes(n: float) -> str:

@@ -28,7 +28,7 @@ import json
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from .plan import unit_fingerprint
 from .runtime.measure import model_device
 from .runtime.memory import meter_for
 from .runtime.recompute import checkpointed_call, running_stat_modules
-from .runtime.step import preserved_state, training_step
+from .runtime.step import model_keywords, preserved_state, training_step
 
 PROFILE_FORMAT = "memopt_nb.profile"
 PROFILE_SCHEMA = 1
@@ -366,7 +366,8 @@ class _OpWatcher(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _discover(model: nn.Module, inputs: Sequence[Any]) -> tuple[dict[str, dict[str, Any]], int]:
+def _discover(model: nn.Module, inputs: Sequence[Any],
+              kwargs: Mapping[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], int]:
     """One forward with hooks on every module: call counts, order, saved bytes, backward reach, RNG."""
     info: dict[str, dict[str, Any]] = {n: {"calls": 0, "order": 10**9, "saved": 0, "backward": False, "seen": set()}
                                        for n, _ in model.named_modules()}
@@ -420,7 +421,7 @@ def _discover(model: nn.Module, inputs: Sequence[Any]) -> tuple[dict[str, dict[s
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpWatcher(stack, rng):
-            out = model(*inputs)
+            out = model(*inputs, **(kwargs or {}))
         del out
     finally:
         for h in handles:
@@ -649,9 +650,10 @@ def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],
-                  device: torch.device, *, observe: bool, recompute: bool) -> tuple[list, _Run, int]:
+                  device: torch.device, *, observe: bool, recompute: bool,
+                  kwargs: Mapping[str, Any] | None = None) -> tuple[list, _Run, int]:
     meter = meter_for(device)
-    meter.track(model, optimizer, list(inputs))
+    meter.track(model, optimizer, list(inputs), kwargs)
     meter.reset_peak()
     run = _Run(model, names, meter.mark, observe=observe, recompute=recompute)
     run.install()
@@ -659,7 +661,8 @@ def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
         with meter:
             run._mark(("step_start", -1))
             with run.outer_hooks():
-                training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)))
+                training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)),
+                              kwargs=kwargs)
     finally:
         run.remove()
     return meter.marks, run, int(meter.peak)
@@ -688,7 +691,7 @@ class _Clock:
 
 
 def _timed_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],
-                device: torch.device) -> tuple[list[Any], list[float]]:
+                device: torch.device, kwargs: Mapping[str, Any] | None = None) -> tuple[list[Any], list[float]]:
     clock = _Clock(device)
     run = _Run(model, names, clock.mark, observe=False, recompute=False)
     run.install()
@@ -696,7 +699,7 @@ def _timed_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer
         if device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(device)
         run._mark(("step_start", -1))
-        training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)))
+        training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)), kwargs=kwargs)
     finally:
         run.remove()
     return [lab for lab, _ in clock.stamps], clock.durations()
@@ -725,14 +728,26 @@ def _segments_from(marks: list[tuple[Any, int, int]], n_units: int) -> tuple[lis
     return segs, fwd_seg, bwd_seg
 
 
+#: profile()'s own keyword options; every other keyword goes to the model.
+PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs")
+
+
 def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
-            device: DeviceSpec | None = None) -> ModelProfile:
+            device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
+            **example_kwargs: Any) -> ModelProfile:
     """Profile one training step of ``model`` on ``example_inputs``.
+
+    The model is called as ``model(*example_inputs, **example_kwargs)``, as you call it in training:
+    ``memopt.profile(model, input_ids=ids, attention_mask=mask, labels=ids, loss_fn=lambda out: out.loss)``.
 
     Args:
         model: the model, on the device it trains on.
         example_inputs: positional inputs of ``model(...)``, at the batch size you train with.
+        example_kwargs: keyword inputs of ``model(...)``: every keyword that is not one of profile()'s own options
+            (``loss_fn``, ``optimizer``, ``units``, ``repeats``, ``device``, ``model_kwargs``) goes to the model.
+        model_kwargs: the same as a dict, for a model keyword named like one of those options
+            (``model_kwargs={"device": ...}``); may be combined with ``example_kwargs``.
         loss_fn: ``loss_fn(output) -> scalar``; by default the output itself if scalar, else its sum.
         optimizer: the optimizer you train with (its state counts towards memory); optional.
         units: ``"auto"`` (repeated blocks: children of ModuleList/Sequential containers, about 4–64 of them), a
@@ -748,37 +763,41 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     from .distributed import check_plain
 
     check_plain(model, "profile")  # DDP / FSDP2: profile the plain model, then wrap it (memopt_nb.distributed)
-    if not example_inputs:
-        raise ProfileError("profile() needs example inputs: memopt.profile(model, x) with x a batch of inputs")
+    kwargs = model_keywords(model, "profile", PROFILE_OPTIONS, model_kwargs, example_kwargs)
+    if not example_inputs and not kwargs:
+        raise ProfileError("profile() needs example inputs: memopt.profile(model, x) with x a batch of inputs, or "
+                           "keyword inputs as the model takes them, e.g. memopt.profile(model, input_ids=ids)")
     if loss_fn is not None and not callable(loss_fn):
         raise ProfileError("loss_fn must be callable: loss_fn(output) -> scalar tensor")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ProfileError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats must be a positive int, got {repeats!r}")
-    dev = model_device(model, example_inputs)
+    dev = model_device(model, example_inputs, kwargs)
     spec = device if device is not None else DeviceSpec.detect(dev)
     inputs = tuple(example_inputs)
     t_start = time.perf_counter()
     with preserved_state(model, optimizer):
         try:
-            training_step(model, inputs, loss_fn, optimizer)  # warm-up: optimizer state, lazy init
+            training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)  # warm-up: optimizer state, lazy init
         except ProfileError:
             raise
         except Exception as exc:
             raise ProfileError(f"a training step of the model failed before profiling: {type(exc).__name__}: {exc}"
                                ) from exc
-        info, total_saved = _discover(model, inputs)
+        info, total_saved = _discover(model, inputs, kwargs)
         names, excluded = _select_units(model, units, info)
         n = len(names)
         keep_marks, run, peak = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=True,
-                                              recompute=False)
-        rc_marks, _, _ = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True)
+                                              recompute=False, kwargs=kwargs)
+        rc_marks, _, _ = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True,
+                                       kwargs=kwargs)
         timings: list[list[float]] = []
         labels_ref = [m[0] for m in keep_marks]
-        _timed_step(model, inputs, loss_fn, optimizer, names, dev)  # untimed: the tracked steps leave caches cold
+        # untimed: the tracked steps leave caches cold
+        _timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
         for _ in range(repeats):
-            labels, durations = _timed_step(model, inputs, loss_fn, optimizer, names, dev)
+            labels, durations = _timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
             if labels != labels_ref:
                 raise ProfileError("the step ran differently between repeats (data-dependent control flow?)")
             timings.append(durations)
@@ -810,15 +829,16 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             input_shapes=in_shapes, output_shapes=out_shapes,
         ))
     unit_saved = sum(g.nbytes for g in groups if g.savers)
-    batch = None
-    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    batch = None  # the first dimension of the first batched input tensor, positional first, then keyword
+    first = next((x for x in [*inputs, *kwargs.values()] if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     if first is not None:
         batch = int(first.shape[0])
     prof = ModelProfile(
         units=unit_list, segments=segs, groups=groups, device=spec, peak_bytes=peak,
         step_time=sum(s.time for s in segs), start_level=keep_marks[0][1], param_bytes=static["params"],
         grad_bytes=static["params_trainable"], optimizer_state_bytes=static["optimizer"],
-        buffer_bytes=static["buffers"], input_bytes=_unique_bytes([x for x in inputs if isinstance(x, torch.Tensor)]),
+        buffer_bytes=static["buffers"],
+        input_bytes=_unique_bytes([x for x in [*inputs, *kwargs.values()] if isinstance(x, torch.Tensor)]),
         unattributed_bytes=max(0, peak - static["params"] - static["params_trainable"] - static["optimizer"]
                                - static["buffers"] - unit_saved),
         batch_size=batch, fingerprint=tuple(unit_fingerprint(nm, modules[nm]) for nm in names), excluded=excluded,

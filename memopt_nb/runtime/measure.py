@@ -6,7 +6,7 @@ import contextlib
 import html
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,10 @@ from ..errors import ProfileError
 from ..plan import Plan
 from .apply import AppliedPlan
 from .memory import meter_for
-from .step import preserved_state, training_step
+from .step import model_keywords, preserved_state, training_step
+
+#: measure()'s own keyword options; every other keyword goes to the model.
+MEASURE_OPTIONS = ("loss_fn", "optimizer", "plan", "steps", "warmup", "model_kwargs")
 
 
 @dataclass
@@ -53,10 +56,10 @@ class Measurement:
                 f"{len(self.step_times)} timed steps on {self.device})")
 
 
-def model_device(model: nn.Module, inputs: Sequence[Any]) -> torch.device:
+def model_device(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> torch.device:
     for p in model.parameters():
         return p.device
-    for x in inputs:
+    for x in [*inputs, *(kwargs or {}).values()]:
         if isinstance(x, torch.Tensor):
             return x.device
     return torch.device("cpu")
@@ -69,42 +72,51 @@ def _sync(device: torch.device) -> None:
 
 def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, plan: Plan | None = None, steps: int = 3,
-            warmup: int = 1) -> Measurement:
+            warmup: int = 1, model_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> Measurement:
     """Run real training steps (optionally under ``plan``) and report peak memory and median step time.
 
-    One warm-up step creates optimizer state, one step is measured for memory, then ``steps`` steps are timed. The
-    model, optimizer and RNG are restored afterwards, so measuring has no side effects.
+    The model is called as ``model(*inputs, **kwargs)``: every keyword that is not one of measure()'s own options
+    (``loss_fn``, ``optimizer``, ``plan``, ``steps``, ``warmup``, ``model_kwargs``) goes to the model, e.g.
+    ``memopt.measure(model, input_ids=ids, attention_mask=mask, labels=ids, loss_fn=lambda out: out.loss)``. A model
+    keyword named like one of those options goes in ``model_kwargs={"plan": ...}``.
+
+    ``warmup`` steps (default 1; 0 skips it) create optimizer state, one step is measured for memory, then ``steps``
+    steps are timed. The model, optimizer and RNG are restored afterwards, so measuring has no side effects.
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"measure() needs a torch.nn.Module, got {type(model).__name__}")
-    if steps < 1:
-        raise ProfileError(f"steps must be >= 1, got {steps}")
-    device = model_device(model, inputs)
+    for name, value, lowest in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            what = "timed steps, at least 1" if name == "steps" else "untimed warm-up steps, 0 or more"
+            raise ProfileError(f"{name} must be an int ({what}), e.g. {name}={3 if name == 'steps' else 1}; "
+                               f"got {value!r} ({type(value).__name__})")
+    kwargs = model_keywords(model, "measure", MEASURE_OPTIONS, model_kwargs, kwargs)
+    device = model_device(model, inputs, kwargs)
     ctx: Any = AppliedPlan(plan, model) if plan is not None else contextlib.nullcontext()
     losses: list[float] = []
     times: list[float] = []
     with preserved_state(model, optimizer), ctx:
         for _ in range(warmup - 1):
-            losses.append(training_step(model, inputs, loss_fn, optimizer).item())
+            losses.append(training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs).item())
         meter = meter_for(device)
-        meter.track(model, optimizer, list(inputs))
+        meter.track(model, optimizer, list(inputs), kwargs)
         with meter:
             # the last warm-up step under the meter too: on CPU it then also counts memory the step keeps that no
             # Python object lists (DDP's gradient buckets, first used by the all-reduce of this step)
             if warmup > 0:
-                losses.append(training_step(model, inputs, loss_fn, optimizer).item())
+                losses.append(training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs).item())
             if hasattr(meter, "watch"):  # FSDP2 resizes its unsharded parameters where a dispatch mode cannot see it
                 from ..distributed import resized_storages
 
                 meter.watch(resized_storages(model))
             meter.reset_peak()
-            loss = training_step(model, inputs, loss_fn, optimizer)
+            loss = training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)
         peak = int(meter.peak)
         losses.append(loss.item())
         for _ in range(steps):
             _sync(device)
             t0 = time.perf_counter()
-            loss = training_step(model, inputs, loss_fn, optimizer)
+            loss = training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)
             _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())

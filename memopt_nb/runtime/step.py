@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import difflib
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,15 +36,63 @@ def _leaves(obj: Any) -> list[Any]:
     return tree_leaves(obj)
 
 
-def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
-                  optimizer: torch.optim.Optimizer | None, mark: Mark | None = None) -> torch.Tensor:
-    """Forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``; returns the detached loss.
+def model_keywords(model: nn.Module, what: str, reserved: Sequence[str], model_kwargs: Mapping[str, Any] | None,
+                   keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword inputs of ``model(...)`` for ``what`` (``"profile"``, ``"measure"``), checked before anything runs.
 
-    ``mark(label)`` is called at ``"forward_end"``, ``"loss_end"``, ``"backward_end"``, ``"optimizer_end"`` and
-    ``"step_end"`` so a meter can split the step into phases.
+    ``keywords`` are the keywords ``what`` did not take itself; ``model_kwargs`` is the explicit dict form, for a model
+    keyword named like one of ``what``'s own options (``reserved``). Raises :class:`ProfileError` for a keyword given
+    both ways, a dict that is not a mapping of names, or a keyword ``model.forward`` does not take (naming
+    ``what``'s options, so that a misspelt option such as ``optimiser=`` says what was meant).
+    """
+    if model_kwargs is None:
+        model_kwargs = {}
+    if not isinstance(model_kwargs, Mapping) or not all(isinstance(k, str) for k in model_kwargs):
+        raise ProfileError(f"model_kwargs must be a dict of keyword inputs of the model, e.g. "
+                           f"model_kwargs={{'attention_mask': mask}}, not {type(model_kwargs).__name__}")
+    both = sorted(set(model_kwargs) & set(keywords))
+    if both:
+        raise ProfileError(f"{', '.join(both)} given both as a keyword and in model_kwargs; give each input once")
+    merged = {**keywords, **model_kwargs}
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward whose signature Python cannot read: let the call decide
+        return merged
+    takes = [n for n, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        # the model swallows any keyword: refuse only a likely misspelt option (``optimiser=``, ``loss=``)
+        for k in keywords:
+            close = difflib.get_close_matches(k, reserved, n=1, cutoff=0.6)
+            if k not in takes and close:
+                raise ProfileError(
+                    f"{k}= is not an option of {what}() and {type(model).__name__}.forward() does not name it (it "
+                    f"would vanish into its **kwargs); did you mean {close[0]}=? To pass {k} to the model anyway, "
+                    f"use model_kwargs={{{k!r}: ...}}"
+                )
+        return merged
+    unknown = [k for k in merged if k not in takes]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(reserved) + takes, n=1)
+        hint = f" (did you mean {close[0]}=?)" if close else ""
+        raise ProfileError(
+            f"{type(model).__name__}.forward() takes no keyword {', '.join(map(repr, unknown))}{hint}; its keyword "
+            f"inputs are: {', '.join(takes) or 'none'}. {what}()'s own options are {', '.join(reserved)}; every other "
+            f"keyword goes to the model"
+        )
+    return merged
+
+
+def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
+                  optimizer: torch.optim.Optimizer | None, mark: Mark | None = None,
+                  kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """Forward ``model(*inputs, **kwargs)``, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``.
+
+    Returns the detached loss. ``mark(label)`` is called at ``"forward_end"``, ``"loss_end"``, ``"backward_end"``,
+    ``"optimizer_end"`` and ``"step_end"`` so a meter can split the step into phases.
     """
     mark = mark or (lambda label: None)
-    output = model(*inputs)
+    output = model(*inputs, **(kwargs or {}))
     mark("forward_end")
     loss = loss_fn(output) if loss_fn is not None else default_loss(output)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
