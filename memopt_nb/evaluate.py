@@ -22,7 +22,7 @@ import io
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,13 +276,16 @@ def _builder_for(model_or_builder: Any) -> tuple[Builder, str, int | None]:
     raise MemoptError("evaluate() needs a zoo model name or a builder: builder(batch_size) -> (model, inputs, loss_fn)")
 
 
-def _unpack(built: Any) -> tuple[torch.nn.Module, tuple, Any, torch.optim.Optimizer]:
-    model, inputs, loss_fn = built[0], tuple(built[1]), built[2]
+def _unpack(built: Any) -> tuple[torch.nn.Module, tuple[tuple, dict], Any, torch.optim.Optimizer]:
+    """``(model, (positional inputs, keyword inputs), loss_fn, optimizer)``; a builder's inputs may be a dict."""
+    raw = built[1]
+    inputs = ((), dict(raw)) if isinstance(raw, Mapping) else (tuple(raw), {})
+    model, loss_fn = built[0], built[2]
     optimizer = built[3] if len(built) > 3 and isinstance(built[3], torch.optim.Optimizer) else None
     return model, inputs, loss_fn, optimizer or torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def _accum_step_time(model: torch.nn.Module, inputs: tuple, loss_fn: Any, opt: torch.optim.Optimizer,
+def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn: Any, opt: torch.optim.Optimizer,
                      accum: int, repeats: int = 3) -> float:
     """Median seconds of one optimizer step made of ``accum`` micro-batches (forward+backward each)."""
     from .runtime.step import preserved_state
@@ -292,7 +295,7 @@ def _accum_step_time(model: torch.nn.Module, inputs: tuple, loss_fn: Any, opt: t
         for r in range(repeats + 1):
             t0 = time.perf_counter()
             for _ in range(accum):
-                loss_fn(model(*inputs)).div(accum).backward()
+                loss_fn(model(*inputs[0], **inputs[1])).div(accum).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if r:
@@ -335,7 +338,8 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
 
     Args:
         model_or_builder: a zoo model name (``"gpt"``) or ``builder(batch_size) -> (model, inputs, loss_fn[,
-            optimizer])``.
+            optimizer])``; ``inputs`` is a tuple of positional inputs or a dict of keyword inputs
+            (``{"input_ids": ids, "labels": ids}``).
         device: ``None`` — measure on this machine's device (real training steps); a preset name or DeviceSpec —
             simulate on it (the model is profiled here).
         budget: bytes, ``"2GiB"``, or a percentage of the unoptimized peak at ``reference_batch`` (default ``"50%"``).
@@ -368,7 +372,8 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
             say(f"profiling {name} at batch {b}")
             model, inputs, loss_fn, opt = _unpack(builder(b))
             built[b] = (model, inputs, loss_fn, opt)
-            profiles[b] = profile_model(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=steps)
+            profiles[b] = profile_model(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt,
+                                        repeats=steps)
         return profiles[b]
 
     ref_prof = prof_at(ref)
@@ -391,7 +396,8 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
                     # measured on this device, within budget or not: the points outside it still feed the fits
                     say(f"measuring {method} at batch {b}")
                     model, inputs, loss_fn, opt = built[b]
-                    m = measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=steps)
+                    m = measure(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt, plan=plan,
+                                steps=steps)
                     peak, step, src = m.peak_bytes, m.step_time, "measured"
             ok = peak is not None and peak <= value
             res.feasible.append(bool(ok))

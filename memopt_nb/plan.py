@@ -19,11 +19,12 @@ Timing of a swapped unit ``i`` (both are counted in units):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import html
 import json
 import sys
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,8 @@ class Decision:
     prefetch_distance: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.unit, str):
+            raise PlanError(f"a decision's unit must be a module name (a string), got {self.unit!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(
                 f"unit {self.unit!r}: strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
@@ -114,6 +117,134 @@ def unit_fingerprint(name: str, module: Any) -> dict[str, Any]:
     }
 
 
+def _tree_rows(module: Any, prefix: str = "") -> list[list[Any]]:
+    """Every module under ``module`` (itself included): qualified name, plain type and own parameters' shapes."""
+    rows = []
+    for name, m in module.named_modules():
+        full = f"{prefix}.{name}" if prefix and name else (prefix or name)
+        rows.append([full, plain_module_type(m).__name__,
+                     [list(p.shape) for _, p in m.named_parameters(recurse=False)]])
+    return rows
+
+
+def _digest(rows: Any) -> str:
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model: Any, unit_names: Sequence[str]) -> dict[str, Any]:
+    """What identifies a whole model, for a plan made for some of its units.
+
+    ``class`` (the model's type), ``modules`` and ``parameters`` (counts), ``tree`` (a hash of every module's name,
+    type and own parameter shapes), ``parts`` (the same hash per direct child of the model, to name what differs) and
+    ``containers`` (for each module holding a unit, the names of all its children: the candidate units, so that a plan
+    for 4 blocks is refused by a model with 6).
+    """
+    rows = _tree_rows(model)
+    modules = dict(model.named_modules())
+    containers: dict[str, list[str]] = {}
+    for name in unit_names:
+        parent = name.rpartition(".")[0]
+        if parent not in containers and parent in modules:
+            containers[parent] = [n for n, _ in modules[parent].named_children()]
+    return {
+        "class": plain_module_type(model).__name__,
+        "modules": len(rows),
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "tree": _digest(rows),
+        "parts": {name: _digest(_tree_rows(child, name)) for name, child in model.named_children()},
+        "containers": containers,
+    }
+
+
+def _children_text(parent: str, children: Sequence[str]) -> str:
+    prefix = f"{parent}." if parent else ""
+    if children and all(c.isdigit() for c in children) and [int(c) for c in children] == list(range(len(children))):
+        return f"{prefix}0–{len(children) - 1}" if len(children) > 1 else f"{prefix}0"
+    shown = ", ".join(prefix + c for c in children[:4])
+    return shown + (", …" if len(children) > 4 else "")
+
+
+def _model_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
+    """What differs between the model a plan was made for (``want``) and this one (``have``), in words."""
+    if want.get("tree") == have.get("tree"):
+        return []
+    out = []
+    if want.get("class") != have.get("class"):
+        out.append(f"the plan was made for a {want.get('class')}; this model is a {have.get('class')}")
+    for parent, children in want.get("containers", {}).items():
+        got = have.get("containers", {}).get(parent)
+        where = f"`{parent}`" if parent else "the model itself"
+        if got is None:
+            out.append(f"the plan was made for a model whose {where} holds its units; this model has no {where}")
+        elif list(got) != list(children):
+            out.append(f"the plan was made for a model with {len(children)} blocks in {where} "
+                       f"({_children_text(parent, children)}); this model has {len(got)} "
+                       f"({_children_text(parent, got)})")
+    if not out:
+        wp, hp = want.get("parts", {}), have.get("parts", {})
+        differ = [n for n in wp if wp[n] != hp.get(n)] + [n for n in hp if n not in wp]
+        out.append(
+            "the model's module tree differs from the one the plan was made for"
+            + (f", in {', '.join(f'`{n}`' for n in differ)}" if differ else "")
+            + f" (module types or parameter shapes; plan: {want.get('modules')} modules, {want.get('parameters'):,} "
+            f"parameters; this model: {have.get('modules')} modules, {have.get('parameters'):,} parameters)"
+        )
+    return out
+
+
+def _check_model_fingerprint(data: Any) -> dict[str, Any] | None:
+    """``data`` as a model fingerprint read from JSON, or :class:`PlanError` naming the field that is wrong."""
+    if data is None:
+        return None
+    problem = None
+    if not isinstance(data, dict):
+        problem = f"it is {type(data).__name__}, not an object"
+    else:
+        for key, kind in (("class", str), ("tree", str), ("modules", int), ("parameters", int), ("parts", dict),
+                          ("containers", dict)):
+            if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
+                problem = f"{key!r} is {data.get(key)!r}, not {'an' if kind is int else 'a'} {kind.__name__}"
+                break
+        else:
+            if not all(isinstance(v, str) for v in data["parts"].values()):
+                problem = "'parts' must map names to hashes"
+            elif not all(isinstance(v, list) and all(isinstance(c, str) for c in v)
+                         for v in data["containers"].values()):
+                problem = "'containers' must map names to lists of child names"
+    if problem:
+        raise PlanError(f"corrupt plan: model_fingerprint: {problem}; re-create the plan from a profile (or delete "
+                        "the model_fingerprint entry to check only the units)")
+    return dict(data)
+
+
+def _check_unit_fingerprint(entries: Any) -> tuple[dict[str, Any], ...]:
+    """The per-unit fingerprint read from JSON, or :class:`PlanError` naming the entry that is wrong."""
+    if entries is None:
+        return ()
+    if not isinstance(entries, list):
+        raise PlanError(f"corrupt plan: fingerprint must be a list of units, got {type(entries).__name__}")
+    for i, f in enumerate(entries):
+        ok = (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("type"), str)
+              and isinstance(f.get("param_shapes"), list)
+              and all(isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                       for n in shape) for shape in f["param_shapes"]))
+        if not ok:
+            raise PlanError(f"corrupt plan: fingerprint entry {i} must be {{\"name\": str, \"type\": str, "
+                            f"\"param_shapes\": [[int, ...], ...]}}, got {f!r}"[:400])
+    return tuple(entries)
+
+
+def _check_field(data: Mapping[str, Any], key: str, ok: Callable[[Any], bool], want: str) -> Any:
+    value = data.get(key)
+    if value is not None and not ok(value):
+        raise PlanError(f"corrupt plan: {key} must be {want} or null, got {value!r}"[:300])
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(eq=False)
 class Plan:
     """A memory plan for one model: a :class:`Decision` per unit plus what it was made for.
@@ -124,6 +255,9 @@ class Plan:
     Attributes:
         decisions: one decision per unit, in forward order.
         fingerprint: per unit ``{"name", "type", "param_shapes"}``, used to refuse another model.
+        model_fingerprint: the whole model it was made for (see :func:`model_fingerprint`): a model with other
+            candidate units (e.g. 6 blocks where the plan knew 4) or another module tree is refused. ``None`` for
+            plans saved by older versions, which are checked by their units only.
         budget_bytes: the memory budget the plan was made for, if any.
         device: the :class:`~memopt_nb.device.DeviceSpec` (as a dict) the plan targets, if any.
         method: who made it (``"memopt-ppo"``, ``"optimal"``, ``"recompute_all"``, ``"manual"`` …).
@@ -144,6 +278,7 @@ class Plan:
     predicted_step_time: float | None = None
     feasible: bool | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    model_fingerprint: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.decisions = tuple(self.decisions)
@@ -188,6 +323,7 @@ class Plan:
         decisions = tuple(
             Decision(n, s, int(w), int(d)) for n, s, w, d in zip(names, strategies, windows, dists, strict=True)
         )
+        kwargs.setdefault("model_fingerprint", (getattr(profile, "meta", None) or {}).get("model_fingerprint"))
         plan = cls(decisions=decisions, fingerprint=profile.fingerprint, method=method,
                    device=profile.device.to_dict(), **kwargs)
         plan._model_ref = getattr(profile, "_model_ref", None)
@@ -246,30 +382,34 @@ class Plan:
     def validate(self, target: Any) -> None:
         """Raise :class:`PlanError` unless this plan was made for ``target`` (an ``nn.Module`` or a ModelProfile).
 
-        The error names every unit that is missing or does not match (module type or parameter shapes).
+        The error names what differs: the model's class, the number of blocks in a container of units (a plan for 4
+        blocks refuses a model with 6), every unit that is missing or does not match (module type or parameter
+        shapes), or the part of the module tree that differs. A plan without a model fingerprint (saved by an older
+        version) is checked by its units only.
         """
         import torch.nn as nn
 
         if isinstance(target, nn.Module):
             modules = dict(target.named_modules())
             problems = []
+            if self.model_fingerprint:
+                problems += _model_differences(self.model_fingerprint, model_fingerprint(target, self.units))
             for i, d in enumerate(self.decisions):
                 mod = modules.get(d.unit)
                 if mod is None:
-                    problems.append(f"{d.unit!r} (no such module)")
+                    problems.append(f"unit {d.unit!r}: no such module")
                     continue
                 if self.fingerprint:
                     want = self.fingerprint[i]
                     have = unit_fingerprint(d.unit, mod)
                     if not _fingerprint_matches(want, have):
                         problems.append(
-                            f"{d.unit!r} (plan: {want['type']} {want['param_shapes']}, "
-                            f"model: {have['type']} {have['param_shapes']})"
+                            f"unit {d.unit!r}: plan {want['type']} {want['param_shapes']}, "
+                            f"model {have['type']} {have['param_shapes']}"
                         )
             if problems:
-                raise PlanError(
-                    "this plan was made for another model; units that do not match: " + "; ".join(problems)
-                )
+                raise PlanError("this plan was made for another model: " + "; ".join(problems)
+                                + ". Profile this model and make a plan for it")
             return
         fp = getattr(target, "fingerprint", None)
         if fp is None:
@@ -278,13 +418,16 @@ class Plan:
         problems = []
         for i, d in enumerate(self.decisions):
             if d.unit not in have:
-                problems.append(f"{d.unit!r} (not a unit of the profile)")
+                problems.append(f"unit {d.unit!r}: not a unit of the profile")
             elif self.fingerprint and not _fingerprint_matches(self.fingerprint[i], have[d.unit]):
-                problems.append(f"{d.unit!r} (module type or parameter shapes differ)")
+                problems.append(f"unit {d.unit!r}: module type or parameter shapes differ")
         if [f["name"] for f in fp] != self.units and not problems:
             problems.append(f"unit order differs (profile: {[f['name'] for f in fp]}, plan: {self.units})")
+        have_model = (getattr(target, "meta", None) or {}).get("model_fingerprint")
+        if self.model_fingerprint and have_model:
+            problems = _model_differences(self.model_fingerprint, have_model) + problems
         if problems:
-            raise PlanError("this plan was made for another model; units that do not match: " + "; ".join(problems))
+            raise PlanError("this plan was made for another model: " + "; ".join(problems))
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -300,6 +443,7 @@ class Plan:
             "feasible": self.feasible,
             "decisions": [d.to_dict() for d in self.decisions],
             "fingerprint": [dict(f) for f in self.fingerprint],
+            "model_fingerprint": self.model_fingerprint,
             "meta": _jsonable(self.meta),
         }
 
@@ -315,20 +459,27 @@ class Plan:
                 f"this plan was written by a newer memopt_nb (schema {version}); this version reads schema "
                 f"{SCHEMA_VERSION} — upgrade memopt_nb to load it"
             )
+        if not isinstance(data.get("decisions"), list) or not all(isinstance(d, dict) for d in data["decisions"]):
+            raise PlanError("corrupt plan: decisions must be a list of {\"unit\": ..., \"strategy\": ...} objects")
+        number = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)  # noqa: E731
+        fields = {
+            "budget_bytes": _check_field(data, "budget_bytes", lambda v: _is_int(v) and v > 0,
+                                         "a positive int of bytes"),
+            "device": _check_field(data, "device", lambda v: isinstance(v, dict), "an object"),
+            "method": _check_field(data, "method", lambda v: isinstance(v, str), "a string") or "manual",
+            "seed": _check_field(data, "seed", _is_int, "an int"),
+            "predicted_peak_bytes": _check_field(data, "predicted_peak_bytes", lambda v: _is_int(v) and v >= 0,
+                                                 "an int of bytes"),
+            "predicted_step_time": _check_field(data, "predicted_step_time", number, "a number of seconds"),
+            "feasible": _check_field(data, "feasible", lambda v: isinstance(v, bool), "true or false"),
+            "meta": _check_field(data, "meta", lambda v: isinstance(v, dict), "an object") or {},
+        }
+        fingerprint = _check_unit_fingerprint(data.get("fingerprint"))
+        model_fp = _check_model_fingerprint(data.get("model_fingerprint"))
         try:
             decisions = tuple(Decision(**d) for d in data["decisions"])
-            return cls(
-                decisions=decisions,
-                fingerprint=tuple(data.get("fingerprint", ())),
-                budget_bytes=data.get("budget_bytes"),
-                device=data.get("device"),
-                method=data.get("method", "manual"),
-                seed=data.get("seed"),
-                predicted_peak_bytes=data.get("predicted_peak_bytes"),
-                predicted_step_time=data.get("predicted_step_time"),
-                feasible=data.get("feasible"),
-                meta=dict(data.get("meta") or {}),
-            )
+            return cls(decisions=decisions, fingerprint=fingerprint, model_fingerprint=model_fp,
+                       **{**fields, "meta": dict(fields["meta"])})
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -353,11 +504,24 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        """Read a plan written by :meth:`save`."""
+        """Read a plan written by :meth:`save`.
+
+        Raises :class:`PlanError` for a path that is missing or a directory, a file that is not UTF-8 JSON, or JSON
+        that is not a valid plan (each field is checked, so a plan that loads also displays and applies).
+        """
         path = Path(path)
         if not path.exists():
             raise PlanError(f"no plan file at {path}")
-        return cls.from_json(path.read_text())
+        if path.is_dir():
+            raise PlanError(f"{path} is a directory; give the path of a plan's JSON file (written by plan.save(path))")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise PlanError(f"{path} is not a memopt_nb plan: not UTF-8 text (byte {exc.start}); a plan is the JSON "
+                            "file written by plan.save(path)") from None
+        except OSError as exc:
+            raise PlanError(f"cannot read the plan file {path}: {exc.strerror or exc}") from None
+        return cls.from_json(text)
 
     # ------------------------------------------------------------------ display
     def summary(self) -> str:

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_leaves
 from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import ProfileError
-from .plan import unit_fingerprint
+from .plan import model_fingerprint, unit_fingerprint
 from .runtime.measure import model_device
 from .runtime.memory import meter_for
 from .runtime.recompute import checkpointed_call, running_stat_modules
@@ -851,6 +851,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "profile_seconds": round(time.perf_counter() - t_start, 3),
             "rc_marks_matched": bool(rc_rel),
+            "model_fingerprint": model_fingerprint(model, names),  # a plan made from this profile refuses other models
         },
     )
     prof._model_ref = weakref.ref(model)

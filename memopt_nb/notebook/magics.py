@@ -316,9 +316,11 @@ class MemoptMagics(Magics):
                 device = memopt.DeviceSpec.preset(args.device)
             except memopt.MemoptError as exc:
                 raise UsageError(f"--device: {exc}") from None
-        budget: Any = (_unquote(args.budget.strip()) or "").strip()
-        if budget.isdigit():
-            budget = int(budget)
+        budget = (_unquote(args.budget.strip()) or "").strip()
+        try:  # the API's parser, so that '--budget 0.6' means what memopt.search(prof, "0.6") means
+            memopt.resolve_budget(budget, reference=prof.peak_bytes)
+        except memopt.BudgetError as exc:
+            raise UsageError(f"--budget {args.budget}: {exc}") from None
         if args.timesteps is not None and args.timesteps <= 0:
             raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
         try:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import random
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -77,6 +80,37 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     return c, w, d, moves
 
 
+@contextlib.contextmanager
+def _global_rng_kept() -> Iterator[None]:
+    """Leave the global torch (CPU and, if initialized, CUDA), NumPy and ``random`` RNG states as they were.
+
+    The agents draw from their own seeded generators, but building their networks (``nn.Linear`` initialization)
+    draws from torch's global one; a search must not shift the random numbers of the user's training afterwards.
+    """
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+
+
+def _keeps_global_rng(fn: Callable[..., Plan]) -> Callable[..., Plan]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Plan:
+        with _global_rng_kept():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_keeps_global_rng
 def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
            config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None) -> Plan:
@@ -99,6 +133,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak so
     far, feasible fraction), ``agents_step_time`` (what the agents alone reached), ``polished_step_time``,
     ``search_seconds`` and ``interrupted`` (Ctrl-C returns the best plan so far).
+
+    The global torch, NumPy and ``random`` RNG states are left as the search found them.
     """
     t0 = time.perf_counter()
     task = PlanningTask(profile, budget, device)

@@ -99,6 +99,7 @@ def make_plan(sim: Simulator, strategies: Sequence[int], windows: Sequence[int],
     plan = Plan(
         decisions=decisions_from([NAMES[int(x)] for x in s[0]], profile.unit_names, w[0].tolist(), d[0].tolist()),
         fingerprint=profile.fingerprint,
+        model_fingerprint=(getattr(profile, "meta", None) or {}).get("model_fingerprint"),
         budget_bytes=budget,
         device=sim.device.to_dict(),
         method=method,
