@@ -31,3 +31,47 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(10) == "10 B"
     assert format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+@pytest.mark.parametrize("bad", ["1e999", float("inf"), "1e300TiB", 10**400, "2EiB", 2**61],
+                         ids=["1e999", "inf", "1e300TiB", "10**400", "2EiB", "2**61"])
+def test_overflowing_budgets_are_refused_as_budget_errors(bad):
+    # before: OverflowError ("cannot convert float infinity to integer", "int too large to convert to float")
+    for parse in (parse_bytes, lambda v: resolve_budget(v, reference=10**9)):
+        with pytest.raises(BudgetError) as err:
+            parse(bad)
+        assert "512MiB" in str(err.value)  # says what would work
+        assert len(str(err.value)) < 400  # a 400-digit int is not echoed whole
+
+
+@pytest.mark.parametrize("fraction", [0.6, "0.6", " 0.6 ", "6e-1"])
+def test_a_fraction_is_a_share_of_the_reference_never_zero_bytes(fraction):
+    # before: int(0.6) == 0 bytes
+    assert resolve_budget(fraction, reference=1000) == 600
+    assert resolve_budget(fraction, reference=1000) == resolve_budget("60%", reference=1000)
+    with pytest.raises(BudgetError) as err:  # no reference: refused with a hint, not read as bytes
+        resolve_budget(fraction)
+    assert "'512MiB'" in str(err.value) and "fraction" in str(err.value)
+
+
+@pytest.mark.parametrize("tiny", ["0.4B", "0.0000001KiB", 0.4, "0.4"])
+def test_less_than_one_byte_is_refused(tiny):
+    # before: parse_bytes returned 0
+    with pytest.raises(BudgetError) as err:
+        parse_bytes(tiny)
+    assert "byte" in str(err.value) and "512MiB" in str(err.value)
+
+
+def test_a_share_that_rounds_to_zero_bytes_is_refused():
+    # before: resolve_budget("60%", reference=1) == 0
+    with pytest.raises(BudgetError, match="less than one byte"):
+        resolve_budget("60%", reference=1)
+    with pytest.raises(BudgetError, match="less than one byte"):
+        resolve_budget("0.5", reference=1)
+    assert resolve_budget("0.5", reference=2) == 1
+
+
+@pytest.mark.parametrize("text,expected", [("1.5", 1), ("1", 1), (" 2_0 ".replace("_", ""), 20), ("100%", 1000),
+                                           ("1000%", 10_000)])
+def test_bytes_and_percentages_keep_their_meaning(text, expected):
+    assert resolve_budget(text, reference=1000) == expected

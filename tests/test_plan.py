@@ -68,3 +68,129 @@ def test_effective_triggers_are_monotone():
     s = ["swap", "swap", "keep", "swap"]
     assert effective_triggers(s, [3, 0, 1, 2]) == [1, 1, None, 3]
     assert effective_triggers(["swap"] * 3, [0, 0, 0]) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------- plan identity: the whole model (issue 10.7)
+class _Blocks(nn.Module):
+    """``n`` blocks of the same shape in a ModuleList, and a head."""
+
+    def __init__(self, n: int, head: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(n))
+        self.head = nn.Linear(16, head)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.fixture(scope="module")
+def four_blocks():
+    import torch
+
+    torch.manual_seed(0)
+    model = _Blocks(4)
+    return model, memopt.profile(model, torch.randn(8, 16), repeats=1)
+
+
+def _untouched(model):
+    return all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_plan_for_4_blocks_refuses_a_model_with_6(four_blocks):
+    # before: applied silently; blocks 4-5 stayed unplanned
+    import torch
+
+    _, prof = four_blocks
+    six = _Blocks(6)
+    x = torch.randn(8, 16)
+    before = six(x)
+    for plan in (Plan.uniform(prof, "recompute"), memopt.solvers.recompute_all(prof)):
+        with pytest.raises(PlanError) as err:
+            with memopt.plan(plan, six):
+                pass
+        msg = str(err.value)
+        assert "4 blocks in `layers` (layers.0–3)" in msg and "this model has 6 (layers.0–5)" in msg
+        assert "Profile this model" in msg  # what would work
+        assert _untouched(six) and torch.equal(six(x), before)
+    with pytest.raises(PlanError, match="this model has 6"):  # and against the other model's profile
+        Plan.uniform(prof, "recompute").validate(memopt.profile(six, x, repeats=1))
+
+
+def test_a_plan_applies_to_another_instance_of_the_same_model(four_blocks):
+    _, prof = four_blocks
+    plan = Plan.uniform(prof, "recompute")
+    with memopt.plan(plan, _Blocks(4)) as applied:
+        assert applied.active
+
+
+def test_a_plan_refuses_a_model_that_differs_outside_its_units(four_blocks):
+    _, prof = four_blocks
+    with pytest.raises(PlanError) as err:
+        Plan.uniform(prof, "recompute").validate(_Blocks(4, head=5))
+    assert "`head`" in str(err.value) and "module tree differs" in str(err.value)
+
+
+def test_model_fingerprint_survives_json_and_old_plans_keep_the_unit_check(four_blocks, tmp_path):
+    _, prof = four_blocks
+    plan = Plan.uniform(prof, "recompute")
+    loaded = Plan.load(plan.save(tmp_path / "p.json"))
+    assert loaded.model_fingerprint == plan.model_fingerprint is not None
+    with pytest.raises(PlanError, match="this model has 6"):
+        loaded.validate(_Blocks(6))
+    old = plan.to_dict()
+    del old["model_fingerprint"]  # a plan saved before plans recorded the whole model
+    legacy = Plan.from_dict(old)
+    assert legacy.model_fingerprint is None
+    legacy.validate(_Blocks(4))
+    legacy.validate(_Blocks(6))  # the old check: its units exist and match
+    with pytest.raises(PlanError, match="no such module"):
+        legacy.validate(_Blocks(3))
+
+
+# ---------------------------------------------------------------------- loading what is not a plan (issue 10.9)
+def _plan_dict(**changes):
+    base = {"format": "memopt_nb.plan", "schema_version": 1, "budget_bytes": 1000,
+            "decisions": [{"unit": "layers.0", "strategy": "recompute"}],
+            "fingerprint": [{"name": "layers.0", "type": "Sequential", "param_shapes": [[16, 16], [16]]}]}
+    return {**base, **changes}
+
+
+def test_load_refuses_a_directory_and_a_non_utf8_file(tmp_path):
+    # before: IsADirectoryError and UnicodeDecodeError
+    with pytest.raises(PlanError, match="is a directory; give the path of a plan's JSON file"):
+        Plan.load(tmp_path)
+    binary = tmp_path / "p.json"
+    binary.write_bytes(b"\xff\xfe\x00{\x89PNG")
+    with pytest.raises(PlanError, match="not UTF-8 text.*plan.save"):
+        Plan.load(binary)
+    assert binary.read_bytes() == b"\xff\xfe\x00{\x89PNG"  # nothing changed
+
+
+@pytest.mark.parametrize("fingerprint", [
+    [{"name": "layers.0", "type": "Sequential", "param_shapes": "big"}],
+    [{"name": "layers.0", "type": 3, "param_shapes": []}],
+    [{"name": "layers.0", "type": "Sequential", "param_shapes": [["16"]]}],
+    ["layers.0"],
+    {"layers.0": 1},
+], ids=["shapes-str", "type-int", "dim-str", "entry-str", "not-list"])
+def test_a_fingerprint_of_wrong_types_is_refused_at_load(tmp_path, fingerprint):
+    # before: loaded, then validate raised TypeError/AttributeError (or compared garbage)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_plan_dict(fingerprint=fingerprint)))
+    with pytest.raises(PlanError, match="corrupt plan: fingerprint"):
+        Plan.load(path)
+
+
+@pytest.mark.parametrize("field,value", [("budget_bytes", "lots"), ("budget_bytes", -5), ("budget_bytes", True),
+                                         ("predicted_peak_bytes", "x"), ("predicted_step_time", "fast"),
+                                         ("feasible", "yes"), ("method", 3), ("meta", [1]), ("seed", 1.5),
+                                         ("model_fingerprint", {"class": "X"}), ("decisions", [{"unit": 3}])])
+def test_fields_of_wrong_types_are_refused_at_load(field, value):
+    # before: budget_bytes "lots" loaded, then repr(plan) raised TypeError
+    with pytest.raises(PlanError) as err:
+        Plan.from_json(json.dumps(_plan_dict(**{field: value})))
+    assert "corrupt plan" in str(err.value) or "unit must be a module name" in str(err.value)
+    good = Plan.from_json(json.dumps(_plan_dict()))
+    assert "budget 1000 B" in repr(good)

@@ -4,6 +4,7 @@ Line magic — profile objects already in the notebook::
 
     %memopt_profile model x --loss loss_fn --optimizer opt -o prof
     %memopt_profile model *inputs --loss loss_fn --optimizer Adam -q -o prof
+    %memopt_profile hf_model input_ids=ids attention_mask=mask labels=ids --loss "lambda out: out.loss" -o prof
 
 Cell magic — run the cell, then profile the model it defines::
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import base64
 import difflib
 import keyword
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -148,14 +150,26 @@ class MemoptMagics(Magics):
             raise UsageError(f"model: {name!r} is {_article(type(obj).__name__)}, not a torch.nn.Module")
         return obj
 
-    def _inputs(self, exprs: list[str]) -> list[Any]:
+    def _inputs(self, exprs: list[str]) -> tuple[list[Any], dict[str, Any]]:
+        """Positional and keyword inputs: ``x``, ``*xs`` (a tuple), ``name=expr`` and ``**batch`` (a dict)."""
         if not exprs:
             raise UsageError("give the model's example inputs: %memopt_profile MODEL INPUT... (e.g. "
-                             "%memopt_profile model x, or *inputs to unpack a tuple)")
+                             "%memopt_profile model x, *inputs to unpack a tuple, input_ids=ids for a keyword, or "
+                             "**batch to unpack a dict)")
         out: list[Any] = []
+        kw: dict[str, Any] = {}
         for e in exprs:
             e = _unquote(e) or ""
-            if e.startswith("*"):
+            name, eq, rest = e.partition("=")
+            if e.startswith("**"):
+                value = self._eval(e[2:], "input")
+                if not isinstance(value, Mapping):
+                    kind = _article(type(value).__name__)
+                    raise UsageError(f"input {e!r}: {e[2:]!r} is {kind}, not a dict of keyword inputs")
+                kw.update(value)
+            elif eq and name.isidentifier() and not rest.startswith("="):
+                kw[name] = self._eval(rest, f"input {name}=")
+            elif e.startswith("*"):
                 value = self._eval(e[1:], "input")
                 try:
                     out.extend(list(value))
@@ -164,7 +178,7 @@ class MemoptMagics(Magics):
                     raise UsageError(f"input {e!r}: {e[1:]!r} is {kind}, which cannot be unpacked with *") from None
             else:
                 out.append(self._eval(e, "input"))
-        return out
+        return out, kw
 
     def _loss(self, expr: str | None) -> Any:
         if expr is None:
@@ -204,7 +218,8 @@ class MemoptMagics(Magics):
     # ------------------------------------------------------------------ %memopt_profile
     @ma.magic_arguments()
     @ma.argument("target", nargs="*", metavar="MODEL INPUT",
-                 help="the model's name, then its example inputs (names or expressions; *name unpacks a tuple)")
+                 help="the model's name, then its example inputs (names or expressions; *name unpacks a tuple, "
+                      "key=expr is a keyword input, **name unpacks a dict of them)")
     @ma.argument("--model", help="name of the nn.Module (cell magic: default is the one module the cell defines)")
     @ma.argument("--inputs", nargs="+", metavar="INPUT", help="example inputs (instead of positional ones)")
     @ma.argument("--loss", metavar="EXPR", help="loss function loss_fn(output) -> scalar (default: output.sum())")
@@ -243,7 +258,7 @@ class MemoptMagics(Magics):
         elif model_name is None:
             raise UsageError("give the model to profile: %memopt_profile MODEL INPUT... (see %memopt_profile?)")
         model = self._model(model_name)
-        inputs = self._inputs(input_exprs)
+        inputs, input_kwargs = self._inputs(input_exprs)
         loss_fn = self._loss(args.loss)
         optimizer = self._optimizer(args.optimizer, model)
         units = _parse_units(args.units)
@@ -251,7 +266,7 @@ class MemoptMagics(Magics):
             raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
         try:
             prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=optimizer, units=units,
-                                  repeats=args.repeats)
+                                  repeats=args.repeats, model_kwargs=input_kwargs)
         except memopt.MemoptError as exc:
             raise UsageError(f"memopt.profile: {exc}") from None
         if args.output:
