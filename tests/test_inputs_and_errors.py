@@ -211,3 +211,16 @@ def test_magics_take_keyword_inputs_and_read_a_budget_fraction_as_the_api_does(i
             ip.run_line_magic("memopt_plan", f"kprof --budget {bad} --timesteps 64 --no-widget -o kplan2")
         assert words in str(err.value) and "512MiB" in str(err.value)
     assert "kplan2" not in ip.user_ns
+
+
+def test_evaluate_takes_a_builder_whose_inputs_are_keywords():
+    # before: tuple(dict) passed the dict's keys as positional inputs
+    def builder(batch_size=2):
+        model = _gpt2()
+        ids = torch.randint(0, 128, (batch_size, 16))
+        return model, {"input_ids": ids, "labels": ids}, (lambda out: out.loss)
+
+    ev = memopt.evaluate(builder, budget="2GiB", batch_sizes=[2], methods=("none", "recompute_all", "grad_accum"),
+                         steps=1)
+    assert ev.source == "measured"
+    assert all(r.feasible == [True] and r.source == ["measured"] and r.peak_bytes[0] > 0 for r in ev.methods.values())
