@@ -133,10 +133,15 @@ class _ThreadMover:
 
     def copy(self, direction: str, dst: torch.UntypedStorage, src: torch.UntypedStorage, nbytes: int,
              after: Any = None) -> Future:
+        refs = [dst, src, after]
+
         def job() -> None:
-            if after is not None:
-                after.result()
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+            d, s, a = refs
+            refs.clear()  # let go of the storages before the ticket reads done, so a freed one is gone by then
+            if a is not None:
+                a.result()
+            ctypes.memmove(d.data_ptr(), s.data_ptr(), nbytes)
+            del d, s, a
 
         return self._pools[direction].submit(job)
 
@@ -214,7 +219,10 @@ class _Slot:
         self.host = mover.new_host(self.nbytes)
         self.ticket: Any = None
         self.dtype, self.device = like.dtype, like.device
-        self.size, self.stride, self.offset = like.size(), like.stride(), like.storage_offset()
+        if isinstance(like, _Like):
+            self.size, self.stride, self.offset = like.size, like.stride, like.offset
+        else:
+            self.size, self.stride, self.offset = like.size(), like.stride(), like.storage_offset()
         self.kind = kind
         self.owner = owner
 
@@ -474,6 +482,7 @@ class StateManager:
         self._state_keys: set[int] = set()
         self._lr_sched = False
         self._pending: list[_Slot] = []
+        self._grads_in_flight: list[_Slot] = []
 
     def apply(self) -> StateManager:
         """Install the placements. Raises :class:`StateError` if they do not fit or are applied already."""
@@ -517,6 +526,8 @@ class StateManager:
         def load_state_dict(opt_self: Any, state_dict: dict[str, Any]) -> None:
             return this._load_state_dict(state_dict)
 
+        if self._lr_sched:  # an LR scheduler wrapped opt.step to see it called: this wrapper tells it instead
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         opt.step = types.MethodType(step, opt)
         opt.zero_grad = types.MethodType(zero_grad, opt)
         opt.state_dict = types.MethodType(state_dict, opt)
@@ -671,6 +682,10 @@ class StateManager:
             if len(seen) < len(self._trainable[u]):
                 return
             seen.clear()
+            if pl.grads == "offload":  # at most two units' gradients in flight to the host
+                for slot in self._grads_in_flight:
+                    slot.mover.wait_host(slot.ticket)
+                self._grads_in_flight = [self._grad_slots[i] for i in self._trainable[u] if i in self._grad_slots]
             if pl.grads == "step":
                 self._step_in_backward(u)
             if self._param_slots[u]:
