@@ -282,6 +282,58 @@ def test_load_state_dict_and_lr_scheduler_inside_the_block() -> None:
     assert _same(o0.state_dict(), o1.state_dict())
 
 
+def test_partial_unit_is_stepped_by_opt_step_not_early_in_the_next_backward() -> None:
+    """A unit whose parameters do not all get gradients in a backward is stepped by opt.step(), as plain training."""
+
+    def run(placement: Placement | None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+        x = torch.randn(4, 8)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        units = [[model[0].weight, model[0].bias, model[1].weight], [model[2].weight, model[2].bias, model[1].bias]]
+        mgr = StateManager(model, opt, units, placement, step_in_backward=True) if placement else None
+        if mgr:
+            mgr.apply()
+        try:
+            for i in range(3):
+                h = model[0](x)
+                if i == 1:  # this step model[0]'s parameters get no gradient: unit 0 is incomplete in backward
+                    h = h.detach()
+                model[2](model[1](h)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            if mgr:
+                mgr.remove()
+        return model, opt
+
+    m0, o0 = run(None)
+    m1, o1 = run(Placement("offload", "step"))
+    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters(), strict=True))
+    assert _same(o0.state_dict(), o1.state_dict())
+
+
+def test_eval_forward_and_placeholders_inside_the_block() -> None:
+    zm = _mlp()
+    model = zm.model
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.eval()
+    with torch.no_grad():
+        plain = model(*zm.inputs)
+    with StateManager(model, opt, list(model.blocks), PLACEMENTS["all_offload"]):
+        with torch.no_grad():
+            assert torch.equal(model(*zm.inputs), plain)  # parameters fetched for the forward, freed after
+        assert model.blocks[1].fc1.weight.untyped_storage().nbytes() == 0
+        model.train()
+        zm.loss_fn(model(*zm.inputs)).backward()
+        g = model.blocks[0].fc2.weight.grad
+        assert isinstance(g, HostTensor) and g.shape == model.blocks[0].fc2.weight.shape
+        assert "HostTensor(" in repr(g)
+        assert torch.equal(g.clone(), g * 1)  # operators run on a device copy of the host value
+        with pytest.raises(StateError, match="view"):
+            g.view(-1)
+
+
 def test_bad_units_raise_clear_errors() -> None:
     zm = _mlp()
     model = zm.model
@@ -304,6 +356,20 @@ def test_bad_units_raise_clear_errors() -> None:
     with StateManager(model, opt, list(model.blocks), PLACEMENTS["state"]):
         with pytest.raises(StateError, match="another StateManager"):
             StateManager(model, opt, list(model.blocks), PLACEMENTS["state"]).apply()
+
+    class ReturnsItsWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * self.w, self.w.view(-1)
+
+    m = ReturnsItsWeight()
+    with StateManager(m, torch.optim.SGD(m.parameters(), lr=0.1), [m], Placement(params="offload")):
+        with pytest.raises(StateError, match="returns a view"):
+            m(torch.ones(3))
+    assert torch.equal(m.w, torch.ones(3))
 
 
 # ---------------------------------------------------------------------- memory

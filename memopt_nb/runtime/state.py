@@ -675,6 +675,7 @@ class StateManager:
         pl = self.placements[u]
 
         def hook(p: nn.Parameter) -> None:
+            self._queue_end_of_backward()
             if pl.grads == "offload" and id(p) in in_opt and p.grad is not None:
                 self._offload_grad(p)
             seen = self._seen[u]
@@ -803,6 +804,8 @@ class StateManager:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._gen += 1
+        for seen in self._seen:  # a unit not complete in this backward is stepped by opt.step(), not in the next one
+            seen.clear()
         for u in range(len(self.unit_params)):
             if self._param_slots[u] and (self._in_bw[u] or self._param_where[u] != "host"):
                 self._in_bw[u] = False
