@@ -365,8 +365,9 @@ class StateManager:
             belong to one unit only; parameters in no unit stay as they are.
         placements: one :class:`Placement` for every unit, or one per unit.
         step_in_backward: opt in to ``grads="step"`` (changes what the loop may do; see :class:`StepInBackwardError`).
-        prefetch: start fetching the next unit's offloaded parameters (forward) or the previous one's (backward) while
-            the current unit runs.
+        prefetch: start fetching the next unit's offloaded parameters (forward) or the previous one's (backward), and
+            the next unit's state and parameters for the step, while the current unit runs. ``False`` holds one unit
+            of each kind on the device instead of two, and waits for every transfer.
 
     Use as a context manager, or :meth:`apply` / :meth:`remove`. :attr:`stats` counts the bytes moved.
     """
@@ -849,11 +850,14 @@ class StateManager:
     def _run_chunks(self, chunks: list[list[nn.Parameter]], closure: Any) -> None:
         if not chunks:
             return
-        pending = self._bring(chunks[0], wait=False)
+        pending: list[_Slot] | None = None
         for i, chunk in enumerate(chunks):
+            if pending is None:
+                pending = self._bring(chunk, wait=False)
             self._finish_bring(chunk, pending)
             self._release_pending()  # the previous chunk's state has reached the host
-            pending = self._bring(chunks[i + 1], wait=False) if i + 1 < len(chunks) else []
+            # with prefetch the next chunk comes while this one steps (2 units on the device), else after it (1)
+            pending = self._bring(chunks[i + 1], wait=False) if self.prefetch and i + 1 < len(chunks) else None
             # materialize offloaded gradients for the step; the host copy stays valid (steps do not write grads)
             swapped = []
             for p in chunk:
