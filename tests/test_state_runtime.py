@@ -341,6 +341,27 @@ def test_eval_forward_and_placeholders_inside_the_block() -> None:
             g.view(-1)
 
 
+def test_model_state_dict_load_state_dict_and_gathered_with_offloaded_parameters() -> None:
+    zm = _mlp()
+    model = zm.model
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    with StateManager(model, opt, list(model.blocks), Placement(params="offload")) as mgr:
+        assert model.blocks[0].fc1.weight.untyped_storage().nbytes() == 0
+        sd = model.state_dict()  # host values, not the empty device storages
+        assert list(sd) == list(plain) and all(torch.equal(sd[k], plain[k]) for k in plain)
+        changed = {k: v + 1 for k, v in plain.items()}
+        model.load_state_dict(changed)
+        assert model.blocks[0].fc1.weight.untyped_storage().nbytes() == 0  # offloaded again, with the new values
+        with mgr.gathered():
+            assert all(torch.equal(p, changed[n]) for n, p in model.named_parameters())
+            with torch.no_grad():
+                model.blocks[1].fc2.bias.fill_(3.0)
+        assert model.blocks[1].fc2.bias.untyped_storage().nbytes() == 0
+    assert torch.equal(model.blocks[1].fc2.bias, torch.full_like(model.blocks[1].fc2.bias, 3.0))
+    assert torch.equal(model.blocks[0].fc1.weight, changed["blocks.0.fc1.weight"])
+
+
 def test_bad_units_raise_clear_errors() -> None:
     zm = _mlp()
     model = zm.model

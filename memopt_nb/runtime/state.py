@@ -35,8 +35,10 @@ How values stay identical to plain training:
   ``untyped_storage().resize_(0)`` and re-grown and refilled in place (FSDP2's way). ``p.data = ...`` would not do:
   autograd saves views of parameters (``weight.t()`` for a linear layer), which would keep pointing at the old storage.
   Resizing the one storage all views share keeps every saved view valid once it is refilled. While offloaded, a
-  parameter must not be read outside its unit's forward or backward (its storage is empty); the manager checks that no
-  module outside the unit holds it and that the unit does not return a view of it.
+  parameter must not be read outside its unit's forward or backward (its storage is empty: reading it reads freed
+  memory). The manager checks that no module outside the unit holds it and that the unit does not return a view of it;
+  ``model.state_dict()`` / ``model.load_state_dict()`` go through the host copy, and :meth:`StateManager.gathered`
+  brings every offloaded parameter back for a block of code that reads or changes them.
 
 On exit everything is put back exactly: the original state tensor objects refilled and back in ``opt.state``,
 placeholder gradients replaced by real ones, parameters refilled, hooks removed, ``opt.step`` / ``zero_grad`` /
@@ -52,9 +54,10 @@ a GPU yet.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -563,6 +566,7 @@ class StateManager:
                 self._param_where[u] = "host"
                 self._handles.append(mod.register_forward_pre_hook(self._make_fwd_pre(u)))
                 self._handles.append(mod.register_forward_hook(self._make_fwd_post(u)))
+                self._handles += self._state_dict_hooks(u, mod)
         if self.step_in_backward:
             self._handles.append(model.register_forward_pre_hook(self._check_forward))
 
@@ -746,6 +750,47 @@ class StateManager:
         for s in self._param_slots[u]:
             s.free()
         self._param_where[u] = "host"
+
+    def _state_dict_hooks(self, u: int, mod: nn.Module) -> list[Any]:
+        """``model.state_dict()`` gets offloaded parameters' host values; ``model.load_state_dict()`` writes them."""
+        slot_of = {id(s.tensor): s for s in self._param_slots[u]}
+
+        def saving(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            if self._param_where[u] != "host":
+                return
+            for name, p in module.named_parameters(prefix=prefix.rstrip(".")):
+                slot = slot_of.get(id(p))
+                if slot is not None and name in state_dict:
+                    state_dict[name] = slot.materialize()  # a copy: the parameter itself has no data now
+
+        def loading(module: nn.Module, *args: Any) -> None:
+            self._fetch_params(u, wait=True)
+
+        def loaded(module: nn.Module, incompatible: Any) -> None:
+            self._param_dirty[u] = True
+            if not self._in_bw[u]:
+                self._free_params(u)
+
+        return [mod.register_state_dict_post_hook(saving), mod.register_load_state_dict_pre_hook(loading),
+                mod.register_load_state_dict_post_hook(loaded)]
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every offloaded parameter on the device for the block (to read or change it), offloaded again after.
+
+        Outside a unit's forward and backward an offloaded parameter has an empty storage: reading it (``torch.equal``,
+        ``p.sum()``) would read freed memory. ``model.state_dict()`` / ``load_state_dict()`` are safe without this.
+        """
+        units = [u for u in range(len(self.unit_params)) if self._param_slots[u]]
+        for u in units:
+            self._fetch_params(u, wait=True)
+        try:
+            yield
+        finally:
+            for u in units:
+                self._param_dirty[u] = True
+                if not self._in_bw[u]:
+                    self._free_params(u)
 
     def _neighbour(self, u: int, step: int) -> int | None:
         v = u + step
