@@ -576,3 +576,46 @@ def test_cuda_peak_drops_by_the_offloaded_state() -> None:  # pragma: no cover -
     top = max(u["optimizer"] for u in units)
     print(f"CUDA: plain {base} B, state offloaded {got} B, saving {base - got} B of {tot} B offloaded")
     assert tot - 2 * top - 2 * 2**20 <= base - got <= tot + 2 * 2**20  # allocator rounding: 2 MiB either way
+
+
+# ---------------------------------------------------------------------- with an activation plan
+@pytest.mark.parametrize("strategy", ["recompute", "swap"])
+def test_composes_with_activation_plans_bit_equal(strategy: str) -> None:
+    """StateManager inside ``memopt.plan(p)``: recomputed and swapped units, everything else offloaded too."""
+    import memopt_nb as memopt
+    from memopt_nb.plan import Plan
+
+    zm = _mlp()
+    prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn,
+                          optimizer=torch.optim.Adam(zm.model.parameters()), repeats=1)
+    kwargs = {"offload_window": 1, "prefetch_distance": 1} if strategy == "swap" else {}
+    plan = Plan.uniform(prof, strategy, **kwargs)
+
+    def run(placement: Placement | None):
+        zm = _mlp()
+        model = zm.model
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(3)
+        with memopt.plan(plan, model) as applied:
+            units = [model.get_submodule(n) for n in plan.units]
+            mgr = StateManager(model, opt, units, placement, step_in_backward=True) if placement else None
+            if mgr:
+                mgr.apply()
+            try:
+                for _ in range(3):
+                    zm.loss_fn(model(*zm.inputs)).backward()
+                    opt.step()
+                    opt.zero_grad()
+            finally:
+                if mgr:
+                    mgr.remove()
+            stats = dict(applied.stats)
+        return model, opt, stats
+
+    m0, o0, _ = run(None)
+    for placement in (PLACEMENTS["all_offload"], PLACEMENTS["state_step_params"]):
+        m1, o1, stats = run(placement)
+        assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters(), strict=True))
+        assert _same(o0.state_dict(), o1.state_dict())
+        if strategy == "swap":
+            assert stats["offloaded_bytes"] > 0
