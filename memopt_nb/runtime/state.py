@@ -1,0 +1,1070 @@
+"""Whole-step runtime: where each unit's optimizer state, gradients and parameters live during training.
+
+This is the runtime half of plans that move more than activations. A *unit* is a set of parameters (a module, or a
+list of parameters); per unit a :class:`Placement` says
+
+* ``optimizer``: ``"resident"`` or ``"offload"`` — between steps the unit's optimizer-state tensors live on the host;
+  ``opt.step()`` brings them back unit by unit, runs the user's own optimizer on the device over that unit's
+  parameters only, and sends them back.
+* ``grads``: ``"resident"``, ``"offload"`` (copied to the host as soon as backward has accumulated them, freed on the
+  device, brought back for the step) or ``"step"`` (the unit's optimizer step runs inside backward as soon as its
+  gradients are complete, then they are dropped; opt-in with ``step_in_backward=True``).
+* ``params``: ``"resident"`` or ``"offload"`` — the parameter data lives on the host and is fetched before the unit's
+  forward and again when backward reaches the unit, then freed.
+
+:class:`StateManager` applies placements to a model and its ``torch.optim`` optimizer for the duration of a ``with``
+block; the training loop is unchanged::
+
+    with StateManager(model, opt, model.blocks, Placement(optimizer="offload", grads="offload")):
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            opt.step(); opt.zero_grad()
+
+How values stay identical to plain training:
+
+* A torch optimizer's update is element-wise per parameter, so stepping a subset of parameters (``param_groups``
+  temporarily restricted to the unit's parameters, same state tensors, same hyper-parameters) computes the same bits
+  for the single-tensor and foreach paths. Optimizers that couple parameters (``LBFGS``) are refused. Step pre/post
+  hooks run once per ``opt.step()``, as without the manager. New state entries are re-ordered as plain training
+  would have created them, so ``opt.state_dict()`` is the same, key order included.
+* Offloaded state and gradients are replaced, in ``opt.state`` and ``p.grad``, by storage-less placeholder tensors
+  (:class:`HostTensor`) that remember where the value is; any operation on one (``torch.equal``, ``clip_grad_norm_``'s
+  norms and in-place scaling, ``repr``) runs on a temporary device copy and writes in-place changes back, so reading and
+  updating them still works. Only ops that would return a view of one raise :class:`StateError`.
+* Offloaded parameters keep their identity: the same ``nn.Parameter`` objects, whose storage is freed with
+  ``untyped_storage().resize_(0)`` and re-grown and refilled in place (FSDP2's way). ``p.data = ...`` would not do:
+  autograd saves views of parameters (``weight.t()`` for a linear layer), which would keep pointing at the old storage.
+  Resizing the one storage all views share keeps every saved view valid once it is refilled. While offloaded, a
+  parameter must not be read outside its unit's forward or backward (its storage is empty: reading it reads freed
+  memory). The manager checks that no module outside the unit holds it and that the unit does not return a view of it;
+  ``model.state_dict()`` / ``model.load_state_dict()`` go through the host copy, and :meth:`StateManager.gathered`
+  brings every offloaded parameter back for a block of code that reads or changes them.
+
+On exit everything is put back exactly: the original state tensor objects refilled and back in ``opt.state``,
+placeholder gradients replaced by real ones, parameters refilled, hooks removed, ``opt.step`` / ``zero_grad`` /
+``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted.
+
+Transfers: on the CPU (the emulated device) host copies are ``torch.UntypedStorage`` objects and a worker thread per
+direction copies with ``memmove``, so the meter of :mod:`memopt_nb.runtime.memory` does not count the host store
+(storages freed or re-grown are reported to it with ``note_device_storage``). On CUDA the copies run on a
+device-to-host and a host-to-device side stream into pinned host buffers, ordered with events; that path has not run on
+a GPU yet.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import types
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..errors import PlanError
+from .memory import note_device_storage
+
+__all__ = ["HostTensor", "Placement", "StateError", "StateManager", "StepInBackwardError", "manage_state"]
+
+OPTIMIZER_CHOICES = ("resident", "offload")
+GRAD_CHOICES = ("resident", "offload", "step")
+PARAM_CHOICES = ("resident", "offload")
+
+
+class StateError(PlanError):
+    """Optimizer state, gradients or parameters cannot be placed as asked, or were used as their placement forbids."""
+
+
+class StepInBackwardError(StateError):
+    """The loop did something that step-in-backward cannot reproduce (gradient accumulation, clipping, zero_grad
+    before step). Raised before that call changes anything."""
+
+
+_STEP_RULES = ("with grads='step' the optimizer steps those units inside backward, so the loop must run exactly one "
+               "backward per opt.step(), call opt.step() (then opt.zero_grad()) before the next forward, and not read, "
+               "clip or accumulate those gradients; use grads='offload' (or 'resident') for gradient accumulation or "
+               "clip_grad_norm_")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one unit's optimizer state, gradients and parameters live (see the module docstring)."""
+
+    optimizer: str = "resident"
+    grads: str = "resident"
+    params: str = "resident"
+
+    def check(self, step_in_backward: bool, where: str) -> None:
+        for field, value, choices in (("optimizer", self.optimizer, OPTIMIZER_CHOICES),
+                                      ("grads", self.grads, GRAD_CHOICES), ("params", self.params, PARAM_CHOICES)):
+            if value not in choices:
+                raise StateError(f"{where}: {field}={value!r} is not one of {', '.join(map(repr, choices))}")
+        if self.grads == "step" and not step_in_backward:
+            raise StateError(f"{where}: grads='step' changes what the training loop may do ({_STEP_RULES}); opt in "
+                             "with step_in_backward=True")
+
+    @property
+    def managed(self) -> bool:
+        return (self.optimizer, self.grads, self.params) != ("resident", "resident", "resident")
+
+
+# ---------------------------------------------------------------------- copy engines
+def _u8(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+class _ThreadMover:
+    """Copies of the emulated CPU device: one worker thread per direction, ``memmove`` (invisible to the meter)."""
+
+    def __init__(self) -> None:
+        self._pools = {d: ThreadPoolExecutor(1, thread_name_prefix=f"memopt-state-{d}") for d in ("d2h", "h2d")}
+
+    @staticmethod
+    def new_host(nbytes: int) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes)  # not an operator: the dispatch-mode meter does not see it
+
+    @staticmethod
+    def new_device(nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        st = torch.UntypedStorage(nbytes, device=device)
+        note_device_storage(st)
+        return st
+
+    def copy(self, direction: str, dst: torch.UntypedStorage, src: torch.UntypedStorage, nbytes: int,
+             after: Any = None) -> Future:
+        refs = [dst, src, after]
+
+        def job() -> None:
+            d, s, a = refs
+            refs.clear()  # let go of the storages before the ticket reads done, so a freed one is gone by then
+            if a is not None:
+                a.result()
+            ctypes.memmove(d.data_ptr(), s.data_ptr(), nbytes)
+            del d, s, a
+
+        return self._pools[direction].submit(job)
+
+    @staticmethod
+    def wait(ticket: Any) -> None:
+        """Wait until the device may use (or free) what ``ticket`` copied."""
+        if ticket is not None:
+            ticket.result()
+
+    wait_host = wait
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+
+
+class _CudaMover:  # pragma: no cover - needs a GPU; not yet run on one
+    """Copies of a CUDA device: a device-to-host and a host-to-device side stream, pinned host buffers, events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.streams = {"d2h": torch.cuda.Stream(device), "h2d": torch.cuda.Stream(device)}
+
+    @staticmethod
+    def new_host(nbytes: int) -> torch.UntypedStorage:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+
+    @staticmethod
+    def new_device(nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+
+    def copy(self, direction: str, dst: torch.UntypedStorage, src: torch.UntypedStorage, nbytes: int,
+             after: Any = None) -> Any:
+        stream = self.streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            _u8(dst, nbytes).copy_(_u8(src, nbytes), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        # the device side must not be reused by the allocator before the copy has read or written it
+        _u8(src if direction == "d2h" else dst, nbytes).record_stream(stream)
+        return ev
+
+    def wait(self, ticket: Any) -> None:
+        if ticket is not None:
+            torch.cuda.current_stream(self.device).wait_event(ticket)
+
+    @staticmethod
+    def wait_host(ticket: Any) -> None:
+        if ticket is not None:
+            ticket.synchronize()
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+# ---------------------------------------------------------------------- a device value with a host home
+class _Slot:
+    """One tensor's bytes with a host copy.
+
+    ``tensor`` (if kept) is the device tensor whose storage is freed and refilled in place; otherwise the value is
+    materialized into a new device tensor when needed.
+    """
+
+    __slots__ = ("mover", "tensor", "storage", "nbytes", "host", "ticket", "dtype", "device", "size", "stride",
+                 "offset", "kind", "owner")
+
+    def __init__(self, mover: Any, like: Any, keep: bool, kind: str, owner: Any) -> None:
+        self.mover = mover
+        self.tensor = like if keep else None
+        self.storage = like.untyped_storage() if keep else None
+        self.nbytes = like.nbytes if isinstance(like, _Like) else like.untyped_storage().nbytes()
+        self.host = mover.new_host(self.nbytes)
+        self.ticket: Any = None
+        self.dtype, self.device = like.dtype, like.device
+        if isinstance(like, _Like):
+            self.size, self.stride, self.offset = like.size, like.stride, like.offset
+        else:
+            self.size, self.stride, self.offset = like.size(), like.stride(), like.storage_offset()
+        self.kind = kind
+        self.owner = owner
+
+    def send(self, src: torch.UntypedStorage) -> None:
+        """Start copying ``src`` (this slot's bytes on the device) to the host."""
+        self.ticket = self.mover.copy("d2h", self.host, src, self.nbytes, after=self.ticket)
+
+    def free(self) -> None:
+        """Drop the kept tensor's device bytes once the copy to the host has read them."""
+        self.mover.wait_host(self.ticket)
+        self.storage.resize_(0)
+        note_device_storage(self.storage)
+
+    def refill(self) -> None:
+        """Re-grow the kept tensor's storage and start copying the host bytes into it (wait with :meth:`wait`)."""
+        self.mover.wait_host(self.ticket)
+        self.storage.resize_(self.nbytes)
+        note_device_storage(self.storage)
+        self.ticket = self.mover.copy("h2d", self.storage, self.host, self.nbytes)
+
+    def wait(self) -> None:
+        self.mover.wait(self.ticket)
+
+    def materialize(self) -> torch.Tensor:
+        """A new device tensor holding the host value."""
+        self.mover.wait_host(self.ticket)
+        st = self.mover.new_device(self.nbytes, self.device)
+        ticket = self.mover.copy("h2d", st, self.host, self.nbytes)
+        self.mover.wait(ticket)
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(st, self.offset, self.size, self.stride)
+
+    def store(self, t: torch.Tensor) -> None:
+        """Write a device tensor's value (same layout) back to the host, synchronously."""
+        self.send(t.untyped_storage())
+        self.mover.wait_host(self.ticket)
+
+    def zero(self) -> None:
+        self.mover.wait_host(self.ticket)
+        ctypes.memset(self.host.data_ptr(), 0, self.nbytes)
+
+
+def _exclusive(t: torch.Tensor) -> bool:
+    """A plain dense tensor that is the whole of its storage (so moving the storage moves exactly this tensor)."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and not t.is_meta
+            and t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
+            and t.nbytes > 0)
+
+
+# ---------------------------------------------------------------------- placeholders
+class HostTensor(torch.Tensor):
+    """A storage-less stand-in for a tensor whose value lives in the host store (offloaded state or gradient).
+
+    It has the shape, dtype and device of the value. An operator applied to it runs on a temporary device copy and
+    in-place changes are written back, so ``torch.equal(p.grad, g)``, ``clip_grad_norm_`` or ``print`` work. An
+    operator that would return a view raises :class:`StateError`. A placeholder of a gradient consumed by a step in
+    backward (``stepped``) has no value: every operator on it raises :class:`StepInBackwardError`.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like: Any, slot: _Slot | None, stepped: bool = False) -> HostTensor:
+        r = torch.Tensor._make_wrapper_subclass(cls, like.size, strides=like.stride, storage_offset=like.offset,
+                                                dtype=like.dtype, device=like.device, requires_grad=False)
+        r._slot = slot
+        r._stepped = stepped
+        r._like = like
+        return r
+
+    def __init__(self, like: Any, slot: _Slot | None, stepped: bool = False) -> None:
+        super().__init__()
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return [], None  # no inner tensors: the memory meter counts nothing for it
+
+    @staticmethod
+    def __tensor_unflatten__(inner: Any, meta: Any, size: Any, stride: Any) -> Any:  # pragma: no cover
+        raise StateError("a memopt host placeholder cannot be traced or compiled")
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        if self._stepped:
+            return f"<gradient already applied by a step in backward: shape {tuple(self.shape)}>"
+        return f"HostTensor({self._slot.materialize()!r})"
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        if self._stepped:
+            raise StepInBackwardError(f"this gradient was already applied in backward; {_STEP_RULES}")
+        return self._slot.materialize().__reduce_ex__(proto)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        holders = [t for t in tree_leaves((args, kwargs)) if isinstance(t, HostTensor)]
+        if any(h._stepped for h in holders):
+            raise StepInBackwardError(f"{func} on a gradient that was already applied by a step in backward; "
+                                      f"{_STEP_RULES}")
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+            raise StateError(f"{func} would return a view of an offloaded tensor; operate on a copy "
+                             "(e.g. t.clone()) or leave the memopt block first")
+        mats: dict[int, torch.Tensor] = {}
+        for h in holders:
+            if id(h) not in mats:
+                mats[id(h)] = h._slot.materialize()
+        a, k = tree_map(lambda x: mats[id(x)] if isinstance(x, HostTensor) else x, (args, kwargs))
+        out = func(*a, **k)
+        if func._schema.is_mutable:
+            for h in {id(h): h for h in holders}.values():
+                h._slot.store(mats[id(h)])
+        back = {id(m): h for h in holders for m in (mats[id(h)],)}
+        return tree_map(lambda x: back.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
+
+
+class _Like:
+    """The layout of a dense tensor, without its data."""
+
+    __slots__ = ("size", "stride", "offset", "dtype", "device", "nbytes")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.dtype, self.device = t.dtype, t.device
+        self.nbytes = t.numel() * t.element_size()
+
+
+def _placeholder(slot: _Slot) -> HostTensor:
+    return HostTensor(slot, slot)
+
+
+def _stepped_placeholder(g: torch.Tensor) -> HostTensor:
+    return HostTensor(_Like(g), None, stepped=True)
+
+
+# ---------------------------------------------------------------------- the manager
+class StateManager:
+    """Applies per-unit placements of optimizer state, gradients and parameters to ``model`` and ``optimizer``.
+
+    Args:
+        model: the module trained (its forward pre-hook guards step-in-backward loops).
+        optimizer: the ``torch.optim`` optimizer over (some of) the model's parameters.
+        units: per unit, an ``nn.Module`` (its parameters) or a list of parameters, in forward order. A parameter may
+            belong to one unit only; parameters in no unit stay as they are.
+        placements: one :class:`Placement` for every unit, or one per unit.
+        step_in_backward: opt in to ``grads="step"`` (changes what the loop may do; see :class:`StepInBackwardError`).
+        prefetch: start fetching the next unit's offloaded parameters (forward) or the previous one's (backward), and
+            the next unit's state and parameters for the step, while the current unit runs. ``False`` holds one unit
+            of each kind on the device instead of two, and waits for every transfer.
+
+    Use as a context manager, or :meth:`apply` / :meth:`remove`. :attr:`stats` counts the bytes moved.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 units: Sequence[nn.Module | Sequence[nn.Parameter]],
+                 placements: Placement | Sequence[Placement] = Placement(), *, step_in_backward: bool = False,
+                 prefetch: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise StateError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise StateError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model, self.optimizer = model, optimizer
+        self.modules: list[nn.Module | None] = []
+        self.unit_params: list[list[nn.Parameter]] = []
+        for i, u in enumerate(units):
+            if isinstance(u, nn.Module):
+                self.modules.append(u)
+                self.unit_params.append(list(u.parameters()))
+            else:
+                ps = list(u)
+                if not all(isinstance(p, nn.Parameter) for p in ps):
+                    raise StateError(f"unit {i}: give an nn.Module or a list of nn.Parameter objects")
+                self.modules.append(None)
+                self.unit_params.append(list(dict.fromkeys(ps)))
+        n = len(self.unit_params)
+        if isinstance(placements, Placement):
+            placements = [placements] * n
+        placements = list(placements)
+        if len(placements) != n:
+            raise StateError(f"{len(placements)} placements for {n} units; give one Placement or one per unit")
+        for i, pl in enumerate(placements):
+            if not isinstance(pl, Placement):
+                raise StateError(f"unit {i}: placement must be a Placement, got {type(pl).__name__}")
+            pl.check(step_in_backward, f"unit {i}")
+        self.placements = placements
+        self.step_in_backward = step_in_backward
+        self.prefetch = prefetch
+        self.unit_of: dict[int, int] = {}
+        for i, ps in enumerate(self.unit_params):
+            for p in ps:
+                if id(p) in self.unit_of:
+                    raise StateError(f"a parameter of shape {tuple(p.shape)} is in units {self.unit_of[id(p)]} "
+                                     f"and {i}; a parameter may belong to one unit only")
+                self.unit_of[id(p)] = i
+        self._check_optimizer()
+        self._active = False
+        self._mover: Any = None
+        self.stats: collections.Counter = collections.Counter()
+        self._reset()
+
+    # ------------------------------------------------------------------ validation
+    def _opt_ids(self) -> dict[int, int]:
+        """id(param) -> position in param_groups order (the order plain training creates state in)."""
+        out: dict[int, int] = {}
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                out.setdefault(id(p), len(out))
+        return out
+
+    def _check_optimizer(self) -> None:
+        opt = self.optimizer
+        if isinstance(opt, torch.optim.LBFGS) and any(pl.managed for pl in self.placements):
+            raise StateError("LBFGS couples all parameters in one step and re-evaluates its closure; it cannot step "
+                             "unit by unit — keep every placement 'resident' or use another optimizer")
+        for i, (pl, ps, mod) in enumerate(zip(self.placements, self.unit_params, self.modules, strict=True)):
+            if pl.params != "offload":
+                continue
+            if mod is None:
+                raise StateError(f"unit {i}: params='offload' needs the unit as an nn.Module (its forward is where the "
+                                 "parameters are fetched); give the module instead of a parameter list")
+            for p in ps:
+                if not _exclusive(p) or not p.untyped_storage().resizable():
+                    raise StateError(f"unit {i}: a parameter of shape {tuple(p.shape)} shares or cannot resize its "
+                                     "storage (a view, a flat buffer or memory-mapped), so it cannot be offloaded")
+            inside = {id(m) for m in mod.modules()}
+            mine = {id(p) for p in ps}
+            for name, m in self.model.named_modules():
+                if id(m) in inside:
+                    continue
+                for pn, p in m._parameters.items():
+                    if p is not None and id(p) in mine:
+                        raise StateError(f"unit {i}: parameter {name + '.' + pn if name else pn!r} is also used by a "
+                                         "module outside the unit (tied weights); its parameters cannot be offloaded")
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> StateManager:
+        return self.apply()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def _reset(self) -> None:
+        self._handles: list[Any] = []
+        self._opt_saved: dict[str, Any] = {}
+        self._state_slots: dict[tuple[int, Any], _Slot] = {}
+        self._grad_slots: dict[int, _Slot] = {}
+        self._param_slots: list[list[_Slot]] = [[] for _ in self.unit_params]
+        self._param_where = ["device"] * len(self.unit_params)  # device | host | fetching
+        self._param_dirty = [False] * len(self.unit_params)
+        self._in_bw = [False] * len(self.unit_params)
+        self._seen: list[set[int]] = [set() for _ in self.unit_params]
+        self._trainable = [{id(p) for p in ps if p.requires_grad} for ps in self.unit_params]
+        self._stepped: set[int] = set()  # units stepped in backward, waiting for opt.step()
+        self._stale = 0  # stepped placeholders not yet cleared by zero_grad
+        self._callback_queued = False
+        self._gen = 0  # backward passes seen (bumped at the end of each)
+        self._sib_gen = -1  # the backward pass in which units were last stepped
+        self._state_keys: set[int] = set()
+        self._lr_sched = False
+        self._pending: list[_Slot] = []
+        self._grads_in_flight: list[_Slot] = []
+
+    def apply(self) -> StateManager:
+        """Install the placements. Raises :class:`StateError` if they do not fit or are applied already."""
+        if self._active:
+            raise StateError("this StateManager is applied already; leave its `with` block first")
+        opt = self.optimizer
+        if getattr(opt, "_memopt_state", None) is not None:
+            raise StateError("another StateManager manages this optimizer; leave its `with` block first")
+        device = next((p.device for ps in self.unit_params for p in ps), torch.device("cpu"))
+        self._reset()
+        self._mover = _CudaMover(device) if device.type == "cuda" else _ThreadMover()
+        self._active = True
+        opt._memopt_state = self
+        try:
+            self._install()
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def _install(self) -> None:
+        opt, model = self.optimizer, self.model
+        in_opt = self._opt_ids()
+        prev_step = opt.__dict__.get("step")
+        self._lr_sched = bool(getattr(prev_step, "_wrapped_by_lr_sched", False))
+        for name in ("step", "zero_grad", "state_dict", "load_state_dict"):
+            self._opt_saved[name] = opt.__dict__.get(name, _MISSING)
+        this = self
+
+        def step(opt_self: Any, closure: Any = None) -> Any:
+            if not this._active:
+                return type(opt_self).step(opt_self, closure)
+            return this._hooked_step(opt_self, closure)
+
+        def zero_grad(opt_self: Any, set_to_none: bool = True) -> None:
+            return this._zero_grad(set_to_none)
+
+        def state_dict(opt_self: Any) -> dict[str, Any]:
+            return this._state_dict()
+
+        def load_state_dict(opt_self: Any, state_dict: dict[str, Any]) -> None:
+            return this._load_state_dict(state_dict)
+
+        if self._lr_sched:  # an LR scheduler wrapped opt.step to see it called: this wrapper tells it instead
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        opt.step = types.MethodType(step, opt)
+        opt.zero_grad = types.MethodType(zero_grad, opt)
+        opt.state_dict = types.MethodType(state_dict, opt)
+        opt.load_state_dict = types.MethodType(load_state_dict, opt)
+        self._hooked_step = torch.optim.Optimizer.profile_hook_step(self._all_chunks)
+        self._state_keys = {id(k) for k in opt.state}
+
+        for u, (pl, ps) in enumerate(zip(self.placements, self.unit_params, strict=True)):
+            post = self._make_post_hook(u, in_opt)
+            for p in ps:
+                if not p.requires_grad:
+                    continue
+                self._handles.append(p.register_post_accumulate_grad_hook(post))
+                if pl.grads != "resident" and id(p) in in_opt:
+                    self._handles.append(p.register_hook(self._make_pre_hook(u, p)))
+            if pl.grads == "offload":
+                for p in ps:
+                    if id(p) in in_opt and p.grad is not None and not isinstance(p.grad, HostTensor):
+                        self._offload_grad(p)
+            if pl.optimizer == "offload":
+                for p in ps:
+                    if p in opt.state:
+                        self._send_state(p)
+                self._release_pending()
+            if pl.params == "offload":
+                mod = self.modules[u]
+                self._param_slots[u] = [_Slot(self._mover, p, True, "param", u) for p in ps]
+                for s in self._param_slots[u]:
+                    s.send(s.storage)
+                for s in self._param_slots[u]:
+                    s.free()
+                self._param_where[u] = "host"
+                self._handles.append(mod.register_forward_pre_hook(self._make_fwd_pre(u)))
+                self._handles.append(mod.register_forward_hook(self._make_fwd_post(u)))
+                self._handles += self._state_dict_hooks(u, mod)
+        if self.step_in_backward:
+            self._handles.append(model.register_forward_pre_hook(self._check_forward))
+
+    def remove(self) -> None:
+        """Undo :meth:`apply`: state, gradients and parameters back on the device, hooks and methods removed."""
+        if self._mover is None:
+            return
+        opt = self.optimizer
+        try:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            for u in range(len(self.unit_params)):
+                if self._param_slots[u]:
+                    self._fetch_params(u, wait=True)
+            for p_id_key, slot in list(self._state_slots.items()):
+                p = slot.owner
+                st = opt.state.get(p)
+                if st is not None and isinstance(st.get(p_id_key[1]), HostTensor) and st[p_id_key[1]]._slot is slot:
+                    slot.refill()
+                    slot.wait()
+                    st[p_id_key[1]] = slot.tensor
+            for ps in self.unit_params:
+                for p in ps:
+                    g = p.grad
+                    if isinstance(g, HostTensor):
+                        p.grad = None if g._stepped else g._slot.materialize()
+        finally:
+            for name, prev in self._opt_saved.items():
+                if prev is _MISSING:
+                    opt.__dict__.pop(name, None)
+                else:
+                    opt.__dict__[name] = prev
+            self._opt_saved = {}
+            if getattr(opt, "_memopt_state", None) is self:
+                del opt._memopt_state
+            self._mover.close()
+            self._mover = None
+            self._active = False
+
+    # ------------------------------------------------------------------ optimizer state
+    def _send_state(self, p: nn.Parameter) -> None:
+        """Start moving the device tensors of ``opt.state[p]`` to the host; placeholders take their place."""
+        st = self.optimizer.state[p]
+        for key, v in list(st.items()):
+            if isinstance(v, HostTensor) or not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            if v.device != p.device or not _exclusive(v) or not v.untyped_storage().resizable():
+                self.stats["state_left_resident"] += 1
+                continue
+            slot = self._state_slots.get((id(p), key))
+            if slot is None or slot.tensor is not v or slot.nbytes != v.nbytes:
+                slot = self._state_slots[(id(p), key)] = _Slot(self._mover, v, True, "state", p)
+            slot.send(slot.storage)
+            self.stats["state_d2h_bytes"] += slot.nbytes
+            st[key] = _placeholder(slot)
+            self._pending.append(slot)
+
+    def _release_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for slot in pending:
+            slot.free()
+
+    def _bring_state(self, p: nn.Parameter, wait: bool) -> list[_Slot]:
+        st = self.optimizer.state.get(p)
+        out = []
+        if st:
+            for key, v in list(st.items()):
+                if isinstance(v, HostTensor) and not v._stepped:
+                    slot = v._slot
+                    slot.refill()
+                    self.stats["state_h2d_bytes"] += slot.nbytes
+                    out.append(slot)
+                    st[key] = slot.tensor
+        if wait:
+            for slot in out:
+                slot.wait()
+        return out
+
+    # ------------------------------------------------------------------ gradients
+    def _offload_grad(self, p: nn.Parameter) -> None:
+        g = p.grad
+        if not _exclusive(g):
+            self.stats["grads_left_resident"] += 1
+            return
+        slot = self._grad_slots.get(id(p))
+        if slot is None or slot.nbytes != g.nbytes or slot.dtype != g.dtype:
+            slot = self._grad_slots[id(p)] = _Slot(self._mover, g, False, "grad", p)
+        slot.send(g.untyped_storage())  # the copy job holds the storage until it has been read
+        self.stats["grad_d2h_bytes"] += slot.nbytes
+        p.grad = _placeholder(slot)
+
+    def _make_pre_hook(self, u: int, p: nn.Parameter) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            self._queue_end_of_backward()
+            if (self.placements[u].grads == "step" and self._sib_gen != self._gen
+                    and (self._stepped or self._stale_now())):
+                raise StepInBackwardError("a backward reached parameters that were already stepped in backward and "
+                                          f"whose gradients were not cleared by opt.zero_grad(); {_STEP_RULES}")
+            old = p.grad
+            if isinstance(old, HostTensor):  # accumulate as plain training would: old += new
+                acc = old._slot.materialize()
+                self.stats["grad_h2d_bytes"] += old._slot.nbytes
+                p.grad = None
+                return acc.add_(grad)
+            return None
+
+        return hook
+
+    def _make_post_hook(self, u: int, in_opt: dict[int, int]) -> Any:
+        pl = self.placements[u]
+
+        def hook(p: nn.Parameter) -> None:
+            self._queue_end_of_backward()
+            if pl.grads == "offload" and id(p) in in_opt and p.grad is not None:
+                self._offload_grad(p)
+            seen = self._seen[u]
+            seen.add(id(p))
+            if len(seen) < len(self._trainable[u]):
+                return
+            seen.clear()
+            if pl.grads == "offload":  # at most two units' gradients in flight to the host
+                for slot in self._grads_in_flight:
+                    slot.mover.wait_host(slot.ticket)
+                self._grads_in_flight = [self._grad_slots[i] for i in self._trainable[u] if i in self._grad_slots]
+            if pl.grads == "step":
+                self._step_in_backward(u)
+            if self._param_slots[u]:
+                self._free_params(u)
+                self._in_bw[u] = False
+
+        return hook
+
+    def _step_in_backward(self, u: int) -> None:
+        in_opt = self._opt_ids()
+        chunk = [p for p in self.unit_params[u] if id(p) in in_opt and p.grad is not None]
+        if not chunk:
+            return
+        self._run_chunks([chunk], closure=None)
+        for p in chunk:
+            p.grad = _stepped_placeholder(p.grad)
+            self._stale += 1
+        self._stepped.add(u)
+        self._sib_gen = self._gen
+        self._queue_end_of_backward()
+        self.stats["steps_in_backward"] += 1
+
+    def _stale_now(self) -> int:
+        """Gradients consumed by a step in backward and not yet cleared (re-counted: model.zero_grad() clears too)."""
+        if self._stale:
+            self._stale = sum(1 for ps in self.unit_params for p in ps
+                              if isinstance(p.grad, HostTensor) and p.grad._stepped)
+        return self._stale
+
+    def _check_forward(self, module: nn.Module, args: Any) -> None:
+        if self._stepped and torch.is_grad_enabled():
+            raise StepInBackwardError("forward with gradients enabled after a backward that already stepped some "
+                                      f"units, before opt.step(); {_STEP_RULES}")
+
+    # ------------------------------------------------------------------ parameters
+    def _fetch_params(self, u: int, wait: bool) -> None:
+        if self._param_where[u] == "host":
+            for s in self._param_slots[u]:
+                s.refill()
+                self.stats["param_h2d_bytes"] += s.nbytes
+            self._param_where[u] = "fetching"
+        if wait and self._param_where[u] == "fetching":
+            for s in self._param_slots[u]:
+                s.wait()
+            self._param_where[u] = "device"
+
+    def _free_params(self, u: int) -> None:
+        if self._param_where[u] == "host":
+            return
+        self._fetch_params(u, wait=True)
+        if self._param_dirty[u]:
+            for s in self._param_slots[u]:
+                s.send(s.storage)
+                self.stats["param_d2h_bytes"] += s.nbytes
+            self._param_dirty[u] = False
+        for s in self._param_slots[u]:
+            s.free()
+        self._param_where[u] = "host"
+
+    def _state_dict_hooks(self, u: int, mod: nn.Module) -> list[Any]:
+        """``model.state_dict()`` gets offloaded parameters' host values; ``model.load_state_dict()`` writes them."""
+        slot_of = {id(s.tensor): s for s in self._param_slots[u]}
+
+        def saving(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            if self._param_where[u] != "host":
+                return
+            for name, p in module.named_parameters(prefix=prefix.rstrip(".")):
+                slot = slot_of.get(id(p))
+                if slot is not None and name in state_dict:
+                    state_dict[name] = slot.materialize()  # a copy: the parameter itself has no data now
+
+        def loading(module: nn.Module, *args: Any) -> None:
+            self._fetch_params(u, wait=True)
+
+        def loaded(module: nn.Module, incompatible: Any) -> None:
+            self._param_dirty[u] = True
+            if not self._in_bw[u]:
+                self._free_params(u)
+
+        return [mod.register_state_dict_post_hook(saving), mod.register_load_state_dict_pre_hook(loading),
+                mod.register_load_state_dict_post_hook(loaded)]
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every offloaded parameter on the device for the block (to read or change it), offloaded again after.
+
+        Outside a unit's forward and backward an offloaded parameter has an empty storage: reading it (``torch.equal``,
+        ``p.sum()``) would read freed memory. ``model.state_dict()`` / ``load_state_dict()`` are safe without this.
+        """
+        units = [u for u in range(len(self.unit_params)) if self._param_slots[u]]
+        for u in units:
+            self._fetch_params(u, wait=True)
+        try:
+            yield
+        finally:
+            for u in units:
+                self._param_dirty[u] = True
+                if not self._in_bw[u]:
+                    self._free_params(u)
+
+    def _neighbour(self, u: int, step: int) -> int | None:
+        v = u + step
+        while 0 <= v < len(self.unit_params):
+            if self._param_slots[v]:
+                return v
+            v += step
+        return None
+
+    def _make_fwd_pre(self, u: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._fetch_params(u, wait=True)
+            nxt = self._neighbour(u, 1) if self.prefetch else None
+            if nxt is not None:
+                self._fetch_params(nxt, wait=False)
+
+        return hook
+
+    def _make_fwd_post(self, u: int) -> Any:
+        storages = None
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            nonlocal storages
+            if storages is None:
+                storages = {s.storage._cdata for s in self._param_slots[u]}
+            outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            if any(type(t) is not HostTensor and t.untyped_storage()._cdata in storages for t in outs):
+                raise StateError(f"unit {u} returns a view of one of its parameters; its parameters cannot be "
+                                 "offloaded (the view would lose its data) — keep params='resident' for it")
+            grads = [t for t in outs if t.requires_grad] if torch.is_grad_enabled() else []
+            if grads:
+                fired = [False]
+
+                def trigger(grad: torch.Tensor) -> None:
+                    if fired[0]:
+                        return
+                    fired[0] = True
+                    self._in_bw[u] = True
+                    self._fetch_params(u, wait=True)
+                    prev = self._neighbour(u, -1) if self.prefetch else None
+                    if prev is not None:
+                        self._fetch_params(prev, wait=False)
+                    self._queue_end_of_backward()
+
+                for t in grads:
+                    t.register_hook(trigger)
+            if not self._in_bw[u]:  # a recompute inside backward must not free what backward still needs
+                self._free_params(u)
+
+        return hook
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._gen += 1
+        for seen in self._seen:  # a unit not complete in this backward is stepped by opt.step(), not in the next one
+            seen.clear()
+        for u in range(len(self.unit_params)):
+            if self._param_slots[u] and (self._in_bw[u] or self._param_where[u] != "host"):
+                self._in_bw[u] = False
+                self._free_params(u)
+
+    # ------------------------------------------------------------------ the step
+    def _raw_step(self, chunk: list[nn.Parameter]) -> None:
+        opt = self.optimizer
+        fn = type(opt).step
+        raw = fn.__wrapped__ if getattr(fn, "hooked", False) else fn
+        ids = {id(p) for p in chunk}
+        groups = opt.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g, ps in zip(groups, saved, strict=True):
+                g["params"] = [p for p in ps if id(p) in ids]
+            raw(opt)
+        finally:
+            for g, ps in zip(groups, saved, strict=True):
+                g["params"] = ps
+
+    def _bring(self, chunk: list[nn.Parameter], wait: bool) -> list[_Slot]:
+        """Start (and optionally finish) bringing a chunk's state and parameters to the device."""
+        slots = []
+        for p in chunk:
+            slots += self._bring_state(p, wait=False)
+        for u in sorted({self.unit_of[id(p)] for p in chunk if id(p) in self.unit_of}):
+            if self._param_slots[u]:
+                self._fetch_params(u, wait=False)
+        if wait:
+            self._finish_bring(chunk, slots)
+        return slots
+
+    def _finish_bring(self, chunk: list[nn.Parameter], slots: list[_Slot]) -> None:
+        for s in slots:
+            s.wait()
+        for u in sorted({self.unit_of[id(p)] for p in chunk if id(p) in self.unit_of}):
+            if self._param_slots[u]:
+                self._fetch_params(u, wait=True)
+
+    def _run_chunks(self, chunks: list[list[nn.Parameter]], closure: Any) -> None:
+        if not chunks:
+            return
+        pending: list[_Slot] | None = None
+        for i, chunk in enumerate(chunks):
+            if pending is None:
+                pending = self._bring(chunk, wait=False)
+            self._finish_bring(chunk, pending)
+            self._release_pending()  # the previous chunk's state has reached the host
+            # with prefetch the next chunk comes while this one steps (2 units on the device), else after it (1)
+            pending = self._bring(chunks[i + 1], wait=False) if self.prefetch and i + 1 < len(chunks) else None
+            # materialize offloaded gradients for the step; the host copy stays valid (steps do not write grads)
+            swapped = []
+            for p in chunk:
+                g = p.grad
+                if isinstance(g, HostTensor) and not g._stepped:
+                    p.grad = g._slot.materialize()
+                    self.stats["grad_h2d_bytes"] += g._slot.nbytes
+                    swapped.append((p, g))
+            self._raw_step(chunk)
+            for p, g in swapped:
+                p.grad = g
+            del swapped
+            for p in chunk:
+                u = self.unit_of.get(id(p))
+                if u is None:
+                    continue
+                if self.placements[u].optimizer == "offload":
+                    self._send_state(p)
+            for u in sorted({self.unit_of[id(p)] for p in chunk if id(p) in self.unit_of}):
+                if self._param_slots[u]:
+                    self._param_dirty[u] = True
+                    if not self._in_bw[u]:
+                        self._free_params(u)
+        self._release_pending()
+
+    def _all_chunks(self, opt: torch.optim.Optimizer, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        order = self._opt_ids()
+        chunks: list[list[nn.Parameter]] = []
+        resident = []
+        by_unit: dict[int, list[nn.Parameter]] = collections.defaultdict(list)
+        for g in opt.param_groups:
+            for p in g["params"]:
+                u = self.unit_of.get(id(p))
+                if u is None or not self.placements[u].managed:
+                    resident.append(p)
+                elif u not in self._stepped:
+                    by_unit[u].append(p)
+        if resident:
+            chunks.append(resident)
+        chunks += [by_unit[u] for u in sorted(by_unit)]
+        self._run_chunks(chunks, closure=None)
+        self._stepped.clear()
+        self._reorder_state(order)
+        if self._lr_sched:
+            opt._opt_called = True
+        return loss
+
+    def _reorder_state(self, order: dict[int, int]) -> None:
+        """Put state entries created in this step in the order plain training creates them (``param_groups`` order)."""
+        state = self.optimizer.state
+        new = [k for k in state if id(k) not in self._state_keys]
+        if new:
+            old = [(k, v) for k, v in state.items() if id(k) in self._state_keys]
+            fresh = sorted(((k, state[k]) for k in new), key=lambda kv: order.get(id(kv[0]), len(order)))
+            state.clear()
+            state.update(old + fresh)
+        self._state_keys = {id(k) for k in state}
+
+    # ------------------------------------------------------------------ zero_grad / state_dict / load_state_dict
+    def _zero_grad(self, set_to_none: bool) -> None:
+        if self._stepped:
+            raise StepInBackwardError("opt.zero_grad() before opt.step() after a backward that already stepped "
+                                      "some units: plain training would discard those gradients, but the units were "
+                                      f"already updated; {_STEP_RULES}")
+        hidden = []
+        for ps in self.unit_params:
+            for p in ps:
+                g = p.grad
+                if not isinstance(g, HostTensor):
+                    continue
+                if g._stepped:
+                    self._stale -= 1
+                if set_to_none:
+                    p.grad = None
+                    continue
+                if g._stepped:  # plain training would now hold zeros: a zero-filled host value
+                    slot = self._grad_slots.get(id(p))
+                    if slot is None:
+                        slot = self._grad_slots[id(p)] = _Slot(self._mover, g._like, False, "grad", p)
+                    g = _placeholder(slot)
+                g._slot.zero()
+                hidden.append((p, g))
+                p.grad = None
+        self._stale = max(self._stale, 0)
+        prev = self._opt_saved.get("zero_grad", _MISSING)
+        opt = self.optimizer
+        try:
+            if prev is _MISSING:
+                type(opt).zero_grad(opt, set_to_none)
+            else:
+                prev(set_to_none)
+        finally:
+            for p, g in hidden:
+                p.grad = g
+
+    def _state_dict(self) -> dict[str, Any]:
+        prev = self._opt_saved.get("state_dict", _MISSING)
+        opt = self.optimizer
+        sd = type(opt).state_dict(opt) if prev is _MISSING else prev()
+        state = {}
+        for k, v in sd["state"].items():
+            if isinstance(v, dict) and any(isinstance(x, HostTensor) for x in v.values()):
+                v = {kk: (x._slot.materialize() if isinstance(x, HostTensor) else x) for kk, x in v.items()}
+            state[k] = v
+        sd["state"] = state
+        return sd
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        opt = self.optimizer
+        for p in list(opt.state):  # put every offloaded entry back before the optimizer replaces the state
+            self._bring_state(p, wait=True)
+        prev = self._opt_saved.get("load_state_dict", _MISSING)
+        if prev is _MISSING:
+            type(opt).load_state_dict(opt, state_dict)
+        else:
+            prev(state_dict)
+        self._state_slots.clear()
+        for u, pl in enumerate(self.placements):
+            if pl.optimizer == "offload":
+                for p in self.unit_params[u]:
+                    if p in opt.state:
+                        self._send_state(p)
+        self._release_pending()
+        self._state_keys = {id(k) for k in opt.state}
+
+    # ------------------------------------------------------------------ reporting
+    def unit_bytes(self) -> list[dict[str, int]]:
+        """Per unit: parameter, gradient (trainable parameters) and optimizer-state bytes, wherever they live now."""
+        out = []
+        for ps in self.unit_params:
+            state = 0
+            for p in ps:
+                for v in self.optimizer.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        state += v.numel() * v.element_size()
+            out.append({"params": sum(p.numel() * p.element_size() for p in ps),
+                        "grads": sum(p.numel() * p.element_size() for p in ps if p.requires_grad),
+                        "optimizer": state})
+        return out
+
+    def __repr__(self) -> str:
+        counts = collections.Counter((pl.optimizer, pl.grads, pl.params) for pl in self.placements)
+        what = ", ".join(f"{n}× optimizer={o}/grads={g}/params={q}" for (o, g, q), n in counts.items())
+        state = "applied" if self._active else "not applied"
+        return f"<memopt StateManager over {len(self.unit_params)} units ({what}), {state}>"
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
+
+
+def manage_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 units: Sequence[nn.Module | Sequence[nn.Parameter]] | Iterable[nn.Module],
+                 optimizer_state: str = "resident", grads: str = "resident", params: str = "resident",
+                 step_in_backward: bool = False) -> StateManager:
+    """One placement for every unit: ``with manage_state(model, opt, model.blocks, optimizer_state="offload"):``."""
+    return StateManager(model, optimizer, list(units), Placement(optimizer_state, grads, params),
+                        step_in_backward=step_in_backward)
