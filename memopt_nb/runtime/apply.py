@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch.nn as nn
 from ..distributed import order_guard, unwrap
 from ..errors import PlanError
 from ..plan import Plan, effective_triggers
-from .recompute import checkpointed_call, running_stat_modules
+from .recompute import ReplayGuard, checkpointed_call
 from .swap import SwapEngine
 
 _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -23,6 +24,65 @@ def _storage_ptrs(tensors: Any) -> set[int]:
         if type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and not t.is_meta:
             out.add(t.untyped_storage().data_ptr())
     return out
+
+
+def _unplanned_forward(module: nn.Module, previous: Any = None) -> Any:
+    """The ``forward`` a module has without a plan: what a copy or a pickle of a planned module gets."""
+    if previous is not None:
+        return previous
+    return type(module).forward.__get__(module, type(module))
+
+
+class PlannedForward:
+    """A unit's ``forward`` while a plan is applied (an instance attribute, which ``nn.Module.__call__`` finds first).
+
+    ``copy.deepcopy`` and pickling (``torch.save(model)``) of the module give the copy its own plain forward, so a
+    copy made inside the block is an independent model without the plan.
+    """
+
+    __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "inner")
+
+    def __init__(self, applied: AppliedPlan, index: int, module: nn.Module, strategy: str, previous: Any,
+                 guard: ReplayGuard | None, model_ptrs: set[int]) -> None:
+        self.applied, self.index, self.module, self.strategy = applied, index, module, strategy
+        self.previous, self.guard, self.model_ptrs = previous, guard, model_ptrs
+        self.inner = _unplanned_forward(module, previous)
+
+    @property
+    def __memopt__(self) -> tuple[AppliedPlan, int]:
+        return self.applied, self.index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self.inner
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        engine = self.applied.engine
+        if engine is None or engine.closed:
+            if self.guard is None:  # a keep unit of a plan removed while another thread still runs
+                return inner(*args, **kwargs)
+            return checkpointed_call(self.guard, inner, *args, **kwargs)
+        index = self.index
+        p = engine.begin_unit(index)
+        if self.guard is not None:
+            out = checkpointed_call(self.guard, inner, *args, **kwargs)
+        else:
+            ptrs = self.model_ptrs | _storage_ptrs(self.module.parameters())
+            with engine.hooks(p, index, ptrs):
+                out = inner(*args, **kwargs)
+        engine.end_unit(p, index, out)
+        return out
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _unplanned_forward, (self.module, self.previous)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        module = memo.get(id(self.module))
+        if module is None:  # copying the forward alone, not its module: the copy is the forward without the plan
+            return _unplanned_forward(self.module, self.previous)
+        return _unplanned_forward(module, copy.deepcopy(self.previous, memo))
+
+    def __repr__(self) -> str:
+        return f"<memopt planned forward of unit {self.index} ({self.strategy})>"
 
 
 class AppliedPlan:
@@ -105,34 +165,8 @@ class AppliedPlan:
     def _wrap(self, index: int, module: nn.Module, strategy: str, model_ptrs: set[int]) -> None:
         had_own = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
-        inner = previous if had_own else type(module).forward.__get__(module, type(module))
-        engine = self.engine
-        stats = running_stat_modules(module)  # once, not per call
-
-        if engine is None:  # recompute only
-
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                if not torch.is_grad_enabled():
-                    return inner(*args, **kwargs)
-                return checkpointed_call(stats, inner, *args, **kwargs)
-
-        else:
-
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                if not torch.is_grad_enabled():
-                    return inner(*args, **kwargs)
-                p = engine.begin_unit(index)
-                if strategy == "recompute":
-                    out = checkpointed_call(stats, inner, *args, **kwargs)
-                else:
-                    ptrs = model_ptrs | _storage_ptrs(module.parameters())
-                    with engine.hooks(p, index, ptrs):
-                        out = inner(*args, **kwargs)
-                engine.end_unit(p, index, out)
-                return out
-
-        forward.__memopt__ = (self, index)  # type: ignore[attr-defined]
-        module.forward = forward  # instance attribute: nn.Module.__call__ finds it first
+        guard = ReplayGuard(module, self.plan.units[index]) if strategy == "recompute" else None  # once, not per call
+        module.forward = PlannedForward(self, index, module, strategy, previous, guard, model_ptrs)
         self._installed.append((module, had_own, previous))
 
     def remove(self) -> None:
