@@ -85,6 +85,20 @@ class PlannedForward:
         return f"<memopt planned forward of unit {self.index} ({self.strategy})>"
 
 
+def _check_recomputable(plan: Plan, model: nn.Module) -> None:
+    """Refuse a plan that recomputes a unit its profile marks not recomputable, or a model that checkpoints itself."""
+    for i, d in enumerate(plan.decisions):
+        reason = plan.fingerprint[i].get("not_recomputable") if plan.fingerprint else None
+        if d.strategy == "recompute" and reason:
+            raise PlanError(f"the plan recomputes unit {d.unit!r}, which its profile marks not recomputable: {reason}. "
+                            "Keep or swap this unit (the planners never recompute it)")
+    own = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if own or getattr(model, "is_gradient_checkpointing", False) is True:
+        shown = ", ".join(repr(n) for n in own[:3]) + (" …" if len(own) > 3 else "")
+        raise PlanError(f"the model checkpoints its own blocks ({shown or 'gradient checkpointing is on'}); a plan "
+                        "decides recompute itself. Turn that off first: model.gradient_checkpointing_disable()")
+
+
 class AppliedPlan:
     """A plan applied (or ready to be applied) to one model.
 
@@ -140,6 +154,7 @@ class AppliedPlan:
         plan.validate(model)
         modules = [model.get_submodule(name) for name in plan.units]
         names = plan.units
+        _check_recomputable(plan, model)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
                 if a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + "."):

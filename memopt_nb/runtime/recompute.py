@@ -21,6 +21,7 @@ checkpointing gets several things wrong; here:
 
 from __future__ import annotations
 
+import collections
 import copy
 import sys
 from collections.abc import Callable
@@ -32,7 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import PlanError
 
-__all__ = ["ReplayGuard", "argument_changes", "checkpointed_call", "is_cache", "running_stat_modules"]
+__all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "checkpointed_call", "forward_side_effects", "is_cache",
+           "running_stat_modules"]
 
 #: Buffers of a unit up to this many bytes in all are copied before every recomputed forward; above it only those the
 #: unit was seen to change are (the first forward of a larger unit copies all of them once to find out).
@@ -181,11 +183,14 @@ class ReplayGuard:
     Args:
         module: the unit.
         name: its name, for error messages.
+        strict: raise :class:`PlanError` when the first forward changes something a recomputation cannot undo (an
+            argument); the profiler's measuring run passes ``False``.
     """
 
-    def __init__(self, module: nn.Module, name: str = "") -> None:
+    def __init__(self, module: nn.Module, name: str = "", strict: bool = True) -> None:
         self.module = module
         self.name = name or type(module).__name__
+        self.strict = strict
         self.modules = list(module.modules())
         # buffers (module index, name) seen changing in forward; BatchNorm's kernels update running statistics
         # without moving their version counters, so those are listed up front
@@ -229,12 +234,12 @@ class ReplayGuard:
                     if b is was and key not in state.copies:
                         lost.append(k)
         mutated = changed_args()
-        if mutated:
+        if mutated and self.strict:
             raise PlanError(
                 f"unit {self.name!r} changed {', '.join(mutated)} in its forward; recomputing it would change it "
                 "a second time, and memopt cannot undo that. Keep or swap this unit (its profile marks it not "
                 "recomputable), or pass the object some other way")
-        if lost:
+        if lost and self.strict:
             raise PlanError(
                 f"unit {self.name!r} changed buffer(s) {', '.join(lost)} in its forward for the first time after "
                 "its first step, so their starting values were not kept for the recomputation; profile the model "
@@ -281,11 +286,12 @@ _MISSING = object()
 def checkpointed_call(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``forward(*args, **kwargs)`` under non-reentrant checkpointing, its recomputation replaying it exactly.
 
-    ``guard`` is the unit's :class:`ReplayGuard` (made once beforehand, as a plan does) or the unit itself.
-    ``args`` and ``kwargs`` all go to ``forward``; none of them is read by ``torch.utils.checkpoint``.
+    ``guard`` is the unit's :class:`ReplayGuard` (made once beforehand, as a plan does) or the unit itself (then
+    nothing is refused: what the profiler uses to measure). ``args`` and ``kwargs`` all go to ``forward``; none of
+    them is read by ``torch.utils.checkpoint``.
     """
     if not isinstance(guard, ReplayGuard):
-        guard = ReplayGuard(guard)
+        guard = ReplayGuard(guard, strict=False)
     memo: list[Any] = []
 
     def run(*_devices: Any) -> Any:  # the tensors passed only tell checkpoint which devices' RNG to keep
@@ -298,3 +304,115 @@ def checkpointed_call(guard: ReplayGuard | nn.Module, forward: Callable[..., Any
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
     return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
+
+
+# ====================================================================== what a profile needs to know
+class ForwardEffects:
+    """What one forward of a model did besides computing: see :func:`forward_side_effects`.
+
+    Attributes:
+        own_checkpointing: names of modules that run themselves under ``torch.utils.checkpoint`` (outermost ones).
+        effects: per module name, side effects a recomputation replays exactly (buffers, attributes, caches).
+        not_recomputable: per module name, why recomputing it cannot be exact.
+    """
+
+    def __init__(self) -> None:
+        self.own_checkpointing: list[str] = []
+        self.effects: dict[str, list[str]] = {}
+        self.not_recomputable: dict[str, list[str]] = {}
+
+    def for_unit(self, name: str) -> tuple[str, str]:
+        """``(side effects, not-recomputable reason)`` of module ``name``, as text ("" for none)."""
+        return "; ".join(self.effects.get(name, [])), "; ".join(self.not_recomputable.get(name, []))
+
+
+def _checkpoint_codes() -> set[Any]:
+    import inspect
+
+    import torch.utils.checkpoint as ck
+
+    codes = {ck.checkpoint.__code__, inspect.unwrap(ck.checkpoint).__code__}
+    fn = getattr(ck, "CheckpointFunction", None)
+    if fn is not None:
+        codes.add(fn.forward.__code__)
+    return codes
+
+
+def _inside_checkpoint(codes: set[Any]) -> bool:
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code in codes:
+            return True
+        f = f.f_back
+    return False
+
+
+def forward_side_effects(model: nn.Module, call: Callable[[], Any]) -> ForwardEffects:
+    """Run ``call()`` (one forward of ``model``) once, watching every module, and report its side effects.
+
+    Found: modules that checkpoint themselves; buffers changed (in place, by a kernel, or reassigned) and plain
+    attributes set, which a plan's recomputation replays; Hugging Face caches passed in or returned, which it
+    replays on a copy unless they are updated in place; other arguments changed, which it cannot undo. The caller
+    restores the model's state afterwards (the profiler runs this inside ``preserved_state``).
+    """
+    res = ForwardEffects()
+    names = {m: n for n, m in model.named_modules()}
+    before_bufs = {m: (dict(m._buffers), {k: (b._version, b.detach().clone()) for k, b in m._buffers.items()
+                                          if b is not None}) for m in names}
+    before_attrs = {m: _tensor_attrs(m) for m in names}
+    codes = _checkpoint_codes()
+    stack: list[tuple[str, bool]] = []
+    calls: dict[str, list[Any]] = collections.defaultdict(list)
+
+    def add(table: dict[str, list[str]], name: str, what: str) -> None:
+        if what not in table.setdefault(name, []):
+            table[name].append(what)
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = names[mod]
+        inside = _inside_checkpoint(codes)
+        if inside and not (stack and stack[-1][1]) and name:
+            res.own_checkpointing.append(name)
+        stack.append((name, inside))
+        caches = [_CacheSnapshot(a) for _, a in _arguments(args, kwargs) if is_cache(a)]
+        if caches:
+            add(res.effects, name, "updates a cache passed in (recompute appends to a copy)")
+        calls[name].append((argument_changes(args, kwargs), caches))
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        name = names[mod]
+        if stack and stack[-1][0] == name:
+            stack.pop()
+        changed, caches = calls[name].pop()
+        for what in changed():
+            add(res.not_recomputable, name, f"changes {what} in forward")
+        if any(t._version != v for snap in caches for t, v in snap.versions):
+            add(res.not_recomputable, name, "updates a cache in place (a static cache)")
+
+    handles = []
+    for m in names:
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    try:
+        call()
+    finally:
+        for h in handles:
+            h.remove()
+    parents = {n: [p for p in names.values() if p == "" or n.startswith(p + ".")] for n in names.values()}
+    for m, name in names.items():
+        bufs, versions = before_bufs[m]
+        changed = []
+        for k, b in m._buffers.items():
+            was = bufs.get(k)
+            if b is None or was is None:
+                continue
+            v, value = versions[k]
+            if b is not was or b._version != v or b.shape != value.shape or not torch.equal(b, value):
+                changed.append(k)
+        attrs = [k for k, v in _tensor_attrs(m).items() if before_attrs[m].get(k, _MISSING) is not v]
+        for owner in [name, *parents[name]]:
+            if changed:
+                add(res.effects, owner, "changes buffers " + ", ".join(f"{name}.{k}".lstrip(".") for k in changed))
+            if attrs:
+                add(res.effects, owner, "sets attributes " + ", ".join(f"{name}.{k}".lstrip(".") for k in attrs))
+    return res

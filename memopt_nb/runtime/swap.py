@@ -122,17 +122,22 @@ class _Handle:
         self.size = t.size()
         self.stride = t.stride()
         self.dtype = t.dtype
-        self.ref = weakref.ref(t)  # to check, as autograd does, that nobody changed it in place before backward
+        # to check at unpack, as autograd does, that nobody changed the tensor in place in between: an alias that
+        # shares its version counter but not its storage (which must stay free to be offloaded)
         self.version = t._version
+        alias = t.detach()
+        with torch.autograd._unsafe_preserve_version_counter(alias):
+            alias.set_()
+        self.ref = alias
 
     def check_version(self) -> None:
-        t = self.ref()
-        if t is not None and t._version != self.version:
+        now = self.ref._version
+        if now != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {self.version} instead. "
-                "Hint: the tensor was saved for backward inside a unit of a memopt swap plan; change it out of "
-                "place (y = y * 2, not y.mul_(2)), or clone it before changing it.")
+                f"[{self.ref.type()} {list(self.size)}] is at version {now}; expected version {self.version} "
+                "instead. Hint: the tensor was saved for backward inside a unit of a memopt swap plan; change it out "
+                "of place (y = y * 2, not y.mul_(2)), or clone it before changing it.")
 
 
 def _manageable(t: torch.Tensor) -> bool:
