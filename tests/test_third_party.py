@@ -24,7 +24,10 @@ def make_plan(names, strategy, **timing):
 
 
 def train(build, step, plan_for=None, steps=3, seed=0):
-    """Train ``build()`` for ``steps`` Adam steps; ``step(model) -> (loss, extra)``. Returns everything to compare."""
+    """Train ``build()`` for ``steps`` Adam steps; ``step(model) -> (loss, extra)``. Returns everything to compare.
+
+    ``extra`` is anything else to compare; a callable is called after backward (what backward left behind).
+    """
     torch.manual_seed(seed)
     model = build()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -39,7 +42,7 @@ def train(build, step, plan_for=None, steps=3, seed=0):
             loss, extra = step(model)
             loss.backward()
             losses.append(loss.detach().clone())
-            extras.append(extra)
+            extras.append(extra() if callable(extra) else extra)
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             opt.step()
     finally:
@@ -91,12 +94,13 @@ def test_hf_gpt2_cache_and_padding_mask(transformers, strategy, masked):
 
     def step(model):
         out = model(input_ids=ids, attention_mask=mask if masked else None, labels=ids)
-        return out.loss, out.past_key_values.get_seq_length()
+        cache = out.past_key_values
+        return out.loss, lambda: [layer.keys.shape[-2] for layer in cache.layers]  # after backward
 
     ref = train(lambda: gpt2(transformers), step)
     got = train(lambda: gpt2(transformers), step, lambda m: make_plan(GPT2_BLOCKS, strategy))
     assert_same(ref, got, (strategy, masked))
-    assert got["extras"] == ref["extras"] == [12, 12, 12]  # the returned cache is as long as without a plan
+    assert got["extras"] == ref["extras"] == [[12, 12]] * 3  # the returned cache is as long as without a plan
 
 
 def test_hf_bert_recompute_and_swap(transformers):
@@ -421,3 +425,40 @@ def test_inplace_change_of_a_saved_tensor_still_raises(strategy):
                 model(x).backward()
         else:
             model(x).backward()
+
+
+# ====================================================================== torch.compile
+def compiled_step(backend):
+    compiled = {}
+
+    def step(model):
+        if id(model) not in compiled:
+            compiled[id(model)] = torch.compile(model, backend=backend)
+        return compiled[id(model)](torch.ones(4, 16)).pow(2).mean(), None
+
+    return step
+
+
+def small_dropout_net():
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.1)) for _ in range(2)])
+
+
+def test_compiled_with_aot_eager_is_identical():
+    torch._dynamo.reset()
+    step = compiled_step("aot_eager")
+    ref = train(small_dropout_net, step, steps=2)
+    got = train(small_dropout_net, step, lambda m: make_plan(["0", "1"], "recompute"), steps=2)
+    assert_same(ref, got, "aot_eager")
+
+
+def test_compiled_with_inductor_is_refused():
+    """Inductor cannot give the same results under a plan: refused when it traces a unit, before it compiles."""
+    torch._dynamo.reset()
+    model = small_dropout_net()
+    compiled = torch.compile(model, backend="inductor")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(PlanError, match="backend 'inductor'.*backend='aot_eager'"):
+        with memopt.plan(make_plan(["0", "1"], "swap"), model):
+            compiled(torch.ones(4, 16)).sum().backward()
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert "forward" not in model[0].__dict__

@@ -26,6 +26,35 @@ def _storage_ptrs(tensors: Any) -> set[int]:
     return out
 
 
+#: torch.compile backends under which a plan keeps results bit-identical (they run the plan's eager code as is).
+EXACT_BACKENDS = ("eager", "aot_eager")
+
+
+@torch.compiler.disable(recursive=False)
+def _compile_callback() -> Any:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback()  # dynamo runs this frame as is, between graphs: it sees the real backend
+
+
+def _check_compile_backend(unit: str) -> None:
+    """Refuse to be traced by a torch.compile backend that would make results differ from training without a plan."""
+    from torch._dynamo.eval_frame import innermost_backend
+
+    callback = _compile_callback()
+    if callback is None or isinstance(callback, bool):
+        return  # traced by something other than torch.compile (export, make_fx)
+    backend = innermost_backend(callback)
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__)
+    if name not in EXACT_BACKENDS:
+        raise PlanError(
+            f"torch.compile with backend {name!r} traced unit {unit!r} of a memopt plan: under it a plan does not "
+            "keep results identical (it draws dropout's random numbers its own way and fuses differently around the "
+            "units' boundaries, so losses and gradients change). With a plan compile with "
+            f"{' or '.join(f'backend={b!r}' for b in EXACT_BACKENDS)} (bit-identical), or train the compiled model "
+            "without a plan")
+
+
 def _unplanned_forward(module: nn.Module, previous: Any = None) -> Any:
     """The ``forward`` a module has without a plan: what a copy or a pickle of a planned module gets."""
     if previous is not None:
@@ -53,6 +82,8 @@ class PlannedForward:
         return self.applied, self.index
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            _check_compile_backend(self.applied.plan.units[self.index])
         inner = self.inner
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
