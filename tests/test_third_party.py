@@ -245,6 +245,8 @@ def test_unit_that_changes_an_argument_is_not_recomputable():
     with pytest.raises(PlanError, match=r"unit 'a' changed argument 1 \(list\)"):  # a plan without the profile's
         with memopt.plan(make_plan(["a", "b"], "recompute"), model):  # word: refused at the first forward
             model(x).backward()
+    for solver in (memopt.solvers.recompute_all, memopt.solvers.sqrt_n):  # planners never recompute it
+        assert "recompute" not in solver(prof).strategies
     log = []
     with memopt.plan(Plan.uniform(prof, "swap"), model):  # swap is fine: it runs the forward once
         model(x, log).backward()

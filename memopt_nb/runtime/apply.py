@@ -123,11 +123,14 @@ def _check_recomputable(plan: Plan, model: nn.Module) -> None:
         if d.strategy == "recompute" and reason:
             raise PlanError(f"the plan recomputes unit {d.unit!r}, which its profile marks not recomputable: {reason}. "
                             "Keep or swap this unit (the planners never recompute it)")
-    own = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    # Hugging Face layers set `gradient_checkpointing`, timm models `grad_checkpointing`
+    own = [n for n, m in model.named_modules()
+           if getattr(m, "gradient_checkpointing", False) is True or getattr(m, "grad_checkpointing", False) is True]
     if own or getattr(model, "is_gradient_checkpointing", False) is True:
         shown = ", ".join(repr(n) for n in own[:3]) + (" …" if len(own) > 3 else "")
         raise PlanError(f"the model checkpoints its own blocks ({shown or 'gradient checkpointing is on'}); a plan "
-                        "decides recompute itself. Turn that off first: model.gradient_checkpointing_disable()")
+                        "decides recompute itself. Turn that off first: model.gradient_checkpointing_disable() "
+                        "(Hugging Face), model.set_grad_checkpointing(False) (timm)")
 
 
 class AppliedPlan:

@@ -358,7 +358,7 @@ def forward_side_effects(model: nn.Module, call: Callable[[], Any]) -> ForwardEf
     res = ForwardEffects()
     names = {m: n for n, m in model.named_modules()}
     before_bufs = {m: (dict(m._buffers), {k: (b._version, b.detach().clone()) for k, b in m._buffers.items()
-                                          if b is not None}) for m in names}
+                                          if b is not None and not b.is_meta}) for m in names}
     before_attrs = {m: _tensor_attrs(m) for m in names}
     codes = _checkpoint_codes()
     stack: list[tuple[str, bool]] = []
@@ -404,10 +404,11 @@ def forward_side_effects(model: nn.Module, call: Callable[[], Any]) -> ForwardEf
         changed = []
         for k, b in m._buffers.items():
             was = bufs.get(k)
-            if b is None or was is None:
+            if b is None or was is None or k not in versions:
                 continue
             v, value = versions[k]
-            if b is not was or b._version != v or b.shape != value.shape or not torch.equal(b, value):
+            if b is not was or b._version != v or b.shape != value.shape or (
+                    not b.is_meta and not torch.equal(b, value)):
                 changed.append(k)
         attrs = [k for k, v in _tensor_attrs(m).items() if before_attrs[m].get(k, _MISSING) is not v]
         for owner in [name, *parents[name]]:
