@@ -125,23 +125,36 @@ def check_plain(model: nn.Module, what: str = "profile") -> None:
                              "rank then holds")
 
 
-def order_guard(model: nn.Module, units: Sequence[nn.Module], names: Sequence[str]) -> Any:
-    """A forward pre-hook on ``model`` that raises if it or a unit was sharded after the plan was applied.
+class _OrderGuard:
+    """The pre-hook :func:`order_guard` installs; a copy or pickle of the model gets a hook that does nothing."""
 
-    ``fully_shard`` swaps the class of every module it shards, so comparing classes with those at apply time is
-    exact and costs one check per unit per forward. Returns the hook handle (``.remove()`` it with the plan).
-    """
-    expected = [("the model", model, type(model))] + [(repr(n), m, type(m)) for n, m in zip(names, units)]
+    def __init__(self, expected: list[tuple[str, nn.Module, type]]) -> None:
+        self.expected = expected
 
-    def check(module: nn.Module, args: Any) -> None:
-        for label, m, cls in expected:
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for label, m, cls in self.expected:
             if type(m) is not cls:
                 raise WrapOrderError(
                     f"{label} was sharded (fully_shard) after `memopt.plan` was applied to it: it is now "
                     f"{type(m).__name__}, and the plan had recorded parameters that sharding replaced. Leave the "
                     "`with memopt.plan(...)` block, shard first, then enter `with memopt.plan(p, model)`.")
 
-    return model.register_forward_pre_hook(check)
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _OrderGuard, ([],)  # the copy has no plan applied: nothing to guard
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OrderGuard:
+        return _OrderGuard([])
+
+
+def order_guard(model: nn.Module, units: Sequence[nn.Module], names: Sequence[str]) -> Any:
+    """A forward pre-hook on ``model`` that raises if it or a unit was sharded after the plan was applied.
+
+    ``fully_shard`` swaps the class of every module it shards, so comparing classes with those at apply time is
+    exact and costs one check per unit per forward. Returns the hook handle (``.remove()`` it with the plan). The
+    hook survives ``copy.deepcopy`` and ``torch.save`` of the model (as a hook that checks nothing).
+    """
+    expected = [("the model", model, type(model))] + [(repr(n), m, type(m)) for n, m in zip(names, units)]
+    return model.register_forward_pre_hook(_OrderGuard(expected))
 
 
 def resized_storages(model: nn.Module) -> list[torch.UntypedStorage]:

@@ -44,7 +44,7 @@ from .errors import ProfileError
 from .plan import model_fingerprint, unit_fingerprint
 from .runtime.measure import model_device
 from .runtime.memory import meter_for
-from .runtime.recompute import checkpointed_call, running_stat_modules
+from .runtime.recompute import ForwardEffects, checkpointed_call, forward_side_effects, running_stat_modules
 from .runtime.step import model_keywords, preserved_state, training_step
 
 PROFILE_FORMAT = "memopt_nb.profile"
@@ -66,6 +66,9 @@ class UnitProfile:
         input_bytes, output_bytes, param_bytes: sizes of its inputs, outputs and parameters.
         has_rng: runs random ops (dropout); recompute replays them. has_running_stats: has BatchNorm-like buffers.
         recomputable, swappable: whether a plan may recompute / swap it.
+        side_effects: what its forward changes besides its output that a recomputation replays exactly (buffers
+            such as running statistics or spectral norm's vectors, attributes, a Hugging Face cache); "" for none.
+        not_recomputable_reason: why recomputing it cannot be exact (e.g. it changes an argument), "" if it can.
         fwd_segment, bwd_segment: indices of its forward and backward in ``ModelProfile.segments``.
         rc_fwd_rel_peak, rc_bwd_rel_peak: peak above the segment's start level when the unit is recomputed.
     """
@@ -90,6 +93,8 @@ class UnitProfile:
     rc_bwd_rel_peak: int
     input_shapes: list[list[int]] = field(default_factory=list)
     output_shapes: list[list[int]] = field(default_factory=list)
+    side_effects: str = ""
+    not_recomputable_reason: str = ""
 
 
 @dataclass
@@ -249,7 +254,7 @@ class ModelProfile:
             f"<td>{u.fwd_time * 1e3:.2f}</td><td>{u.bwd_time * 1e3:.2f}</td><td>{format_bytes(u.saved_bytes)}</td>"
             f"<td>{format_bytes(u.interior_bytes)}</td><td>{format_bytes(u.output_bytes)}</td>"
             f"<td>{format_bytes(u.param_bytes)}</td>"
-            f"<td>{'rng ' if u.has_rng else ''}{'bn' if u.has_running_stats else ''}</td></tr>"
+            f"<td>{'rng ' if u.has_rng else ''}{'bn' if u.has_running_stats else ''}{_effects_html(u)}</td></tr>"
             for u in self.units
         )
         totals = (f"peak {format_bytes(self.peak_bytes)} · step {self.step_time * 1e3:.1f} ms · params "
@@ -265,6 +270,46 @@ class ModelProfile:
             "<th>unit</th><th>type</th><th>fwd ms</th><th>bwd ms</th><th>saved</th><th>interior</th><th>output</th>"
             f"<th>params</th><th>flags</th></tr></thead><tbody>{rows}</tbody></table></div>"
         )
+
+
+def _effects_html(u: UnitProfile) -> str:
+    out = ""
+    if u.side_effects:
+        out += f' <span title="{html.escape(u.side_effects)}">state</span>'
+    if not u.recomputable:
+        reason = u.not_recomputable_reason or "marked so"
+        out += f" <b>not recomputable</b>: {html.escape(reason)}"
+    return out
+
+
+# ====================================================================== forward side effects
+def _refuse_own_checkpointing(model: nn.Module, effects: ForwardEffects) -> None:
+    """A model that checkpoints its own blocks cannot be profiled: the profile would see recompute as "keep"."""
+    if not effects.own_checkpointing:
+        return
+    shown = ", ".join(repr(n) for n in effects.own_checkpointing[:4]) + (
+        " …" if len(effects.own_checkpointing) > 4 else "")
+    how = ("call model.gradient_checkpointing_disable() (Hugging Face models) before profiling"
+           if hasattr(model, "gradient_checkpointing_disable") else
+           "remove the torch.utils.checkpoint call from its forward (or the option that enables it)")
+    raise ProfileError(
+        f"{type(model).__name__} already runs {shown} under torch.utils.checkpoint (its own activation "
+        f"checkpointing); memopt cannot profile or plan a model that checkpoints itself. Turn that off — {how} — "
+        "and let a plan choose recompute where it pays (Plan.uniform(profile, 'recompute') does what it did)")
+
+
+def _mark_side_effects(prof: ModelProfile, effects: ForwardEffects) -> None:
+    """Record each unit's forward side effects; a unit whose recomputation cannot be exact is not recomputable.
+
+    The reason also goes into the unit's fingerprint entry, so a plan made from this profile carries it and applying
+    a plan that recomputes the unit is refused before anything runs.
+    """
+    for u, fp in zip(prof.units, prof.fingerprint, strict=True):
+        u.side_effects, reason = effects.for_unit(u.name)
+        if reason:
+            u.recomputable = False
+            u.not_recomputable_reason = reason
+            fp["not_recomputable"] = reason
 
 
 # ====================================================================== unit selection
@@ -785,6 +830,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         except Exception as exc:
             raise ProfileError(f"a training step of the model failed before profiling: {type(exc).__name__}: {exc}"
                                ) from exc
+        effects = forward_side_effects(model, lambda: model(*inputs, **kwargs))
+        _refuse_own_checkpointing(model, effects)
         info, total_saved = _discover(model, inputs, kwargs)
         names, excluded = _select_units(model, units, info)
         n = len(names)
@@ -854,6 +901,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "model_fingerprint": model_fingerprint(model, names),  # a plan made from this profile refuses other models
         },
     )
+    _mark_side_effects(prof, effects)
     prof._model_ref = weakref.ref(model)
     return prof
 

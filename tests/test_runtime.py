@@ -1,4 +1,7 @@
-"""Plans change memory and time, never results: losses, gradients and BatchNorm statistics are bit-identical."""
+"""Plans change memory and time, never results: losses, gradients, parameters, optimizer state and BatchNorm
+statistics are bit-identical after a real training loop (forward, backward, Adam)."""
+
+import threading
 
 import pytest
 import torch
@@ -10,24 +13,43 @@ from memopt_nb.plan import Plan
 MIXED = ["swap", "recompute", "keep", "swap", "swap", "recompute", "keep", "swap", "recompute"]
 
 
-def run(zm, plan, steps=2):
+def run(zm, plan, steps=3):
+    """``steps`` of the real loop (forward, backward, Adam step) under ``plan``; everything a plan must not change."""
     torch.manual_seed(1234)
     losses, grads = [], []
+    opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
     ctx = memopt.plan(plan, zm.model) if plan is not None else None
     if ctx:
         ctx.apply()
     try:
         for _ in range(steps):
-            zm.model.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
             loss = zm.loss_fn(zm.model(*zm.inputs))
             loss.backward()
             losses.append(loss.detach().clone())
             grads.append({n: p.grad.clone() for n, p in zm.model.named_parameters()})
+            opt.step()
     finally:
         if ctx:
             ctx.remove()
     bufs = {n: b.clone() for n, b in zm.model.named_buffers()}
-    return losses, grads, bufs
+    params = {n: p.detach().clone() for n, p in zm.model.named_parameters()}
+    state = [{k: v.clone() for k, v in st.items()} for st in opt.state.values()]
+    return losses, grads, bufs, params, state
+
+
+def assert_same(ref, got, *what):
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0], strict=True)), (*what, "loss")
+    for ga, gb in zip(ref[1], got[1], strict=True):
+        for k in ga:
+            assert torch.equal(ga[k], gb[k]), (*what, "grad", k)
+    for i, label in ((2, "buffer"), (3, "parameter")):
+        assert ref[i].keys() == got[i].keys()
+        for k in ref[i]:
+            assert torch.equal(ref[i][k], got[i][k]), (*what, label, k)
+    for sa, sb in zip(ref[4], got[4], strict=True):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), (*what, "optimizer state", k)
 
 
 def plans_for(prof):
@@ -49,12 +71,20 @@ def test_plans_do_not_change_results(name, zoo_profiles):
         fresh = [memopt.zoo.build(name) for _ in range(2)]
         ref = run(fresh[0], None)
         got = run(fresh[1], plan)
-        assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0])), (name, label, "loss")
-        for ga, gb in zip(ref[1], got[1]):
-            for k in ga:
-                assert torch.equal(ga[k], gb[k]), (name, label, k)
-        for k in ref[2]:
-            assert torch.equal(ref[2][k], got[2][k]), (name, label, "buffer", k)
+        assert_same(ref, got, name, label)
+
+
+def test_every_swap_timing_trains_identically(zoo_profiles):
+    """Every offload window (0-2) and prefetch distance (0-3) the planners use, swap-all and mixed, 3 Adam steps."""
+    name = "mlp"
+    _, _, prof = zoo_profiles[name]
+    n = prof.n_units
+    ref = run(memopt.zoo.build(name), None)
+    for w in (0, 1, 2):
+        for d in (0, 1, 2, 3):
+            for label, strategies in (("swap", ["swap"] * n), ("mixed", (MIXED * 3)[:n])):
+                plan = Plan.from_strategies(prof, strategies, offload_window=w, prefetch_distance=d)
+                assert_same(ref, run(memopt.zoo.build(name), plan), label, f"window {w}", f"distance {d}")
 
 
 def test_dropout_is_on_and_batchnorm_updates_once(zoo_profiles):
@@ -148,3 +178,49 @@ def test_plan_for_other_model_is_refused_unchanged(zoo_profiles):
         with memopt.plan(Plan.uniform(prof, "recompute"), other):
             pass
     assert _snapshot(other) == before
+
+
+def _memopt_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("memopt-")]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_failure_mid_step_restores_everything(zoo_profiles, where):
+    """An error inside a unit's forward, or inside backward, while copies are in flight: the model is as before."""
+    _, _, prof = zoo_profiles["gpt"]
+    zm = memopt.zoo.build("gpt")
+    model = zm.model
+    plan = Plan.uniform(prof, "swap", offload_window=2, prefetch_distance=3)
+    failing = model.get_submodule(prof.units[-2].name)
+    seen = {}
+
+    def fail(grad=None):
+        seen["engine"] = applied.engine
+        seen["stats"] = dict(applied.engine.stats)
+        raise RuntimeError("boom")
+
+    def hook(module, args, out):
+        if where == "forward":
+            fail()
+        out.register_hook(fail)
+
+    handle = failing.register_forward_hook(hook)
+    before = _snapshot(model)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert _memopt_threads() == []
+    applied = memopt.plan(plan, model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with applied:
+            zm.loss_fn(model(*zm.inputs)).backward()
+    assert seen["stats"]["offloads"] > 0  # copies had been started when it failed
+    if where == "backward":
+        assert seen["stats"]["prefetched_bytes"] > 0
+    assert _snapshot(model) == before  # forwards and hooks (ours is still there, and only ours)
+    assert not applied.active and applied.engine is None
+    assert _memopt_threads() == []
+    for eng in seen["engine"]._copy.values():
+        assert eng.closed and not any(eng.pool._free.values())  # host pool emptied
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n])
+    handle.remove()
+    assert all(not m._forward_hooks for m in model.modules())

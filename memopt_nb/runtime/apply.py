@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch.nn as nn
 from ..distributed import order_guard, unwrap
 from ..errors import PlanError
 from ..plan import Plan, effective_triggers
-from .recompute import checkpointed_call, running_stat_modules
+from .recompute import ReplayGuard, checkpointed_call
 from .swap import SwapEngine
 
 _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -23,6 +24,113 @@ def _storage_ptrs(tensors: Any) -> set[int]:
         if type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and not t.is_meta:
             out.add(t.untyped_storage().data_ptr())
     return out
+
+
+#: torch.compile backends under which a plan keeps results bit-identical (they run the plan's eager code as is).
+EXACT_BACKENDS = ("eager", "aot_eager")
+
+
+@torch.compiler.disable(recursive=False)
+def _compile_callback() -> Any:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback()  # dynamo runs this frame as is, between graphs: it sees the real backend
+
+
+def _check_compile_backend(unit: str) -> None:
+    """Refuse to be traced by a torch.compile backend that would make results differ from training without a plan."""
+    from torch._dynamo.eval_frame import innermost_backend
+
+    callback = _compile_callback()
+    if callback is None or isinstance(callback, bool):
+        return  # traced by something other than torch.compile (export, make_fx)
+    backend = innermost_backend(callback)
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__)
+    if name not in EXACT_BACKENDS:
+        raise PlanError(
+            f"torch.compile with backend {name!r} traced unit {unit!r} of a memopt plan: under it a plan does not "
+            "keep results identical (it draws dropout's random numbers its own way and fuses differently around the "
+            "units' boundaries, so losses and gradients change). With a plan compile with "
+            f"{' or '.join(f'backend={b!r}' for b in EXACT_BACKENDS)} (bit-identical), or train the compiled model "
+            "without a plan")
+
+
+def _unplanned_forward(module: nn.Module, previous: Any = None) -> Any:
+    """The ``forward`` a module has without a plan: what a copy or a pickle of a planned module gets."""
+    if previous is not None:
+        return previous
+    return type(module).forward.__get__(module, type(module))
+
+
+class PlannedForward:
+    """A unit's ``forward`` while a plan is applied (an instance attribute, which ``nn.Module.__call__`` finds first).
+
+    ``copy.deepcopy`` and pickling (``torch.save(model)``) of the module give the copy its own plain forward, so a
+    copy made inside the block is an independent model without the plan.
+    """
+
+    __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "inner")
+
+    def __init__(self, applied: AppliedPlan, index: int, module: nn.Module, strategy: str, previous: Any,
+                 guard: ReplayGuard | None, model_ptrs: set[int]) -> None:
+        self.applied, self.index, self.module, self.strategy = applied, index, module, strategy
+        self.previous, self.guard, self.model_ptrs = previous, guard, model_ptrs
+        self.inner = _unplanned_forward(module, previous)
+
+    @property
+    def __memopt__(self) -> tuple[AppliedPlan, int]:
+        return self.applied, self.index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            _check_compile_backend(self.applied.plan.units[self.index])
+        inner = self.inner
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        engine = self.applied.engine
+        if engine is None or engine.closed:
+            if self.guard is None:  # a keep unit of a plan removed while another thread still runs
+                return inner(*args, **kwargs)
+            return checkpointed_call(self.guard, inner, *args, **kwargs)
+        index = self.index
+        p = engine.begin_unit(index)
+        if self.guard is not None:
+            out = checkpointed_call(self.guard, inner, *args, **kwargs)
+        else:
+            ptrs = self.model_ptrs | _storage_ptrs(self.module.parameters())
+            with engine.hooks(p, index, ptrs):
+                out = inner(*args, **kwargs)
+        engine.end_unit(p, index, out)
+        return out
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _unplanned_forward, (self.module, self.previous)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        module = memo.get(id(self.module))
+        if module is None:  # copying the forward alone, not its module: the copy is the forward without the plan
+            return _unplanned_forward(self.module, self.previous)
+        return _unplanned_forward(module, copy.deepcopy(self.previous, memo))
+
+    def __repr__(self) -> str:
+        return f"<memopt planned forward of unit {self.index} ({self.strategy})>"
+
+
+def _check_recomputable(plan: Plan, model: nn.Module) -> None:
+    """Refuse a plan that recomputes a unit its profile marks not recomputable, or a model that checkpoints itself."""
+    for i, d in enumerate(plan.decisions):
+        reason = plan.fingerprint[i].get("not_recomputable") if plan.fingerprint else None
+        if d.strategy == "recompute" and reason:
+            raise PlanError(f"the plan recomputes unit {d.unit!r}, which its profile marks not recomputable: {reason}. "
+                            "Keep or swap this unit (the planners never recompute it)")
+    # Hugging Face layers set `gradient_checkpointing`, timm models `grad_checkpointing`
+    own = [n for n, m in model.named_modules()
+           if getattr(m, "gradient_checkpointing", False) is True or getattr(m, "grad_checkpointing", False) is True]
+    if own or getattr(model, "is_gradient_checkpointing", False) is True:
+        shown = ", ".join(repr(n) for n in own[:3]) + (" …" if len(own) > 3 else "")
+        raise PlanError(f"the model checkpoints its own blocks ({shown or 'gradient checkpointing is on'}); a plan "
+                        "decides recompute itself. Turn that off first: model.gradient_checkpointing_disable() "
+                        "(Hugging Face), model.set_grad_checkpointing(False) (timm)")
 
 
 class AppliedPlan:
@@ -80,6 +188,7 @@ class AppliedPlan:
         plan.validate(model)
         modules = [model.get_submodule(name) for name in plan.units]
         names = plan.units
+        _check_recomputable(plan, model)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
                 if a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + "."):
@@ -105,34 +214,8 @@ class AppliedPlan:
     def _wrap(self, index: int, module: nn.Module, strategy: str, model_ptrs: set[int]) -> None:
         had_own = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
-        inner = previous if had_own else type(module).forward.__get__(module, type(module))
-        engine = self.engine
-        stats = running_stat_modules(module)  # once, not per call
-
-        if engine is None:  # recompute only
-
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                if not torch.is_grad_enabled():
-                    return inner(*args, **kwargs)
-                return checkpointed_call(stats, inner, *args, **kwargs)
-
-        else:
-
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                if not torch.is_grad_enabled():
-                    return inner(*args, **kwargs)
-                p = engine.begin_unit(index)
-                if strategy == "recompute":
-                    out = checkpointed_call(stats, inner, *args, **kwargs)
-                else:
-                    ptrs = model_ptrs | _storage_ptrs(module.parameters())
-                    with engine.hooks(p, index, ptrs):
-                        out = inner(*args, **kwargs)
-                engine.end_unit(p, index, out)
-                return out
-
-        forward.__memopt__ = (self, index)  # type: ignore[attr-defined]
-        module.forward = forward  # instance attribute: nn.Module.__call__ finds it first
+        guard = ReplayGuard(module, self.plan.units[index]) if strategy == "recompute" else None  # once, not per call
+        module.forward = PlannedForward(self, index, module, strategy, previous, guard, model_ptrs)
         self._installed.append((module, had_own, previous))
 
     def remove(self) -> None:

@@ -1,23 +1,44 @@
 """Recompute (activation checkpointing) of one unit, built on non-reentrant ``torch.utils.checkpoint``.
 
-Two things plain checkpointing gets wrong are handled here:
+A recomputed forward must see what the first forward saw and leave everything as the first forward left it. Plain
+checkpointing gets several things wrong; here:
 
 * RNG: ``preserve_rng_state=True`` replays the same dropout masks in the recomputation.
-* BatchNorm: recomputing a unit in training mode would update its running statistics a second time. During the
-  recomputation the running buffers are swapped for throw-away copies, so they are updated exactly once per forward,
-  as without a plan. (Batch statistics, not running ones, normalise in training mode, so outputs are unchanged.)
+* Buffers a forward changes (BatchNorm running statistics, spectral norm's power-iteration vectors ``u``/``v``, any
+  buffer updated in place or reassigned): the first forward's starting values are kept, the recomputation runs on
+  throw-away copies of them, and afterwards every buffer is put back as the first forward left it. So buffers are
+  updated exactly once per forward and the recomputation computes exactly what the first forward computed.
+* Plain attributes a forward sets on its modules (``self.weight = ...`` in the old ``spectral_norm`` hook,
+  ``self.calls += 1``): the recomputation starts from the first forward's values and they are put back after.
+* Hugging Face caches (``transformers.Cache``, e.g. the ``DynamicCache`` a decoder returns with ``use_cache=True``):
+  the recomputation appends to a throw-away copy of the cache as it was before the first forward, so the returned
+  cache is not extended twice.
+* Other objects passed in and changed by the forward (a list appended to, an object's attribute set) cannot be put
+  back exactly: the first forward raises :class:`~memopt_nb.errors.PlanError` naming the unit and the argument.
+* The unit's own keyword arguments go to the unit, never to ``torch.utils.checkpoint`` (whose options ``debug``,
+  ``use_reentrant``, ``context_fn``… would otherwise swallow them).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import collections
+import copy
+import sys
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
+from ..errors import PlanError
+
+__all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "checkpointed_call", "forward_side_effects", "is_cache",
+           "running_stat_modules"]
+
+#: Buffers of a unit up to this many bytes in all are copied before every recomputed forward; above it only those the
+#: unit was seen to change are (the first forward of a larger unit copies all of them once to find out).
+SMALL_BUFFERS = 1 << 20
 
 
 def running_stat_modules(module: nn.Module) -> list[nn.Module]:
@@ -29,39 +50,370 @@ def running_stat_modules(module: nn.Module) -> list[nn.Module]:
     ]
 
 
-@contextlib.contextmanager
-def frozen_running_stats(modules: list[nn.Module]) -> Iterator[None]:
-    """Let a forward run without touching running statistics (updates go to copies that are thrown away)."""
-    saved = []
-    for m in modules:
-        if not m.training:
+# ====================================================================== caches and other arguments
+def is_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a Hugging Face ``transformers`` cache (``DynamicCache``, ``EncoderDecoderCache`` …)."""
+    mod = sys.modules.get("transformers.cache_utils")
+    cls = getattr(mod, "Cache", None) if mod is not None else None
+    return cls is not None and isinstance(obj, cls)
+
+
+def _plain_object(obj: Any) -> bool:
+    return (hasattr(obj, "__dict__") and not isinstance(obj, (type, nn.Module, torch.Tensor))
+            and not callable(obj) and type(obj).__module__ != "builtins")
+
+
+def _copy_state(obj: Any, depth: int) -> Any:
+    """A copy of ``obj``'s Python structure (containers, plain objects); tensors are shared, not copied."""
+    if depth <= 0 or isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, list):
+        return [_copy_state(v, depth - 1) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(_copy_state(v, depth - 1) for v in obj)
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: _copy_state(v, depth - 1) for k, v in obj.items()}
+    if _plain_object(obj):
+        new = copy.copy(obj)
+        for k, v in vars(obj).items():
+            new.__dict__[k] = _copy_state(v, depth - 1)
+        return new
+    return obj
+
+
+def _tensor_versions(obj: Any, depth: int, out: list[tuple[torch.Tensor, int]]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append((obj, obj._version))
+    elif depth <= 0:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensor_versions(v, depth - 1, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensor_versions(v, depth - 1, out)
+    elif _plain_object(obj):
+        for v in vars(obj).values():
+            _tensor_versions(v, depth - 1, out)
+
+
+class _CacheSnapshot:
+    """A Hugging Face cache as it was before a unit's first forward, for the recomputation to append to instead."""
+
+    def __init__(self, cache: Any) -> None:
+        self.state = _copy_state(cache, 4)
+        self.versions: list[tuple[torch.Tensor, int]] = []
+        _tensor_versions(self.state, 4, self.versions)
+
+    def replay_copy(self, unit: str) -> Any:
+        changed = [t for t, v in self.versions if t._version != v]
+        if changed:
+            raise PlanError(
+                f"unit {unit!r} updates a cache ({type(self.state).__name__}) in place, so its recomputation cannot "
+                "start from the cache as the first forward saw it; keep or swap this unit, or call the model with "
+                "use_cache=False while training")
+        return _copy_state(self.state, 4)
+
+
+def _shallow_signature(obj: Any) -> Any:
+    """What identifies the state of a non-tensor argument one level deep (identity of items, tensor versions)."""
+
+    def ident(v: Any) -> Any:
+        return (id(v), v._version) if isinstance(v, torch.Tensor) else id(v)
+
+    if isinstance(obj, list):
+        return ("list", tuple(ident(v) for v in obj))
+    if isinstance(obj, dict) and type(obj) is dict:
+        return ("dict", tuple((k, ident(v)) for k, v in obj.items()))
+    if isinstance(obj, set):
+        return ("set", frozenset(id(v) for v in obj))
+    if _plain_object(obj):
+        return ("object", tuple((k, ident(v)) for k, v in vars(obj).items()))
+    return None
+
+
+def _arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    out = [(f"argument {i}", a) for i, a in enumerate(args)]
+    out += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    return out
+
+
+def argument_changes(args: tuple, kwargs: dict) -> Callable[[], list[str]]:
+    """Record the non-tensor arguments of a call (caches aside); the returned function lists those changed since."""
+    before = []
+    for label, a in _arguments(args, kwargs):
+        if a is None or isinstance(a, (torch.Tensor, str, int, float, bool, bytes)) or is_cache(a):
             continue
-        originals = {name: getattr(m, name) for name in _RUNNING if getattr(m, name, None) is not None}
-        for name, buf in originals.items():
-            setattr(m, name, buf.clone())
-        saved.append((m, originals))
-    try:
-        yield
-    finally:
-        for m, originals in saved:
-            for name, buf in originals.items():
-                setattr(m, name, buf)
+        sig = _shallow_signature(a)
+        if sig is not None:
+            before.append((label, a, sig))
+
+    def changed() -> list[str]:
+        return [f"{label} ({type(a).__name__})" for label, a, sig in before if _shallow_signature(a) != sig]
+
+    return changed
 
 
-def checkpointed_call(module: nn.Module | list[nn.Module], forward: Callable[..., Any], *args: Any,
-                      **kwargs: Any) -> Any:
-    """Run ``forward(*args, **kwargs)`` under non-reentrant checkpointing with RNG and BatchNorm handled.
+# ====================================================================== module state
+def _tensor_attrs(m: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in m.__dict__.items() if not k.startswith("_") and k != "training"}
 
-    ``module`` is the unit, or its :func:`running_stat_modules` found once beforehand (what a plan does).
+
+class _UnitState:
+    """One forward's view of a unit's buffers and plain attributes: what they were before it, and after it."""
+
+    __slots__ = ("before_bufs", "copies", "versions", "before_attrs", "after_bufs", "after_attrs")
+
+    def __init__(self, modules: list[nn.Module], copy_names: set[tuple[int, str]] | None) -> None:
+        self.before_bufs = [dict(m._buffers) for m in modules]
+        self.versions = [{k: b._version for k, b in d.items() if b is not None} for d in self.before_bufs]
+        self.copies: dict[tuple[int, str], torch.Tensor] = {}
+        for i, d in enumerate(self.before_bufs):
+            for k, b in d.items():
+                if b is not None and (copy_names is None or (i, k) in copy_names):
+                    self.copies[(i, k)] = b.detach().clone()
+        self.before_attrs = [_tensor_attrs(m) for m in modules]
+        self.after_bufs: list[dict[str, Any]] = []
+        self.after_attrs: list[dict[str, Any]] = []
+
+
+class ReplayGuard:
+    """What a unit's recomputation needs so it replays its first forward exactly; one per unit, reused every step.
+
+    Args:
+        module: the unit.
+        name: its name, for error messages.
+        strict: raise :class:`PlanError` when the first forward changes something a recomputation cannot undo (an
+            argument); the profiler's measuring run passes ``False``.
     """
-    stat_modules = module if isinstance(module, list) else running_stat_modules(module)
-    calls = [0]
 
-    def run(*a: Any, **k: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 1 or not stat_modules:
-            return forward(*a, **k)
-        with frozen_running_stats(stat_modules):
-            return forward(*a, **k)
+    def __init__(self, module: nn.Module, name: str = "", strict: bool = True) -> None:
+        self.module = module
+        self.name = name or type(module).__name__
+        self.strict = strict
+        self.modules = list(module.modules())
+        # buffers (module index, name) seen changing in forward; BatchNorm's kernels update running statistics
+        # without moving their version counters, so those are listed up front
+        stat_modules = set(running_stat_modules(module))
+        self.changed: set[tuple[int, str]] = {(i, k) for i, m in enumerate(self.modules) if m in stat_modules
+                                              for k, b in m._buffers.items() if b is not None}
+        self._seen = False
+        total = sum(b.numel() * b.element_size() for b in module.buffers())
+        self.copy_all = total <= SMALL_BUFFERS  # then every buffer's starting value is kept, changed or not
 
-    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    def _copy_names(self) -> set[tuple[int, str]] | None:
+        return None if self.copy_all or not self._seen else self.changed
+
+    def first(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """Run the first forward; returns its output and what :meth:`again` needs."""
+        state = _UnitState(self.modules, self._copy_names())
+        caches = {}
+        for _label, a in _arguments(args, kwargs):
+            if is_cache(a) and id(a) not in caches:
+                caches[id(a)] = _CacheSnapshot(a)
+        changed_args = argument_changes(args, kwargs)
+        out = forward(*args, **kwargs)
+        first_call = not self._seen
+        self._seen = True
+        lost = []
+        for i, m in enumerate(self.modules):
+            bufs = m._buffers
+            state.after_bufs.append(dict(bufs))
+            state.after_attrs.append(_tensor_attrs(m))
+            for k, b in bufs.items():
+                was = state.before_bufs[i].get(k)
+                key = (i, k)
+                if key in self.changed:
+                    continue
+                moved = b is not was or (b is not None and b._version != state.versions[i].get(k))
+                if not moved and first_call and not self.copy_all and b is not None and key in state.copies:
+                    with torch.no_grad():  # changes made by a kernel that does not move the version counter
+                        moved = not torch.equal(state.copies[key], b)
+                if moved:
+                    self.changed.add(key)
+                    if b is was and key not in state.copies:
+                        lost.append(k)
+        mutated = changed_args()
+        if mutated and self.strict:
+            raise PlanError(
+                f"unit {self.name!r} changed {', '.join(mutated)} in its forward; recomputing it would change it "
+                "a second time, and memopt cannot undo that. Keep or swap this unit (its profile marks it not "
+                "recomputable), or pass the object some other way")
+        if lost and self.strict:
+            raise PlanError(
+                f"unit {self.name!r} changed buffer(s) {', '.join(lost)} in its forward for the first time after "
+                "its first step, so their starting values were not kept for the recomputation; profile the model "
+                "again in the mode you train it in, or keep or swap this unit")
+        for i in range(len(self.modules)):  # keep only what differs: nothing to restore is the common case
+            state.after_attrs[i] = {k: v for k, v in state.after_attrs[i].items()
+                                    if state.before_attrs[i].get(k, _MISSING) is not v}
+        if not self.copy_all:
+            state.copies = {key: t for key, t in state.copies.items() if key in self.changed}
+        return out, (state, caches)
+
+    def again(self, forward: Callable[..., Any], args: tuple, kwargs: dict, memo: Any) -> Any:
+        """Run the recomputation from the first forward's starting state, then put back the state it left."""
+        state, caches = memo
+        if caches:
+            replays = {key: snap.replay_copy(self.name) for key, snap in caches.items()}
+            args = tuple(replays.get(id(a), a) if is_cache(a) else a for a in args)
+            kwargs = {k: (replays.get(id(v), v) if is_cache(v) else v) for k, v in kwargs.items()}
+        for i, m in enumerate(self.modules):
+            before = state.before_bufs[i]
+            for k in list(m._buffers):
+                if (i, k) in state.copies:
+                    m._buffers[k] = state.copies[(i, k)].clone()  # the recomputation may change it again
+                elif k in before:
+                    m._buffers[k] = before[k]
+            for k in state.after_attrs[i]:
+                if k in state.before_attrs[i]:
+                    m.__dict__[k] = state.before_attrs[i][k]
+                else:
+                    m.__dict__.pop(k, None)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for i, m in enumerate(self.modules):
+                m._buffers.clear()
+                m._buffers.update(state.after_bufs[i])
+                for k, v in state.after_attrs[i].items():
+                    m.__dict__[k] = v
+
+
+_MISSING = object()
+
+
+def checkpointed_call(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``forward(*args, **kwargs)`` under non-reentrant checkpointing, its recomputation replaying it exactly.
+
+    ``guard`` is the unit's :class:`ReplayGuard` (made once beforehand, as a plan does) or the unit itself (then
+    nothing is refused: what the profiler uses to measure). ``args`` and ``kwargs`` all go to ``forward``; none of
+    them is read by ``torch.utils.checkpoint``.
+    """
+    if not isinstance(guard, ReplayGuard):
+        guard = ReplayGuard(guard, strict=False)
+    memo: list[Any] = []
+
+    def run(*_devices: Any) -> Any:  # the tensors passed only tell checkpoint which devices' RNG to keep
+        if not memo:
+            out, state = guard.first(forward, args, kwargs)
+            memo.append(state)
+            return out
+        return guard.again(forward, args, kwargs, memo[0])
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
+
+
+# ====================================================================== what a profile needs to know
+class ForwardEffects:
+    """What one forward of a model did besides computing: see :func:`forward_side_effects`.
+
+    Attributes:
+        own_checkpointing: names of modules that run themselves under ``torch.utils.checkpoint`` (outermost ones).
+        effects: per module name, side effects a recomputation replays exactly (buffers, attributes, caches).
+        not_recomputable: per module name, why recomputing it cannot be exact.
+    """
+
+    def __init__(self) -> None:
+        self.own_checkpointing: list[str] = []
+        self.effects: dict[str, list[str]] = {}
+        self.not_recomputable: dict[str, list[str]] = {}
+
+    def for_unit(self, name: str) -> tuple[str, str]:
+        """``(side effects, not-recomputable reason)`` of module ``name``, as text ("" for none)."""
+        return "; ".join(self.effects.get(name, [])), "; ".join(self.not_recomputable.get(name, []))
+
+
+def _checkpoint_codes() -> set[Any]:
+    import inspect
+
+    import torch.utils.checkpoint as ck
+
+    codes = {ck.checkpoint.__code__, inspect.unwrap(ck.checkpoint).__code__}
+    fn = getattr(ck, "CheckpointFunction", None)
+    if fn is not None:
+        codes.add(fn.forward.__code__)
+    return codes
+
+
+def _inside_checkpoint(codes: set[Any]) -> bool:
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code in codes:
+            return True
+        f = f.f_back
+    return False
+
+
+def forward_side_effects(model: nn.Module, call: Callable[[], Any]) -> ForwardEffects:
+    """Run ``call()`` (one forward of ``model``) once, watching every module, and report its side effects.
+
+    Found: modules that checkpoint themselves; buffers changed (in place, by a kernel, or reassigned) and plain
+    attributes set, which a plan's recomputation replays; Hugging Face caches passed in or returned, which it
+    replays on a copy unless they are updated in place; other arguments changed, which it cannot undo. The caller
+    restores the model's state afterwards (the profiler runs this inside ``preserved_state``).
+    """
+    res = ForwardEffects()
+    names = {m: n for n, m in model.named_modules()}
+    before_bufs = {m: (dict(m._buffers), {k: (b._version, b.detach().clone()) for k, b in m._buffers.items()
+                                          if b is not None and not b.is_meta}) for m in names}
+    before_attrs = {m: _tensor_attrs(m) for m in names}
+    codes = _checkpoint_codes()
+    stack: list[tuple[str, bool]] = []
+    calls: dict[str, list[Any]] = collections.defaultdict(list)
+
+    def add(table: dict[str, list[str]], name: str, what: str) -> None:
+        if what not in table.setdefault(name, []):
+            table[name].append(what)
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = names[mod]
+        inside = _inside_checkpoint(codes)
+        if inside and not (stack and stack[-1][1]) and name:
+            res.own_checkpointing.append(name)
+        stack.append((name, inside))
+        caches = [_CacheSnapshot(a) for _, a in _arguments(args, kwargs) if is_cache(a)]
+        if caches:
+            add(res.effects, name, "updates a cache passed in (recompute appends to a copy)")
+        calls[name].append((argument_changes(args, kwargs), caches))
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        name = names[mod]
+        if stack and stack[-1][0] == name:
+            stack.pop()
+        changed, caches = calls[name].pop()
+        for what in changed():
+            add(res.not_recomputable, name, f"changes {what} in forward")
+        if any(t._version != v for snap in caches for t, v in snap.versions):
+            add(res.not_recomputable, name, "updates a cache in place (a static cache)")
+
+    handles = []
+    for m in names:
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    try:
+        call()
+    finally:
+        for h in handles:
+            h.remove()
+    parents = {n: [p for p in names.values() if p == "" or n.startswith(p + ".")] for n in names.values()}
+    for m, name in names.items():
+        bufs, versions = before_bufs[m]
+        changed = []
+        for k, b in m._buffers.items():
+            was = bufs.get(k)
+            if b is None or was is None or k not in versions:
+                continue
+            v, value = versions[k]
+            if b is not was or b._version != v or b.shape != value.shape or (
+                    not b.is_meta and not torch.equal(b, value)):
+                changed.append(k)
+        attrs = [k for k, v in _tensor_attrs(m).items() if before_attrs[m].get(k, _MISSING) is not v]
+        for owner in [name, *parents[name]]:
+            if changed:
+                add(res.effects, owner, "changes buffers " + ", ".join(f"{name}.{k}".lstrip(".") for k in changed))
+            if attrs:
+                add(res.effects, owner, "sets attributes " + ", ".join(f"{name}.{k}".lstrip(".") for k in attrs))
+    return res

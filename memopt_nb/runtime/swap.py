@@ -54,6 +54,7 @@ class HostPool:
         self.allocated_bytes = 0
         self.allocations = 0
         self.reuses = 0
+        self.closed = False
 
     @classmethod
     def size_class(cls, nbytes: int) -> int:
@@ -79,7 +80,14 @@ class HostPool:
 
     def put(self, storage: torch.UntypedStorage, ready: Any = None) -> None:
         with self._lock:
-            self._free[storage.nbytes()].append((storage, ready))
+            if not self.closed:  # a closed pool keeps nothing: host memory goes back as records die
+                self._free[storage.nbytes()].append((storage, ready))
+
+    def close(self) -> None:
+        """Drop every free buffer and keep none handed back from now on."""
+        with self._lock:
+            self.closed = True
+            self._free.clear()
 
     def stats(self) -> dict[str, int]:
         return {"pool_bytes": self.allocated_bytes, "pool_allocations": self.allocations, "pool_reuses": self.reuses}
@@ -106,7 +114,7 @@ class _Record:
 
 
 class _Handle:
-    __slots__ = ("rec", "offset", "size", "stride", "dtype")
+    __slots__ = ("rec", "offset", "size", "stride", "dtype", "ref", "version")
 
     def __init__(self, rec: _Record, t: torch.Tensor) -> None:
         self.rec = rec
@@ -114,6 +122,22 @@ class _Handle:
         self.size = t.size()
         self.stride = t.stride()
         self.dtype = t.dtype
+        # to check at unpack, as autograd does, that nobody changed the tensor in place in between: an alias that
+        # shares its version counter but not its storage (which must stay free to be offloaded)
+        self.version = t._version
+        alias = t.detach()
+        with torch.autograd._unsafe_preserve_version_counter(alias):
+            alias.set_()
+        self.ref = alias
+
+    def check_version(self) -> None:
+        now = self.ref._version
+        if now != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{self.ref.type()} {list(self.size)}] is at version {now}; expected version {self.version} "
+                "instead. Hint: the tensor was saved for backward inside a unit of a memopt swap plan; change it out "
+                "of place (y = y * 2, not y.mul_(2)), or clone it before changing it.")
 
 
 def _manageable(t: torch.Tensor) -> bool:
@@ -124,11 +148,15 @@ def _manageable(t: torch.Tensor) -> bool:
 class ThreadCopyEngine:
     """Copy engines of the emulated CPU device: one worker thread per direction, one job per batch of records."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: bool = True) -> None:
         self.pool = HostPool(pin=False)
+        self.closed = not threads  # without threads every copy runs on the caller (a plan already removed)
+        self._lock = threading.Lock()
         self._queues = {"d2h": queue.Queue(), "h2d": queue.Queue()}
         self._threads = [threading.Thread(target=self._work, args=(q,), daemon=True, name=f"memopt-{k}")
-                         for k, q in self._queues.items()]
+                         for k, q in self._queues.items()] if threads else []
+        if not threads:
+            self.pool.close()
         for th in self._threads:
             th.start()
 
@@ -139,27 +167,38 @@ class ThreadCopyEngine:
                 return
             kind, recs, ev = job
             del job
-            # a plain memmove: single-threaded and GIL-free, so the emulated copy engine does not fight the
-            # compute threads' OpenMP pool the way a second thread's tensor.copy_ would
-            for rec in recs:
-                if kind == "d2h":
-                    host = self.pool.get(rec.nbytes)
-                    ctypes.memmove(host.data_ptr(), rec.storage.data_ptr(), rec.nbytes)
-                    rec.host = host
-                else:
-                    host = rec.host
-                    ctypes.memmove(rec.back.data_ptr(), host.data_ptr(), rec.nbytes)
-                    rec.host = None
-                    self.pool.put(host)
-                del host
-            del recs, rec
+            self._copy(kind, recs)
+            del recs
             ev.set()
+
+    def _copy(self, kind: str, recs: list[_Record]) -> None:
+        # a plain memmove: single-threaded and GIL-free, so the emulated copy engine does not fight the
+        # compute threads' OpenMP pool the way a second thread's tensor.copy_ would
+        for rec in recs:
+            if kind == "d2h":
+                host = self.pool.get(rec.nbytes)
+                ctypes.memmove(host.data_ptr(), rec.storage.data_ptr(), rec.nbytes)
+                rec.host = host
+            else:
+                host = rec.host
+                ctypes.memmove(rec.back.data_ptr(), host.data_ptr(), rec.nbytes)
+                rec.host = None
+                self.pool.put(host)
+            del host
+
+    def _submit(self, kind: str, recs: list[_Record], ev: threading.Event) -> None:
+        with self._lock:
+            if not self.closed:
+                self._queues[kind].put((kind, list(recs), ev))
+                return
+        self._copy(kind, recs)  # closed (the plan was removed): copy on the calling thread, start no thread
+        ev.set()
 
     def offload(self, recs: list[_Record]) -> None:
         ev = threading.Event()
         for rec in recs:
             rec.off_event = ev
-        self._queues["d2h"].put(("d2h", list(recs), ev))
+        self._submit("d2h", recs, ev)
 
     def wait_offload(self, rec: _Record) -> None:
         rec.off_event.wait()
@@ -170,16 +209,23 @@ class ThreadCopyEngine:
             rec.back = torch.UntypedStorage(rec.nbytes, device=rec.device)
             note_device_storage(rec.back)
             rec.back_event = ev
-        self._queues["h2d"].put(("h2d", list(recs), ev))
+        self._submit("h2d", recs, ev)
 
     def wait_prefetch(self, rec: _Record) -> None:
         rec.back_event.wait()
 
     def close(self) -> None:
-        for q in self._queues.values():
-            q.put(None)
+        """Stop the worker threads once the copies already queued are done; later copies run on the caller."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            for q in self._queues.values():
+                q.put(None)
         for th in self._threads:
-            th.join(timeout=5)
+            if th is not threading.current_thread():
+                th.join(timeout=5)
+        self.pool.close()
 
 
 class CudaCopyEngine:  # pragma: no cover - needs a GPU
@@ -230,7 +276,7 @@ class CudaCopyEngine:  # pragma: no cover - needs a GPU
         torch.cuda.current_stream(self.device).wait_event(rec.back_event)
 
     def close(self) -> None:
-        pass
+        self.pool.close()
 
 
 class _Pass:
@@ -272,19 +318,30 @@ class SwapEngine:
         self._pass: _Pass | None = None
         self.stats = collections.Counter()
         self._lock = threading.Lock()
+        self.closed = False
 
     # ------------------------------------------------------------------ copy engines
     def _engine(self, device: torch.device) -> Any:
         eng = self._copy.get(device)
         if eng is None:
-            eng = CudaCopyEngine(device) if device.type == "cuda" else ThreadCopyEngine()
-            self._copy[device] = eng
+            with self._lock:
+                eng = self._copy.get(device)
+                if eng is None:
+                    # a copy needed after close starts no thread and keeps no pool
+                    eng = CudaCopyEngine(device) if device.type == "cuda" else ThreadCopyEngine(not self.closed)
+                    if self.closed:
+                        eng.close()
+                    self._copy[device] = eng
         return eng
 
     def close(self) -> None:
-        for eng in self._copy.values():
+        """Stop the copy engines and drop the host pool. A graph built under the plan can still be backpropagated
+        afterwards: what it still needs is copied back on the calling thread, and no thread or pool is started."""
+        with self._lock:
+            self.closed = True
+            engines = list(self._copy.values())
+        for eng in engines:
             eng.close()
-        self._copy.clear()
         self._pass = None
 
     def pool_stats(self) -> dict[str, int]:
@@ -415,6 +472,7 @@ class SwapEngine:
     def _unpack(self, h: Any) -> torch.Tensor:
         if isinstance(h, torch.Tensor):
             return h
+        h.check_version()
         rec = h.rec
         st = rec.storage
         if st is None:
