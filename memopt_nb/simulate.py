@@ -59,6 +59,8 @@ class SimResult:
         bytes_offloaded / bytes_prefetched: host traffic each way.
         budget_bytes / feasible: the budget checked against (the plan's, unless given) and whether the peak fits.
         segment_peaks: peak per segment; timeline: rows ``{"time", "bytes", "phase", "unit", "event"}``.
+        storages_offloaded: storages moved to the host (and back); copy_time: what those copies cost by
+            :meth:`DeviceSpec.copy_seconds` (both directions, bytes and per-storage terms, overlapped or not).
     """
 
     peak_bytes: int
@@ -75,6 +77,8 @@ class SimResult:
     device: str
     segment_peaks: list[int] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    storages_offloaded: int = 0
+    copy_time: float = 0.0
 
     def __repr__(self) -> str:
         fit = "" if self.feasible is None else (" fits" if self.feasible else " OVER BUDGET")
@@ -230,7 +234,7 @@ class Simulator:
             return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": zero, "bwd_stall": zero,
                     "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
                     "compute": self.dur.sum() + recompute + copy_time, "trig": trig, "off": off, "r_pos": r_pos,
-                    "t_pos": t_pos}
+                    "t_pos": t_pos, "storages": off_count}
         # the training thread's per-storage share of the copies; the bytes run on the copy queues below
         thread_copy = dev.copy_seconds(0.0, off_count, "both")
         t = np.zeros(B)
@@ -275,7 +279,7 @@ class Simulator:
         return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": fwd_stall, "bwd_stall": bwd_stall,
                 "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
                 "compute": np.full(B, self.dur.sum()) + recompute + thread_copy, "trig": trig, "off": off,
-                "r_pos": r_pos, "t_pos": t_pos}
+                "r_pos": r_pos, "t_pos": t_pos, "storages": off_count}
 
     # ------------------------------------------------------------------ plans
     def encode(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -298,6 +302,7 @@ class Simulator:
             feasible=None if budget is None else peak <= budget, device=self.device.name,
             segment_peaks=[int(round(x)) for x in det["peaks"][0]],
             timeline=self._timeline(plan, det),
+            storages_offloaded=int(round(float(det["storages"][0]))), copy_time=float(det["copy"][0]),
         )
 
     def _timeline(self, plan: Plan, det: dict[str, np.ndarray]) -> list[dict[str, Any]]:
