@@ -6,18 +6,28 @@ preset for a GPU you do not have (:meth:`DeviceSpec.preset`). The simulator uses
 * ``capacity_bytes`` — what a plan must fit in when no explicit budget is given;
 * ``h2d_bytes_per_s`` / ``d2h_bytes_per_s`` — the host link the swap engine copies over (0 means no host link: swap is
   impossible);
+* ``copy_overhead_s`` — seconds of the training thread per storage copied, per direction (hooks, hand-off to the copy
+  engine, host pool); ``copy_overlap`` — whether the bytes cross the link beside compute.
+  :meth:`DeviceSpec.copy_seconds` is the one formula every part of memopt_nb prices a copy with;
 * ``compute_flops`` — achieved fp32 matmul throughput. Profiled times are rescaled to another device by the ratio of
   the two devices' ``compute_flops`` (or by an explicit ``time_scale``). This is a roofline-free, first-order rule:
   it assumes the step is compute bound and ignores kernel-launch overheads, so treat simulated GPU times as estimates.
 
 On a machine without an accelerator the training device is *emulated* on the CPU: "device memory" is the memory of
 tensors the training step holds, the host store of the swap engine is excluded, and the link bandwidth is the measured
-speed of a host memory copy. The saving it reports is an emulation; on CUDA it is real.
+speed of a host memory copy. The saving it reports is an emulation; on CUDA it is real. Two things about copies are
+measured when the CPU is detected, because on this device they, not the bytes, dominate what swapping costs:
+
+* the per-storage cost of the real swap path (``copy_overhead_s``), timed on the engine itself with many small storages;
+* whether the copy threads have a core of their own (``copy_overlap``): true when torch computes on fewer threads than
+  the process may use (``torch.get_num_threads() < len(os.sched_getaffinity(0))``). Then a copy's bytes move beside the
+  compute, like a GPU's copy engine, and cost time only where the step waits for them; otherwise they add to the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -96,9 +106,16 @@ class DeviceSpec:
         d2h_bytes_per_s: device-to-host copy bandwidth; 0 means no host link.
         compute_flops: achieved fp32 matmul FLOP/s, used to rescale profiled times to this device.
         time_scale: if set, profiled times are multiplied by this factor instead of the FLOP/s ratio.
-        copy_overlap: whether host copies run beside compute (GPUs: dedicated copy engines). On the emulated CPU device
-            copies share the cores and memory bus with compute, so their time adds to the step.
+        copy_overlap: whether host copies run beside compute (GPUs: dedicated copy engines; the emulated CPU device when
+            the copy threads have a spare core). Without overlap a copy's time adds to the step.
         note: where the figures come from.
+        copy_overhead_s: seconds the training thread spends per storage copied, per direction, whatever its size
+            (saved-tensor hooks, hand-off to the copy engine, host pool). Measured at detection on the CPU; 0 for the
+            GPU presets (no documented figure; the bytes dominate there). Profiles saved before this field existed load
+            with 0.
+
+    What a copy costs is :meth:`copy_seconds` — the one formula the simulator, the exact solver, the baselines and the
+    planner's heuristics all use.
     """
 
     name: str
@@ -110,6 +127,7 @@ class DeviceSpec:
     time_scale: float | None = None
     copy_overlap: bool = True
     note: str = ""
+    copy_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "cuda", "preset"):
@@ -122,6 +140,9 @@ class DeviceSpec:
             raise MemoptError(f"DeviceSpec.compute_flops must be positive, got {self.compute_flops}")
         if self.time_scale is not None and self.time_scale <= 0:
             raise MemoptError(f"DeviceSpec.time_scale must be positive, got {self.time_scale}")
+        if not isinstance(self.copy_overhead_s, (int, float)) or not 0 <= self.copy_overhead_s < math.inf:
+            raise MemoptError(f"DeviceSpec.copy_overhead_s must be a finite number of seconds >= 0, got "
+                              f"{self.copy_overhead_s!r}")
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -184,6 +205,26 @@ class DeviceSpec:
         """Whether tensors can be swapped to host memory on this device."""
         return self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
 
+    def copy_seconds(self, nbytes: Any, n_storages: Any = 0, direction: str = "both") -> Any:
+        """Seconds a copy of ``nbytes`` bytes in ``n_storages`` storages costs — the one copy-cost formula of memopt_nb.
+
+        ``nbytes / bandwidth + n_storages * copy_overhead_s`` for one direction (``"d2h"`` to host, ``"h2d"`` back to
+        the device); ``"both"`` is the round trip a swap makes, the sum of the two. The bytes term is what occupies a
+        copy engine; the per-storage term is spent by the training thread. Without ``copy_overlap`` both add to the
+        step; with it, the simulator queues the bytes term on the copy engines and adds only the per-storage term (see
+        :mod:`memopt_nb.simulate`). ``copy_seconds(nbytes, 0, d)`` and ``copy_seconds(0, n_storages, d)`` give the two
+        terms alone. The formula is linear: the arguments may be numpy arrays, and the solvers read its coefficients
+        as ``copy_seconds(1.0, 0, d)`` per byte and ``copy_seconds(0.0, 1, d)`` per storage. A device without a host
+        link never copies; its bytes term is 0.
+        """
+        if direction == "both":
+            return self.copy_seconds(nbytes, n_storages, "d2h") + self.copy_seconds(nbytes, n_storages, "h2d")
+        if direction not in ("d2h", "h2d"):
+            raise MemoptError(f"copy direction must be 'd2h', 'h2d' or 'both', got {direction!r}")
+        bandwidth = self.d2h_bytes_per_s if direction == "d2h" else self.h2d_bytes_per_s
+        per_byte = 1.0 / bandwidth if bandwidth > 0 else 0.0
+        return nbytes * per_byte + n_storages * self.copy_overhead_s
+
     def time_factor(self, profiled_on: DeviceSpec) -> float:
         """Factor that turns times profiled on ``profiled_on`` into times on this device."""
         if self.time_scale is not None:
@@ -191,10 +232,12 @@ class DeviceSpec:
         return profiled_on.compute_flops / self.compute_flops
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (:meth:`from_dict` reads it back; fields added later get their defaults)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
+        """A DeviceSpec from :meth:`to_dict`'s output; fields missing from older files take their defaults."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - fields
         if unknown:
@@ -205,6 +248,8 @@ class DeviceSpec:
         from .budget import format_bytes
 
         link = f"{self.h2d_bytes_per_s / GB:.1f} GB/s host link" if self.has_host_link else "no host link"
+        if self.has_host_link and self.copy_overhead_s:
+            link += f" + {self.copy_overhead_s * 1e6:.0f} µs per storage copied"
         return f"{self.name} ({format_bytes(self.capacity_bytes)}, {link}, {self.compute_flops / TFLOP:.2f} TFLOP/s)"
 
 
@@ -239,38 +284,115 @@ def _matmul_flops(device: Any, n: int, repeats: int = 8) -> float:
     return 2 * n**3 / min(times[1:])
 
 
-_CPU_CACHE: DeviceSpec | None = None
+_CPU_CACHE: dict[tuple[int, int], DeviceSpec] = {}
+
+#: Shape of the copy-overhead calibration: units of storages saved for backward, each this many float32 elements.
+_CAL_UNITS, _CAL_STORAGES, _CAL_NUMEL, _CAL_REPEATS = 32, 8, 1024, 5
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def _calibrate_copy_overhead(bandwidth: float) -> float:
+    """Seconds per storage and direction that the real CPU swap path costs beyond moving the bytes.
+
+    Runs a chain of ``_CAL_UNITS`` units, each saving ``_CAL_STORAGES`` small storages, forward and backward with the
+    swap engine (every unit swapped, offload window 1, prefetch distance 1) and without it, interleaved, and takes the
+    difference of the fastest runs (a shared machine only ever slows a run down), less the bytes' own copy time, per
+    storage and direction. About 0.1-0.3 s; leaves torch's random state alone.
+    """
+    import torch
+
+    from .plan import effective_triggers
+    from .runtime.swap import SwapEngine
+
+    n, k = _CAL_UNITS, _CAL_STORAGES
+    strategies = ["swap"] * n
+    engine = SwapEngine(strategies, [1] * n, effective_triggers(strategies, [1] * n))
+
+    def unit(h: Any) -> Any:
+        for _ in range(k):
+            h = torch.sigmoid(h)  # saves its output: one storage per op, dropped by the unit once it returns
+        return h * 2.0
+
+    def step(swap: bool) -> float:
+        x = torch.ones(_CAL_NUMEL, requires_grad=True)
+        t0 = time.perf_counter()
+        h = x
+        for i in range(n):
+            if swap:
+                p = engine.begin_unit(i)
+                with engine.hooks(p, i, set()):
+                    y = unit(h)
+                engine.end_unit(p, i, y)
+            else:
+                y = unit(h)
+            h = y
+        h.sum().backward()
+        return time.perf_counter() - t0
+
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            step(True), step(False)  # warm-up: copy threads, host pool
+            swapped, plain = [], []
+            for _ in range(_CAL_REPEATS):
+                swapped.append(step(True))
+                plain.append(step(False))
+    finally:
+        engine.close()
+    copies = 2 * n * k  # each storage goes to the host and back
+    nbytes = _CAL_NUMEL * 4
+    per_copy = (min(swapped) - min(plain)) / copies - nbytes / bandwidth
+    return max(0.0, per_copy)
 
 
 def _detect_cpu() -> DeviceSpec:
-    global _CPU_CACHE
-    if _CPU_CACHE is not None:
-        return _CPU_CACHE
     import ctypes
 
     import torch
 
-    # the emulated copy engine is a worker thread doing a single-threaded memmove: measure exactly that
+    threads, cores = torch.get_num_threads(), _usable_cores()
+    cached = _CPU_CACHE.get((threads, cores))
+    if cached is not None:
+        return cached
+    # the emulated copy engine is a worker thread doing a single-threaded memmove: measure exactly that (the best of
+    # the timed runs, as for compute: a shared machine only ever slows a run down)
     src = torch.ones(64 * 2**20, dtype=torch.uint8)
     dst = torch.zeros_like(src)
     times = []
-    for _ in range(4):
+    for _ in range(5):
         t0 = time.perf_counter()
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
         times.append(time.perf_counter() - t0)
-    bandwidth = src.numel() / _median(times[1:])
-    _CPU_CACHE = DeviceSpec(
+    del src, dst
+    bandwidth = 64 * 2**20 / min(times[1:])
+    try:
+        overhead = _calibrate_copy_overhead(bandwidth)
+        how = f"per-storage copy cost {overhead * 1e6:.1f} µs measured on the swap engine"
+    except Exception as exc:  # pragma: no cover - defensive: detection must not fail over a refinement
+        overhead = 0.0
+        how = f"per-storage copy cost not measured ({type(exc).__name__}: {exc})"
+    spare = threads < cores
+    spec = DeviceSpec(
         name="cpu (emulated device)",
         kind="cpu",
         capacity_bytes=_host_memory_bytes(),
         h2d_bytes_per_s=bandwidth,
         d2h_bytes_per_s=bandwidth,
         compute_flops=_matmul_flops("cpu", 512),
-        copy_overlap=False,
+        copy_overlap=spare,
+        copy_overhead_s=overhead,
         note="CPU as an emulated training device: link = measured single-thread memmove, compute = measured fp32 "
-        "matmul; copies share the cores with compute",
+        f"matmul, {how}; torch uses {threads} of {cores} cores, so the copy threads "
+        + ("have a spare core: copies overlap compute" if spare else "share the cores with compute: copies add to "
+           "the step"),
     )
-    return _CPU_CACHE
+    _CPU_CACHE[(threads, cores)] = spec
+    return spec
 
 
 def _detect_cuda(dev: Any) -> DeviceSpec:  # pragma: no cover - needs a GPU

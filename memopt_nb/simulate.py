@@ -18,8 +18,15 @@ every storage group (see :class:`~memopt_nb.profile.StorageGroup`), plus the seg
 These rules are exactly what the runtime does, so memory is predicted from structure, not from timing.
 
 **Time**: segment durations (scaled to the target device, see :meth:`DeviceSpec.time_factor`), plus a recomputed
-unit's forward in its backward, plus stalls: the forward waits at a release point for its copies to finish, and a
-unit's backward waits for its prefetch. Offloads queue in issue order, prefetches in the order backward needs them.
+unit's forward in its backward, plus the copies, priced by :meth:`DeviceSpec.copy_seconds` (bytes over the link plus
+``copy_overhead_s`` per storage, each direction):
+
+* with ``copy_overlap`` (GPU copy engines; the CPU when the copy threads have a spare core) the bytes term runs on two
+  first-in-first-out copy queues beside compute and costs only stalls: the forward waits at a release point for its
+  copies to finish, and a unit's backward waits for its prefetch (offloads queue in issue order, prefetches in the order
+  backward needs them); the per-storage term, spent by the training thread, is added to the step;
+* without it (the CPU when compute uses every core) the whole round trip of every offloaded storage group,
+  ``copy_seconds(bytes, storages, "both")``, is added to the step.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class SimResult:
         bytes_offloaded / bytes_prefetched: host traffic each way.
         budget_bytes / feasible: the budget checked against (the plan's, unless given) and whether the peak fits.
         segment_peaks: peak per segment; timeline: rows ``{"time", "bytes", "phase", "unit", "event"}``.
+        storages_offloaded: storages moved to the host (and back); copy_time: what those copies cost by
+            :meth:`DeviceSpec.copy_seconds` (both directions, bytes and per-storage terms, overlapped or not).
     """
 
     peak_bytes: int
@@ -68,6 +77,8 @@ class SimResult:
     device: str
     segment_peaks: list[int] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    storages_offloaded: int = 0
+    copy_time: float = 0.0
 
     def __repr__(self) -> str:
         fit = "" if self.feasible is None else (" fits" if self.feasible else " OVER BUDGET")
@@ -127,6 +138,7 @@ class Simulator:
         ks = max([len(g.savers) for g in gs] + [1])
         kc = max([len(g.consumers) for g in gs] + [1])
         self.g_nb = np.array([g.nbytes for g in gs], dtype=np.float64)
+        self.g_cnt = np.array([g.count for g in gs], dtype=np.float64)  # storages per group (per-copy cost)
         self.g_prod = np.array([g.producer for g in gs], dtype=np.int64)
         self.g_sav = np.full((G, ks), -1)
         self.g_con = np.full((G, kc), -1)
@@ -208,11 +220,13 @@ class Simulator:
         peak = peaks.max(axis=1)
         # ---- time
         off_nb = nb * off
+        off_count = (self.g_cnt[None] * off).sum(axis=1)  # storages offloaded (and brought back)
         pf_bytes = off_nb @ self.g_owner_onehot  # (B, n) bytes each owner brings back
         recompute = (rc * self.fwd_time[None]).sum(axis=1)
-        copy_time = off_nb.sum(axis=1) * (1.0 / self.bw_d2h + 1.0 / self.bw_h2d)
-        if not self.device.copy_overlap:
-            # copies share the compute cores (emulated CPU device): their time adds to the step, nothing overlaps
+        dev = self.device
+        copy_time = dev.copy_seconds(off_nb.sum(axis=1), off_count, "both")
+        if not dev.copy_overlap:
+            # copies share the compute cores (CPU device, no spare core): their time adds to the step, nothing overlaps
             t = self.dur.sum() + recompute + copy_time
             if not details:
                 return peak, t
@@ -220,7 +234,9 @@ class Simulator:
             return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": zero, "bwd_stall": zero,
                     "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
                     "compute": self.dur.sum() + recompute + copy_time, "trig": trig, "off": off, "r_pos": r_pos,
-                    "t_pos": t_pos}
+                    "t_pos": t_pos, "storages": off_count}
+        # the training thread's per-storage share of the copies; the bytes run on the copy queues below
+        thread_copy = dev.copy_seconds(0.0, off_count, "both")
         t = np.zeros(B)
         d2h = np.zeros(B)
         h2d = np.zeros(B)
@@ -237,7 +253,7 @@ class Simulator:
                 for r in np.unique(rg[bg > 0]):
                     bytes_r = np.where(rg == r, bg, 0.0).sum(axis=1)
                     has = bytes_r > 0
-                    d2h = np.where(has, np.maximum(d2h, t) + bytes_r / self.bw_d2h, d2h)
+                    d2h = np.where(has, np.maximum(d2h, t) + dev.copy_seconds(bytes_r, 0, "d2h"), d2h)
                     wait_at[:, r] = np.where(has, np.maximum(wait_at[:, r], d2h), wait_at[:, r])
             if self.next_unit[k] >= 0:
                 nt = np.maximum(t, wait_at[:, k])
@@ -249,7 +265,7 @@ class Simulator:
                 for o in range(u, max(-1, u - max_d - 1), -1):
                     m = (trig[:, o] == u) & (pf_bytes[:, o] > 0)
                     if m.any():
-                        h2d = np.where(m, np.maximum(h2d, ready) + pf_bytes[:, o] / self.bw_h2d, h2d)
+                        h2d = np.where(m, np.maximum(h2d, ready) + dev.copy_seconds(pf_bytes[:, o], 0, "h2d"), h2d)
                         pf_end[:, o] = np.where(m, h2d, pf_end[:, o])
                 nt = np.where(pf_bytes[:, u] > 0, np.maximum(t, pf_end[:, u]), t)
                 bwd_stall += nt - t
@@ -257,12 +273,13 @@ class Simulator:
                 t = t + self.dur[k] + np.where(rc[:, u], self.fwd_time[u], 0.0)
             else:
                 t = t + self.dur[k]
+        t = t + thread_copy
         if not details:
             return peak, t
         return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": fwd_stall, "bwd_stall": bwd_stall,
                 "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
-                "compute": np.full(B, self.dur.sum()) + recompute, "trig": trig, "off": off, "r_pos": r_pos,
-                "t_pos": t_pos}
+                "compute": np.full(B, self.dur.sum()) + recompute + thread_copy, "trig": trig, "off": off,
+                "r_pos": r_pos, "t_pos": t_pos, "storages": off_count}
 
     # ------------------------------------------------------------------ plans
     def encode(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -285,6 +302,7 @@ class Simulator:
             feasible=None if budget is None else peak <= budget, device=self.device.name,
             segment_peaks=[int(round(x)) for x in det["peaks"][0]],
             timeline=self._timeline(plan, det),
+            storages_offloaded=int(round(float(det["storages"][0]))), copy_time=float(det["copy"][0]),
         )
 
     def _timeline(self, plan: Plan, det: dict[str, np.ndarray]) -> list[dict[str, Any]]:
@@ -307,6 +325,7 @@ def simulate_reference(sim: Simulator, strategies: Sequence[int], windows: Seque
     delta = [0.0] * (S + 1)
     jobs: dict[int, list[tuple[int, float]]] = {}  # boundary -> [(release boundary, bytes)]
     pf_bytes = [0.0] * n
+    n_copied = 0.0  # storages offloaded (per-storage copy cost, DeviceSpec.copy_overhead_s per direction)
     events = []
     for g in range(sim.G):
         nb = float(sim.g_nb[g])
@@ -332,6 +351,7 @@ def simulate_reference(sim: Simulator, strategies: Sequence[int], windows: Seque
             delta[k] -= nb
         jobs.setdefault(e, []).append((r, nb))
         pf_bytes[owner] += nb
+        n_copied += float(sim.g_cnt[g])
     peaks = []
     for k in range(S):
         u = int(sim.seg_unit[k])
@@ -382,6 +402,7 @@ def simulate_reference(sim: Simulator, strategies: Sequence[int], windows: Seque
         t += dur
     if total is not None:  # copies shared the compute cores: nothing overlapped
         t = total
+    t += 2 * n_copied * sim.device.copy_overhead_s  # the training thread's per-storage share, both directions
     return {"peak": max(peaks), "time": t, "peaks": peaks, "fwd_stall": fwd_stall, "bwd_stall": bwd_stall,
             "rows": rows, "events": events}
 

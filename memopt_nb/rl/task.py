@@ -88,9 +88,14 @@ class PlanningTask:
         self.swap_eff = eff[:, 2:].min(axis=1)
         self.max_red = red.max(axis=1)  # (n,)
         self.suffix_red = np.concatenate([np.cumsum(self.max_red[::-1])[::-1], [0.0]])
-        self.copy_ratio = np.array([
-            (u.interior_bytes + u.input_bytes) / max(min(self.sim.bw_d2h, self.sim.bw_h2d), 1.0)
-            / max(self.sim.dur[u.fwd_segment], 1e-9) for u in self.profile.units])
+        # copy-engine load of swapping a unit, relative to its forward: its bytes plus the storages it owns, priced by
+        # DeviceSpec.copy_seconds (the slower direction)
+        sim, dev = self.sim, self.sim.device
+        owned = np.zeros(n)
+        np.add.at(owned, sim.g_owner[sim.g_eligible], sim.g_cnt[sim.g_eligible])
+        swap_bytes = np.array([u.interior_bytes + u.input_bytes for u in self.profile.units], dtype=float)
+        copy = np.maximum(dev.copy_seconds(swap_bytes, owned, "d2h"), dev.copy_seconds(swap_bytes, owned, "h2d"))
+        self.copy_ratio = copy / np.maximum(sim.dur[sim.fwd_seg], 1e-9)
 
     def evaluate(self, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Exact peak and time of a batch of plans."""

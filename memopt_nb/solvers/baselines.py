@@ -78,9 +78,11 @@ def capuchin(profile: Any, budget: Any = None, device: DeviceSpec | str | None =
         for u in order:
             if not sim.swappable[u]:
                 continue
-            copy = swap_bytes[u] / min(sim.bw_d2h, sim.bw_h2d)
             if not sim.device.copy_overlap:
                 continue  # copies cost compute time on this device: never hidden
+            # what the copy engine spends on the unit's bytes, the slower way (DeviceSpec.copy_seconds); the
+            # per-storage part is the training thread's and is never hidden, so it plays no part in choosing a timing
+            copy = max(sim.device.copy_seconds(swap_bytes[u], 0, d) for d in ("d2h", "h2d"))
             hidden = None
             for w in WINDOWS[1:]:
                 if fwd[u + 1: u + 1 + w].sum() >= copy:

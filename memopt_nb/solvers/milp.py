@@ -130,6 +130,7 @@ class _Formulation:
         self.off: dict[tuple[int, int], Expr] = {}
         self.d2h_jobs: dict[tuple[int, int], Expr] = defaultdict(dict)  # (eligibility boundary, release) -> bytes
         self.h2d_bytes: list[Expr] = [dict() for _ in range(n)]
+        self.h2d_count: list[Expr] = [dict() for _ in range(n)]  # storages each owner offloads (per-copy cost)
         for g in range(sim.G):
             self._group(g)
 
@@ -203,6 +204,7 @@ class _Formulation:
                 _add(self.mem_expr[k], ind, -nb)
             _add(self.d2h_jobs[(e, r)], ind, nb)
             _add(self.h2d_bytes[owner], ind, nb)
+            _add(self.h2d_count[owner], ind, float(sim.g_cnt[g]))
 
 
 def _solution_arrays(form: _Formulation, xval: np.ndarray) -> tuple[list[int], list[int], list[int]]:
@@ -265,10 +267,15 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
     tscale = float(max(sim.dur.sum(), 1e-9))
     dur = sim.dur / tscale
     fwd = sim.fwd_time / tscale
-    inv_d2h = 1.0 / (sim.bw_d2h * tscale)
-    inv_h2d = 1.0 / (sim.bw_h2d * tscale)
+    # DeviceSpec.copy_seconds is linear: its coefficients per byte (each direction) and per storage (round trip)
+    dev = sim.device
+    inv_d2h = float(dev.copy_seconds(1.0, 0, "d2h")) / tscale
+    inv_h2d = float(dev.copy_seconds(1.0, 0, "h2d")) / tscale
+    per_storage = float(dev.copy_seconds(0.0, 1, "both")) / tscale
     objective: Expr = {}
-    if not sim.device.copy_overlap:
+    for u in range(n):  # the training thread's per-storage share of every copy adds to the step on every device
+        _add(objective, form.h2d_count[u], per_storage)
+    if not dev.copy_overlap:
         for u in range(n):
             _add(objective, form.rc[u], float(fwd[u]))
         for u in range(n):
@@ -351,7 +358,7 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
                 row[sigma[int(sim.bwd_seg[u])]] = 1.0
                 row[rho[first_bwd]] = row.get(rho[first_bwd], 0.0) - 1.0
                 p.row(row, lo=0.0)
-        objective = {rho[S]: 1.0}
+        objective[rho[S]] = 1.0
         const = 0.0
     if fallback is not None and fallback.feasible:
         cutoff = fallback.predicted_step_time / tscale * (1 + 1e-7) - const
