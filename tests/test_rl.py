@@ -1,3 +1,9 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from pettingzoo.test import parallel_api_test
@@ -9,6 +15,8 @@ from memopt_nb.plan import STRATEGIES, Plan
 from memopt_nb.rl.env import MemoryPlanningEnv
 from memopt_nb.rl.task import TIMINGS, PlanningTask
 from memopt_nb.synthetic import chain_profile
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def task_for(n=8, seed=0, frac=0.4, device=None):
@@ -168,3 +176,22 @@ def test_search_on_a_zoo_profile_and_a_preset(zoo_profiles):
     plan = memopt.search(prof, "60%", device="a100-40gb", total_timesteps=4000)
     assert plan.feasible and plan.predicted_peak_bytes <= plan.budget_bytes
     assert memopt.simulate(prof, plan, device="a100-40gb").peak_bytes == plan.predicted_peak_bytes
+
+
+def test_same_seed_same_plan_in_another_process(tmp_path):
+    """A saved profile and a seed give the same plan in two fresh processes whose string hashing differs
+    (PYTHONHASHSEED): nothing in the search may depend on set or dict order of hashed keys, or on the process."""
+    path = chain_profile(8, seed=2).save(tmp_path / "profile.json")
+    code = ("import json, sys\nimport memopt_nb as memopt\nfrom memopt_nb.profile import ModelProfile\n"
+            "p = memopt.search(ModelProfile.load(sys.argv[1]), '70%', total_timesteps=1500, seed=11)\n"
+            "print(json.dumps({'decisions': [d.to_dict() for d in p.decisions], 'rewards': "
+            "[r['reward_strategy'] for r in p.meta['history']]}))\n")
+    runs = []
+    for hashseed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hashseed, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert len(runs[0]["rewards"]) > 1
+    assert runs[0] == runs[1]
