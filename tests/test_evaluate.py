@@ -165,7 +165,7 @@ SIZES = [256, 512, 1024]  # at 75% of the peak at 1024, plain training fits 512,
 
 def test_verdict_says_not_worth_it_when_throughput_has_plateaued(monkeypatch):
     injected_clock(monkeypatch, lambda b: 1e-4 * b)  # time per sample constant: throughput flat at every batch
-    ev = evaluate(plateau_builder, budget="75%", batch_sizes=SIZES, methods=METHODS)
+    ev = evaluate(plateau_builder, budget="75%", batch_sizes=SIZES, methods=METHODS, steps=1)
     check_consistency(ev, *independent_figures(plateau_builder, SIZES, 1024, 75))
     assert ev.methods["none"].max_batch == 512 and ev.methods["recompute_all"].max_batch == 1024
     assert verdict_class(ev.verdict) == "not worth it" and not ev.worth_it
@@ -175,7 +175,7 @@ def test_verdict_says_not_worth_it_when_throughput_has_plateaued(monkeypatch):
 
 def test_verdict_says_worth_it_when_a_bigger_batch_is_faster(monkeypatch):
     injected_clock(monkeypatch, lambda b: 0.05 + 1e-6 * b)  # a fixed cost per step: bigger batches are faster
-    ev = evaluate(plateau_builder, budget="75%", batch_sizes=SIZES, methods=METHODS)
+    ev = evaluate(plateau_builder, budget="75%", batch_sizes=SIZES, methods=METHODS, steps=1)
     check_consistency(ev, *independent_figures(plateau_builder, SIZES, 1024, 75))
     assert verdict_class(ev.verdict) == "worth it" and ev.worth_it
     # both plans fit 1024; by this clock a swap costs less than a recomputation
