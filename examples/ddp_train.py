@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--plan", help="a plan file (Plan.save) to use instead of the built-in mixed pattern")
     ap.add_argument("--json", help="rank 0 writes the per-rank figures here")
+    ap.add_argument("--save-params", metavar="DIR", help="each rank writes its parameters after training without and "
+                    "with the plan to DIR/rank<r>.pt ({'no_plan': {...}, 'plan': {...}}), to compare them elsewhere")
     args = ap.parse_args(argv)
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         got = local_params(model)
         diff = max((ref[k] - got[k]).abs().max().item() for k in ref)
         exact = all(torch.equal(ref[k], got[k]) for k in ref)
+        if args.save_params:
+            torch.save({"no_plan": ref, "plan": got}, Path(args.save_params) / f"rank{rank}.pt")
 
         # 3. per-rank peak: measured on each rank, and predicted from the plain profile
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)

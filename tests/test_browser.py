@@ -4,7 +4,8 @@ Starts ``jupyter lab`` on 127.0.0.1 (free port, empty token, a temporary root an
 the ``playwright`` package driving the Debian ``chromium`` (``/usr/bin/chromium``; ``.ci/run`` installs it), runs all
 cells and checks that every cell ran without an error, that the dashboard's image widget is visible with a non-empty
 image, and that no "Error displaying widget" appears. Screenshots go to ``test-artifacts/``. The server is stopped in
-all cases. Skipped, with the reason printed, only if Chromium is not installed.
+all cases. Skipped, with the reason printed, only if Chromium or playwright is not installed, and never under CI
+(``CI`` set): there that is a failure.
 """
 
 import json
@@ -75,13 +76,22 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=15)
 
 
+def cannot_run(reason: str, capsys: pytest.CaptureFixture) -> None:
+    """Skip, saying why, except under CI (``CI`` set, as ``.ci/run`` does): there the browser test must run."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; under CI (CI={os.environ['CI']!r}) the browser test must run, not be skipped")
+    with capsys.disabled():  # shown even under `pytest -q`, which hides skip reasons
+        print(f"\n{reason}; browser test skipped")
+    pytest.skip(reason)
+
+
 def test_quickstart_dashboard_renders_in_jupyterlab(tmp_path, capsys):
     if not Path(CHROMIUM).exists():
-        reason = f"Chromium is not installed at {CHROMIUM} (apt-get install -y chromium); browser test skipped"
-        with capsys.disabled():  # shown even under `pytest -q`, which hides skip reasons
-            print(f"\n{reason}")
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
+        cannot_run(f"Chromium is not installed at {CHROMIUM} (apt-get install -y chromium)", capsys)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        cannot_run("the playwright package is not installed (pip install -e '.[test]')", capsys)
 
     root = tmp_path / "root"
     root.mkdir()

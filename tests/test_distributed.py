@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -23,13 +24,17 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 
 def _torchrun(tmp: Path, *args: str) -> list[dict]:
+    """Rows of both ranks; each row gets ``params``: that rank's parameters after training without and with the plan."""
     out = tmp / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "examples" / "ddp_train.py"), "--json", str(out), *args]
+           str(ROOT / "examples" / "ddp_train.py"), "--json", str(out), "--save-params", str(tmp), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    rows = json.loads(out.read_text())
+    for r in rows:
+        r["params"] = torch.load(tmp / f"rank{r['rank']}.pt")
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +51,23 @@ def test_mixed_plan_on_two_ranks_trains_like_no_plan(runs, sharding):
         assert "keep 1" in r["plan"] and "recompute 1" in r["plan"] and "swap 2" in r["plan"]
         assert r["swap"]["offloaded_bytes"] > 0  # the swap units really offloaded on this rank
         assert r["losses"] == r["ref_losses"]
-        assert r["params_equal"] or r["max_param_diff"] < 1e-6, r["max_param_diff"]
+        # the parameters themselves, not the example's verdict on them: bit for bit equal on every rank
+        ref, got = r["params"]["no_plan"], r["params"]["plan"]
+        assert len(ref) > 0 and ref.keys() == got.keys()
+        unequal = [k for k in ref if not torch.equal(ref[k], got[k])]
+        assert unequal == [], (sharding, r["rank"], unequal)
+        assert r["params_equal"]
         assert r["peak_plan"] < r["peak_no_plan"]
     assert rows[0]["losses"] != rows[1]["losses"]  # each rank trained on its own batch
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_per_rank_prediction_within_10_percent(runs, sharding):
+def test_per_rank_prediction_within_the_readme_figure(runs, sharding):
+    """README: per-rank peaks predicted by ``per_rank`` + ``simulate`` within 0.01% on every rank."""
     for r in runs[sharding]:
         for key in ("plan", "no_plan"):
             measured, predicted = r[f"peak_{key}"], r[f"predicted_{key}"]
-            assert abs(predicted - measured) <= 0.10 * measured, (sharding, r["rank"], key, measured, predicted)
+            assert abs(predicted - measured) <= 1e-4 * measured, (sharding, r["rank"], key, measured, predicted)
 
 
 def test_fsdp_peak_below_ddp_by_about_the_sharded_state(runs):
@@ -65,8 +76,8 @@ def test_fsdp_peak_below_ddp_by_about_the_sharded_state(runs):
     assert sharded > 0.4 * fsdp["state_plain"]
     for key in ("peak_no_plan", "peak_plan"):
         saved = ddp[key] - fsdp[key]
-        # DDP also holds its gradient buckets, FSDP2 holds all-gathered units: "about", within half the state either way
-        assert 0.5 * sharded < saved < 1.5 * sharded, (key, saved, sharded)
+        # measured 0.979× the sharded state: DDP also holds its gradient buckets, FSDP2 its all-gathered units
+        assert 0.9 * sharded <= saved <= 1.05 * sharded, (key, saved, sharded, saved / sharded)
 
 
 # ---------------------------------------------------------------- one process, world size 1: the order rules

@@ -1,3 +1,5 @@
+import dataclasses
+import importlib
 import json
 import math
 
@@ -9,28 +11,89 @@ import memopt_nb as memopt
 from memopt_nb.bench import run_bench
 from memopt_nb.evaluate import evaluate, fit_latency, fit_memory
 
+evaluate_module = importlib.import_module("memopt_nb.evaluate")  # the package exports the function under this name
 
-def check_consistency(ev):
+
+def verdict_class(verdict):
+    """Which of the four verdicts a verdict is: exactly one (``"worth it"`` is also a substring of the second)."""
+    classes = [v for v, ok in (("worth it", verdict.endswith(" — worth it")),
+                               ("not worth it", verdict.endswith(" — not worth it")),
+                               ("the only way", verdict.endswith(" — the only way to train here")),
+                               ("nothing fits", verdict.startswith("nothing fits the budget"))) if ok]
+    assert len(classes) == 1, verdict
+    return classes[0]
+
+
+def expected_verdict(ev):
+    """The verdict class the figures call for: a plan is worth it when it trains faster than plain training at plain
+    training's largest fitting batch and than plain training with gradient accumulation, at a batch plain training
+    cannot fit (by more than the 2% the verdict allows for noise)."""
+    plans = [r for k, r in ev.methods.items() if k not in ("none", "grad_accum") and any(r.feasible)]
+    none = ev.methods.get("none")
+    if none is None or not any(none.feasible):
+        return "the only way" if plans else "nothing fits"
+    plain_max = max(b for b, f in zip(none.batch_sizes, none.feasible) if f)
+    ref = none.throughput[none.batch_sizes.index(plain_max)]
+    accum = ev.methods.get("grad_accum")
+    if accum is not None:
+        ref = max([ref] + [t for t, f in zip(accum.throughput, accum.feasible) if f])
+    best = max(plans, key=lambda r: max(t for t, f in zip(r.throughput, r.feasible) if f))
+    best_tp = max(t for t, f in zip(best.throughput, best.feasible) if f)
+    best_batch = max(b for b, t, f in zip(best.batch_sizes, best.throughput, best.feasible) if f and t == best_tp)
+    return "worth it" if best_tp > 1.02 * ref and best_batch > plain_max else "not worth it"
+
+
+def independent_figures(builder, batches, reference, percent, device=None):
+    """Profiles made here, apart from evaluate(): the budget (``percent`` % of the unoptimized peak at ``reference``)
+    and, per batch, a function giving a plan's simulated peak."""
+    profiles = {}
+    for b in sorted(set(batches) | {reference}):
+        model, inputs, loss_fn = builder(b)[:3]
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        profiles[b] = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
+    budget = profiles[reference].peak_bytes * percent // 100
+    return budget, {b: (lambda plan, p=p: memopt.simulate(p, plan, device=device).peak_bytes)
+                    for b, p in profiles.items()}
+
+
+def zoo_builder(name):
+    return lambda b: memopt.zoo.build(name, batch_size=b)
+
+
+def check_consistency(ev, budget, peak_of):
+    """Every figure against what was computed here: the budget, each plan's peak (simulated on a profile made here;
+    on this CPU the measured peak is claimed equal to it) and whether it fits; the verdict's class."""
+    assert ev.budget_bytes == budget
     none = ev.methods["none"]
     for name, r in ev.methods.items():
         assert len(r.feasible) == len(ev.batch_sizes)
-        for ok, peak, tp in zip(r.feasible, r.peak_bytes, r.throughput):
+        for b, ok, peak, tp, plan in zip(ev.batch_sizes, r.feasible, r.peak_bytes, r.throughput, r.plans or
+                                         [None] * len(ev.batch_sizes)):
             if ok:
                 assert tp is not None and tp > 0 and math.isfinite(tp)
-                if name != "grad_accum":
-                    assert peak is not None and peak <= ev.budget_bytes
+            if name == "grad_accum":
+                continue
+            if plan is None:  # the method made no plan: nothing fits
+                assert not ok and peak is None, (name, b)
+                continue
+            expected = peak_of[b](plan)
+            assert peak == expected, (name, b, peak, expected)
+            assert ok == (expected <= budget), (name, b, expected, budget)
         if name not in ("none",) and none.max_batch is not None and r.max_batch is not None:
             assert r.max_batch >= none.max_batch, name
         if r.max_throughput is not None:
             assert r.max_throughput == max(t for t, f in zip(r.throughput, r.feasible) if f)
-    assert ev.verdict and any(w in ev.verdict for w in ("worth it", "only way", "nothing fits"))
+    kind = verdict_class(ev.verdict)
+    assert kind == expected_verdict(ev), ev.verdict
+    assert ev.worth_it == (kind in ("worth it", "the only way"))
 
 
 @pytest.mark.parametrize("name,sizes", [("mlp", [128, 256, 512, 1024]), ("unet", [2, 4, 8])])
 def test_evaluate_on_cpu_is_consistent(name, sizes):
     ev = evaluate(name, budget="60%", batch_sizes=sizes, search_timesteps=1500, steps=2)
     assert ev.source == "measured"
-    check_consistency(ev)
+    ref = {"mlp": 1024, "unet": 8}[name]  # the zoo builders' default batch: what "60%" refers to
+    check_consistency(ev, *independent_figures(zoo_builder(name), sizes, ref, 60))
     assert all(s == "measured" for r in ev.methods.values() for s, p in zip(r.source, r.plans) if p is not None)
     fit = ev.methods["none"].fit
     assert fit["alpha"] > 0 and 0.0 <= fit["r2_memory"] <= 1.0
@@ -43,7 +106,7 @@ def test_evaluate_simulated_on_a_preset_is_labelled():
                   methods=("none", "recompute_all", "optimal"), steps=1)
     assert ev.source == "simulated" and ev.device == "v100-16gb"
     assert all(s == "simulated" for r in ev.methods.values() for s in r.source)
-    check_consistency(ev)
+    check_consistency(ev, *independent_figures(zoo_builder("mlp"), [256, 512, 1024], 1024, 60, "v100-16gb"))
     # the minimum peak bounds every plan (simulated figures: the same model), and the optimum fits where it fits
     for i, b in enumerate(ev.batch_sizes):
         floor = ev.min_peak_bytes[b]
@@ -54,11 +117,13 @@ def test_evaluate_simulated_on_a_preset_is_labelled():
 
 
 class Wide(nn.Module):
-    """Each sample costs the same compute whatever the batch: throughput is flat from the smallest batch on."""
+    """Four blocks that widen 128 → 512 inside: the memory of a batch is real (measured), mostly activations inside
+    the blocks, which recompute or swap can free; the time of a step is given by an injected clock."""
 
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(4)])
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128), nn.ReLU())
+                                     for _ in range(4)])
 
     def forward(self, x):
         for b in self.blocks:
@@ -69,17 +134,52 @@ class Wide(nn.Module):
 def plateau_builder(batch_size=1024):
     torch.manual_seed(0)
     model = Wide()
-    x = torch.randn(batch_size, 512)
+    x = torch.randn(batch_size, 128)
     return model, (x,), lambda out: out.square().mean()
 
 
-def test_verdict_says_not_worth_it_when_throughput_has_plateaued():
-    ev = evaluate(plateau_builder, budget="80%", batch_sizes=[512, 1024, 2048],
-                  methods=("none", "recompute_all", "swap_all", "grad_accum"), steps=3)
-    check_consistency(ev)
-    assert ev.methods["none"].max_batch == 512
-    assert not ev.worth_it
-    assert "not worth it" in ev.verdict
+def injected_clock(monkeypatch, latency):
+    """evaluate() measures memory for real but takes step times from ``latency(batch, plan)``: no wall clock decides.
+
+    A plan's step costs a third of a unit's share more per recomputed unit and a tenth per swapped one; gradient
+    accumulation costs its micro-batches' steps."""
+    real = evaluate_module.measure
+
+    def measure(model, *inputs, plan=None, **kw):
+        m = real(model, *inputs, plan=plan, **{**kw, "steps": 1})
+        c = plan.counts() if plan is not None else {"recompute": 0, "swap": 0}
+        n = len(plan.decisions) if plan is not None else 1
+        t = latency(inputs[0].shape[0]) * (1 + (c["recompute"] / 3 + c["swap"] / 10) / n)
+        return dataclasses.replace(m, step_time=t, step_times=[t])
+
+    def accum_step_time(model, inputs, loss_fn, opt, accum, repeats=3):
+        return accum * latency(inputs[0].shape[0])
+
+    monkeypatch.setattr(evaluate_module, "measure", measure)
+    monkeypatch.setattr(evaluate_module, "_accum_step_time", accum_step_time)
+
+
+METHODS = ("none", "recompute_all", "swap_all", "grad_accum")
+SIZES = [256, 512, 1024]  # at 75% of the peak at 1024, plain training fits 512, recompute-all 1024
+
+
+def test_verdict_says_not_worth_it_when_throughput_has_plateaued(monkeypatch):
+    injected_clock(monkeypatch, lambda b: 1e-4 * b)  # time per sample constant: throughput flat at every batch
+    ev = evaluate(plateau_builder, budget="75%", batch_sizes=SIZES, methods=METHODS, steps=1)
+    check_consistency(ev, *independent_figures(plateau_builder, SIZES, 1024, 75))
+    assert ev.methods["none"].max_batch == 512 and ev.methods["recompute_all"].max_batch == 1024
+    assert verdict_class(ev.verdict) == "not worth it" and not ev.worth_it
+    assert "throughput has plateaued at batch 256" in ev.verdict
+    assert "plans raise the max batch (to 1024 with " in ev.verdict
+
+
+def test_verdict_says_worth_it_when_a_bigger_batch_is_faster(monkeypatch):
+    injected_clock(monkeypatch, lambda b: 0.05 + 1e-6 * b)  # a fixed cost per step: bigger batches are faster
+    ev = evaluate(plateau_builder, budget="75%", batch_sizes=SIZES, methods=METHODS, steps=1)
+    check_consistency(ev, *independent_figures(plateau_builder, SIZES, 1024, 75))
+    assert verdict_class(ev.verdict) == "worth it" and ev.worth_it
+    # both plans fit 1024; by this clock a swap costs less than a recomputation
+    assert ev.best_method == "swap_all" and ev.methods["swap_all"].best_batch == 1024
 
 
 def test_fits_recover_known_models():
@@ -107,16 +207,35 @@ def test_bench_quick_writes_consistent_files(tmp_path):
         assert (tmp_path / f).stat().st_size > 0
     data = json.loads((tmp_path / "bench.json").read_text())
     assert len(data["cases"]) == 2 and data == json.loads(json.dumps(res, default=str))
+    # figures computed here, apart from the bench: profiles of the same model at each batch and at the reference
+    # batch (1024, the zoo default) the 50% budget refers to
+    profiles = {}
+    for b in (128, 256, 512, 1024):
+        zm = memopt.zoo.build("mlp", batch_size=b)
+        opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+        profiles[b] = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
+    budget = profiles[1024].peak_bytes * 50 // 100
     for ev in data["evaluations"]:
+        assert ev["budget_bytes"] == budget and ev["batch_sizes"] == [128, 256, 512]
+        device = None if ev["source"] == "measured" else ev["device"]
         none = ev["methods"]["none"]
+        for i, b in enumerate(ev["batch_sizes"]):
+            floor = memopt.solvers.min_peak(profiles[b], device)
+            assert ev["min_peak_bytes"][str(b)] == floor
+            # plain training's peak is the profile's, measured or simulated; it fits where that is within the budget
+            assert none["peak_bytes"][i] == profiles[b].peak_bytes
+            assert none["feasible"][i] == (profiles[b].peak_bytes <= budget)
+            for name, r in ev["methods"].items():
+                if r["feasible"][i]:
+                    assert r["throughput"][i] > 0 and math.isfinite(r["throughput"][i])
+                if name == "grad_accum":
+                    continue
+                assert r["feasible"][i] == (r["peak_bytes"][i] is not None and r["peak_bytes"][i] <= budget)
+                if floor > budget:  # no plan reaches below the minimum peak
+                    assert not r["feasible"][i], (name, b)
         for name, r in ev["methods"].items():
             if none["max_batch"] and r["max_batch"] and name != "none":
                 assert r["max_batch"] >= none["max_batch"]
-            for ok, tp, peak in zip(r["feasible"], r["throughput"], r["peak_bytes"]):
-                if ok:
-                    assert tp > 0 and math.isfinite(tp)
-                    if name != "grad_accum":
-                        assert peak <= ev["budget_bytes"]
     for h in data["cases"]:
         if "next_batch" in h:  # a batch above every baseline's max: fits no plan if its minimum exceeds the budget
             ppo_fits = (h["ppo_max_batch"] or 0) >= h["next_batch"]

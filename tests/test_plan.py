@@ -194,3 +194,30 @@ def test_fields_of_wrong_types_are_refused_at_load(field, value):
     assert "corrupt plan" in str(err.value) or "unit must be a module name" in str(err.value)
     good = Plan.from_json(json.dumps(_plan_dict()))
     assert "budget 1000 B" in repr(good)
+
+
+def test_json_roundtrip_keeps_what_the_plan_was_made_for(tmp_path):
+    """A file keeps more than the decisions (``==`` compares only those): the budget, device, method, seed, what the
+    simulator predicted and whether the plan fits, each checked against figures computed here."""
+    from memopt_nb import solvers
+    from memopt_nb.device import DeviceSpec
+    from memopt_nb.synthetic import chain_profile
+
+    prof = chain_profile(6, seed=3)
+    budget = (solvers.min_peak(prof) + prof.peak_bytes) // 2
+    fits = solvers.optimal(prof, budget).with_meta(seed=5)
+    over = Plan.uniform(prof, "keep").with_meta(budget_bytes=budget, predicted_peak_bytes=prof.peak_bytes,
+                                                 predicted_step_time=0.25, feasible=False)
+    for p, feasible in ((fits, True), (over, False)):
+        q = Plan.load(p.save(tmp_path / f"{p.method}.json"))
+        assert q == p
+        assert q.budget_bytes == budget and q.method == p.method and q.seed == p.seed
+        assert DeviceSpec.from_dict(q.device) == prof.device
+        assert q.feasible is feasible and q.predicted_peak_bytes == p.predicted_peak_bytes
+        assert q.predicted_step_time == p.predicted_step_time
+    q = Plan.load(tmp_path / "optimal.json")
+    assert q.method == "optimal" and q.seed == 5
+    sim = memopt.simulate(prof, q)  # the stored predictions are the simulator's for the stored decisions
+    assert q.predicted_peak_bytes == sim.peak_bytes <= budget
+    assert q.predicted_step_time == pytest.approx(sim.step_time, rel=1e-12)
+    assert Plan.load(tmp_path / "keep_all.json").predicted_peak_bytes == prof.peak_bytes > budget

@@ -1,3 +1,9 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from pettingzoo.test import parallel_api_test
@@ -5,9 +11,12 @@ from pettingzoo.test import parallel_api_test
 import memopt_nb as memopt
 from memopt_nb import solvers
 from memopt_nb.errors import BudgetError
+from memopt_nb.plan import STRATEGIES, Plan
 from memopt_nb.rl.env import MemoryPlanningEnv
-from memopt_nb.rl.task import PlanningTask
+from memopt_nb.rl.task import TIMINGS, PlanningTask
 from memopt_nb.synthetic import chain_profile
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def task_for(n=8, seed=0, frac=0.4, device=None):
@@ -54,20 +63,63 @@ def test_multi_step_determinism():
     assert ia["strategy"]["time"] == ib["strategy"]["time"]
 
 
-def test_returns_are_the_difference_rewards():
-    task = task_for(8, seed=1)
-    env = MemoryPlanningEnv(task)
-    trace, info = rollout(env, 0, 4)
-    total = {a: sum(r[a] for _, r in trace) for a in ("strategy", "timing")}
-    res = info["strategy"]
-    objective = task.overhead(res["time"]) + task.penalty(res["peak"])
-    assert objective == pytest.approx(res["objective"], rel=1e-12)
-    default = res["objective_default_timing"]
-    # the strategy agent earns the better of the plan and the same strategies at default timings; the timing agent
-    # earns what its timings changed
-    assert total["strategy"] == pytest.approx(-env.reward_scale * min(objective, default), rel=1e-9, abs=1e-9)
-    assert total["timing"] == pytest.approx(-env.reward_scale * (objective - default), rel=1e-9, abs=1e-9)
-    assert total["strategy"] == pytest.approx(res["return"]["strategy"], rel=1e-9, abs=1e-9)
+def play(env, prof, seed):
+    """One episode with random allowed actions. Returns the plan those actions make (built here from the actions, not
+    from the environment's report), the plan with the same strategies at default timings, and each agent's return."""
+    rng = np.random.default_rng(seed)
+    obs, _ = env.reset(seed=seed)
+    strategies = [None] * env.task.n
+    windows, dists = [1] * env.task.n, [1] * env.task.n
+    total = {"strategy": 0.0, "timing": 0.0}
+    t = 0
+    while env.agents:
+        acts = {a: int(rng.choice(np.flatnonzero(obs[a]["action_mask"]))) for a in env.agents}
+        if t < env.task.n:
+            strategies[t] = STRATEGIES[acts["strategy"]]
+        if t >= 1 and strategies[t - 1] == "swap":
+            windows[t - 1], dists[t - 1] = TIMINGS[acts["timing"]]
+        obs, rew, term, trunc, info = env.step(acts)
+        for a in total:
+            total[a] += rew[a]
+        t += 1
+    plan = Plan.from_strategies(prof, strategies, offload_window=windows, prefetch_distance=dists)
+    default = Plan.from_strategies(prof, strategies)  # a Decision's default timing: window 1, distance 1
+    return plan, default, total, info["strategy"]
+
+
+def test_returns_rank_plans_as_the_simulator_does():
+    """Returns judged against memopt.simulate of the plan the actions made (not the environment's own figures).
+
+    A plan over budget must earn less than any plan within it (its penalty starts at 1). Within budget the strategy
+    agent earns the overhead of the better of its plan and the same strategies at default timings (step time ÷ keep-all
+    step time − 1, scaled), and the timing agent what its timings changed; timings that put a plan over budget earn
+    less than the defaults that fit, and the other way round.
+    """
+    prof = chain_profile(8, seed=1)
+    lo = solvers.min_peak(prof)
+    budget = int(lo + 0.2 * (prof.peak_bytes - lo))
+    env = MemoryPlanningEnv(PlanningTask(prof, budget))
+    scale = env.reward_scale
+    keep_time = memopt.simulate(prof, Plan.uniform(prof, "keep")).step_time
+    fits, misses = [], []
+    for seed in range(40):
+        plan, default, ret, info = play(env, prof, seed)
+        p, q = memopt.simulate(prof, plan, budget=budget), memopt.simulate(prof, default, budget=budget)
+        assert info["feasible"] == p.feasible and info["peak"] == p.peak_bytes  # the env reports the plan it was given
+        over = {True: p.step_time / keep_time - 1, False: q.step_time / keep_time - 1}  # overhead: plan, default
+        if p.feasible or q.feasible:
+            best = min(o for o, ok in ((over[True], p.feasible), (over[False], q.feasible)) if ok)
+            assert ret["strategy"] == pytest.approx(-scale * best, rel=1e-9, abs=1e-12), seed
+            fits.append(ret["strategy"])
+        else:  # the penalty jumps to 1 at the budget, on top of the overhead
+            assert ret["strategy"] <= -scale * (1 + min(over.values())) + 1e-9, seed
+            misses.append(ret["strategy"])
+        if p.feasible and q.feasible:
+            assert ret["timing"] == pytest.approx(-scale * (over[True] - over[False]), rel=1e-9, abs=1e-12), seed
+        elif p.feasible != q.feasible:  # timings that make the plan fit are worth more than any time they cost
+            assert (ret["timing"] > 0) == p.feasible, seed
+    assert len(fits) >= 5 and len(misses) >= 5
+    assert max(misses) < min(fits)  # over budget earns less than any plan within it
 
 
 def test_same_seed_same_plan_and_history():
@@ -79,7 +131,7 @@ def test_same_seed_same_plan_and_history():
     assert a.method == "memopt-ppo" and a.seed == 11
 
 
-@pytest.mark.parametrize("n,seed,frac,dev", [(6, 0, 0.3, None), (6, 1, 0.6, None), (8, 2, 0.4, None),
+@pytest.mark.parametrize("n,seed,frac,dev", [(5, 0, 0.3, None), (6, 1, 0.6, None), (8, 2, 0.4, None),
                                              (10, 3, 0.5, None), (12, 4, 0.35, None), (8, 5, 0.5, "cpu")])
 def test_agents_reach_the_optimum_on_small_cases(n, seed, frac, dev):
     device = None
@@ -124,3 +176,22 @@ def test_search_on_a_zoo_profile_and_a_preset(zoo_profiles):
     plan = memopt.search(prof, "60%", device="a100-40gb", total_timesteps=4000)
     assert plan.feasible and plan.predicted_peak_bytes <= plan.budget_bytes
     assert memopt.simulate(prof, plan, device="a100-40gb").peak_bytes == plan.predicted_peak_bytes
+
+
+def test_same_seed_same_plan_in_another_process(tmp_path):
+    """A saved profile and a seed give the same plan in two fresh processes whose string hashing differs
+    (PYTHONHASHSEED): nothing in the search may depend on set or dict order of hashed keys, or on the process."""
+    path = chain_profile(8, seed=2).save(tmp_path / "profile.json")
+    code = ("import json, sys\nimport memopt_nb as memopt\nfrom memopt_nb.profile import ModelProfile\n"
+            "p = memopt.search(ModelProfile.load(sys.argv[1]), '70%', total_timesteps=1500, seed=11)\n"
+            "print(json.dumps({'decisions': [d.to_dict() for d in p.decisions], 'rewards': "
+            "[r['reward_strategy'] for r in p.meta['history']]}))\n")
+    runs = []
+    for hashseed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hashseed, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert len(runs[0]["rewards"]) > 1
+    assert runs[0] == runs[1]
