@@ -21,6 +21,26 @@ SLOW_LINK = DeviceSpec.preset("a100-40gb").with_changes(name="a100-slow-link", h
                                                         d2h_bytes_per_s=1e9)
 
 
+# small real models (seconds to profile): a U-Net with units picked by name, so that code between units saves storages
+# units save too, and a GPT
+SMALL = {"unet": (dict(widths=(8, 16, 32), image=16, batch_size=4), ["down.0", "down.2", "up.0", "up.1"]),
+         "gpt": (dict(n_layers=3, batch_size=4, seq_len=32, d_model=32, n_heads=2), "auto")}
+
+
+@pytest.fixture(scope="module")
+def small_real():
+    """name -> (ZooModel, optimizer, profile) of the small models."""
+    import torch
+
+    out = {}
+    for name, (kw, units) in SMALL.items():
+        zm = memopt.zoo.build(name, **kw)
+        opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+        out[name] = (zm, opt, memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1,
+                                             units=units))
+    return out
+
+
 def random_arrays(n, count, seed):
     """``count`` random plans, then swap-all at every (window, distance): every timing appears."""
     rng = np.random.default_rng(seed)
@@ -63,6 +83,16 @@ def test_fast_simulator_equals_reference_on_chains(n, seed, shared):
         stalls = assert_fast_equals_reference(prof, device, seed=seed)
         if device is SLOW_LINK:
             assert min(stalls) > 0, "the sample should make the forward and the backward wait for copies"
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_fast_simulator_equals_reference_on_small_real_profiles(name, small_real):
+    prof = small_real[name][2]
+    assert any(g.outside_saver and g.savers for g in prof.groups) or name != "unet"
+    for device in (None, "a100-40gb", SLOW_LINK):
+        stalls = assert_fast_equals_reference(prof, device, count=60)
+        if device is SLOW_LINK:
+            assert min(stalls) > 0
 
 
 @pytest.mark.parametrize("name", memopt.zoo.MODELS)
@@ -146,8 +176,8 @@ def test_simulated_step_time_is_the_right_order_of_magnitude(zoo_profiles):
         assert 0.2 <= ratios[-1] <= 5.0, (plan.method, ratios)
 
 
-def test_other_device_rescales_time(zoo_profiles):
-    _, _, prof = zoo_profiles["gpt"]
+def test_other_device_rescales_time(small_real):
+    _, _, prof = small_real["gpt"]
     plan = Plan.uniform(prof, "recompute")
     here = memopt.simulate(prof, plan)
     a100 = memopt.simulate(prof, plan, device="a100-40gb")
@@ -158,8 +188,8 @@ def test_other_device_rescales_time(zoo_profiles):
     assert custom.step_time == pytest.approx(here.step_time * 0.5, rel=1e-9)
 
 
-def test_sim_result_fields(zoo_profiles):
-    _, _, prof = zoo_profiles["resnet"]
+def test_sim_result_fields(small_real):
+    _, _, prof = small_real["unet"]
     plan = Plan.uniform(prof, "swap", offload_window=1, prefetch_distance=2)
     r = memopt.simulate(prof, plan, device="v100-16gb", budget=10**12)
     assert r.feasible is True
@@ -179,19 +209,19 @@ def test_sim_result_fields(zoo_profiles):
     assert times == sorted(times) and times[-1] < r.step_time
 
 
-def test_simulate_reference_takes_a_simulator_or_a_profile(zoo_profiles):
-    _, _, prof = zoo_profiles["mlp"]
+def test_simulate_reference_takes_a_simulator_or_a_profile(small_real):
+    _, _, prof = small_real["unet"]
     sim = Simulator(prof, "a100-40gb")
-    s, w, d = [2, 1, 0] * 2 + [2, 2], [0, 1, 2, 0, 1, 2, 0, 1], [3, 2, 1, 0, 3, 2, 1, 0]
+    s, w, d = [2, 1, 0, 2], [0, 1, 2, 0], [3, 2, 1, 0]
     a = simulate_reference(sim, s, w, d)
-    b = simulate_reference(prof, ["swap", "recompute", "keep"] * 2 + ["swap", "swap"], w, d, device="a100-40gb")
+    b = simulate_reference(prof, ["swap", "recompute", "keep", "swap"], w, d, device="a100-40gb")
     assert a["peak"] == b["peak"] and a["time"] == b["time"] and a["rows"] == b["rows"]
     peak, t = sim.evaluate(np.array([s]), np.array([w]), np.array([d]))
     assert a["peak"] == peak[0] and a["time"] == pytest.approx(t[0], rel=1e-9)
 
 
-def test_reference_refuses_what_it_cannot_replay(zoo_profiles):
-    _, _, prof = zoo_profiles["mlp"]
+def test_reference_refuses_what_it_cannot_replay(small_real):
+    _, _, prof = small_real["gpt"]
     n = prof.n_units
     no_link = prof.device.with_changes(h2d_bytes_per_s=0.0, d2h_bytes_per_s=0.0)
     with pytest.raises(memopt.PlanError, match="no host link"):
@@ -202,7 +232,7 @@ def test_reference_refuses_what_it_cannot_replay(zoo_profiles):
         replay(prof, ["offload"] * n, [1] * n, [1] * n)
 
 
-def test_unknown_preset_lists_names(zoo_profiles):
-    _, _, prof = zoo_profiles["mlp"]
+def test_unknown_preset_lists_names(small_real):
+    _, _, prof = small_real["gpt"]
     with pytest.raises(memopt.MemoptError, match="a100-40gb"):
         memopt.simulate(prof, Plan.uniform(prof, "keep"), device="tpu-v9")

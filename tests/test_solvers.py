@@ -17,6 +17,25 @@ CASES = (
 )
 
 
+# small configurations (brute force enumerates up to 14 options per unit); unet with units picked by name, so that
+# code between units (down.1, the bottleneck) saves storages units also save
+SMALL_ZOO = {"gpt": (dict(n_layers=4, batch_size=4, seq_len=64, d_model=64), "auto"),
+             "resnet": (dict(blocks_per_stage=1), "auto"),
+             "unet": (dict(widths=(8, 16, 32), image=16, batch_size=4), ["down.0", "down.2", "up.0", "up.1"])}
+
+
+@pytest.fixture(scope="module")
+def small_zoo():
+    import torch
+
+    out = {}
+    for name, (kw, units) in SMALL_ZOO.items():
+        zm = memopt.zoo.build(name, **kw)
+        opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+        out[name] = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1, units=units)
+    return out
+
+
 @pytest.mark.parametrize("kind,n,seed,frac", CASES)
 def test_exact_solver_matches_brute_force(kind, n, seed, frac):
     device = None
@@ -48,10 +67,10 @@ def test_min_peak_is_the_true_minimum():
 
 
 @pytest.mark.parametrize("name", list(solvers.BASELINES) + ["optimal"])
-def test_baselines_report_feasibility_honestly(name, zoo_profiles):
+def test_baselines_report_feasibility_honestly(name, small_zoo):
     fn = solvers.optimal if name == "optimal" else solvers.BASELINES[name]
     for case in ("gpt", "resnet"):
-        _, _, prof = zoo_profiles[case]
+        prof = small_zoo[case]
         lo = solvers.min_peak(prof)
         for frac in (0.05, 0.5, 0.95):
             budget = int(lo + frac * (prof.peak_bytes - lo))
@@ -64,8 +83,8 @@ def test_baselines_report_feasibility_honestly(name, zoo_profiles):
                 assert plan.feasible
 
 
-def test_budget_below_min_peak_is_refused(zoo_profiles):
-    _, _, prof = zoo_profiles["gpt"]
+def test_budget_below_min_peak_is_refused(small_zoo):
+    prof = small_zoo["gpt"]
     lo = solvers.min_peak(prof)
     for fn in [solvers.optimal, *solvers.BASELINES.values()]:
         with pytest.raises(BudgetError, match="smallest peak") as err:
@@ -106,9 +125,9 @@ def test_sqrt_n_keeps_units_that_cannot_be_recomputed_and_ignores_the_budget():
     assert plan.feasible is False and plan.predicted_peak_bytes > plan.budget_bytes
 
 
-def test_swap_all_is_save_on_cpu(zoo_profiles):
+def test_swap_all_is_save_on_cpu(small_zoo):
     """Every swappable unit offloaded synchronously (window 0) and brought back on demand (distance 0)."""
-    prof = zoo_profiles["resnet"][2]
+    prof = small_zoo["unet"]
     plan = solvers.swap_all(prof, budget=prof.peak_bytes, device="a100-40gb")
     assert _codes(plan) == ["swap"] * prof.n_units
     assert plan.offload_windows == [0] * prof.n_units and plan.prefetch_distances == [0] * prof.n_units
@@ -163,8 +182,8 @@ def capuchin_by_definition(prof, budget, device):
 
 
 @pytest.mark.parametrize("case", ["gpt", "resnet", "unet", "chain10"])
-def test_capuchin_decides_in_its_stated_order(case, zoo_profiles):
-    prof = chain_profile(10, seed=4) if case == "chain10" else zoo_profiles[case][2]
+def test_capuchin_decides_in_its_stated_order(case, small_zoo):
+    prof = chain_profile(10, seed=4) if case == "chain10" else small_zoo[case]
     swapped = 0
     for device in ("a100-40gb", "v100-16gb", None):
         lo = solvers.min_peak(prof, device=device)
@@ -181,25 +200,6 @@ def test_capuchin_decides_in_its_stated_order(case, zoo_profiles):
 
 
 # ---------------------------------------------------------------------- MILP vs brute force on real profiles
-# small configurations (brute force enumerates up to 14 options per unit); unet with units picked by name, so that
-# code between units (down.1, the bottleneck) saves storages units also save
-SMALL_ZOO = {"gpt": (dict(n_layers=4, batch_size=4, seq_len=64, d_model=64), "auto"),
-             "resnet": (dict(blocks_per_stage=1), "auto"),
-             "unet": (dict(widths=(8, 16, 32), image=16, batch_size=4), ["down.0", "down.2", "up.0", "up.1"])}
-
-
-@pytest.fixture(scope="module")
-def small_zoo():
-    import torch
-
-    out = {}
-    for name, (kw, units) in SMALL_ZOO.items():
-        zm = memopt.zoo.build(name, **kw)
-        opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
-        out[name] = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1, units=units)
-    return out
-
-
 @pytest.mark.parametrize("name", list(SMALL_ZOO))
 def test_exact_solver_matches_brute_force_on_real_profiles(name, small_zoo):
     prof = small_zoo[name]
