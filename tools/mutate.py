@@ -96,7 +96,7 @@ class _Sites(ast.NodeVisitor):
         for i, stmt in enumerate(body):
             if i == 0 and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
                 continue  # docstring
-            if isinstance(stmt, (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Raise,
+            if isinstance(stmt, (ast.Expr, ast.Assign, ast.AugAssign, ast.Return, ast.Raise,
                                  ast.If, ast.For, ast.While, ast.With, ast.Try, ast.Delete, ast.Assert)):
                 if not (isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
                                                              for t in stmt.targets)):
