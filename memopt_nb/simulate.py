@@ -20,6 +20,9 @@ These rules are exactly what the runtime does, so memory is predicted from struc
 **Time**: segment durations (scaled to the target device, see :meth:`DeviceSpec.time_factor`), plus a recomputed
 unit's forward in its backward, plus stalls: the forward waits at a release point for its copies to finish, and a
 unit's backward waits for its prefetch. Offloads queue in issue order, prefetches in the order backward needs them.
+
+The same model is written a second time, plainly and from the profile alone, in :mod:`memopt_nb.reference_sim`; the
+tests hold this compiled one to it. :meth:`Simulator.run` takes its timeline and ``bytes_prefetched`` from that replay.
 """
 
 from __future__ import annotations
