@@ -281,7 +281,7 @@ class Outcome:
 
 def run_file(path: str, tests: str, probe: str | None, max_mutants: int, seed: int, timeout: float,
              work: Path, log: Iterator | None = None) -> tuple[int, list[Outcome]]:
-    all_mutants = mutants_of(path)
+    all_mutants = mutants_of(path, work)  # from the copy: the working tree may change while this runs
     rng = random.Random(f"{seed}:{path}")
     sample = all_mutants if len(all_mutants) <= max_mutants else sorted(
         rng.sample(all_mutants, max_mutants), key=lambda m: m.start)
