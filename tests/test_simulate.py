@@ -68,6 +68,7 @@ def assert_fast_equals_reference(prof, device, count=40, seed=0):
         assert det["recompute"][b] == pytest.approx(ref.recompute_time, rel=1e-9, abs=1e-15), where
         assert det["compute"][b] == pytest.approx(ref.compute_time, rel=1e-9), where
         assert det["offloaded"][b] == ref.bytes_offloaded == ref.bytes_prefetched, where
+        assert det["trig"][b].tolist() == [-1 if t is None else t for t in ref.triggers], where
         stalls[0] += ref.fwd_stall_time > 0
         stalls[1] += ref.bwd_stall_time > 0
     return stalls
@@ -193,6 +194,11 @@ def test_sim_result_fields(small_real):
     plan = Plan.uniform(prof, "swap", offload_window=1, prefetch_distance=2)
     r = memopt.simulate(prof, plan, device="v100-16gb", budget=10**12)
     assert r.feasible is True
+    text = repr(r)
+    assert text.startswith(f"SimResult(peak {memopt.format_bytes(r.peak_bytes)}, step {r.step_time * 1e3:.2f} ms")
+    assert text.endswith(" fits)") and text in r._repr_html_()
+    over = memopt.simulate(prof, plan, device="v100-16gb", budget=r.peak_bytes - 1)
+    assert over.feasible is False and repr(over).endswith("OVER BUDGET)")
     # offloaded: the fast simulator's groups; prefetched: the copies the reference's backward issued
     assert r.bytes_offloaded > 0 and r.bytes_offloaded == r.bytes_prefetched
     rep = replay(prof, plan, device="v100-16gb")
@@ -218,6 +224,19 @@ def test_simulate_reference_takes_a_simulator_or_a_profile(small_real):
     assert a["peak"] == b["peak"] and a["time"] == b["time"] and a["rows"] == b["rows"]
     peak, t = sim.evaluate(np.array([s]), np.array([w]), np.array([d]))
     assert a["peak"] == peak[0] and a["time"] == pytest.approx(t[0], rel=1e-9)
+
+
+def test_evaluate_refuses_arrays_of_the_wrong_shape(small_real):
+    _, _, prof = small_real["gpt"]
+    sim = Simulator(prof)
+    n = prof.n_units
+    good = np.zeros((2, n), dtype=int)
+    for s, w, d in ((good[:, 1:], good[:, 1:], good[:, 1:]), (good, good[:1], good), (good, good, good[:, :-1])):
+        with pytest.raises(memopt.PlanError, match=f"expected \\(B, {n}\\) arrays"):
+            sim.evaluate(s, w, d)
+    other = Plan.uniform(chain_profile(n, seed=0), "keep")
+    with pytest.raises(memopt.PlanError, match="another model"):
+        sim.run(other)
 
 
 def test_reference_refuses_what_it_cannot_replay(small_real):
