@@ -185,7 +185,10 @@ def capuchin_by_definition(prof, budget, device):
 def test_capuchin_decides_in_its_stated_order(case, small_zoo):
     prof = chain_profile(10, seed=4) if case == "chain10" else small_zoo[case]
     swapped = 0
-    for device in ("a100-40gb", "v100-16gb", None):
+    # a link fast enough that the compute around every unit hides its copy: the swap phase always runs
+    fast_link = memopt.DeviceSpec.preset("a100-40gb").with_changes(name="fast-link", h2d_bytes_per_s=1e15,
+                                                                   d2h_bytes_per_s=1e15)
+    for device in ("a100-40gb", fast_link, None):
         lo = solvers.min_peak(prof, device=device)
         for frac in (0.05, 0.3, 0.6, 0.9):
             budget = int(lo + frac * (prof.peak_bytes - lo))
@@ -196,7 +199,7 @@ def test_capuchin_decides_in_its_stated_order(case, small_zoo):
             assert [plan.offload_windows[u] for u in swaps] == [ws[u] for u in swaps]
             assert [plan.prefetch_distances[u] for u in swaps] == [ds[u] for u in swaps]
             swapped += len(swaps)
-    assert swapped > 0  # the GPU presets hide some copies: the first phase is exercised
+    assert swapped > 0  # the first phase is exercised
 
 
 # ---------------------------------------------------------------------- MILP vs brute force on real profiles
