@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -280,11 +279,13 @@ class Outcome:
 
 
 def run_file(path: str, tests: str, probe: str | None, max_mutants: int, seed: int, timeout: float,
-             work: Path, log: Iterator | None = None) -> tuple[int, list[Outcome]]:
+             work: Path, match: list[str] | None = None) -> tuple[int, list[Outcome]]:
     all_mutants = mutants_of(path, work)  # from the copy: the working tree may change while this runs
     rng = random.Random(f"{seed}:{path}")
     sample = all_mutants if len(all_mutants) <= max_mutants else sorted(
         rng.sample(all_mutants, max_mutants), key=lambda m: m.start)
+    if match:
+        sample = [m for m in sample if any(x in m.describe() for x in match)]
     target = work / path
     original = target.read_text()
     base_probe = None
@@ -323,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-mutants", type=int, default=30, help="sample size per file (default 30)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per probe or test run (default 300)")
+    ap.add_argument("--match", action="append", help="of the sample, run only mutants whose description contains this "
+                    "text (repeatable; e.g. to rerun the survivors of an earlier run)")
     ap.add_argument("--list", action="store_true", help="list the mutants of each file and stop")
     ap.add_argument("--json", help="write every outcome to this file")
     args = ap.parse_args(argv)
@@ -347,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         _copy_tree(work)
         for f in files:
             print(f"{f}:", flush=True)
-            total, results = run_file(f, args.tests, args.probe, args.max_mutants, args.seed, args.timeout, work)
+            total, results = run_file(f, args.tests, args.probe, args.max_mutants, args.seed, args.timeout, work,
+                                      args.match)
             everything += results
             count = {s: sum(r.status == s for r in results) for s in ("equivalent", "killed", "timeout", "survived")}
             changing = count["killed"] + count["timeout"] + count["survived"]
