@@ -188,7 +188,9 @@ def test_capuchin_decides_in_its_stated_order(case, small_zoo):
     # a link fast enough that the compute around every unit hides its copy: the swap phase always runs
     fast_link = memopt.DeviceSpec.preset("a100-40gb").with_changes(name="fast-link", h2d_bytes_per_s=1e15,
                                                                    d2h_bytes_per_s=1e15)
-    for device in ("a100-40gb", fast_link, None):
+    lopsided = memopt.DeviceSpec.preset("a100-40gb").with_changes(name="lopsided", h2d_bytes_per_s=1e11,
+                                                                  d2h_bytes_per_s=1e9)  # the slower way counts
+    for device in ("a100-40gb", fast_link, lopsided, None):
         lo = solvers.min_peak(prof, device=device)
         for frac in (0.05, 0.3, 0.6, 0.9):
             budget = int(lo + frac * (prof.peak_bytes - lo))
