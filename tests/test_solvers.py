@@ -240,3 +240,32 @@ def test_exact_solver_falls_back_to_checkpointing_when_swaps_cannot_win(small_zo
         assert "swap" not in exact.strategies
         assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9)
     assert exact.strategies == ["keep"] * prof.n_units  # the unoptimized peak fits: nothing to do
+
+
+def test_unit_options_list_each_distinct_timing_once():
+    """Windows reaching past the forward's end, or distances past the last unit, act alike: one option each."""
+    from memopt_nb.plan import DISTANCES, WINDOWS
+    from memopt_nb.solvers.common import unit_options
+
+    for n in (1, 2, 3, 5):
+        sim = Simulator(chain_profile(n, seed=n))
+        for u in range(n):
+            opts = unit_options(sim, u)
+            assert opts[:2] == [(0, 1, 1), (1, 1, 1)]  # keep and recompute, with the default timings
+            effect = {(min(u + 1 + w, n), min(u + d, n - 1)) for w in WINDOWS for d in DISTANCES}
+            swaps = [(min(u + 1 + w, n), min(u + d, n - 1)) for c, w, d in opts if c == 2]
+            assert len(swaps) == len(set(swaps)) and set(swaps) == effect, (n, u, opts)
+            assert [o[1:] for o in opts[2:]] == sorted(o[1:] for o in opts[2:])  # shortest timings first
+
+
+@pytest.mark.parametrize("name", list(solvers.BASELINES) + ["optimal", "brute_force"])
+def test_planners_leave_default_timings_on_units_they_do_not_swap(name):
+    """So that ``==`` (which compares timings too) sees a planner's plan as the plain plan with the same strategies."""
+    fn = {"optimal": solvers.optimal, "brute_force": solvers.brute_force}.get(name) or solvers.BASELINES[name]
+    prof = chain_profile(4, seed=2)
+    lo = solvers.min_peak(prof)
+    for frac in (0.1, 0.5):
+        plan = fn(prof, int(lo + frac * (prof.peak_bytes - lo)))
+        for dec in plan.decisions:
+            if dec.strategy != "swap":
+                assert (dec.offload_window, dec.prefetch_distance) == (1, 1), (name, plan.decisions)
