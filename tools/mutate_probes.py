@@ -175,7 +175,8 @@ def probe_runtime() -> None:
                     opt.zero_grad()
                     zm.loss_fn(zm.model(*zm.inputs)).backward()
                     opt.step()
-                stats = applied.stats() if hasattr(applied, "stats") else {}
+                stats = getattr(applied, "stats", {})
+                stats = stats() if callable(stats) else dict(stats)
             state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
             print(name, plan.strategies, plan.offload_windows, plan.prefetch_distances, "peak", meas.peak_bytes,
                   "params", _digest(zm.model.parameters()), "state", _digest(state),
