@@ -27,6 +27,9 @@ unit's forward in its backward, plus the copies, priced by :meth:`DeviceSpec.cop
   backward needs them); the per-storage term, spent by the training thread, is added to the step;
 * without it (the CPU when compute uses every core) the whole round trip of every offloaded storage group,
   ``copy_seconds(bytes, storages, "both")``, is added to the step.
+
+The same model is written a second time, plainly and from the profile alone, in :mod:`memopt_nb.reference_sim`; the
+tests hold this compiled one to it. :meth:`Simulator.run` takes its timeline and ``bytes_prefetched`` from that replay.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import numpy as np
 from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import PlanError
-from .plan import Plan, effective_triggers
+from .plan import Plan
+from .reference_sim import Replay, replay
 
 KEEP, RECOMPUTE, SWAP = 0, 1, 2
 CODES = {"keep": KEEP, "recompute": RECOMPUTE, "swap": SWAP}
@@ -291,6 +295,8 @@ class Simulator:
     def run(self, plan: Plan, budget: int | None = None) -> SimResult:
         s, w, d = self.encode(plan)
         det = self.evaluate(s, w, d, details=True)
+        # the timeline, and what the backward brings back, come from the independent replay of the same step
+        rep = replay(self.profile, plan, device=self.device)
         budget = budget if budget is not None else plan.budget_bytes
         peak = int(round(float(det["peak"][0])))
         stall = float(det["fwd_stall"][0] + det["bwd_stall"][0])
@@ -298,113 +304,34 @@ class Simulator:
             peak_bytes=peak, step_time=float(det["time"][0]), compute_time=float(det["compute"][0]),
             recompute_time=float(det["recompute"][0]), stall_time=stall, fwd_stall_time=float(det["fwd_stall"][0]),
             bwd_stall_time=float(det["bwd_stall"][0]), bytes_offloaded=int(det["offloaded"][0]),
-            bytes_prefetched=int(det["offloaded"][0]), budget_bytes=budget,
+            bytes_prefetched=rep.bytes_prefetched, budget_bytes=budget,
             feasible=None if budget is None else peak <= budget, device=self.device.name,
             segment_peaks=[int(round(x)) for x in det["peaks"][0]],
-            timeline=self._timeline(plan, det),
+            timeline=self._timeline(rep),
             storages_offloaded=int(round(float(det["storages"][0]))), copy_time=float(det["copy"][0]),
         )
 
-    def _timeline(self, plan: Plan, det: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-        """Start level and peak of every segment on the simulated clock, for plotting."""
-        rows: list[dict[str, Any]] = []
-        s = [CODES[x] for x in plan.strategies]
-        tl = simulate_reference(self, s, plan.offload_windows, plan.prefetch_distances)
-        for row in tl["rows"]:
-            rows.append(row)
-        return rows
+    def _timeline(self, rep: Replay) -> list[dict[str, Any]]:
+        """Start level and peak of every segment on the simulated clock, for plotting (from the reference replay)."""
+        return [dict(row) for row in rep.rows]
 
 
-def simulate_reference(sim: Simulator, strategies: Sequence[int], windows: Sequence[int],
-                       distances: Sequence[int]) -> dict[str, Any]:
-    """The simulator written plainly for one plan — the specification :meth:`Simulator.evaluate` is tested against."""
-    n, S = sim.n, sim.S
-    strat = [int(x) for x in strategies]
-    rc = [x == RECOMPUTE for x in strat]
-    trig = effective_triggers([NAMES[x] for x in strat], list(distances))
-    delta = [0.0] * (S + 1)
-    jobs: dict[int, list[tuple[int, float]]] = {}  # boundary -> [(release boundary, bytes)]
-    pf_bytes = [0.0] * n
-    n_copied = 0.0  # storages offloaded (per-storage copy cost, DeviceSpec.copy_overhead_s per direction)
-    events = []
-    for g in range(sim.G):
-        nb = float(sim.g_nb[g])
-        savers = [int(x) for x in sim.g_sav[g] if x >= 0]
-        consumers = [int(x) for x in sim.g_con[g] if x >= 0]
-        producer = int(sim.g_prod[g])
-        holders = [x for x in savers if not (x == producer and rc[x])] + [c for c in consumers if rc[c]]
-        ends = [int(sim.bwd_seg[h]) for h in holders] + [int(sim.g_out_rel[g])]
-        plan_end = max(ends) if max(ends) >= 0 else int(sim.g_fallback[g])
-        base_end = int(sim.g_base_end[g])
-        for k in range(S):
-            delta[k] += nb * ((k <= plan_end) - (k <= base_end))
-        if not sim.g_eligible[g]:
-            continue
-        owner = max(savers)
-        if strat[owner] != SWAP or any(rc[c] for c in consumers):
-            continue
-        e = int(sim.g_free[g])
-        r_unit = int(sim.next_unit[e]) + int(windows[owner])
-        r = int(sim.fwd_seg[r_unit]) if r_unit < n else sim.end
-        t_seg = int(sim.bwd_seg[trig[owner]])
-        for k in range(r, t_seg):
-            delta[k] -= nb
-        jobs.setdefault(e, []).append((r, nb))
-        pf_bytes[owner] += nb
-        n_copied += float(sim.g_cnt[g])
-    peaks = []
-    for k in range(S):
-        u = int(sim.seg_unit[k])
-        rel = sim.rc_rel[k] if (u >= 0 and rc[u]) else sim.rel[k]
-        peaks.append(sim.start_level[k] + delta[k] + rel)
-    # time
-    if not sim.device.copy_overlap:
-        total = float(sim.dur.sum()) + sum(float(sim.fwd_time[u]) for u in range(n) if rc[u])
-        total += sum(pf_bytes) * (1.0 / sim.bw_d2h + 1.0 / sim.bw_h2d)
-        jobs = {}
-        pf_bytes = [0.0] * n
+def simulate_reference(sim: Simulator | Any, strategies: Sequence[Any], windows: Sequence[int],
+                       distances: Sequence[int], device: DeviceSpec | str | None = None) -> dict[str, Any]:
+    """One plan through the independent reference (:func:`memopt_nb.reference_sim.replay`), as a dict.
+
+    ``sim`` is a :class:`Simulator` (its profile and device are used; nothing it compiled) or a ModelProfile.
+    Keys: ``peak``, ``time``, ``peaks``, ``levels``, ``fwd_stall``, ``bwd_stall``, ``offloaded``, ``prefetched``,
+    ``rows`` (the timeline) and ``copies`` (the copy jobs).
+    """
+    if isinstance(sim, Simulator):
+        profile, device = sim.profile, (device if device is not None else sim.device)
     else:
-        total = None
-    t = d2h = h2d = 0.0
-    wait_at: dict[int, float] = {}
-    pf_end = [0.0] * n
-    fwd_stall = bwd_stall = 0.0
-    rows = []
-    for k in range(S):
-        if k in jobs:
-            for r in sorted({r for r, _ in jobs[k]}):
-                b = sum(nb for rr, nb in jobs[k] if rr == r)
-                d2h = max(d2h, t) + b / sim.bw_d2h
-                wait_at[r] = max(wait_at.get(r, 0.0), d2h)
-                events.append({"time": t, "event": "offload", "bytes": b})
-        if sim.next_unit[k] >= 0 and k in wait_at:
-            stall = max(0.0, wait_at[k] - t)
-            fwd_stall += stall
-            t += stall
-        u = int(sim.seg_unit[k])
-        dur = float(sim.dur[k])
-        if sim.kind[k] == 1:
-            ready = t
-            for o in range(n - 1, -1, -1):
-                if trig[o] == u and pf_bytes[o] > 0:
-                    h2d = max(h2d, ready) + pf_bytes[o] / sim.bw_h2d
-                    pf_end[o] = h2d
-            if pf_bytes[u] > 0:
-                stall = max(0.0, pf_end[u] - t)
-                bwd_stall += stall
-                t += stall
-            if rc[u]:
-                dur += float(sim.fwd_time[u])
-        phase = "forward" if k <= sim.end - 1 else "backward"
-        rows.append({"time": t, "bytes": float(sim.start_level[k] + delta[k]), "phase": phase, "unit": u,
-                     "event": sim.kind[k] and ("bwd" if sim.kind[k] == 1 else "other") or "fwd"})
-        rows.append({"time": t + dur / 2, "bytes": float(peaks[k]), "phase": phase, "unit": u, "event": "peak"})
-        t += dur
-    if total is not None:  # copies shared the compute cores: nothing overlapped
-        t = total
-    t += 2 * n_copied * sim.device.copy_overhead_s  # the training thread's per-storage share, both directions
-    return {"peak": max(peaks), "time": t, "peaks": peaks, "fwd_stall": fwd_stall, "bwd_stall": bwd_stall,
-            "rows": rows, "events": events}
+        profile = sim
+    rep = replay(profile, list(strategies), list(windows), list(distances), device=device)
+    return {"peak": rep.peak_bytes, "time": rep.step_time, "peaks": rep.segment_peaks, "levels": rep.segment_levels,
+            "fwd_stall": rep.fwd_stall_time, "bwd_stall": rep.bwd_stall_time, "offloaded": rep.bytes_offloaded,
+            "prefetched": rep.bytes_prefetched, "rows": rep.rows, "copies": rep.copies}
 
 
 def simulate(profile: Any, plan: Plan, device: DeviceSpec | str | None = None,

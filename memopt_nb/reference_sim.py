@@ -1,0 +1,341 @@
+"""``memopt_nb.reference_sim``: the cost model written a second time, as a plain replay of one training step.
+
+The planners use :class:`memopt_nb.simulate.Simulator`, which compiles a profile into arrays to score thousands of plans
+at once. This module states the same model once more, directly from the :class:`~memopt_nb.profile.ModelProfile` (its
+segments, units and storage groups), the plan and the :class:`~memopt_nb.device.DeviceSpec`: it walks the step one
+segment boundary at a time and keeps a ledger of what is on the device and what the two copy engines are doing. It
+imports nothing from ``simulate.py``, so a slip in compiling the fast simulator's arrays cannot hide behind a reference
+that reads the same arrays; the test suite checks the two agree on random plans, and both against measured peaks.
+
+**The step.** Segment ``k`` starts at *boundary* ``k``. A unit's forward and backward are the segments of kind
+``"fwd"`` / ``"bwd"`` with its index; everything else is code outside units. Boundaries just before a unit's forward
+and just after it are *unit boundaries*; the *next unit* at a boundary is the first unit whose forward has not started.
+The forward ends at the boundary right after the last unit's forward.
+
+**Memory** in segment ``k`` is the profiled start level (every unit kept) plus, for every storage group, the bytes the
+plan holds there minus the bytes the profiled run held, plus the segment's own peak above its start (the profiled one,
+or the one measured with the unit recomputed, for that unit's forward and backward). For one group:
+
+* *forward liveness*: it is referenced outside autograd until the boundary ``free_pos`` (so it is resident through
+  segment ``free_pos - 1``); a group still referenced when the last unit's forward returns (``free_pos`` is ``None``) is
+  resident through the segment after the last unit's forward. A group that no unit saves and that is still referenced
+  then belongs to the caller (the batch) and no plan moves it; neither does one that code outside units saves and never
+  lets go of.
+* *holders*: every unit that saves it holds it until its own backward, except its producer when the producer is
+  recomputed (recomputation recreates it); a recomputed unit that takes it as input holds it until its backward
+  (checkpointing keeps inputs); code outside units that saves it holds it until ``outside_release``. The group is freed
+  after the later of its forward liveness and its last holder. The profiled run is the plan that keeps every unit.
+* *offload*: a group some unit saves, that code outside units does not save and whose forward liveness ends in the
+  forward, is offloaded when its *owner* (the last unit, in forward order, that saves it) is swapped and no recomputed
+  unit takes it as input. At boundary ``free_pos`` its copy to host is issued; with ``j`` the next unit there and ``w``
+  the owner's offload window, the device copy is dropped at the unit boundary before unit ``j + w`` (or at the end of
+  the forward if there is no such unit) and allocated again at the start of the backward of the owner's *trigger*.
+* the *trigger* of a swapped unit ``i`` with prefetch distance ``d`` is the unit ``min(i + d, n - 1)``, moved down to
+  the trigger of any later swapped unit when that one is smaller (prefetches are issued in the order backward needs
+  them).
+
+**Time**: every segment's profiled duration times the device's time factor, plus a recomputed unit's forward in its
+backward. Each copy *job* takes :func:`copy_seconds`. Copy jobs to host are formed per (issue boundary, drop boundary),
+issued earliest drop first; copies back per owner, issued at the start of the trigger's backward, highest owner first.
+With ``copy_overlap`` (GPUs; the CPU when the copy threads have a spare core) each direction is one first-in-first-out
+engine beside the compute stream that carries the bytes: the forward waits at a drop boundary until every copy due
+there has finished, and a unit's backward waits until its own copy back has finished; the per-storage part
+(:func:`thread_seconds`), spent by the training thread, is added to the step and moves no queue. Without it (the CPU
+when compute uses every core) the copies run on the compute cores, one after another, where they are issued, and
+nothing overlaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .device import DeviceSpec
+from .errors import PlanError, ProfileError
+from .plan import STRATEGIES, Plan
+
+__all__ = ["CopyJob", "Replay", "copy_seconds", "prefetch_triggers", "replay", "thread_seconds"]
+
+
+@dataclass
+class CopyJob:
+    """One job on a copy engine.
+
+    Attributes:
+        direction: ``"d2h"`` (offload, device to host) or ``"h2d"`` (prefetch, host to device).
+        boundary: the segment boundary at which it is issued.
+        due: for an offload, the boundary where the forward waits for it and its memory is dropped; for a prefetch,
+            the backward segment of its owner (which waits for it).
+        owners: the units whose saved storages it carries.
+        nbytes, storages: what it moves.
+        seconds: its duration (:func:`copy_seconds`); start, end: on the step's clock.
+    """
+
+    direction: str
+    boundary: int
+    due: int
+    owners: tuple[int, ...]
+    nbytes: int
+    storages: int
+    seconds: float
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class Replay:
+    """What one replayed training step did.
+
+    Attributes:
+        peak_bytes: the highest segment peak. step_time: seconds of the step.
+        segment_levels, segment_peaks: per segment, memory at its start and its peak.
+        compute_time: segments plus recompute (plus copies where they share the compute cores); recompute_time: the
+            part spent re-running forwards; copy_time: total duration of all copy jobs.
+        fwd_stall_time / bwd_stall_time: waiting for offloads at drop boundaries / for prefetches in backward.
+        bytes_offloaded / bytes_prefetched: bytes of the offload jobs / of the prefetch jobs the backward issued.
+        triggers: per unit, the unit whose backward starts its prefetch (``None`` unless swapped).
+        copies: every copy job in issue order. rows: the timeline ``{"time", "bytes", "phase", "unit", "event"}``,
+            two rows per segment (its start level, then its peak at mid-segment).
+    """
+
+    peak_bytes: int
+    step_time: float
+    segment_levels: list[int]
+    segment_peaks: list[int]
+    compute_time: float
+    recompute_time: float
+    copy_time: float
+    fwd_stall_time: float
+    bwd_stall_time: float
+    bytes_offloaded: int
+    bytes_prefetched: int
+    triggers: list[int | None]
+    copies: list[CopyJob] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def stall_time(self) -> float:
+        return self.fwd_stall_time + self.bwd_stall_time
+
+
+def copy_seconds(device: DeviceSpec, direction: str, nbytes: int, storages: int) -> float:
+    """Seconds one copy job of ``nbytes`` in ``storages`` storages takes on ``device`` — the only copy cost there is.
+
+    The bytes over the link bandwidth of that direction, which occupy that direction's copy engine, plus
+    ``device.copy_overhead_s`` per storage, which the training thread spends (hooks, hand-off, host pool): see
+    :func:`thread_seconds`.
+    """
+    bandwidth = device.d2h_bytes_per_s if direction == "d2h" else device.h2d_bytes_per_s
+    return nbytes / bandwidth + thread_seconds(device, storages)
+
+
+def thread_seconds(device: DeviceSpec, storages: int) -> float:
+    """The part of a copy job the training thread spends itself: ``copy_overhead_s`` per storage."""
+    return storages * device.copy_overhead_s
+
+
+def prefetch_triggers(strategies: Sequence[str], distances: Sequence[int]) -> list[int | None]:
+    """Per unit, the unit whose backward starts its prefetch (``None`` unless swapped), from the definition.
+
+    Swapped unit ``i`` asks for ``min(i + d_i, n - 1)``; backward needs later units first, so the prefetch of ``i`` is
+    also started no later than that of any later swapped unit: its trigger is the smallest request among swapped
+    units ``j >= i``.
+    """
+    n = len(strategies)
+    wanted = {j: min(j + int(distances[j]), n - 1) for j in range(n) if strategies[j] == "swap"}
+    return [min(t for j, t in wanted.items() if j >= i) if i in wanted else None for i in range(n)]
+
+
+def _decode(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None,
+            distances: Sequence[int] | None) -> tuple[list[str], list[int], list[int]]:
+    n = len(profile.units)
+    if isinstance(plan, Plan):
+        plan.validate(profile)
+        return plan.strategies, plan.offload_windows, plan.prefetch_distances
+    if windows is None or distances is None:
+        raise PlanError("replay(profile, strategies, windows, distances): give windows and distances with a list of "
+                        "strategies, or pass a Plan")
+    strategies = []
+    for s in plan:
+        if isinstance(s, str):
+            name = s
+        else:
+            code = int(s)
+            if not 0 <= code < len(STRATEGIES):
+                raise PlanError(f"strategy code {code} is not one of 0 (keep), 1 (recompute), 2 (swap)")
+            name = STRATEGIES[code]
+        if name not in STRATEGIES:
+            raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
+        strategies.append(name)
+    ws, ds = [int(x) for x in windows], [int(x) for x in distances]
+    if not len(strategies) == len(ws) == len(ds) == n:
+        raise PlanError(f"expected {n} strategies, windows and distances (one per unit), got {len(strategies)}, "
+                        f"{len(ws)}, {len(ds)}")
+    return strategies, ws, ds
+
+
+def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None = None,
+           distances: Sequence[int] | None = None, device: DeviceSpec | str | None = None) -> Replay:
+    """Replay one training step of ``profile`` under a plan on ``device`` (default: the profiled device).
+
+    ``plan`` is a :class:`~memopt_nb.plan.Plan`, or a list of strategies (names, or codes 0 keep / 1 recompute /
+    2 swap) given with ``windows`` and ``distances``. See the module docstring for the rules.
+    """
+    dev = DeviceSpec.resolve(device, profile.device)
+    strategies, windows_, distances_ = _decode(profile, plan, windows, distances)
+    units, segments = profile.units, profile.segments
+    n = len(units)
+    rc = [s == "recompute" for s in strategies]
+    if any(s == "swap" for s in strategies) and not dev.has_host_link:
+        raise PlanError(f"the plan swaps units, but {dev.name} has no host link to swap over; recompute or keep them")
+
+    # ---- the step's structure, read from the segments
+    fwd_at: dict[int, int] = {}
+    bwd_at: dict[int, int] = {}
+    for k, seg in enumerate(segments):
+        table = fwd_at if seg.kind == "fwd" else bwd_at if seg.kind == "bwd" else None
+        if table is not None:
+            if seg.unit in table or not 0 <= seg.unit < n:
+                raise ProfileError(f"segment {k} is a {seg.kind} of unit {seg.unit}, which has one already or does "
+                                   f"not exist")
+            table[seg.unit] = k
+    for u, up in enumerate(units):
+        if (fwd_at.get(u), bwd_at.get(u)) != (up.fwd_segment, up.bwd_segment):
+            raise ProfileError(f"unit {u} ({up.name}): its segments say forward {fwd_at.get(u)}, backward "
+                               f"{bwd_at.get(u)}; the unit says {up.fwd_segment}, {up.bwd_segment}")
+    forward_end = fwd_at[n - 1] + 1  # the boundary right after the last unit's forward
+    unit_boundaries = {fwd_at[u] for u in range(n)} | {fwd_at[u] + 1 for u in range(n)}
+
+    def next_unit(boundary: int) -> int:
+        return min([u for u in range(n) if fwd_at[u] >= boundary], default=n)
+
+    def drop_boundary(unit: int) -> int:  # the unit boundary before unit `unit`'s forward, or the end of the forward
+        return fwd_at[unit] if unit < n else forward_end
+
+    triggers = prefetch_triggers(strategies, distances_)
+
+    # ---- storage groups: when the profiled run and the plan let go of each, and what is offloaded
+    ledger: dict[int, int] = {}  # boundary -> change of (plan's bytes - profiled bytes) from that boundary on
+
+    def change(boundary: int, nbytes: int) -> None:
+        ledger[boundary] = ledger.get(boundary, 0) + nbytes
+
+    offloads: dict[int, dict[int, list[Any]]] = {}  # issue boundary -> drop boundary -> groups
+    returns: dict[int, list[Any]] = {}  # owner -> its offloaded groups
+    for g in profile.groups:
+        if g.outside_saver and g.outside_release is None:
+            continue  # code outside units holds it all step
+        if not g.savers and not g.outside_saver and g.free_pos is None:
+            continue  # the caller's (an input batch): nothing in the step lets go of it
+        last_fwd = g.free_pos - 1 if g.free_pos is not None else forward_end
+        outside = [g.outside_release] if g.outside_saver else []
+        kept_holders = [bwd_at[s] for s in g.savers] + outside
+        plan_holders = ([bwd_at[s] for s in g.savers if not (s == g.producer and rc[s])]
+                        + [bwd_at[c] for c in g.consumers if rc[c]] + outside)
+        change(max(kept_holders + [last_fwd]) + 1, g.nbytes)  # the profiled level drops here ...
+        change(max(plan_holders + [last_fwd]) + 1, -g.nbytes)  # ... the plan's here
+        if not g.savers or g.outside_saver or g.free_pos is None:
+            continue
+        owner = max(g.savers)
+        if strategies[owner] != "swap" or any(rc[c] for c in g.consumers):
+            continue
+        issue = min((b for b in unit_boundaries if b >= g.free_pos), default=None)  # engines look at unit boundaries
+        if issue is None:
+            continue
+        drop = drop_boundary(min(next_unit(issue) + windows_[owner], n))
+        back = bwd_at[triggers[owner]]
+        change(drop, -g.nbytes)
+        change(back, g.nbytes)
+        offloads.setdefault(issue, {}).setdefault(drop, []).append(g)
+        returns.setdefault(owner, []).append(g)
+
+    # ---- walk the step
+    factor = dev.time_factor(profile.device)
+    overlap = dev.copy_overlap
+    t = 0.0
+    d2h_free = h2d_free = 0.0  # when each copy engine is next idle
+    held_at: dict[int, float] = {}  # drop boundary -> when its last offload ends
+    back_at: dict[int, float] = {}  # owner -> when its prefetch ends
+    fwd_stall = bwd_stall = recompute = copy_total = 0.0
+    compute = 0.0
+    copies: list[CopyJob] = []
+    levels: list[int] = []
+    peaks: list[int] = []
+    rows: list[dict[str, Any]] = []
+    extra = 0
+
+    thread = 0.0  # the training thread's share of the copies (with overlap): added to the step, moves no queue
+
+    def run_copy(job: CopyJob, free: float) -> float:
+        nonlocal t, compute, copy_total, thread
+        copy_total += job.seconds
+        if overlap:
+            own = thread_seconds(dev, job.storages)
+            thread += own
+            job.start = max(free, t)
+            job.end = job.start + job.seconds - own
+            copies.append(job)
+            return job.end
+        job.start = t  # on the compute cores: the step waits for it here
+        job.end = t = t + job.seconds
+        compute += job.seconds
+        copies.append(job)
+        return free
+
+    for k, seg in enumerate(segments):
+        extra += ledger.get(k, 0)
+        # offloads that become possible at this boundary, earliest drop first
+        for drop in sorted(offloads.get(k, {})):
+            gs = offloads[k][drop]
+            nbytes = sum(g.nbytes for g in gs)
+            storages = sum(g.count for g in gs)
+            job = CopyJob("d2h", k, drop, tuple(sorted({max(g.savers) for g in gs})), nbytes, storages,
+                          copy_seconds(dev, "d2h", nbytes, storages))
+            d2h_free = run_copy(job, d2h_free)
+            held_at[drop] = max(held_at.get(drop, 0.0), job.end)
+        # the forward drops offloaded memory here: it waits for those copies
+        if k in held_at:
+            wait = max(0.0, held_at[k] - t)
+            fwd_stall += wait
+            t += wait
+        dur = seg.time * factor
+        if seg.kind == "bwd":
+            u = seg.unit
+            for owner in sorted((o for o, tr in enumerate(triggers) if tr == u and o in returns), reverse=True):
+                gs = returns[owner]
+                nbytes = sum(g.nbytes for g in gs)
+                storages = sum(g.count for g in gs)
+                job = CopyJob("h2d", k, bwd_at[owner], (owner,), nbytes, storages,
+                              copy_seconds(dev, "h2d", nbytes, storages))
+                h2d_free = run_copy(job, h2d_free)
+                back_at[owner] = job.end
+            if u in back_at:
+                wait = max(0.0, back_at[u] - t)
+                bwd_stall += wait
+                t += wait
+            if rc[u]:
+                redo = units[u].fwd_time * factor
+                recompute += redo
+                dur += redo
+        level = seg.start_level + extra
+        own = seg.rel_peak
+        if seg.kind in ("fwd", "bwd") and rc[seg.unit]:
+            own = units[seg.unit].rc_fwd_rel_peak if seg.kind == "fwd" else units[seg.unit].rc_bwd_rel_peak
+        peak = level + own
+        levels.append(level)
+        peaks.append(peak)
+        phase = "forward" if k < forward_end else "backward"
+        rows.append({"time": t, "bytes": level, "phase": phase, "unit": seg.unit, "event": seg.kind})
+        rows.append({"time": t + dur / 2, "bytes": peak, "phase": phase, "unit": seg.unit, "event": "peak"})
+        compute += dur
+        t += dur
+    compute += thread
+    t += thread
+    return Replay(
+        peak_bytes=max(peaks), step_time=t, segment_levels=levels, segment_peaks=peaks, compute_time=compute,
+        recompute_time=recompute, copy_time=copy_total, fwd_stall_time=fwd_stall, bwd_stall_time=bwd_stall,
+        bytes_offloaded=sum(j.nbytes for j in copies if j.direction == "d2h"),
+        bytes_prefetched=sum(j.nbytes for j in copies if j.direction == "h2d"),
+        triggers=triggers, copies=copies, rows=rows,
+    )

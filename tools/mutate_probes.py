@@ -1,0 +1,214 @@
+"""Deterministic probes for ``tools/mutate.py``: print what a part of memopt_nb computes on fixed inputs.
+
+    python tools/mutate_probes.py simulate   # Simulator.evaluate / run / simulate_reference on fixed plans
+    python tools/mutate_probes.py solvers    # every planner, min_peak, options and budget errors
+    python tools/mutate_probes.py runtime    # plans applied to tiny models: measured peaks, parameters after steps
+    python tools/mutate_probes.py rl         # PlanningTask's arrays and scores
+
+Profiles are taken from small real models (seconds) with their measured times replaced by fixed ones, so the output
+depends on the code only. A mutant that leaves the printed output unchanged is counted as equivalent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+torch.set_num_threads(1)
+
+import memopt_nb as memopt  # noqa: E402
+from memopt_nb.device import DeviceSpec  # noqa: E402
+from memopt_nb.plan import DISTANCES, WINDOWS, Plan  # noqa: E402
+from memopt_nb.synthetic import chain_profile  # noqa: E402
+
+CPU_LIKE = DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
+                      compute_flops=1e11, copy_overlap=False)
+SLOW_LINK = DeviceSpec.preset("a100-40gb").with_changes(name="a100-slow-link", h2d_bytes_per_s=2e9,
+                                                        d2h_bytes_per_s=1e9)
+SMALL = {"unet": (dict(widths=(8, 16, 32), image=16, batch_size=4), ["down.0", "down.2", "up.0", "up.1"]),
+         "gpt": (dict(n_layers=3, batch_size=4, seq_len=32, d_model=32, n_heads=2), "auto")}
+
+
+def fmt(x: Any) -> str:
+    """A stable text form (floats to 10 significant digits, arrays as their values)."""
+    if isinstance(x, (float, np.floating)):
+        return f"{float(x):.10g}"
+    if isinstance(x, np.ndarray):
+        return "[" + " ".join(fmt(v) for v in x.ravel().tolist()) + f"]{list(x.shape)}"
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(fmt(v) for v in x) + "]"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {fmt(v)}" for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))) + "}"
+    return repr(x)
+
+
+def fixed_times(prof: memopt.ModelProfile) -> memopt.ModelProfile:
+    for k, seg in enumerate(prof.segments):
+        seg.time = 1e-3 * (1 + k % 5) * (2.0 if seg.kind == "bwd" else 1.0)
+    for u in prof.units:
+        u.fwd_time = prof.segments[u.fwd_segment].time
+        u.bwd_time = prof.segments[u.bwd_segment].time
+    prof.step_time = sum(s.time for s in prof.segments)
+    prof.device = prof.device.with_changes(compute_flops=1e11, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9)
+    return prof
+
+
+def small_profiles() -> dict[str, Any]:
+    out = {}
+    for name, (kw, units) in SMALL.items():
+        zm = memopt.zoo.build(name, **kw)
+        opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+        prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1, units=units)
+        out[name] = (zm, opt, fixed_times(prof))
+    return out
+
+
+def chains() -> dict[str, memopt.ModelProfile]:
+    return {"chain5": chain_profile(5, seed=0, shared_boundaries=0.8), "chain7": chain_profile(7, seed=2),
+            "chain12": chain_profile(12, seed=3)}
+
+
+def arrays(n: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    s, w, d = rng.integers(0, 3, (count, n)), rng.integers(0, 3, (count, n)), rng.integers(0, 4, (count, n))
+    grid = [(wi, di) for wi in WINDOWS for di in DISTANCES]
+    s = np.concatenate([s, np.full((len(grid), n), 2)])
+    w = np.concatenate([w, np.array([[wi] * n for wi, _ in grid])])
+    d = np.concatenate([d, np.array([[di] * n for _, di in grid])])
+    return s, w, d
+
+
+def probe_simulate() -> None:
+    from memopt_nb.simulate import Simulator, simulate_reference
+
+    profs = {**chains(), **{k: v[2] for k, v in small_profiles().items()}}
+    for name, prof in profs.items():
+        for device in (None, CPU_LIKE, "a100-40gb", SLOW_LINK):
+            sim = Simulator(prof, device)
+            s, w, d = arrays(prof.n_units, 24, 0)
+            det = sim.evaluate(s, w, d, details=True)
+            print(name, sim.device.name)
+            for key in sorted(det):
+                print(" ", key, fmt(det[key]))
+            for b in (0, 5, len(s) - 1):
+                ref = simulate_reference(sim, s[b].tolist(), w[b].tolist(), d[b].tolist())
+                print("  ref", fmt({k: v for k, v in ref.items() if k not in ("rows", "copies")}))
+            for strategy in ("keep", "recompute", "swap"):
+                plan = Plan.uniform(prof, strategy, offload_window=0, prefetch_distance=2)
+                r = sim.run(plan, budget=int(prof.peak_bytes * 0.7))
+                print("  run", strategy, repr(r), r._repr_html_())
+                print("   ", fmt({k: v for k, v in vars(r).items() if k != "timeline"}))
+                print("    timeline", fmt([[row[k] for k in sorted(row)] for row in r.timeline]))
+    prof = profs["chain5"]
+    for bad in (np.zeros((1, 4)), np.zeros((2, 5))):
+        try:
+            Simulator(prof).evaluate(bad, np.zeros((1, 5)), np.zeros((1, 5)))
+        except memopt.MemoptError as exc:
+            print("error", type(exc).__name__, exc)
+
+
+def probe_solvers() -> None:
+    from memopt_nb import solvers
+    from memopt_nb.simulate import Simulator
+    from memopt_nb.solvers.common import uniform_arrays, unit_options
+
+    profs = {"chain4": chain_profile(4, seed=1, shared_boundaries=0.6), "chain6": chain_profile(6, seed=5),
+             **{k: v[2] for k, v in small_profiles().items()}}
+    no_link = CPU_LIKE.with_changes(name="no-link", h2d_bytes_per_s=0.0, d2h_bytes_per_s=0.0)
+    for name, prof in profs.items():
+        for device in (None, CPU_LIKE, "a100-40gb", SLOW_LINK, no_link):
+            sim = Simulator(prof, device)
+            print(name, sim.device.name)
+            print("  options", fmt([unit_options(sim, u) for u in range(sim.n)]))
+            print("  options kr", fmt([unit_options(sim, u, ("keep", "recompute")) for u in range(sim.n)]))
+            print("  uniform", fmt([uniform_arrays(sim, c, 2, 3) for c in range(3)]))
+            for strategies in (("keep", "recompute", "swap"), ("keep", "recompute"), ("keep", "swap")):
+                print("  min_peak", strategies, solvers.min_peak(prof, device=device, strategies=strategies))
+            lo = solvers.min_peak(prof, device=device)
+            for frac in (0.0, 0.15, 0.5, 0.9, 1.2):
+                budget = int(lo + frac * (prof.peak_bytes - lo))
+                for method, fn in [*solvers.BASELINES.items(), ("optimal", solvers.optimal)]:
+                    p = fn(prof, budget, device=device)
+                    print("  ", frac, method, p.strategies, p.offload_windows, p.prefetch_distances,
+                          p.predicted_peak_bytes, fmt(p.predicted_step_time), p.feasible, p.method, p.budget_bytes)
+                if prof.n_units <= 4:
+                    p = solvers.brute_force(prof, budget, device=device)
+                    print("  ", frac, "brute", p.strategies, p.predicted_peak_bytes, fmt(p.predicted_step_time))
+            for budget in (lo - 1, "lots", "50%", "1GiB", None):
+                try:
+                    p = solvers.optimal(prof, budget, device=device, strategies=("keep", "recompute"))
+                    print("  budget", budget, p.budget_bytes, p.strategies)
+                except memopt.MemoptError as exc:
+                    print("  budget", budget, type(exc).__name__, exc)
+    try:
+        solvers.brute_force(chain_profile(13, seed=0), None)
+    except memopt.MemoptError as exc:
+        print("error", exc)
+
+
+def _digest(tensors: Any) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def probe_runtime() -> None:
+    for name, (_, _, prof) in small_profiles().items():
+        n = prof.n_units
+        plans = [Plan.uniform(prof, s, offload_window=w, prefetch_distance=d)
+                 for s in ("keep", "recompute", "swap") for w, d in ((0, 0), (1, 1), (2, 3))]
+        plans.append(Plan.from_strategies(prof, [("swap", "recompute", "keep")[u % 3] for u in range(n)],
+                                          offload_window=[u % 3 for u in range(n)],
+                                          prefetch_distance=[(u + 1) % 4 for u in range(n)]))
+        for plan in plans:
+            zm = memopt.zoo.build(name, **SMALL[name][0])
+            opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+            meas = memopt.measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=1)
+            torch.manual_seed(0)
+            with memopt.plan(plan, zm.model) as applied:
+                for _ in range(2):
+                    opt.zero_grad()
+                    zm.loss_fn(zm.model(*zm.inputs)).backward()
+                    opt.step()
+                stats = getattr(applied, "stats", {})
+                stats = stats() if callable(stats) else dict(stats)
+            state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+            print(name, plan.strategies, plan.offload_windows, plan.prefetch_distances, "peak", meas.peak_bytes,
+                  "params", _digest(zm.model.parameters()), "state", _digest(state),
+                  "buffers", _digest(zm.model.buffers()),
+                  "stats", fmt({k: v for k, v in stats.items() if "time" not in k and not k.endswith("_s")}))
+            print("  forwards restored", all("forward" not in m.__dict__ for m in zm.model.modules()))
+
+
+def probe_rl() -> None:
+    from memopt_nb.rl.task import PlanningTask
+
+    profs = {**chains(), **{k: v[2] for k, v in small_profiles().items()}}
+    for name, prof in profs.items():
+        for device in (None, "a100-40gb", CPU_LIKE):
+            lo = memopt.solvers.min_peak(prof, device=device)
+            task = PlanningTask(prof, int(lo + 0.4 * (prof.peak_bytes - lo)), device=device)
+            print(name, device)
+            for key, value in sorted(vars(task).items()):
+                if isinstance(value, (np.ndarray, int, float, np.floating, np.integer, list, tuple, dict)):
+                    print(" ", key, fmt(value))
+            s, w, d = arrays(task.n, 12, 1)
+            if hasattr(task, "evaluate"):
+                peak, t = task.evaluate(s, w, d)
+                print("  evaluate", fmt(peak), fmt(t))
+                for fn in ("overhead", "penalty"):
+                    if hasattr(task, fn):
+                        print(" ", fn, fmt(getattr(task, fn)(t if fn == "overhead" else peak)))
+
+
+PROBES = {"simulate": probe_simulate, "solvers": probe_solvers, "runtime": probe_runtime, "rl": probe_rl}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
+        sys.exit(f"usage: python tools/mutate_probes.py {{{','.join(PROBES)}}}")
+    PROBES[sys.argv[1]]()
