@@ -36,11 +36,6 @@ from ..errors import PlanError
 __all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "checkpointed_call", "forward_side_effects", "is_cache",
            "running_stat_modules"]
 
-#: Buffers of a unit up to this many bytes in all are copied before every recomputed forward; above it only those the
-#: unit was seen to change are (the first forward of a larger unit copies all of them once to find out).
-SMALL_BUFFERS = 1 << 20
-
-
 def running_stat_modules(module: nn.Module) -> list[nn.Module]:
     """Submodules whose training-mode forward updates running statistics (BatchNorm and friends)."""
     return [
@@ -195,14 +190,17 @@ class ReplayGuard:
         # buffers (module index, name) seen changing in forward; BatchNorm's kernels update running statistics
         # without moving their version counters, so those are listed up front
         stat_modules = set(running_stat_modules(module))
-        self.changed: set[tuple[int, str]] = {(i, k) for i, m in enumerate(self.modules) if m in stat_modules
-                                              for k, b in m._buffers.items() if b is not None}
+        #: running statistics do not enter a training-mode forward's output: the recomputation updates throw-away
+        #: copies of them made when it runs, and no starting value is kept from the first forward
+        self.stats: set[tuple[int, str]] = {(i, k) for i, m in enumerate(self.modules) if m in stat_modules
+                                            for k, b in m._buffers.items() if b is not None}
+        self.changed: set[tuple[int, str]] = set(self.stats)
         self._seen = False
-        total = sum(b.numel() * b.element_size() for b in module.buffers())
-        self.copy_all = total <= SMALL_BUFFERS  # then every buffer's starting value is kept, changed or not
 
     def _copy_names(self) -> set[tuple[int, str]] | None:
-        return None if self.copy_all or not self._seen else self.changed
+        # the first forward keeps every buffer's starting value, to find out by value which ones it changes; later
+        # forwards keep only those (a copy of an unchanged buffer would be device memory no plan accounts for)
+        return None if not self._seen else self.changed - self.stats
 
     def first(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """Run the first forward; returns its output and what :meth:`again` needs."""
@@ -226,7 +224,7 @@ class ReplayGuard:
                 if key in self.changed:
                     continue
                 moved = b is not was or (b is not None and b._version != state.versions[i].get(k))
-                if not moved and first_call and not self.copy_all and b is not None and key in state.copies:
+                if not moved and first_call and b is not None and key in state.copies:
                     with torch.no_grad():  # changes made by a kernel that does not move the version counter
                         moved = not torch.equal(state.copies[key], b)
                 if moved:
@@ -247,8 +245,7 @@ class ReplayGuard:
         for i in range(len(self.modules)):  # keep only what differs: nothing to restore is the common case
             state.after_attrs[i] = {k: v for k, v in state.after_attrs[i].items()
                                     if state.before_attrs[i].get(k, _MISSING) is not v}
-        if not self.copy_all:
-            state.copies = {key: t for key, t in state.copies.items() if key in self.changed}
+        state.copies = {key: t for key, t in state.copies.items() if key in self.changed and key not in self.stats}
         return out, (state, caches)
 
     def again(self, forward: Callable[..., Any], args: tuple, kwargs: dict, memo: Any) -> Any:
@@ -263,6 +260,8 @@ class ReplayGuard:
             for k in list(m._buffers):
                 if (i, k) in state.copies:
                     m._buffers[k] = state.copies[(i, k)].clone()  # the recomputation may change it again
+                elif (i, k) in self.stats and m._buffers[k] is not None:
+                    m._buffers[k] = m._buffers[k].clone()  # updated by the recomputation, then thrown away
                 elif k in before:
                     m._buffers[k] = before[k]
             for k in state.after_attrs[i]:
