@@ -45,7 +45,8 @@ def _warn_other_device(plan: Plan, model: nn.Module) -> None:
     other = _other_device(plan, model)
     if other is None:
         return
-    _DEVICE_WARNED[id(plan)] = weakref.ref(plan, lambda _, key=id(plan): _DEVICE_WARNED.pop(key, None))
+    key = id(plan)
+    _DEVICE_WARNED[key] = weakref.ref(plan, lambda _: _DEVICE_WARNED.pop(key, None))
     warnings.warn(
         f"this plan was made for {plan.device['name']} but the model is on {other}: it still trains the same, but its "
         f"budget and predicted peak and step time are for {plan.device['name']}; plan again for this device "
