@@ -332,7 +332,7 @@ class SearchDashboard:
 
         text = self._final_text(self._error)
         self._handle.update({"image/png": base64.b64encode(self.png).decode("ascii"),
-                             "text/plain": f"<memopt.search dashboard: {text}>"}, raw=True)
+                             "text/plain": f"<{self._heading()}: {text.split(chr(10))[0]}>"}, raw=True)
         display({"text/plain": text, "text/html": f"<pre>{html.escape(text)}</pre>"}, raw=True)
 
     def _stats_html(self, error: BaseException | None = None) -> str:
