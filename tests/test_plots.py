@@ -204,7 +204,7 @@ def test_search_figure_panels_and_redraw_into_the_same_figure(prof):
     titles = [a.get_title() for a in fig.axes]
     assert "how well each agent does (higher is better)" in titles
     assert any(t.startswith("peak memory of the fastest plan found") for t in titles)
-    assert any(t.startswith("memory over one step: unoptimized (the plan's is added") for t in titles)
+    assert any(t.startswith("memory over one step: unoptimized (the plan is added") for t in titles)
     same = plots.search_figure(rows(8), unoptimized=keep, best=best, fig=fig, plan=rc, title="done")
     assert same is fig
     titles = [a.get_title() for a in fig.axes]

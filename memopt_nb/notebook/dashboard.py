@@ -8,14 +8,19 @@ Use it as the search's callback, or let it run the search::
 
     p = live_search(prof, "60%")                       # the same in one call (what %memopt_plan does)
 
-In a Jupyter kernel it is an ``ipywidgets.VBox`` of an ``HTML`` stats line, a ``FloatProgress`` and an ``Image`` (a PNG
-drawn with matplotlib's Agg renderer): the reward curves of both agents, the best feasible peak against the budget, the
-best plan's step-time overhead and share of feasible episodes, and the memory timeline of the unoptimized step (the
-best plan's timeline is added in the final frame, from the returned plan). It is redrawn synchronously from the
-callback — no ``Output`` widget and no threads, both of which misbehave without a live frontend — at most every
-``min_interval`` seconds (0.3 by default, longer if drawing itself would take more than a quarter of the time), and
-always once more at the end. When a notebook is executed headless (nbclient, papermill) the widget state, image
-included, is saved in the notebook. Outside a kernel (plain IPython, a script) it prints a text line every few seconds.
+In a Jupyter kernel it is an ``ipywidgets.VBox`` of an ``HTML`` stats block (headed by the device the plan is for), a
+``FloatProgress`` with tqdm's rate and time left beside it, and an ``Image`` (a PNG drawn with matplotlib's Agg
+renderer): the reward of both agents (smoothed, raw values faint), the peak of the fastest plan within the budget found
+so far against the budget, that plan's extra step time and the share of episodes within the budget, and the memory
+timeline of the unoptimized step (the returned plan's timeline is added in the final frame). Text and picture are
+redrawn together, from the same rows, synchronously from the callback — no ``Output`` widget and no threads, both of
+which misbehave without a live frontend — at most every ``min_interval`` seconds (0.3 by default, longer if drawing
+itself would take more than a quarter of the time), and always once more at the end. The final frame's numbers are the
+returned plan's, the same as ``repr(plan)``. When the search ends the widget's output is replaced by its final picture
+and the summary is printed under it, as ordinary outputs (as livelossplot leaves its last figure): a saved notebook
+reads the same reopened without a kernel, on GitHub or exported. When a notebook is executed headless (nbclient,
+papermill) the widget state, image included, is saved in the notebook too. Outside a kernel (plain IPython, a script)
+it prints text lines every few seconds.
 
 ``MEMOPT_NB_TIMESTEPS``: an environment variable with the number of PPO timesteps the ``%memopt_plan`` magic and the
 tutorials use when none is given (CI sets it small); see :func:`timesteps_from_env`.

@@ -289,8 +289,9 @@ def unit_chart(profile: Any, plan: Any = None, *, title: str | None = None) -> F
                               va="bottom", fontsize=7)
             handles = [mpl.patches.Patch(color=c, label=s) for s, c in STRATEGY_COLORS.items()] + handles
             name = (plan.device or {}).get("name")
-            ax_m.set_title(title or f"plan per unit ({plan.method}{' for ' + name if name else ''}); swapped: w = "
-                           "forwards the copy to host may overlap, d = units ahead the copy back starts", fontsize=8)
+            ax_m.set_title(title or f"plan per unit ({plan.method}{' for ' + name if name else ''})\nswapped units: "
+                           "w = forwards the copy to host may overlap, d = units ahead the copy back starts",
+                           fontsize=8)
         else:
             ax_m.set_title(title or "per unit: saved activations (hatched: freed by recompute) and time")
         ax_m.legend(handles=handles, loc="upper right", ncols=len(handles))
@@ -443,7 +444,7 @@ def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, bu
         if results:
             _draw_timeline(ax, results, budget)
             if best is None:
-                ax.set_title("memory over one step: unoptimized (the plan's is added when the search ends)",
+                ax.set_title("memory over one step: unoptimized (the plan is added at the end)",
                              fontsize=8)
             else:
                 ax.set_title("memory over one step: " + " vs ".join(lab for lab, _, _ in results), fontsize=8)
