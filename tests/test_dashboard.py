@@ -73,9 +73,9 @@ def test_slow_drawing_stretches_the_interval(monkeypatch):
     clock = Clock()
     real = dash_mod.figure_png
 
-    def slow_png(fig, dpi=None):
+    def slow_png(fig, dpi=None, fast=False):
         clock.t += 1.0  # drawing "takes" one second of the fake clock
-        return real(fig, dpi=dpi)
+        return real(fig, dpi=dpi, fast=fast)
 
     monkeypatch.setattr(dash_mod, "figure_png", slow_png)
     d = SearchDashboard(mode="widget", min_interval=0.3, max_overhead=0.25, clock=clock)

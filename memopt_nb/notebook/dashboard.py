@@ -303,7 +303,7 @@ class SearchDashboard:
         title = f"{self._heading()}: {state}"
         self._fig = search_figure(self.history, unoptimized=self._unoptimized_sim(), best=self._best_sim,
                                   budget=budget, fig=self._fig, plan=self.plan, title=title)
-        png = figure_png(self._fig, dpi=self.dpi)
+        png = figure_png(self._fig, dpi=self.dpi, fast=not self._finished)
         self.png = png
         total = self._total()
         last = self.history[-1] if self.history else {}

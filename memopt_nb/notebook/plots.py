@@ -57,12 +57,13 @@ class MemoptFigure(Figure):
         return figure_png(self)
 
 
-def figure_png(fig: Figure, dpi: float | None = None) -> bytes:
-    """The figure as PNG bytes (what the dashboard's Image widget shows)."""
+def figure_png(fig: Figure, dpi: float | None = None, fast: bool = False) -> bytes:
+    """The figure as PNG bytes (what the dashboard's Image widget shows); ``fast`` compresses less (live frames)."""
     if fig.canvas is None or not isinstance(fig.canvas, FigureCanvasAgg):
         FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi if dpi is not None else fig.dpi, facecolor=fig.get_facecolor())
+    fig.savefig(buf, format="png", dpi=dpi if dpi is not None else fig.dpi, facecolor=fig.get_facecolor(),
+                pil_kwargs={"compress_level": 1 if fast else 6})
     return buf.getvalue()
 
 
@@ -427,10 +428,13 @@ def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, bu
         budget = float(b[-1]) if len(b) and np.isfinite(b[-1]) else None
     with styled():
         if fig is None:
-            fig = MemoptFigure(figsize=(10.0, 7.0), dpi=90, layout="constrained")
+            # A fixed layout (room for the legends under the axes): constrained layout would cost as much as the
+            # drawing itself on every live frame.
+            fig = MemoptFigure(figsize=(10.0, 7.4), dpi=90)
             FigureCanvasAgg(fig)
         else:
             fig.clear()
+        fig.subplots_adjust(left=0.07, right=0.93, top=0.9, bottom=0.13, hspace=0.62, wspace=0.33)
         axes = fig.subplots(2, 2).ravel()
         _draw_rewards(axes[0], rows)
         _draw_peaks(axes[1], rows, budget, plan)
