@@ -387,8 +387,14 @@ class Plan:
     def _repr_html_(self) -> str:
         rows = []
         for d in self.decisions:
-            timing = (f"copy to host may overlap the next {d.offload_window} forward(s); copy back starts "
-                      f"{d.prefetch_distance} unit(s) ahead in backward" if d.strategy == "swap" else "")
+            timing = ""
+            if d.strategy == "swap":
+                w, k = d.offload_window, d.prefetch_distance
+                out = ("copy to host done before the next forward" if w == 0 else
+                       f"copy to host may overlap the next {w} forward{'s' if w > 1 else ''}")
+                back = ("copy back when its backward starts" if k == 0 else
+                        f"copy back starts {k} unit{'s' if k > 1 else ''} ahead in backward")
+                timing = f"{out}; {back} (window {w}, prefetch {k})"
             rows.append(f"<tr><td>{html.escape(d.unit)}</td><td>{d.strategy}</td><td>{timing}</td></tr>")
         return (
             f"<div><b>{html.escape(self.summary())}</b><table><thead><tr><th>unit</th><th>strategy</th>"

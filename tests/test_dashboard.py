@@ -345,3 +345,12 @@ def test_a_plan_for_another_device_warns_once_when_applied():
             loss_fn(model(*inputs)).backward()
         with memopt.plan(memopt.solvers.recompute_all(prof), model):  # made for this device: no warning
             loss_fn(model(*inputs)).backward()
+
+
+def test_the_plan_table_says_swap_timing_in_words(prof):
+    p = memopt.Plan.from_strategies(prof, ["swap"] * prof.n_units, offload_window=0, prefetch_distance=0)
+    text = p._repr_html_()
+    assert ("copy to host done before the next forward; copy back when its backward starts (window 0, prefetch 0)"
+            in text)
+    p = memopt.Plan.from_strategies(prof, ["swap"] * prof.n_units, offload_window=2, prefetch_distance=1)
+    assert "may overlap the next 2 forwards; copy back starts 1 unit ahead in backward" in p._repr_html_()

@@ -338,7 +338,8 @@ class SearchDashboard:
         text = self._final_text(self._error)
         self._handle.update({"image/png": base64.b64encode(self.png).decode("ascii"),
                              "text/plain": f"<{self._heading()}: {text.split(chr(10))[0]}>"}, raw=True)
-        display({"text/plain": text, "text/html": f"<pre>{html.escape(text)}</pre>"}, raw=True)
+        lines = "<br>".join(html.escape(t) for t in text.split("\n"))
+        display({"text/plain": text, "text/html": f'<div style="font-family: monospace">{lines}</div>'}, raw=True)
 
     def _stats_html(self, error: BaseException | None = None) -> str:
         head = f"<b>{html.escape(self._heading())}</b><br>"
