@@ -525,12 +525,14 @@ class Plan:
 
     # ------------------------------------------------------------------ display
     def summary(self) -> str:
-        """One line: method, strategy counts and predictions."""
+        """One line: method, the device it is for, strategy counts and predictions."""
         from .budget import format_bytes
 
         c = self.counts()
-        parts = [f"Plan[{self.method}] {len(self.decisions)} units: keep {c['keep']}, recompute {c['recompute']}, "
-                 f"swap {c['swap']}"]
+        name = (self.device or {}).get("name")
+        device = f" for {name}" if name else ""
+        parts = [f"Plan[{self.method}]{device}: {len(self.decisions)} units: keep {c['keep']}, recompute "
+                 f"{c['recompute']}, swap {c['swap']}"]
         if self.budget_bytes:
             parts.append(f"budget {format_bytes(self.budget_bytes)}")
         if self.predicted_peak_bytes is not None:
@@ -549,11 +551,20 @@ class Plan:
     def _repr_html_(self) -> str:
         rows = []
         for d in self.decisions:
-            timing = (f"window {d.offload_window}, prefetch {d.prefetch_distance}" if d.strategy == "swap" else "")
+            timing = ""
+            if d.strategy == "swap":
+                w, k = d.offload_window, d.prefetch_distance
+                out = ("copy to host done before the next forward" if w == 0 else
+                       f"copy to host may overlap the next {w} forward{'s' if w > 1 else ''}")
+                back = ("copy back when its backward starts" if k == 0 else
+                        f"copy back starts {k} unit{'s' if k > 1 else ''} ahead in backward")
+                timing = f"{out}; {back} (window {w}, prefetch {k})"
             rows.append(f"<tr><td>{html.escape(d.unit)}</td><td>{d.strategy}</td><td>{timing}</td></tr>")
         return (
             f"<div><b>{html.escape(self.summary())}</b><table><thead><tr><th>unit</th><th>strategy</th>"
-            f"<th>timing</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
+            '<th title="swapped units only: offload window (forwards the copy to host may overlap) and prefetch '
+            f'distance (units ahead the copy back starts)">swap timing</th></tr></thead><tbody>{"".join(rows)}'
+            "</tbody></table></div>"
         )
 
 

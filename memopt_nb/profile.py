@@ -248,13 +248,29 @@ class ModelProfile:
     def __repr__(self) -> str:
         return f"<ModelProfile {self.summary()}>"
 
+    def _floor_html(self) -> str:
+        """The smallest peak any plan reaches on the profiled device and what bounds it (see :mod:`memopt_nb.floor`)."""
+        from .floor import explain_floor
+
+        try:
+            floor = explain_floor(self)
+        except Exception as exc:  # noqa: BLE001 - a display must not fail
+            return f"<p>smallest reachable peak: not computed ({html.escape(type(exc).__name__)}: " \
+                   f"{html.escape(str(exc))})</p>"
+        advice = ("<br>To lower it: " + html.escape("; ".join(floor.advice)) + ".") if floor.advice else ""
+        return (f"<p><b>Smallest reachable peak (any plan): {format_bytes(floor.floor_bytes)}</b> = "
+                f"{html.escape(floor.breakdown_text())}.<br>{html.escape(floor.bound_text())}{advice}</p>")
+
     def _repr_html_(self) -> str:
+        numbered = any(u.name != str(u.index) for u in self.units)  # nn.Sequential children: the name is the index
         rows = "".join(
-            f"<tr><td>{u.index}</td><td>{html.escape(u.name)}</td><td>{html.escape(u.type)}</td>"
+            "<tr>" + (f"<td>{u.index}</td>" if numbered else "") +
+            f"<td>{html.escape(u.name)}</td><td>{html.escape(u.type)}</td>"
             f"<td>{u.fwd_time * 1e3:.2f}</td><td>{u.bwd_time * 1e3:.2f}</td><td>{format_bytes(u.saved_bytes)}</td>"
             f"<td>{format_bytes(u.interior_bytes)}</td><td>{format_bytes(u.output_bytes)}</td>"
             f"<td>{format_bytes(u.param_bytes)}</td>"
-            f"<td>{'rng ' if u.has_rng else ''}{'bn' if u.has_running_stats else ''}{_effects_html(u)}</td></tr>"
+            f"<td>{', '.join(f for f, on in (('random ops', u.has_rng), ('running stats', u.has_running_stats)) if on)}"
+            f"{_effects_html(u)}</td></tr>"
             for u in self.units
         )
         totals = (f"peak {format_bytes(self.peak_bytes)} · step {self.step_time * 1e3:.1f} ms · params "
@@ -265,10 +281,16 @@ class ModelProfile:
         if self.excluded:
             excluded = "<p>excluded: " + "; ".join(html.escape(f"{e['name']} ({e['reason']})")
                                                    for e in self.excluded) + "</p>"
+        head = ("<th>#</th>" if numbered else "") + (
+            "<th>unit</th><th>type</th><th>fwd ms</th><th>bwd ms</th>"
+            '<th title="activations the unit saves for backward">saved</th>'
+            '<th title="saved bytes that recomputing the unit frees (made and used only inside it)">freed by '
+            "recompute</th><th>output</th><th>params</th>"
+            '<th title="random ops (dropout): recompute replays their random numbers; running stats (BatchNorm): '
+            'recompute does not update them twice">notes</th>')
         return (
-            f"<div><b>{html.escape(self.summary())}</b><p>{totals}</p>{excluded}<table><thead><tr><th>#</th>"
-            "<th>unit</th><th>type</th><th>fwd ms</th><th>bwd ms</th><th>saved</th><th>interior</th><th>output</th>"
-            f"<th>params</th><th>flags</th></tr></thead><tbody>{rows}</tbody></table></div>"
+            f"<div><b>{html.escape(self.summary())}</b><p>{totals}</p>{self._floor_html()}{excluded}<table><thead>"
+            f"<tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
         )
 
 

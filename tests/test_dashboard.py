@@ -1,5 +1,7 @@
 """memopt_nb.notebook.dashboard: throttled synchronous redraws, a final frame, text fallback, no Output/threads."""
 
+import base64
+import html
 import threading
 
 import ipywidgets as widgets
@@ -44,7 +46,8 @@ def test_widget_is_html_progress_image_without_output_widget():
     d = SearchDashboard(mode="widget")
     kinds = [type(c) for c in d.widget.children]
     assert isinstance(d.widget, widgets.VBox)
-    assert kinds == [widgets.HTML, widgets.FloatProgress, widgets.Image]
+    assert kinds == [widgets.HTML, widgets.HBox, widgets.Image]
+    assert [type(c) for c in d.widget.children[1].children] == [widgets.FloatProgress, widgets.HTML]
     assert not any(isinstance(c, widgets.Output) for c in d.widget.children)
 
 
@@ -70,9 +73,9 @@ def test_slow_drawing_stretches_the_interval(monkeypatch):
     clock = Clock()
     real = dash_mod.figure_png
 
-    def slow_png(fig, dpi=None):
+    def slow_png(fig, dpi=None, fast=False):
         clock.t += 1.0  # drawing "takes" one second of the fake clock
-        return real(fig, dpi=dpi)
+        return real(fig, dpi=dpi, fast=fast)
 
     monkeypatch.setattr(dash_mod, "figure_png", slow_png)
     d = SearchDashboard(mode="widget", min_interval=0.3, max_overhead=0.25, clock=clock)
@@ -84,12 +87,38 @@ def test_slow_drawing_stretches_the_interval(monkeypatch):
     assert 3 <= d.frames <= 6
 
 
-def test_stats_show_progress_and_best_plan():
+def test_stats_show_progress_rate_and_time_left_and_the_fastest_plan():
     d = SearchDashboard(mode="widget", total_timesteps=800, title="my search")
-    d(row(3))
-    assert "my search" in d.stats.value and "240 / 800" in d.stats.value
+    d(row(3))  # 240 of 800 timesteps after 3.0 s: 80 steps/s, 560 left -> 7 s
+    assert "my search" in d.stats.value
+    assert d.rate.value == "240/800 timesteps [00:03&lt;00:07, 80 steps/s]"
     assert memopt.format_bytes(900) in d.stats.value and "+100.0%" in d.stats.value
     assert d.progress.value == pytest.approx(0.3) and d.progress.bar_style == "info"
+    assert dash_mod._rate_text(0, None, 0.0) == "0 timesteps [00:00<?, ? steps/s]"
+    assert dash_mod._rate_text(3744, 3744, 4000.0, finished=True) == "3,744 timesteps [1:06:40, 1 steps/s]"
+
+
+def test_text_and_picture_are_redrawn_together(monkeypatch):
+    clock = Clock()
+    real = dash_mod.figure_png
+
+    def slow_png(fig, dpi=None, **kw):
+        clock.t += 1.0  # drawing "takes" one second: the picture's interval stretches to 4 s
+        return real(fig, dpi=dpi, **kw)
+
+    monkeypatch.setattr(dash_mod, "figure_png", slow_png)
+    d = SearchDashboard(mode="widget", min_interval=0.3, max_overhead=0.25, clock=clock, total_timesteps=80 * 21)
+    stats, images = [], []
+    d.stats.observe(lambda ch: stats.append(ch["new"]), "value")
+    d.image.observe(lambda ch: images.append(ch["new"]), "value")
+    for i in range(21):
+        clock.t += 0.5
+        d(row(i + 1))
+        # what you read is what you see: the stats name the last iteration the picture shows
+        (line,) = [ln for ln in d._fig.axes[0].get_lines() if ln.get_label() == "strategy agent"]
+        shown = max(line.get_xdata())
+        assert f"iteration <b>{int(shown)}</b>" in d.stats.value
+    assert len(stats) == len(images) == d.frames and 3 <= d.frames <= 7
 
 
 def test_a_search_with_the_dashboard(prof, budget):
@@ -105,8 +134,8 @@ def test_a_search_with_the_dashboard(prof, budget):
     assert d.progress.value == 1.0 and d.progress.bar_style == "success"
     assert "done:" in d.stats.value
     # the final frame has the best plan's timeline, whose peak is the plan's predicted peak
-    tl = [a for a in d._fig.axes if a.get_title().startswith("memory timeline")][0]
-    best = [ln for ln in tl.get_lines() if ln.get_label().startswith("best plan:")]
+    tl = [a for a in d._fig.axes if a.get_title().startswith("memory over one step")][0]
+    best = [ln for ln in tl.get_lines() if ln.get_label().startswith("returned plan:")]
     assert len(best) == 1 and memopt.format_bytes(plan.predicted_peak_bytes) in best[0].get_label()
     base = [ln for ln in tl.get_lines() if ln.get_label().startswith("unoptimized:")][0]
     assert max(base.get_ydata()) > max(best[0].get_ydata())
@@ -155,12 +184,13 @@ def test_text_mode_prints_throttled_lines_and_a_summary(prof, budget):
     for i in range(12):
         clock.t = float(i)
         d(row(i + 1))
-    assert len(lines) == 3  # t = 0, 5, 10
-    assert lines[0].startswith("[memopt.search] iter    1") and "best peak" in lines[0]
+    assert len(lines) == 4  # the heading naming the device, then t = 0, 5, 10
+    assert lines[0] == f"[memopt.search] memopt.search for {prof.device.name}"
+    assert lines[1].startswith("[memopt.search] iter    1") and "best peak" in lines[1]
     plan = memopt.Plan.uniform(prof, "recompute")
     d.finish(plan)
-    assert len(lines) == 5  # the last row (not printed yet), then the summary
-    assert "iter   12" in lines[3] and lines[4].startswith("done: ") and plan.summary() in lines[4]
+    assert len(lines) == 6  # the last row (not printed yet), then the summary
+    assert "iter   12" in lines[4] and lines[5].startswith("done: ") and plan.summary() in lines[5]
     assert d.frames == 0  # text mode never renders images
 
 
@@ -169,7 +199,7 @@ def test_auto_mode_outside_a_kernel_is_text(capsys, prof, budget):
     plan = live_search(prof, budget, total_timesteps=96)
     out = capsys.readouterr().out
     assert "[memopt.search] iter" in out and "done: " in out
-    assert plan.meta["total_timesteps"] == 96
+    assert plan.meta["requested_timesteps"] == 96
 
 
 def test_none_mode_is_silent(capsys):
@@ -203,3 +233,124 @@ def test_nan_rewards_do_not_break_the_image():
     assert d.frames == 1 and d.image.value[:4] == b"\x89PNG"
     assert "–" in d.stats.value
     assert np.isnan(r["reward_strategy"])
+
+
+# ---------------------------------------------------------------------- one source of numbers, the device, the end
+class FakeHandle:
+    def __init__(self):
+        self.updates = []
+
+    def update(self, obj, raw=False):
+        self.updates.append((obj, raw))
+
+
+@pytest.fixture
+def displayed(monkeypatch):
+    """Record what the dashboard displays (as a kernel would receive it)."""
+    import IPython.display
+
+    shown, handle = [], FakeHandle()
+
+    def fake_display(*objs, raw=False, display_id=None, **kw):
+        shown.append((objs, raw, display_id))
+        return handle if display_id else None
+
+    monkeypatch.setattr(IPython.display, "display", fake_display)
+    return shown, handle
+
+
+def test_the_end_leaves_the_picture_and_the_summary_as_ordinary_outputs(prof, budget, displayed):
+    shown, handle = displayed
+    d = SearchDashboard(prof, mode="widget", device="a100-40gb")
+    plan = d.run(prof, budget, "a100-40gb", total_timesteps=96, seed=0)
+    (first, rest) = shown[0], shown[1:]
+    assert first[0] == (d.widget,) and first[2] is True  # the live widget, with a display id
+    (update, raw), = handle.updates  # replaced in place by the final picture
+    assert raw and base64.b64decode(update["image/png"]) == d.png == d.image.value
+    (summary,) = rest
+    text = summary[0][0]["text/plain"]
+    assert text == d._final_text()
+    assert text.startswith("done: ") and plan.summary() in text and "for a100-40gb" in text
+    assert html.escape(text.split("\n")[0]) in summary[0][0]["text/html"]
+
+
+def test_the_device_is_named_in_the_heading_the_summary_and_the_plan(prof, budget):
+    d = SearchDashboard(prof, mode="widget", device="a100-40gb", static=False)
+    plan = d.run(prof, budget, "a100-40gb", total_timesteps=96, seed=0)
+    assert f"memopt.search for a100-40gb (profiled on {prof.device.name})" in d.stats.value
+    assert "done: Plan[memopt-ppo] for a100-40gb" in d.stats.value
+    assert "for a100-40gb" in repr(plan) and "for a100-40gb" in plan._repr_html_()
+    assert "for a100-40gb" in d._fig._suptitle.get_text()
+
+
+def test_stats_summary_and_figure_show_the_returned_plan(prof, budget):
+    d = SearchDashboard(prof, mode="widget", static=False)
+    plan = d.run(prof, budget, total_timesteps=144, seed=0)
+    fb = memopt.format_bytes
+    # once done, the stats are the returned plan's figures, the same the plan's repr and the figure show
+    assert f"predicted peak {fb(plan.predicted_peak_bytes)}" in d.stats.value
+    assert f"step {plan.predicted_step_time * 1e3:.2f} ms" in d.stats.value
+    assert "fastest plan within the budget so far" not in d.stats.value
+    star = [ln for ln in d._fig.axes[1].get_lines() if ln.get_label().startswith("returned plan:")]
+    assert len(star) == 1 and fb(plan.predicted_peak_bytes) in star[0].get_label()
+    # "done" comes with the timesteps that ran, not "x / y"
+    run = plan.meta["timesteps_run"]
+    assert run == plan.meta["total_timesteps"] == d.history[-1]["global_step"]
+    assert f"{run:,} timesteps in" in d.stats.value and d.rate.value.startswith(f"{run:,} timesteps [")
+    rate = f"{run / plan.meta['search_seconds']:,.0f} steps/s"  # one figure for the rate, too
+    assert rate in d.rate.value and rate in d.stats.value
+    if plan.meta["polish"] == "ran" and not plan.meta["polish_moves"]:
+        assert "could not improve it" in d.stats.value
+
+
+def test_an_interrupted_search_reads_interrupted_and_shows_no_polish(prof, budget):
+    class Interrupting(SearchDashboard):
+        def __call__(self, row):
+            super().__call__(row)
+            if len(self.history) == 2:
+                raise KeyboardInterrupt
+
+    d = Interrupting(prof, mode="widget", static=False)
+    plan = d.run(prof, budget, total_timesteps=2000, seed=0)
+    assert plan.meta["interrupted"] and plan.meta["polish"] == "skipped: interrupted"
+    assert plan.meta["polished_step_time"] is None and plan.meta["polish_moves"] == 0
+    assert d.progress.description == "interrupted" and d.progress.bar_style == "warning"
+    assert d.progress.value < 1.0  # the bar shows how far the search got
+    assert "done" not in d.stats.value and "interrupted: Plan[" in d.stats.value
+    assert f"interrupted after {plan.meta['timesteps_run']:,} of {plan.meta['total_timesteps']:,}" in d.stats.value
+    assert "polish)" not in d.stats.value and "not polished (skipped: interrupted)" in d.stats.value
+    assert d._fig._suptitle.get_text().endswith(": interrupted")
+
+
+def test_the_polish_time_is_only_reported_when_the_polish_ran(prof, budget):
+    plan = memopt.search(prof, budget, total_timesteps=96, seed=0, polish_plan=False)
+    assert plan.meta["polish"] == "off" and plan.meta["polished_step_time"] is None
+    d = SearchDashboard(prof, mode="none")
+    d.finish(plan)
+    assert "polish" not in d._final_text()
+
+
+def test_a_plan_for_another_device_warns_once_when_applied():
+    model, inputs, loss_fn, _ = memopt.zoo.gpt(batch_size=2, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+    prof = memopt.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
+    gpu_plan = memopt.solvers.recompute_all(prof, device="a100-40gb")
+    with pytest.warns(UserWarning, match="made for a100-40gb but the model is on the CPU"):
+        with memopt.plan(gpu_plan, model):
+            loss_fn(model(*inputs)).backward()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with memopt.plan(gpu_plan, model):  # once per plan
+            loss_fn(model(*inputs)).backward()
+        with memopt.plan(memopt.solvers.recompute_all(prof), model):  # made for this device: no warning
+            loss_fn(model(*inputs)).backward()
+
+
+def test_the_plan_table_says_swap_timing_in_words(prof):
+    p = memopt.Plan.from_strategies(prof, ["swap"] * prof.n_units, offload_window=0, prefetch_distance=0)
+    text = p._repr_html_()
+    assert ("copy to host done before the next forward; copy back when its backward starts (window 0, prefetch 0)"
+            in text)
+    p = memopt.Plan.from_strategies(prof, ["swap"] * prof.n_units, offload_window=2, prefetch_distance=1)
+    assert "may overlap the next 2 forwards; copy back starts 1 unit ahead in backward" in p._repr_html_()

@@ -9,6 +9,7 @@ from IPython.testing.globalipapp import get_ipython
 from IPython.utils.capture import capture_output
 
 import memopt_nb as memopt
+from memopt_nb.floor import explain_floor
 from memopt_nb.notebook import magics
 
 
@@ -193,15 +194,20 @@ def test_profile_display_in_a_notebook_is_table_and_chart(prof, monkeypatch):
     monkeypatch.setattr(magics, "in_notebook", lambda: True)
     monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append(obj))
     magics._profile_display(prof)
-    html, image = shown
-    assert isinstance(html, IPython.display.HTML) and "blocks.0" in html.data and "fwd ms" in html.data
+    bundle, image = shown
+    assert "blocks.0" in bundle["text/html"] and "fwd ms" in bundle["text/html"]
+    floor = memopt.format_bytes(memopt.solvers.min_peak(prof))
+    assert f"Smallest reachable peak (any plan): {floor}" in bundle["text/html"]
+    assert f"Smallest reachable peak: {floor}" in bundle["text/plain"] and "bounded by" in bundle["text/plain"]
     assert isinstance(image, IPython.display.Image) and image.data[:4] == b"\x89PNG"
     assert magics.profile_chart_html(prof).count("data:image/png;base64,") == 1
 
 
 def test_profile_display_in_a_terminal_is_text(prof, capsys):
     magics._profile_display(prof)
-    assert capsys.readouterr().out.strip() == repr(prof)
+    first, second = capsys.readouterr().out.strip().split("\n")
+    assert first == repr(prof)
+    assert second.startswith(f"Smallest reachable peak: {memopt.format_bytes(memopt.solvers.min_peak(prof))} (")
 
 
 def test_unload_removes_everything_and_reload_works(ip, prof):
@@ -226,3 +232,45 @@ def test_unload_removes_everything_and_reload_works(ip, prof):
         ip.run_line_magic("load_ext", "memopt_nb")
     assert "memopt_plan" in ip.magics_manager.magics["line"]
     assert fmt.lookup_by_type(memopt.ModelProfile) is magics._profile_display
+
+
+def test_plan_semicolon_hides_the_result_and_quiet_hides_everything(ip, prof, capsys):
+    lo = memopt.solvers.min_peak(prof)
+    budget = int(lo + 0.5 * (prof.peak_bytes - lo))
+    res = ip.run_cell(f"%memopt_plan prof --budget {budget} --timesteps 96 --no-widget -o p_semi;")
+    res.raise_error()
+    out = capsys.readouterr().out
+    assert res.result is None and isinstance(ip.user_ns["p_semi"], memopt.Plan)
+    assert "[memopt.search] iter" in out and "done: " in out  # the progress still shows, as the README says
+    assert "stored as" not in out
+    res = ip.run_cell(f"%memopt_plan prof --budget {budget} --timesteps 96 -q -o p_quiet")
+    res.raise_error()
+    assert res.result is None and capsys.readouterr().out == "" and isinstance(ip.user_ns["p_quiet"], memopt.Plan)
+
+
+def test_plan_magic_reads_its_budget_with_the_api_parser(ip, prof, monkeypatch):
+    calls = []
+    real = memopt.resolve_budget
+
+    def spy(value, reference=None):
+        calls.append((value, reference))
+        return real(value, reference=reference)
+
+    monkeypatch.setattr(memopt, "resolve_budget", spy)
+    lo = memopt.solvers.min_peak(prof)
+    pct = math.ceil(100 * (lo + 0.5 * (prof.peak_bytes - lo)) / prof.peak_bytes)
+    ip.run_line_magic("memopt_plan", f"prof --budget {pct}% --timesteps 96 -q -o p_spy")
+    p = ip.user_ns["p_spy"]
+    assert calls[0] == (f"{pct}%", prof.peak_bytes)
+    assert p.budget_bytes == real(f"{pct}%", reference=prof.peak_bytes)
+
+
+def test_budget_below_the_floor_says_what_bounds_it(ip, prof):
+    lo = memopt.solvers.min_peak(prof)
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", f"prof --budget {lo - 1} --timesteps 96")
+    floor = explain_floor(prof)
+    msg = str(err.value)
+    assert floor.bound_text() in msg and floor.breakdown_text() in msg
+    assert all(a in msg for a in floor.advice)
+    assert "add units" not in msg

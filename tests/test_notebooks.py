@@ -1,8 +1,10 @@
-"""Every tutorial (and benchmark notebook, once there are any) executes headless with nbclient at a small search budget.
+"""Every tutorial (and benchmark notebook) executes headless with nbclient at a small search budget.
 
 The search budget comes from ``MEMOPT_NB_TIMESTEPS`` (default here: 2000 PPO timesteps; set it to run the notebooks
-longer). Each run must raise no error, print finite results in its ``summary`` cell and, where it shows the dashboard,
-save the widget state — Image included — in the notebook.
+longer). Each run must raise no error and, where it shows the dashboard, save the widget state — Image included — and
+leave the final picture and summary as ordinary outputs. The figures the tests check come from a summary cell the test
+appends: its code is in the notebook's metadata (``metadata.memopt_nb.test_summary``), so the tutorials end with next
+steps for a reader, not with the test suite's JSON.
 """
 
 import base64
@@ -16,10 +18,13 @@ import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "tutorials").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb"))
+TUTORIALS = sorted((ROOT / "tutorials").glob("*.ipynb"))
+NOTEBOOKS = TUTORIALS + sorted((ROOT / "notebooks").glob("*.ipynb"))
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 CI_TIMESTEPS = "2000"
+#: README: the per-rank peak is "predicted by per_rank + simulate within 0.01% on every rank".
+PER_RANK_BOUND = 1e-4
 
 
 @pytest.fixture
@@ -29,8 +34,18 @@ def notebook_env(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
 
 
-def execute(path: Path) -> nbformat.NotebookNode:
-    nb = nbformat.read(path, as_version=4)
+def with_summary_cell(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Append the test hook kept in the notebook's metadata as a cell tagged ``summary``."""
+    source = nb.metadata.get("memopt_nb", {}).get("test_summary")
+    if source:
+        cell = nbformat.v4.new_code_cell(source)
+        cell.metadata["tags"] = ["summary"]
+        nb.cells.append(cell)
+    return nb
+
+
+def execute(path: Path, nb: nbformat.NotebookNode | None = None) -> nbformat.NotebookNode:
+    nb = with_summary_cell(nb if nb is not None else nbformat.read(path, as_version=4))
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
     client.execute()
     return nb
@@ -54,11 +69,45 @@ def numbers(value):
             yield from numbers(v)
 
 
+def outputs_of(cell):
+    return [o for o in cell.get("outputs", [])]
+
+
+def text_of(cell) -> str:
+    parts = []
+    for o in outputs_of(cell):
+        if o.output_type == "stream":
+            parts.append(o.text)
+        elif "data" in o:
+            parts.append(o["data"].get("text/plain", ""))
+    return "\n".join(parts)
+
+
 def test_there_are_tutorials():
     names = [p.name for p in NOTEBOOKS]
     assert {"01_quickstart.ipynb", "02_strategy_and_timing.ipynb", "03_evaluate.ipynb",
             "04_more_than_one_device.ipynb"} <= set(names)
     assert "benchmarks.ipynb" in names
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.name for p in TUTORIALS])
+def test_tutorials_end_with_next_steps_and_keep_test_hooks_out_of_sight(path):
+    nb = nbformat.read(path, as_version=4)
+    assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.startswith("## Next steps")
+    visible = "\n".join(c.source for c in nb.cells)
+    assert "test suite reads" not in visible and "json.dumps(summary" not in visible
+    assert not [c for c in nb.cells if "summary" in c.get("metadata", {}).get("tags", [])]
+    assert "summary" in nb.metadata["memopt_nb"]["test_summary"]
+
+
+def verdict_says(verdict: str, worth_it: bool) -> None:
+    """The verdict's conclusion, read exactly: it ends with "— worth it" or "— not worth it" (or, where plain training
+    does not fit at all, says a plan is the only way to train), and agrees with the flag."""
+    if worth_it:
+        assert verdict.endswith("— worth it") or verdict.endswith("the only way to train here"), verdict
+        assert "not worth it" not in verdict, verdict
+    else:
+        assert verdict.endswith("— not worth it") or verdict.startswith("nothing fits"), verdict
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -70,7 +119,7 @@ def test_notebook_executes(path, notebook_env):
 
     summary = summary_of(nb)
     if path.parent.name == "tutorials":
-        assert summary is not None, "tutorials end with a cell tagged 'summary' that prints JSON"
+        assert summary is not None, "tutorials keep a summary for the tests in metadata.memopt_nb.test_summary"
     if summary is not None:
         vals = [v for x in summary.values() for v in numbers(x)]
         assert vals and all(math.isfinite(v) for v in vals), summary
@@ -78,15 +127,24 @@ def test_notebook_executes(path, notebook_env):
     views = [o["data"][WIDGET_VIEW]["model_id"] for o in outputs if WIDGET_VIEW in o.get("data", {})]
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     assert all(mid in state for mid in views), "every displayed widget has its state saved in the notebook"
-    if path.name in ("01_quickstart.ipynb", "02_strategy_and_timing.ipynb"):
-        assert views, "the tutorial shows the live dashboard"
     images = [m for m in state.values() if m["model_name"] == "ImageModel"]
-    assert len(images) >= len(views)
     for m in images:
         (buf,) = [b for b in m.get("buffers", []) if b["path"] == ["value"]]
         assert base64.b64decode(buf["data"])[:8] == b"\x89PNG\r\n\x1a\n"
     bars = [m["state"] for m in state.values() if m["model_name"] == "FloatProgressModel"]
     assert all(b["value"] == 1.0 and b["bar_style"] == "success" for b in bars), bars
+
+    plan_cells = [c for c in nb.cells if c.cell_type == "code" and c.source.lstrip().startswith("%memopt_plan")
+                  and "--no-widget" not in c.source]
+    if path.name in ("01_quickstart.ipynb", "02_strategy_and_timing.ipynb"):
+        assert plan_cells and images, "the tutorial shows the live dashboard"
+    for cell in plan_cells:
+        # the search's end left the dashboard's final picture and its summary as ordinary outputs
+        pngs = [o for o in outputs_of(cell) if "image/png" in o.get("data", {})]
+        assert len(pngs) == 1 and base64.b64decode(pngs[0]["data"]["image/png"])[:4] == b"\x89PNG"
+        assert pngs[0]["data"]["image/png"] in [m["buffers"][0]["data"] for m in images]  # the widget's last frame
+        assert "done: Plan[memopt-ppo] for " in text_of(cell)
+        assert not [o for o in outputs_of(cell) if WIDGET_VIEW in o.get("data", {})]
 
     if path.name == "01_quickstart.ipynb":
         assert summary["loss_matched"] is True
@@ -101,9 +159,64 @@ def test_notebook_executes(path, notebook_env):
         assert summary["here_plan_step_time_on_gpu"] >= summary["optimum_step_time"] * (1 - 1e-9)
         assert len(summary["swap_all_stalls_ms"]) == 12
     if path.name == "03_evaluate.ipynb":
-        assert summary["flat_worth_it"] is False
+        # Only what does not depend on this machine's wall clock is decided here: which batches fit (memory) and
+        # that each verdict's words agree with its flag. Whether a plan pays off on this CPU is measured, and shown
+        # to the reader, not asserted.
         assert summary["gpu_source"] == "simulated"
         assert summary["best_plan_max_batch"] >= summary["plain_max_batch"]
-        assert ("worth it" in summary["cpu_verdict"]) and 0.0 <= summary["r2_memory_plain"] <= 1.0
+        assert 0.0 <= summary["r2_memory_plain"] <= 1.0
+        verdict_says(summary["cpu_verdict"], summary["cpu_worth_it"])
+        verdict_says(summary["gpu_verdict"], summary["gpu_worth_it"])
+        verdict_says(summary["flat_verdict"], summary["flat_worth_it"])
+    if path.name == "04_more_than_one_device.ipynb":
+        assert summary["params_equal"] is True  # every rank of both shardings, compared with torch.equal
+        errors = [e for per_sharding in summary["prediction_error"] for e in per_sharding]
+        assert len(errors) == 4 and all(abs(e) <= PER_RANK_BOUND for e in errors), errors
     if path.name == "benchmarks.ipynb":
         assert summary["cases"] >= 2 and summary["seconds"] > 0
+
+
+def test_verdict_check_reads_the_conclusion_not_a_substring():
+    verdict_says("recompute_all raises the max batch from 256 to 1024 ... — worth it", True)
+    with pytest.raises(AssertionError):
+        verdict_says("no plan beats plain training ... — not worth it", True)  # "worth it" is in it, too
+    with pytest.raises(AssertionError):
+        verdict_says("recompute_all raises the max batch ... — worth it", False)
+
+
+def test_a_plan_for_a_preset_device_saved_and_read_back(tmp_path, notebook_env):
+    """A notebook planning with ``--device a100-40gb``: saved and read back, the plan cell holds a PNG and names the
+    device, and the profile's output states its floor as memopt formats it."""
+    import memopt_nb as memopt
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext memopt_nb\nimport torch\nimport memopt_nb as memopt"),
+        nbformat.v4.new_code_cell(
+            "%%memopt_profile --model model --inputs idx --loss loss_fn --optimizer opt --repeats 1 -o prof\n"
+            "model, (idx,), loss_fn, _ = memopt.zoo.gpt(batch_size=2, seq_len=32, d_model=32, n_layers=2, n_heads=2)\n"
+            "opt = torch.optim.Adam(model.parameters())"),
+        nbformat.v4.new_code_cell("%memopt_plan prof --budget 80% --device a100-40gb --timesteps 96 -o p"),
+        nbformat.v4.new_code_cell("prof.save('prof.json')\nprint(memopt.solvers.min_peak(prof))"),
+    ]
+    path = tmp_path / "device.ipynb"
+    nbformat.write(nb, path)
+    ran = execute(path, nbformat.read(path, as_version=4))
+    nbformat.write(ran, path)
+    back = nbformat.read(path, as_version=4)
+    profile_cell, plan_cell, floor_cell = back.cells[1], back.cells[2], back.cells[3]
+    assert not [o for c in back.cells for o in outputs_of(c) if o.output_type == "error"]
+
+    pngs = [o for o in outputs_of(plan_cell) if "image/png" in o.get("data", {})]
+    assert len(pngs) == 1 and base64.b64decode(pngs[0]["data"]["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+    text = text_of(plan_cell)
+    assert "done: Plan[memopt-ppo] for a100-40gb" in text
+    assert "memopt.search for a100-40gb" in pngs[0]["data"]["text/plain"]  # the picture's heading, in words
+
+    prof = memopt.ModelProfile.load(tmp_path / "prof.json")
+    floor = int(text_of(floor_cell).strip())
+    assert floor == memopt.solvers.min_peak(prof)  # the profile read back has the kernel's floor
+    stated = memopt.format_bytes(floor)
+    shown = [o["data"] for o in outputs_of(profile_cell) if "data" in o]
+    assert any(f"Smallest reachable peak (any plan): {stated}" in d.get("text/html", "") for d in shown)
+    assert any(f"Smallest reachable peak: {stated}" in d.get("text/plain", "") for d in shown)

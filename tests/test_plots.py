@@ -115,7 +115,7 @@ def test_reward_curves_skip_nan_and_show_both_agents():
     (s,) = lines_with_label(ax, "strategy agent")
     (t,) = lines_with_label(ax, "timing agent")
     assert list(s.get_xdata()) == [2, 3, 4, 5, 6]  # iteration 1 had no finished episode
-    assert list(s.get_ydata()) == [-8.0, -7.0, -6.0, -5.0, -4.0]
+    assert list(s.get_ydata()) == pytest.approx(list(plots.smooth([math.nan, -8.0, -7.0, -6.0, -5.0, -4.0])[1:]))
     assert len(t.get_xdata()) == 6
     with pytest.raises(TypeError):
         plots.reward_curves(h[0])
@@ -123,10 +123,26 @@ def test_reward_curves_skip_nan_and_show_both_agents():
         plots.reward_curves([1, 2])
 
 
+def test_reward_curves_are_smoothed_with_the_raw_values_faint_behind():
+    h = rows(40, with_nan=False)
+    noisy = [(-1.0) ** i * 3.0 + 0.1 * i for i in range(40)]
+    for r, v in zip(h, noisy):
+        r["reward_strategy"] = v
+    ax = plots.reward_curves(h).axes[0]
+    (smoothed,) = lines_with_label(ax, "strategy agent")
+    raw = [ln for ln in ax.get_lines() if list(ln.get_ydata()) == noisy]
+    assert len(raw) == 1 and raw[0].get_alpha() < 0.5 and raw[0].get_color() == smoothed.get_color()
+    assert raw[0].get_label().startswith("_")  # not in the legend
+    tv = lambda y: float(np.abs(np.diff(y)).sum())  # noqa: E731
+    assert tv(smoothed.get_ydata()) < 0.3 * tv(noisy)
+    assert plots.smooth([1.0, 2.0, 3.0], weight=0.0) == pytest.approx([1.0, 2.0, 3.0])
+    assert plots.smooth([5.0] * 50)[-1] == pytest.approx(5.0)  # debiased: a constant stays that constant
+
+
 def test_peak_curve_draws_best_peak_budget_and_base():
     fig = plots.peak_curve(rows(feasible_from=3))
     ax = fig.axes[0]
-    (best,) = lines_with_label(ax, "best plan's peak")
+    (best,) = lines_with_label(ax, "peak of the fastest plan within the budget")
     assert list(best.get_xdata()) == [3, 4, 5, 6]
     (budget,) = lines_with_label(ax, "budget")
     (base,) = lines_with_label(ax, "unoptimized")
@@ -135,24 +151,78 @@ def test_peak_curve_draws_best_peak_budget_and_base():
     assert budget.get_ydata()[0] == pytest.approx(1000 / 1024) and base.get_ydata()[0] == pytest.approx(2000 / 1024)
     assert best.get_ydata()[-1] == pytest.approx(840 / 1024)
     fig = plots.peak_curve(rows(feasible_from=99))
-    assert any("no feasible plan" in t.get_text() for t in fig.axes[0].texts)
+    assert any("no plan within the budget yet" in t.get_text() for t in fig.axes[0].texts)
+
+
+def overlaps(fig, artist, ax):
+    fig.canvas.draw()
+    a = artist.get_window_extent()
+    b = ax.get_window_extent()
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_legends_and_notes_do_not_cover_the_plot(prof):
+    keep = memopt.simulate(prof, memopt.Plan.uniform(prof, "keep"))
+    fig = plots.search_figure(rows(), unoptimized=keep)
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None:
+            assert not overlaps(fig, legend, ax), ax.get_title()
+        for t in ax.texts:  # a note inside the axes would sit on the curves
+            assert t.get_text() in (" forward", " backward"), t.get_text()
+    fig = plots.memory_timeline(prof, {"unoptimized": memopt.Plan.uniform(prof, "keep"),
+                                       "plan": memopt.Plan.uniform(prof, "recompute")}, budget="60%")
+    assert not overlaps(fig, fig.axes[0].get_legend(), fig.axes[0])
+
+
+def test_the_same_colours_in_every_figure(prof):
+    to_rgb = matplotlib.colors.to_rgb
+    keep, rc = memopt.Plan.uniform(prof, "keep"), memopt.Plan.uniform(prof, "recompute")
+    ax = plots.memory_timeline(prof, {"unoptimized": keep, "plan": rc}, budget="60%").axes[0]
+    dash = plots.search_figure(rows(), unoptimized=memopt.simulate(prof, keep), best=memopt.simulate(prof, rc),
+                               budget=0.6 * prof.peak_bytes)
+    tl = dash.axes[3]
+    peaks = dash.axes[1]
+    for axis, base_label, plan_label in ((ax, "unoptimized:", "plan:"), (tl, "unoptimized:", "returned plan:")):
+        assert to_rgb(lines_with_label(axis, base_label)[0].get_color()) == to_rgb(plots.BASE_COLOR)
+        assert to_rgb(lines_with_label(axis, plan_label)[0].get_color()) == to_rgb(plots.PLAN_COLOR)
+        assert to_rgb(lines_with_label(axis, "budget")[0].get_color()) == to_rgb(plots.BUDGET_COLOR)
+    assert to_rgb(lines_with_label(peaks, "budget")[0].get_color()) == to_rgb(plots.BUDGET_COLOR)
+    assert to_rgb(lines_with_label(peaks, "unoptimized")[0].get_color()) == to_rgb(plots.BASE_COLOR)
+    assert to_rgb(lines_with_label(peaks, "peak of the fastest")[0].get_color()) == to_rgb(plots.PLAN_COLOR)
+    # a plan that keeps every unit is the unoptimized step, whatever it is called
+    ax = plots.memory_timeline(prof, [keep, rc]).axes[0]
+    assert to_rgb(ax.get_lines()[0].get_color()) == to_rgb(plots.BASE_COLOR)
 
 
 def test_search_figure_panels_and_redraw_into_the_same_figure(prof):
     keep = memopt.simulate(prof, memopt.Plan.uniform(prof, "keep"))
-    best = memopt.simulate(prof, memopt.Plan.uniform(prof, "recompute"))
+    rc = memopt.Plan.uniform(prof, "recompute")
+    best = memopt.simulate(prof, rc)
     fig = plots.search_figure(rows(), unoptimized=keep)
     assert isinstance(fig, Figure)
     titles = [a.get_title() for a in fig.axes]
-    assert "reward of both agents" in titles and "best feasible peak vs budget" in titles
-    assert "memory timeline: unoptimized" in titles
-    same = plots.search_figure(rows(8), unoptimized=keep, best=best, fig=fig)
+    assert "how well each agent does (higher is better)" in titles
+    assert any(t.startswith("peak memory of the fastest plan found") for t in titles)
+    assert any(t.startswith("memory over one step: unoptimized (the plan is added") for t in titles)
+    same = plots.search_figure(rows(8), unoptimized=keep, best=best, fig=fig, plan=rc, title="done")
     assert same is fig
     titles = [a.get_title() for a in fig.axes]
-    assert "memory timeline: unoptimized vs best plan" in titles
+    assert "memory over one step: unoptimized vs returned plan" in titles
     assert len([a for a in fig.axes if a.get_title()]) == 4  # cleared, not stacked
     (s,) = lines_with_label(fig.axes[0], "strategy agent")
     assert len(s.get_xdata()) == 7
+    # the returned plan is marked with its own predicted figures, the same numbers the summary states
+    assert not lines_with_label(fig.axes[1], "returned plan:")  # a plan without predictions has nothing to mark
+    planned = memopt.solvers.recompute_all(prof)
+    plots.search_figure(rows(8), unoptimized=keep, best=best, fig=fig, plan=planned, title="done")
+    (star,) = lines_with_label(fig.axes[1], "returned plan:")
+    div = 2**20 if max(planned.predicted_peak_bytes, 2000) >= 2**20 else 2**10
+    assert star.get_ydata()[0] == pytest.approx(planned.predicted_peak_bytes / div)
+    assert memopt.format_bytes(planned.predicted_peak_bytes) in star.get_label()
+    (star_t,) = lines_with_label(fig.axes[2], "returned plan:")
+    assert star_t.get_ydata()[0] == pytest.approx((planned.predicted_step_time / 0.1 - 1) * 100)
+    assert fig._suptitle.get_text() == "done"
 
 
 def test_history_from_a_plan(prof):

@@ -8,14 +8,19 @@ Use it as the search's callback, or let it run the search::
 
     p = live_search(prof, "60%")                       # the same in one call (what %memopt_plan does)
 
-In a Jupyter kernel it is an ``ipywidgets.VBox`` of an ``HTML`` stats line, a ``FloatProgress`` and an ``Image`` (a PNG
-drawn with matplotlib's Agg renderer): the reward curves of both agents, the best feasible peak against the budget, the
-best plan's step-time overhead and share of feasible episodes, and the memory timeline of the unoptimized step (the
-best plan's timeline is added in the final frame, from the returned plan). It is redrawn synchronously from the
-callback — no ``Output`` widget and no threads, both of which misbehave without a live frontend — at most every
-``min_interval`` seconds (0.3 by default, longer if drawing itself would take more than a quarter of the time), and
-always once more at the end. When a notebook is executed headless (nbclient, papermill) the widget state, image
-included, is saved in the notebook. Outside a kernel (plain IPython, a script) it prints a text line every few seconds.
+In a Jupyter kernel it is an ``ipywidgets.VBox`` of an ``HTML`` stats block (headed by the device the plan is for), a
+``FloatProgress`` with tqdm's rate and time left beside it, and an ``Image`` (a PNG drawn with matplotlib's Agg
+renderer): the reward of both agents (smoothed, raw values faint), the peak of the fastest plan within the budget found
+so far against the budget, that plan's extra step time and the share of episodes within the budget, and the memory
+timeline of the unoptimized step (the returned plan's timeline is added in the final frame). Text and picture are
+redrawn together, from the same rows, synchronously from the callback — no ``Output`` widget and no threads, both of
+which misbehave without a live frontend — at most every ``min_interval`` seconds (0.3 by default, longer if drawing
+itself would take more than a quarter of the time), and always once more at the end. The final frame's numbers are the
+returned plan's, the same as ``repr(plan)``. When the search ends the widget's output is replaced by its final picture
+and the summary is printed under it, as ordinary outputs (as livelossplot leaves its last figure): a saved notebook
+reads the same reopened without a kernel, on GitHub or exported. When a notebook is executed headless (nbclient,
+papermill) the widget state, image included, is saved in the notebook too. Outside a kernel (plain IPython, a script)
+it prints text lines every few seconds.
 
 ``MEMOPT_NB_TIMESTEPS``: an environment variable with the number of PPO timesteps the ``%memopt_plan`` magic and the
 tutorials use when none is given (CI sets it small); see :func:`timesteps_from_env`.
@@ -23,6 +28,7 @@ tutorials use when none is given (CI sets it small); see :func:`timesteps_from_e
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 import os
@@ -77,30 +83,56 @@ def _fmt_bytes(x: Any) -> str:
     return "–" if x is None or not math.isfinite(float(x)) else memopt.format_bytes(x)
 
 
+def _fmt_clock(seconds: float | None) -> str:
+    """``mm:ss`` (or ``h:mm:ss``), as tqdm shows elapsed time and time left."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = int(round(max(seconds, 0.0)))
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
+def _rate_text(step: int, total: int | None, seconds: float, finished: bool = False) -> str:
+    """tqdm's ``1,200/4,000 [00:07<00:16, 171 steps/s]``: done, elapsed < time left, rate."""
+    rate = step / seconds if seconds > 0 and step > 0 else None
+    left = None if finished or rate is None or not total else max(total - step, 0) / rate
+    done = f"{step:,}" + (f"/{total:,}" if total and not finished else "")
+    rate_s = f"{rate:,.0f} steps/s" if rate is not None else "? steps/s"
+    tail = f"{_fmt_clock(seconds)}" + ("" if finished else f"<{_fmt_clock(left)}")
+    return f"{done} timesteps [{tail}, {rate_s}]"
+
+
 class SearchDashboard:
     """Live view of a ``memopt.search``; call it with each history row (it is the search's ``callback``).
 
     Args:
         profile: the profile being planned for; needed for the memory-timeline panel (optional otherwise).
-        device: the device planned for (as given to ``memopt.search``), used to simulate the timelines.
-        total_timesteps: the search's ``total_timesteps``, for the progress bar (unknown: the bar fills at the end).
+        device: the device planned for (as given to ``memopt.search``), used to simulate the timelines and named in
+            every line that shows a plan.
+        total_timesteps: the search's ``total_timesteps``, for the progress bar until the first row says what PPO
+            really runs (unknown: the bar fills at the end).
         mode: ``"auto"`` (widgets in a Jupyter kernel, text lines elsewhere), ``"widget"``, ``"text"`` or ``"none"``.
-        min_interval: seconds between redraws at most; the first row and :meth:`finish` always draw.
+        min_interval: seconds between redraws at most; the first row and :meth:`finish` always draw. The stats text
+            and the picture are redrawn together, from the same rows.
         max_overhead: keep the time spent drawing below this share of the search (stretches the interval); ``None``
             to draw every ``min_interval`` regardless.
         text_interval: seconds between text lines in ``"text"`` mode.
         title: shown above the stats.
         clock: the time source (tests pass a fake one).
         dpi: resolution of the image.
+        static: when the search ends, replace the widget by ordinary outputs — the final picture (PNG) and the summary
+            text — so that the notebook reads the same reopened without a kernel, on GitHub or exported (the widget
+            state is still saved with the notebook).
 
     Attributes: ``history`` (rows seen), ``frames`` (images rendered), ``lines`` (text lines printed), ``widget``
-    (the ``VBox``, widget mode only), ``plan`` (set by :meth:`finish`).
+    (the ``VBox``, widget mode only), ``plan`` (set by :meth:`finish`), ``png`` (the last picture),
+    ``device_name`` (the device planned for).
     """
 
     def __init__(self, profile: Any = None, *, device: Any = None, total_timesteps: int | None = None,
                  mode: str = "auto", min_interval: float = 0.3, max_overhead: float | None = 0.25,
                  text_interval: float = 2.0, title: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 dpi: float = 80, out: Callable[[str], None] = print) -> None:
+                 dpi: float = 80, out: Callable[[str], None] = print, static: bool = True) -> None:
         if mode not in ("auto", "widget", "text", "none"):
             raise ValueError(f"mode must be 'auto', 'widget', 'text' or 'none', got {mode!r}")
         if mode == "auto":
@@ -116,15 +148,18 @@ class SearchDashboard:
         self.clock = clock
         self.dpi = dpi
         self.out = out
+        self.static = static
         self.history: list[dict[str, Any]] = []
         self.frames = 0
         self.lines = 0
         self.plan: Any = None
         self.widget: Any = None
+        self.png: bytes | None = None
+        self._error: BaseException | None = None
         self._shown = False
+        self._handle: Any = None
         self._finished = False
-        self._last_stats: float | None = None
-        self._last_image: float | None = None
+        self._last_draw: float | None = None
         self._image_interval = self.min_interval
         self._last_text: float | None = None
         self._printed: Any = None
@@ -134,15 +169,33 @@ class SearchDashboard:
         if mode == "widget":
             self._build_widget()
 
+    @property
+    def device_name(self) -> str | None:
+        """The name of the device the search plans for (the profiled one unless ``device`` says otherwise)."""
+        if self.device is not None:
+            dev = self.device
+            if isinstance(dev, str):
+                try:
+                    dev = memopt.DeviceSpec.preset(dev)
+                except memopt.MemoptError:
+                    return dev
+            return getattr(dev, "name", str(dev))
+        if self.profile is not None:
+            return self.profile.device.name
+        if self.plan is not None:
+            return (self.plan.device or {}).get("name")
+        return None
+
     # ------------------------------------------------------------------ widgets
     def _build_widget(self) -> None:
         import ipywidgets as widgets
 
         self.stats = widgets.HTML(value=self._stats_html())
         self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="search", bar_style="info",
-                                              layout=widgets.Layout(width="60%"))
+                                              layout=widgets.Layout(width="50%"))
+        self.rate = widgets.HTML(value="")
         self.image = widgets.Image(format="png", layout=widgets.Layout(width="auto", max_width="100%"))
-        self.widget = widgets.VBox([self.stats, self.progress, self.image])
+        self.widget = widgets.VBox([self.stats, widgets.HBox([self.progress, self.rate]), self.image])
 
     def _show(self) -> None:
         if self._shown:
@@ -151,7 +204,7 @@ class SearchDashboard:
         if self.mode == "widget":
             from IPython.display import display
 
-            display(self.widget)
+            self._handle = display(self.widget, display_id=True)
 
     # ------------------------------------------------------------------ the callback
     def __call__(self, row: dict[str, Any]) -> None:
@@ -161,21 +214,21 @@ class SearchDashboard:
             return
         now = self.clock()
         if self.mode == "text":
+            if self._last_text is None:
+                self._print_header()
             if self._last_text is None or now - self._last_text >= self.text_interval:
                 self._last_text = now
                 self._print_line(self.history[-1])
             return
-        if self._last_stats is None or now - self._last_stats >= self.min_interval:
-            self._last_stats = now
-            self._update_stats()
-        if self._last_image is None or now - self._last_image >= self._image_interval:
-            self._render_image()
-            self._last_image = self.clock()
+        if self._last_draw is None or now - self._last_draw >= self._image_interval:
+            self._redraw()
         self._show()
 
     def finish(self, plan: Any = None, error: BaseException | None = None) -> None:
-        """Draw the final frame: the best plan's memory timeline (simulated from ``plan``) and its summary."""
+        """Draw the final frame (the best plan's memory timeline, simulated from ``plan``) and its summary; in a
+        notebook, then leave the picture and the summary as ordinary cell outputs."""
         self.plan = plan
+        self._error = error
         self._finished = True
         if plan is not None and self.profile is not None:
             try:
@@ -185,15 +238,17 @@ class SearchDashboard:
         if self.mode == "none":
             return
         if self.mode == "text":
+            if self._last_text is None:
+                self._print_header()
             if self.history and self._printed is not self.history[-1]:
                 self._print_line(self.history[-1])
             self.out(self._final_text(error))
             self.lines += 1
             return
-        self._update_stats(error)
-        if self.history or plan is not None:
-            self._render_image()
+        self._redraw()
         self._show()
+        if self.static:
+            self._leave_static()
 
     def run(self, profile: Any, budget: Any, device: Any = None, **search_kwargs: Any) -> Any:
         """``memopt.search(profile, budget, device, callback=self, **search_kwargs)``, then :meth:`finish`.
@@ -216,11 +271,20 @@ class SearchDashboard:
         self.finish(plan)
         return plan
 
-    # ------------------------------------------------------------------ drawing
+    # ------------------------------------------------------------------ what is shown
     def _total(self) -> int | None:
         if self.history and self.history[-1].get("total_timesteps"):
             return int(self.history[-1]["total_timesteps"])
         return self.total_timesteps
+
+    def _interrupted(self) -> bool:
+        return self.plan is not None and bool(self.plan.meta.get("interrupted"))
+
+    def _heading(self) -> str:
+        where = f"memopt.search for {self.device_name}" if self.device_name else "memopt.search"
+        if self.profile is not None and self.device_name != self.profile.device.name:
+            where += f" (profiled on {self.profile.device.name})"
+        return f"{self.title} — {where}" if self.title else where
 
     def _unoptimized_sim(self) -> Any:
         if self._unoptimized is None and self.profile is not None:
@@ -228,64 +292,84 @@ class SearchDashboard:
             self._unoptimized = memopt.simulate(self.profile, keep, device=self.device)
         return self._unoptimized
 
-    def _render_image(self) -> None:
+    def _redraw(self) -> None:
+        """Stats, progress and picture together, from the same rows (what you read is what you see)."""
         t0 = self.clock()
+        self._last_draw = t0
         budget = self.history[-1]["budget"] if self.history else getattr(self.plan, "budget_bytes", None)
+        state = ("interrupted" if self._interrupted() else "done") if self._finished else "searching"
+        if self._error is not None:
+            state = "failed"
+        title = f"{self._heading()}: {state}"
         self._fig = search_figure(self.history, unoptimized=self._unoptimized_sim(), best=self._best_sim,
-                                  budget=budget, fig=self._fig)
-        png = figure_png(self._fig, dpi=self.dpi)
-        with self.image.hold_sync():
+                                  budget=budget, fig=self._fig, plan=self.plan, title=title)
+        png = figure_png(self._fig, dpi=self.dpi, fast=not self._finished)
+        self.png = png
+        total = self._total()
+        last = self.history[-1] if self.history else {}
+        step = int(last.get("global_step", 0))
+        with self.widget.hold_sync():
+            if self._finished and not self._interrupted() and self._error is None:
+                self.progress.value = 1.0
+            elif total:
+                self.progress.value = min(1.0, step / total)
+            self.progress.description = state if self._finished else "search"
+            if self._finished:
+                bad = self._error is not None or self.plan is None or bool(self.plan.meta.get("no_feasible_plan"))
+                self.progress.bar_style = "danger" if bad else ("warning" if self._interrupted() else "success")
+            seconds = float(last.get("seconds", 0.0))
+            meta = getattr(self.plan, "meta", {})
+            if self._finished and meta.get("timesteps_run") is not None and meta.get("search_seconds"):
+                step, seconds = int(meta["timesteps_run"]), float(meta["search_seconds"])  # the summary's figures
+            self.rate.value = html.escape(_rate_text(step, total, seconds, finished=self._finished))
+            self.stats.value = self._stats_html(self._error)
             self.image.value = png
         self.frames += 1
         cost = self.clock() - t0
         if self.max_overhead:
             self._image_interval = max(self.min_interval, cost / self.max_overhead)
 
-    def _update_stats(self, error: BaseException | None = None) -> None:
-        total = self._total()
-        last = self.history[-1] if self.history else {}
-        with self.progress.hold_sync():
-            if self._finished:
-                self.progress.value = 1.0
-            elif total:
-                self.progress.value = min(1.0, last.get("global_step", 0) / total)
-            steps = f"{last.get('global_step', 0):,}" + (f"/{total:,}" if total else "")
-            self.progress.description = "done" if self._finished else "search"
-            if self._finished:
-                bad = error is not None or self.plan is None or bool(self.plan.meta.get("no_feasible_plan"))
-                warn = self.plan is not None and bool(self.plan.meta.get("interrupted"))
-                self.progress.bar_style = "danger" if bad else ("warning" if warn else "success")
-            self.progress.tooltip = f"{steps} PPO timesteps"
-        with self.stats.hold_sync():
-            self.stats.value = self._stats_html(error)
+    def _leave_static(self) -> None:
+        """Replace the widget's output by the final picture, then show the summary text under it."""
+        if self._handle is None or self.png is None:
+            return
+        from IPython.display import display
+
+        text = self._final_text(self._error)
+        self._handle.update({"image/png": base64.b64encode(self.png).decode("ascii"),
+                             "text/plain": f"<{self._heading()}: {text.split(chr(10))[0]}>"}, raw=True)
+        lines = "<br>".join(html.escape(t) for t in text.split("\n"))
+        display({"text/plain": text, "text/html": f'<div style="font-family: monospace">{lines}</div>'}, raw=True)
 
     def _stats_html(self, error: BaseException | None = None) -> str:
-        head = f"<b>{html.escape(self.title)}</b><br>" if self.title else ""
-        if not self.history and self.plan is None:
-            return head + "<span>memopt.search: waiting for the first PPO iteration…</span>"
-        r = self.history[-1] if self.history else {}
-        total = self._total()
-        cells = []
-        if r:
-            steps = f"{r['global_step']:,}" + (f" / {total:,}" if total else "")
-            best_t, base_t = r.get("best_step_time"), r.get("base_step_time")
-            over = (f" (+{(best_t / base_t - 1) * 100:.1f}% vs unoptimized)" if best_t and base_t else "")
-            cells += [
-                f"iteration <b>{r['iteration']}</b>, {steps} timesteps, {r['seconds']:.1f} s",
-                f"best peak <b>{_fmt_bytes(r.get('best_peak'))}</b> / budget {_fmt_bytes(r.get('budget'))} "
-                f"(unoptimized {_fmt_bytes(r.get('base_peak'))})",
-                f"best step <b>{_fmt_ms(best_t)}</b>{over}",
-                f"reward strategy {_fmt_num(r.get('reward_strategy'))}, timing {_fmt_num(r.get('reward_timing'))}; "
-                f"feasible episodes {r.get('feasible_fraction', 0):.0%}",
-            ]
+        head = f"<b>{html.escape(self._heading())}</b><br>"
         if self._finished:
-            cells.append(html.escape(self._final_text(error)))
+            lines = self._final_text(error).split("\n")
+            return head + "<br>".join(html.escape(t) for t in lines)
+        if not self.history:
+            return head + "<span>waiting for the first PPO iteration…</span>"
+        r = self.history[-1]
+        best_t, base_t = r.get("best_step_time"), r.get("base_step_time")
+        over = (f" ({(best_t / base_t - 1) * 100:+.1f}% vs unoptimized)" if best_t and base_t else "")
+        cells = [
+            f"iteration <b>{r['iteration']}</b>",
+            f"fastest plan within the budget so far: step <b>{_fmt_ms(best_t)}</b>{over}, peak "
+            f"<b>{_fmt_bytes(r.get('best_peak'))}</b> / budget {_fmt_bytes(r.get('budget'))} (unoptimized "
+            f"{_fmt_bytes(r.get('base_peak'))})",
+            f"average reward per episode (higher is better): strategy agent {_fmt_num(r.get('reward_strategy'))}, "
+            f"timing agent {_fmt_num(r.get('reward_timing'))}; episodes within the budget "
+            f"{r.get('feasible_fraction', 0):.0%}",
+        ]
         return head + "<br>".join(cells)
+
+    def _print_header(self) -> None:
+        self.out(f"[memopt.search] {self._heading()}")
+        self.lines += 1
 
     def _line(self, r: dict[str, Any]) -> str:
         total = self._total()
-        steps = f"{r['global_step']}" + (f"/{total}" if total else "")
-        return (f"[memopt.search] iter {r['iteration']:>4}  step {steps}  {r['seconds']:.1f}s  reward strategy "
+        return (f"[memopt.search] iter {r['iteration']:>4}  "
+                f"{_rate_text(int(r['global_step']), total, float(r['seconds']))}  reward strategy "
                 f"{_fmt_num(r.get('reward_strategy'))} timing {_fmt_num(r.get('reward_timing'))}  best peak "
                 f"{_fmt_bytes(r.get('best_peak'))} / budget {_fmt_bytes(r.get('budget'))}  best step "
                 f"{_fmt_ms(r.get('best_step_time'))}")
@@ -296,22 +380,44 @@ class SearchDashboard:
         self.lines += 1
 
     def _final_text(self, error: BaseException | None = None) -> str:
+        """The summary: every figure in it comes from the returned plan (or the search's own totals)."""
         if error is not None:
             return f"search failed: {type(error).__name__}: {error}"
         p = self.plan
         if p is None:
             return "search finished without a plan"
-        parts = [f"done: {p.summary()}"]
-        agents, polished = p.meta.get("agents_step_time"), p.meta.get("polished_step_time")
-        if agents is not None and polished is not None:
-            parts.append(f"agents reached {_fmt_ms(agents)}, polish {_fmt_ms(polished)}")
-        if p.meta.get("no_feasible_plan"):
-            parts.append("NO feasible plan found: raise the budget or the timesteps")
-        if p.meta.get("interrupted"):
-            parts.append("interrupted: best plan so far")
-        if p.meta.get("search_seconds") is not None:
-            parts.append(f"{p.meta['search_seconds']:.1f} s")
-        return "; ".join(parts)
+        m = p.meta
+        interrupted = bool(m.get("interrupted"))
+        lines = [f"{'interrupted' if interrupted else 'done'}: {p.summary()}"]
+        base_t = m.get("base_step_time")
+        if p.predicted_step_time is not None and base_t:
+            lines.append(f"step time {(p.predicted_step_time / base_t - 1) * 100:+.1f}% vs the unoptimized step "
+                         f"({_fmt_ms(base_t)})")
+        if m.get("no_feasible_plan"):
+            lines.append("NO feasible plan found: this is the least infeasible one; raise the budget or the timesteps")
+        polish = m.get("polish")
+        agents = m.get("agents_step_time")
+        if polish == "ran" and m.get("polish_moves"):
+            lines.append(f"the agents' best plan took {_fmt_ms(agents)}; a local search (polish) then changed "
+                         f"{m['polish_moves']} unit decision(s), giving {_fmt_ms(p.predicted_step_time)}")
+        elif polish == "ran":
+            lines.append("the agents' best plan is returned as found: a local search (polish) could not improve it")
+        elif isinstance(polish, str) and polish.startswith("skipped") and not m.get("no_feasible_plan"):
+            lines.append(f"the agents' best plan, not polished ({polish})")
+        run = m.get("timesteps_run")
+        total = m.get("total_timesteps")
+        secs = m.get("search_seconds")
+        if run is not None and secs:
+            if interrupted:
+                lines.append(f"interrupted after {run:,} of {total:,} timesteps in {secs:.1f} s: the best plan so "
+                             "far")
+            else:
+                lines.append(f"{run:,} timesteps in {secs:.1f} s ({run / secs:,.0f} steps/s)")
+        elif secs is not None:
+            lines.append(f"{secs:.1f} s" + ("; interrupted: the best plan so far" if interrupted else ""))
+        elif interrupted:
+            lines.append("interrupted: the best plan so far")
+        return "\n".join(lines)
 
 
 def live_search(profile: Any, budget: Any, device: Any = None, *, total_timesteps: int | None = None, seed: int = 0,

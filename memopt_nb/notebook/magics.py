@@ -19,8 +19,11 @@ Plan — run ``memopt.search`` with the live dashboard and store the plan (in ``
     %memopt_plan prof --budget 2GiB --device a100-40gb --timesteps 20000 --seed 1 -o p
 
 Mistakes (an unknown name, an object that is not an ``nn.Module``, a bad budget, a budget below the smallest peak
-any plan reaches) raise ``UsageError`` with the reason and no traceback. A trailing ``;`` silences the result. While
-the extension is loaded a ``ModelProfile`` displays as its table plus a per-unit memory/time chart.
+any plan reaches) raise ``UsageError`` with the reason and no traceback. A trailing ``;`` hides what the magic returns
+(the profile's table, the plan and its "stored" line), as it does for any Python expression; ``%memopt_plan``'s
+dashboard still shows, since it is the search's progress (``-q`` hides it too). While the extension is loaded a
+``ModelProfile`` displays as its table, the smallest peak any plan reaches and what bounds it, and a per-unit
+memory/time chart.
 ``%unload_ext memopt_nb`` removes the magics and that display hook again.
 """
 
@@ -39,6 +42,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 import memopt_nb as memopt
 
+from ..floor import explain_floor
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
 from .plots import figure_png, unit_chart
 
@@ -103,12 +107,17 @@ def _parse_units(text: str | None) -> Any:
 
 def _profile_display(prof: memopt.ModelProfile) -> None:
     """How a ModelProfile displays while the extension is loaded: its table, then the per-unit chart."""
-    from IPython.display import HTML, Image, display
+    from IPython.display import Image, display
 
+    try:
+        floor = explain_floor(prof).text()
+    except Exception as exc:  # noqa: BLE001 - a display must not fail
+        floor = f"smallest reachable peak: not computed ({type(exc).__name__}: {exc})"
     if not in_notebook():
         print(repr(prof))
+        print(floor)
         return
-    display(HTML(prof._repr_html_()))
+    display({"text/html": prof._repr_html_(), "text/plain": f"{prof!r}\n{floor}"}, raw=True)
     try:
         fig = unit_chart(prof)
     except ValueError:  # a profile without units: the table says it all
@@ -306,16 +315,20 @@ class MemoptMagics(Magics):
     @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
                  help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
     @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
+    @ma.argument("-q", "--quiet", action="store_true",
+                 help="show nothing: no dashboard, no result (the plan is still stored)")
     @output_can_be_silenced
     @line_magic
     def memopt_plan(self, line: str) -> Any:
         """Search a memory plan with the two PPO agents (``memopt.search``), watching them learn in a live dashboard.
 
-        ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S] [-o NAME] [--no-widget]``
+        ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S] [-o NAME] [--no-widget] [-q]``
 
-        The dashboard shows both agents' rewards, the best plan's peak against the budget and, at the end, the memory
-        timeline of the best plan against the unoptimized step. The plan is stored in the notebook as ``plan`` (or
-        ``-o NAME``) and returned; apply it with ``with memopt.plan(plan): ...``.
+        The dashboard shows both agents' rewards, the fastest plan's peak against the budget and, at the end, the
+        memory timeline of the returned plan against the unoptimized step; when the search ends it stays in the cell as
+        a picture with its summary. The plan is stored in the notebook as ``plan`` (or ``-o NAME``) and returned; apply
+        it with ``with memopt.plan(plan): ...``. A trailing ``;`` hides the returned plan and the "stored" line (the
+        dashboard still shows: it is the search's progress); ``-q`` hides the dashboard as well.
         """
         line, silenced = _strip_semicolon(line)
         args = ma.parse_argstring(self.memopt_plan, line)
@@ -331,10 +344,10 @@ class MemoptMagics(Magics):
                 device = memopt.DeviceSpec.preset(args.device)
             except memopt.MemoptError as exc:
                 raise UsageError(f"--device: {exc}") from None
-        budget = (_unquote(args.budget.strip()) or "").strip()
-        try:  # the API's parser, so that '--budget 0.6' means what memopt.search(prof, "0.6") means
-            memopt.resolve_budget(budget, reference=prof.peak_bytes)
-        except memopt.BudgetError as exc:
+        text = (_unquote(args.budget.strip()) or "").strip()
+        try:  # the one budget parser of the API: "60%" of the profiled peak, "2GiB", bytes
+            budget = memopt.resolve_budget(text, reference=prof.peak_bytes)
+        except memopt.MemoptError as exc:
             raise UsageError(f"--budget {args.budget}: {exc}") from None
         if args.timesteps is not None and args.timesteps <= 0:
             raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
@@ -342,17 +355,19 @@ class MemoptMagics(Magics):
             steps = args.timesteps if args.timesteps is not None else timesteps_from_env()
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode="text" if args.no_widget else "auto",
-                               title=f"memopt.search: {prof.summary()}")
+        mode = "none" if args.quiet else ("text" if args.no_widget else "auto")
+        title = f"{prof.meta.get('model_class', 'model')}: {prof.n_units} units, unoptimized peak " \
+                f"{memopt.format_bytes(prof.peak_bytes)}"
+        dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title)
         try:
             plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed)
         except memopt.MemoptError as exc:
             raise UsageError(f"--budget {args.budget}: {exc}" if isinstance(exc, memopt.BudgetError)
                              else str(exc)) from None
         self.shell.user_ns[args.output] = plan
-        print(f"memopt: plan stored as `{args.output}`; apply it with `with memopt.plan({args.output}): ...`")
-        if silenced:
+        if silenced or args.quiet:
             return None
+        print(f"memopt: plan stored as `{args.output}`; apply it with `with memopt.plan({args.output}): ...`")
         return plan
 
 

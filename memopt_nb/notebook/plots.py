@@ -34,16 +34,20 @@ from matplotlib.figure import Figure
 import memopt_nb as memopt
 
 __all__ = [
-    "STRATEGY_COLORS", "MemoptFigure", "figure_png", "memory_timeline", "new_figure", "peak_curve", "reward_curves",
-    "search_figure", "styled", "unit_chart",
+    "BASE_COLOR", "BUDGET_COLOR", "PLAN_COLOR", "STRATEGY_COLORS", "MemoptFigure", "figure_png", "memory_timeline",
+    "new_figure", "peak_curve", "reward_curves", "search_figure", "smooth", "styled", "unit_chart",
 ]
 
 _PALETTE = sns.color_palette("deep")
 #: Colours of the three strategies in every chart.
 STRATEGY_COLORS = {"keep": _PALETTE[0], "recompute": _PALETTE[1], "swap": _PALETTE[2]}
-AGENT_COLORS = {"strategy": _PALETTE[3], "timing": _PALETTE[4]}
+AGENT_COLORS = {"strategy": _PALETTE[4], "timing": _PALETTE[9]}
+#: The same three roles have the same colour in every figure: the budget line, the unoptimized step, the plan.
 BUDGET_COLOR = "#c0392b"
 BASE_COLOR = "0.45"
+PLAN_COLOR = _PALETTE[0]
+#: Other plans drawn next to the plan (never grey or red, which mean unoptimized and budget).
+_OTHER_COLORS = [_PALETTE[i] for i in (1, 2, 4, 5, 6, 8, 9)]
 
 
 class MemoptFigure(Figure):
@@ -53,12 +57,13 @@ class MemoptFigure(Figure):
         return figure_png(self)
 
 
-def figure_png(fig: Figure, dpi: float | None = None) -> bytes:
-    """The figure as PNG bytes (what the dashboard's Image widget shows)."""
+def figure_png(fig: Figure, dpi: float | None = None, fast: bool = False) -> bytes:
+    """The figure as PNG bytes (what the dashboard's Image widget shows); ``fast`` compresses less (live frames)."""
     if fig.canvas is None or not isinstance(fig.canvas, FigureCanvasAgg):
         FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi if dpi is not None else fig.dpi, facecolor=fig.get_facecolor())
+    fig.savefig(buf, format="png", dpi=dpi if dpi is not None else fig.dpi, facecolor=fig.get_facecolor(),
+                pil_kwargs={"compress_level": 1 if fast else 6})
     return buf.getvalue()
 
 
@@ -117,6 +122,31 @@ def _col(rows: Sequence[Mapping[str, Any]], key: str) -> np.ndarray:
     return out
 
 
+def _legend_below(ax: Any, handles: Any = None, labels: Any = None, ncols: int = 2) -> None:
+    """A legend under the axes, where it cannot cover a line (the budget, the unoptimized peak)."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=ncols, frameon=False,
+                  fontsize=7)
+
+
+def smooth(y: Any, weight: float | None = None) -> np.ndarray:
+    """Debiased exponential moving average of ``y`` skipping NaNs (TensorBoard's smoothing); ``weight`` defaults to
+    one that grows with the number of points (0 up to 5 points, 0.49 for 10, 0.84 for 100, at most 0.9)."""
+    y = np.asarray(y, dtype=float)
+    if weight is None:
+        weight = 0.0 if len(y) <= 5 else min(0.9, 1.0 - 1.6 / np.sqrt(len(y)))
+    out = np.full_like(y, np.nan)
+    acc, norm = 0.0, 0.0
+    for i, v in enumerate(y):
+        if np.isfinite(v):
+            acc = weight * acc + (1 - weight) * v
+            norm = weight * norm + (1 - weight)
+            out[i] = acc / norm
+    return out
+
+
 def _axes_or_new(ax: Any, figsize: tuple[float, float]) -> tuple[Figure, Any]:
     if ax is not None:
         return ax.figure, ax
@@ -149,21 +179,36 @@ def _as_results(profile: Any, plans: Any, device: Any, labels: Sequence[str] | N
             label = label or "plan"
         else:
             raise TypeError(f"memory_timeline takes Plans or SimResults, got {type(p).__name__}")
-        out.append((str(label), sim))
+        out.append((str(label), sim, _role_color(p, label)))
     return out
 
 
-def _draw_timeline(ax: Any, results: Sequence[tuple[str, Any]], budget: float | None,
-                   colors: Sequence[Any] | None = None) -> None:
-    peak_all = max([float(s.peak_bytes) for _, s in results] + [float(budget or 0)])
+def _role_color(p: Any, label: Any) -> Any:
+    """Grey for the unoptimized step (every unit kept), ``None`` (decided by position) for other plans."""
+    if isinstance(p, memopt.Plan) and all(s == "keep" for s in p.strategies):
+        return BASE_COLOR
+    if str(label).lower() in ("unoptimized", "no plan", "keep"):
+        return BASE_COLOR
+    return None
+
+
+def _colors_for(results: Sequence[tuple[str, Any, Any]]) -> list[Any]:
+    """Each result's colour: its role colour if it has one; the first other plan gets the plan colour."""
+    others = iter([PLAN_COLOR] + _OTHER_COLORS * 3)
+    return [c if c is not None else next(others) for _, _, c in results]
+
+
+def _draw_timeline(ax: Any, results: Sequence[tuple[str, Any, Any]], budget: float | None) -> None:
+    peak_all = max([float(s.peak_bytes) for _, s, _ in results] + [float(budget or 0)])
     div, unit = _byte_scale(peak_all)
-    for i, (label, sim) in enumerate(results):
+    colors = _colors_for(results)
+    for i, (label, sim, _) in enumerate(results):
         rows = sim.timeline
         if not rows:
             continue
         t = np.array([r["time"] for r in rows]) * 1e3
         b = np.array([r["bytes"] for r in rows]) / div
-        color = colors[i] if colors is not None else _PALETTE[i % len(_PALETTE)]
+        color = colors[i]
         ax.plot(t, b, "-", color=color, lw=1.6, label=f"{label}: peak {memopt.format_bytes(sim.peak_bytes)}")
         k = int(np.argmax(b))
         ax.plot([t[k]], [b[k]], "o", color=color, ms=4)
@@ -178,7 +223,7 @@ def _draw_timeline(ax: Any, results: Sequence[tuple[str, Any]], budget: float | 
     ax.set_xlabel("simulated time in the step (ms)")
     ax.set_ylabel(f"device memory ({unit})")
     ax.set_ylim(bottom=0)
-    ax.legend(loc="upper right")
+    _legend_below(ax, ncols=min(3, len(results) + (1 if budget else 0)))
 
 
 def memory_timeline(profile: Any, plans: Any, *, device: Any = None, budget: Any = None,
@@ -201,7 +246,7 @@ def memory_timeline(profile: Any, plans: Any, *, device: Any = None, budget: Any
         if profile is None and isinstance(budget, str) and budget.strip().endswith("%"):
             raise ValueError("a percentage budget needs the profile")
         budget = memopt.resolve_budget(budget, reference=profile.peak_bytes if profile is not None else None)
-    fig, ax = _axes_or_new(ax, (7.0, 3.4))
+    fig, ax = _axes_or_new(ax, (7.0, 3.8))
     with styled():
         _draw_timeline(ax, results, budget)
         ax.set_title(title or "memory over one training step")
@@ -237,14 +282,17 @@ def unit_chart(profile: Any, plan: Any = None, *, title: str | None = None) -> F
         ax_m.bar(x, saved / div, color=colors, alpha=0.9)
         ax_m.bar(x, interior / div, fill=False, hatch="///", edgecolor="white", lw=0)
         ax_m.set_ylabel(f"saved ({unit})")
-        handles = [mpl.patches.Patch(facecolor="0.6", hatch="///", edgecolor="white", label="interior")]
+        handles = [mpl.patches.Patch(facecolor="0.6", hatch="///", edgecolor="white", label="freed by recompute")]
         if plan is not None:
             for i, d in enumerate(plan.decisions):
                 if d.strategy == "swap":
                     ax_m.text(i, saved[i] / div, f"w{d.offload_window} d{d.prefetch_distance}", ha="center",
                               va="bottom", fontsize=7)
             handles = [mpl.patches.Patch(color=c, label=s) for s, c in STRATEGY_COLORS.items()] + handles
-            ax_m.set_title(title or f"plan per unit ({plan.method}); swap: w = offload window, d = prefetch distance")
+            name = (plan.device or {}).get("name")
+            ax_m.set_title(title or f"plan per unit ({plan.method}{' for ' + name if name else ''})\nswapped units: "
+                           "w = forwards the copy to host may overlap, d = units ahead the copy back starts",
+                           fontsize=8)
         else:
             ax_m.set_title(title or "per unit: saved activations (hatched: freed by recompute) and time")
         ax_m.legend(handles=handles, loc="upper right", ncols=len(handles))
@@ -267,62 +315,76 @@ def _draw_rewards(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
     for agent in ("strategy", "timing"):
         y = _col(rows, f"reward_{agent}")
         ok = np.isfinite(y)
-        ax.plot(it[ok], y[ok], "-", marker="." if ok.sum() < 30 else None, color=AGENT_COLORS[agent], lw=1.4,
-                label=f"{agent} agent")
+        color = AGENT_COLORS[agent]
+        if ok.sum() > 5:  # raw values faint behind the smoothed curve
+            ax.plot(it[ok], y[ok], "-", color=color, lw=0.8, alpha=0.25)
+        ys = smooth(y)
+        ax.plot(it[ok], ys[ok], "-", marker="." if ok.sum() < 30 else None, color=color, lw=1.6,
+                label=f"{agent} agent" + (" (smoothed; raw faint)" if ok.sum() > 5 and agent == "timing" else ""))
     ax.set_xlabel("PPO iteration")
     ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
-    ax.set_ylabel("mean episodic return")
-    ax.set_title("reward of both agents")
-    ax.legend(loc="best")
+    ax.set_ylabel("reward per episode")
+    ax.set_title("how well each agent does (higher is better)")
+    _legend_below(ax)
 
 
-def _draw_peaks(ax: Any, rows: Sequence[Mapping[str, Any]], budget: float | None = None) -> None:
+def _draw_peaks(ax: Any, rows: Sequence[Mapping[str, Any]], budget: float | None = None, plan: Any = None) -> None:
     it = _col(rows, "iteration")
     peak = _col(rows, "best_peak")
     budgets = _col(rows, "budget")
     base = _col(rows, "base_peak")
     budget = budget if budget is not None else (budgets[-1] if len(budgets) and np.isfinite(budgets[-1]) else None)
+    final = getattr(plan, "predicted_peak_bytes", None)
     ref = [v for v in (np.nanmax(peak) if np.isfinite(peak).any() else np.nan, budget or np.nan,
-                       base[-1] if len(base) else np.nan) if np.isfinite(v)]
+                       base[-1] if len(base) else np.nan, final if final is not None else np.nan) if np.isfinite(v)]
     div, unit = _byte_scale(max(ref) if ref else 1.0)
     ok = np.isfinite(peak)
-    ax.plot(it[ok], peak[ok] / div, "-", drawstyle="steps-post", color=STRATEGY_COLORS["keep"], lw=1.6,
-            marker="." if ok.sum() < 30 else None, label="best plan's peak")
+    ax.plot(it[ok], peak[ok] / div, "-", drawstyle="steps-post", color=PLAN_COLOR, lw=1.6,
+            marker="." if ok.sum() < 30 else None, label="peak of the fastest plan within the budget so far")
     if budget:
         ax.axhline(budget / div, color=BUDGET_COLOR, ls="--", lw=1.2, label=f"budget {memopt.format_bytes(budget)}")
     if len(base) and np.isfinite(base[-1]):
         ax.axhline(base[-1] / div, color=BASE_COLOR, ls=":", lw=1.2, label="unoptimized peak")
+    if final is not None and len(it):
+        ax.plot([it[-1]], [final / div], "*", color=PLAN_COLOR, ms=11, mec="white",
+                label=f"returned plan: {memopt.format_bytes(final)}")
     if len(it) and not ok.any():
-        ax.text(0.5, 0.5, "no feasible plan yet", transform=ax.transAxes, ha="center", va="center", color="0.4")
+        ax.text(0.5, 0.5, "no plan within the budget yet", transform=ax.transAxes, ha="center", va="center",
+                color="0.4")
     ax.set_xlabel("PPO iteration")
     ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
     ax.set_ylabel(f"peak ({unit})")
-    ax.set_ylim(bottom=0)
-    ax.set_title("best feasible peak vs budget")
-    ax.legend(loc="lower right")
+    ax.set_ylim(bottom=0, top=(max(ref) / div if ref else 1.0) * 1.08)
+    ax.set_title("peak memory of the fastest plan found (it may rise\nwhen a faster plan uses more of the budget)",
+                 fontsize=8)
+    _legend_below(ax)
 
 
-def _draw_step_time(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+def _draw_step_time(ax: Any, rows: Sequence[Mapping[str, Any]], plan: Any = None) -> None:
     it = _col(rows, "iteration")
     best = _col(rows, "best_step_time")
     base = _col(rows, "base_step_time")
     overhead = (best / base - 1.0) * 100
     ok = np.isfinite(overhead)
-    ax.plot(it[ok], overhead[ok], "-", drawstyle="steps-post", color=_PALETTE[1], lw=1.6,
-            marker="." if ok.sum() < 30 else None, label="best plan's step-time overhead")
+    ax.plot(it[ok], overhead[ok], "-", drawstyle="steps-post", color=PLAN_COLOR, lw=1.6,
+            marker="." if ok.sum() < 30 else None, label="fastest plan so far")
+    t = getattr(plan, "predicted_step_time", None)
+    if t is not None and len(base) and np.isfinite(base[-1]) and len(it):
+        ax.plot([it[-1]], [(t / base[-1] - 1.0) * 100], "*", color=PLAN_COLOR, ms=11, mec="white",
+                label=f"returned plan: {(t / base[-1] - 1.0) * 100:+.1f}%")
     ax.set_xlabel("PPO iteration")
     ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
-    ax.set_ylabel("overhead vs unoptimized (%)")
-    ax.set_title("best plan's step time and feasible episodes")
+    ax.set_ylabel("step time vs unoptimized (%)")
+    ax.set_title("extra step time of the fastest plan, and episodes within the budget", fontsize=8)
     ax2 = ax.twinx()
     ax2.grid(False)
     frac = _col(rows, "feasible_fraction") * 100
-    ax2.plot(it, frac, color=_PALETTE[7], lw=1.0, alpha=0.7, label="feasible episodes (%)")
+    ax2.plot(it, frac, color=_PALETTE[7], lw=1.0, alpha=0.7, label="episodes within the budget (%)")
     ax2.set_ylim(0, 105)
-    ax2.set_ylabel("feasible episodes (%)")
+    ax2.set_ylabel("within budget (%)")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="best")
+    _legend_below(ax, h1 + h2, l1 + l2)
 
 
 def reward_curves(history: Any, *, ax: Any = None) -> Figure:
@@ -342,21 +404,23 @@ def peak_curve(history: Any, *, budget: Any = None, ax: Any = None) -> Figure:
     rows = _history_rows(history)
     fig, ax = _axes_or_new(ax, (6.0, 3.2))
     with styled():
-        _draw_peaks(ax, rows, None if budget is None else float(memopt.parse_bytes(budget)))
+        _draw_peaks(ax, rows, None if budget is None else float(memopt.resolve_budget(budget)))
     return fig
 
 
 def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, budget: float | None = None,
-                  fig: Figure | None = None, title: str | None = None) -> Figure:
-    """The live dashboard's figure: rewards, best peak vs budget, best step time, and the memory timeline.
+                  fig: Figure | None = None, title: str | None = None, plan: Any = None) -> Figure:
+    """The live dashboard's figure: rewards, the fastest plan's peak vs budget, its step time, and the memory timeline.
 
     Args:
         history: rows from ``memopt.search``'s callback (or its plan).
         unoptimized: ``SimResult`` of the unoptimized step (every unit kept), drawn in the timeline panel.
-        best: ``SimResult`` of the best plan, drawn over it (the dashboard passes it in its final frame).
+        best: ``SimResult`` of the returned plan, drawn over it (the dashboard passes it in its final frame).
         budget: bytes; default: the budget in the history rows.
         fig: redraw into this figure (cleared first) instead of making a new one.
         title: a title over the four panels.
+        plan: the returned plan: its predicted peak and step time are marked (a star) on the curves, so the figure
+            shows the same numbers as the summary.
     """
     rows = _history_rows(history)
     if budget is None:
@@ -364,31 +428,33 @@ def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, bu
         budget = float(b[-1]) if len(b) and np.isfinite(b[-1]) else None
     with styled():
         if fig is None:
-            fig = MemoptFigure(figsize=(10.0, 6.2), dpi=90, layout="constrained")
+            # A fixed layout (room for the legends under the axes): constrained layout would cost as much as the
+            # drawing itself on every live frame.
+            fig = MemoptFigure(figsize=(10.0, 7.4), dpi=90)
             FigureCanvasAgg(fig)
         else:
             fig.clear()
+        fig.subplots_adjust(left=0.07, right=0.93, top=0.9, bottom=0.13, hspace=0.62, wspace=0.33)
         axes = fig.subplots(2, 2).ravel()
         _draw_rewards(axes[0], rows)
-        _draw_peaks(axes[1], rows, budget)
-        _draw_step_time(axes[2], rows)
+        _draw_peaks(axes[1], rows, budget, plan)
+        _draw_step_time(axes[2], rows, plan)
         ax = axes[3]
-        results, colors = [], []
+        results = []
         if unoptimized is not None:
-            results.append(("unoptimized", unoptimized))
-            colors.append(BASE_COLOR)
+            results.append(("unoptimized", unoptimized, BASE_COLOR))
         if best is not None:
-            results.append(("best plan", best))
-            colors.append(STRATEGY_COLORS["keep"])
+            results.append(("returned plan", best, PLAN_COLOR))
         if results:
-            _draw_timeline(ax, results, budget, colors=colors)
-            ax.set_title("memory timeline: " + " vs ".join(lab for lab, _ in results))
+            _draw_timeline(ax, results, budget)
             if best is None:
-                ax.text(0.98, 0.55, "the best plan's timeline is drawn\nwhen the search ends",
-                        transform=ax.transAxes, ha="right", va="center", fontsize=8, color="0.35")
+                ax.set_title("memory over one step: unoptimized (the plan is added at the end)",
+                             fontsize=8)
+            else:
+                ax.set_title("memory over one step: " + " vs ".join(lab for lab, _, _ in results), fontsize=8)
         else:
             ax.set_axis_off()
             ax.text(0.5, 0.5, "memory timeline: pass the profile", transform=ax.transAxes, ha="center")
         if title:
-            fig.suptitle(title, fontsize=11)
+            fig.suptitle(title, fontsize=10)
     return fig

@@ -130,9 +130,12 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         restarts: independent agent pairs trained one after the other, each on an equal share of the timesteps
             (default :func:`default_restarts`); the best plan of all of them is returned.
 
-    The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak so
-    far, feasible fraction), ``agents_step_time`` (what the agents alone reached), ``polished_step_time``,
-    ``search_seconds`` and ``interrupted`` (Ctrl-C returns the best plan so far).
+    The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak the
+    agents found so far, feasible fraction; ``total_timesteps`` in a row is what PPO really runs — whole iterations —
+    not the number asked for, which is ``meta["requested_timesteps"]``), ``timesteps_run``, ``agents_step_time`` and
+    ``agents_peak`` (what the agents alone reached), ``polish`` (``"ran"``, ``"off"`` or ``"skipped: ..."``),
+    ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds`` and ``interrupted`` (Ctrl-C returns the
+    best plan so far). The plan's own ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
     """
@@ -161,6 +164,10 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
 
     restart = [0]
     offset = {"iterations": 0, "steps": 0}
+    runs = max(1, int(restarts if restarts is not None else default_restarts(task.n)))
+    # What PPO will really run: whole iterations of num_envs x num_steps per agent pair (the progress bar's 100%).
+    batch = cfg.num_envs * (cfg.num_steps or task.n + 1)
+    planned_steps = runs * max(1, (cfg.total_timesteps // runs) // batch) * batch
 
     def on_iteration(stats: dict) -> None:
         if stats["iteration"] == 1 and history:  # a new agent pair continues the numbering
@@ -170,7 +177,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             "iteration": stats["iteration"] + offset["iterations"],
             "restart": restart[0],
             "global_step": stats["global_step"] + offset["steps"],
-            "total_timesteps": cfg.total_timesteps,
+            "total_timesteps": planned_steps,
             "seconds": time.perf_counter() - t0,
             "reward_strategy": stats[f"{STRATEGY}/episodic_return"],
             "reward_timing": stats[f"{TIMING}/episodic_return"],
@@ -189,7 +196,6 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             callback(row)
 
     interrupted = False
-    runs = max(1, int(restarts if restarts is not None else default_restarts(task.n)))
     # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
     # machine (so a seed gives the same plan everywhere). The user's setting is restored afterwards.
     threads = torch.get_num_threads()
@@ -208,7 +214,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         torch.set_num_threads(threads)
     seconds = time.perf_counter() - t0
     meta = {"history": history, "search_seconds": seconds, "interrupted": interrupted,
-            "total_timesteps": cfg.total_timesteps, "restarts": runs, "episodes": episodes[0],
+            "total_timesteps": planned_steps, "requested_timesteps": cfg.total_timesteps,
+            "timesteps_run": history[-1]["global_step"] if history else 0, "restarts": runs, "episodes": episodes[0],
             "best_episode": best["episode"],
             "base_step_time": task.base_time}
     if best["plan"] is None:
@@ -218,17 +225,24 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             least_bad["plan"] = _option_arrays(np.zeros(task.n, dtype=np.int64))
         c, w, d = least_bad["plan"]
         return make_plan(task.sim, c, w, d, budget=task.budget, method=METHOD, seed=seed,
-                         **meta, no_feasible_plan=True, agents_step_time=None, polished_step_time=None)
+                         **meta, no_feasible_plan=True, agents_step_time=None, polished_step_time=None,
+                         polish="skipped: no feasible plan")
     c, w, d = best["plan"]
     agents_time = best["time"]
     moves = 0
-    if polish_plan and not interrupted:
+    if not polish_plan:
+        polish_state = "off"
+    elif interrupted:
+        polish_state = "skipped: interrupted"
+    else:
         c, w, d, moves = polish(task, c, w, d)
+        polish_state = "ran"
     plan = make_plan(task.sim, c, w, d, budget=task.budget, method=METHOD, seed=seed, **meta,
                      agents_step_time=agents_time, agents_peak=best["peak"],
                      agents_decisions=[int(x) for x in _to_options(*best["plan"])],
-                     polished=moves > 0, polish_moves=moves)
-    plan.meta["polished_step_time"] = plan.predicted_step_time
+                     polished=moves > 0, polish_moves=moves, polish=polish_state)
+    # Only a polish that ran has a step time of its own; the plan's predictions are the one source of the final numbers.
+    plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state == "ran" else None
     plan.meta["search_seconds"] = time.perf_counter() - t0
     return plan
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 from typing import Any
 
@@ -16,6 +17,42 @@ from .recompute import ReplayGuard, checkpointed_call
 from .swap import SwapEngine
 
 _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DEVICE_WARNED: dict[int, weakref.ref] = {}  # plans already warned about (by id, while alive): warn once per plan
+
+
+def _other_device(plan: Plan, model: nn.Module) -> str | None:
+    """The model's device, described, if it is not the device the plan was made for; else ``None``."""
+    spec = plan.device or {}
+    kind, name = spec.get("kind"), spec.get("name")
+    if kind is None:
+        return None
+    dev = next((t.device for t in model.parameters()), torch.device("cpu"))
+    if dev.type == "cpu":
+        return None if kind == "cpu" else "the CPU"
+    if dev.type != "cuda":
+        return None
+    gpu = torch.cuda.get_device_properties(dev)
+    if kind == "cuda" and gpu.name == name:
+        return None
+    if kind == "preset" and abs(gpu.total_memory - spec.get("capacity_bytes", 0)) <= 0.1 * gpu.total_memory:
+        return None  # the preset describes this GPU's size; its times were simulated from a datasheet anyway
+    return f"{gpu.name} ({dev})"
+
+
+def _warn_other_device(plan: Plan, model: nn.Module) -> None:
+    ref = _DEVICE_WARNED.get(id(plan))
+    if ref is not None and ref() is plan:
+        return
+    other = _other_device(plan, model)
+    if other is None:
+        return
+    key = id(plan)
+    _DEVICE_WARNED[key] = weakref.ref(plan, lambda _: _DEVICE_WARNED.pop(key, None))
+    warnings.warn(
+        f"this plan was made for {plan.device['name']} but the model is on {other}: it still trains the same, but its "
+        f"budget and predicted peak and step time are for {plan.device['name']}; plan again for this device "
+        "(memopt.search(profile, budget) without device=) to fit this one",
+        UserWarning, stacklevel=4)
 
 
 def _storage_ptrs(tensors: Any) -> set[int]:
@@ -186,6 +223,7 @@ class AppliedPlan:
                 "other `with memopt.plan(...)` block (or call .remove()) first"
             )
         plan.validate(model)
+        _warn_other_device(plan, model)
         modules = [model.get_submodule(name) for name in plan.units]
         names = plan.units
         _check_recomputable(plan, model)

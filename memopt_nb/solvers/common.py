@@ -79,11 +79,15 @@ def check_budget(sim: Simulator, budget: Any, strategies: Sequence[str] = STRATE
     value = resolve_budget(budget, reference=sim.profile.peak_bytes)
     lowest = cached_min_peak(sim, strategies)
     if value < lowest:
+        from ..floor import explain_floor
+
         using = "" if set(strategies) == set(STRATEGIES) else f" using only {', '.join(strategies)}"
+        floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=strategies)
         raise BudgetError(
             f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches for this "
-            f"profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes). Ask for at least "
-            f"{format_bytes(lowest)}, use a smaller batch, or add units to the profile."
+            f"profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes) = {floor.breakdown_text()}. "
+            f"{floor.bound_text()} Ask for at least {format_bytes(lowest)}; to lower the floor: "
+            f"{'; '.join(floor.advice)}."
         )
     return value
 

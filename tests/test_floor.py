@@ -1,0 +1,71 @@
+"""memopt_nb.floor: the smallest reachable peak, what bounds it, and advice that would lower it."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memopt_nb as memopt
+import memopt_nb.floor
+from memopt_nb.floor import FIXED_STATE, KEPT_ACTIVATIONS, LARGEST_UNIT, explain_floor
+
+
+class Blocks(nn.Module):
+    def __init__(self, widths):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, a)) for a, b in widths])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def profile_of(widths, batch, optimizer=True):
+    torch.manual_seed(0)
+    model = Blocks(widths)
+    opt = torch.optim.AdamW(model.parameters()) if optimizer else None
+    return memopt.profile(model, torch.randn(batch, widths[0][0]), optimizer=opt, repeats=1)
+
+
+def test_parts_add_up_to_the_floor_and_name_the_largest():
+    prof = profile_of([(64, 256)] * 4, 32)
+    floor = explain_floor(prof)
+    assert floor.floor_bytes == memopt.solvers.min_peak(prof)
+    assert sum(floor.parts().values()) == floor.floor_bytes
+    assert floor.bound == max(floor.parts(), key=floor.parts().get)
+    fixed = prof.param_bytes + prof.grad_bytes + prof.optimizer_state_bytes + prof.buffer_bytes
+    assert floor.fixed_bytes == min(fixed, floor.floor_bytes)
+    assert memopt.format_bytes(floor.floor_bytes) in floor.text()
+
+
+def test_weights_and_adam_state_bound_the_floor_of_a_wide_mlp_at_a_small_batch():
+    # the issue's case: an MLP whose weights, gradients and AdamW state dwarf its activations
+    floor = explain_floor(profile_of([(512, 512)] * 8, 8))
+    assert floor.bound == FIXED_STATE
+    assert "fixed state" in floor.bound_text()
+    text = " ".join(floor.advice)
+    assert "finer units" not in text  # units cannot help here: say so, advise only what would
+    assert "FSDP2" in text
+
+
+def test_one_huge_unit_bounds_the_floor_and_finer_units_are_advised():
+    floor = explain_floor(profile_of([(16, 16), (16, 4096), (16, 16)], 512, optimizer=False))
+    assert floor.bound == LARGEST_UNIT and floor.largest_unit == "blocks.1"
+    assert any("finer units" in a and "blocks.1" in a for a in floor.advice)
+    assert any("smaller batch" in a for a in floor.advice)
+
+
+def test_kept_activations_advice_is_a_smaller_batch_only():
+    f = memopt.floor.Floor(floor_bytes=100, fixed_bytes=10, largest_unit="u", largest_unit_bytes=20, kept_bytes=70,
+                           bound=KEPT_ACTIVATIONS, advice=["a smaller batch (kept activations grow with it)"])
+    assert "kept activations" in f.bound_text() and "70%" in f.bound_text()
+
+
+def test_budget_error_explains_the_floor():
+    prof = profile_of([(512, 512)] * 8, 8)
+    floor = explain_floor(prof)
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.search(prof, floor.floor_bytes - 1)
+    msg = str(err.value)
+    assert floor.bound_text() in msg and "FSDP2" in msg
+    assert "add units" not in msg and "finer units" not in msg
