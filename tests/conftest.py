@@ -18,3 +18,13 @@ def zoo_profiles():
         opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
         out[name] = (zm, opt, memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1))
     return out
+
+
+@pytest.fixture(scope="session")
+def ipython_shell():
+    """IPython's global test shell, started once per session (``globalipapp.get_ipython`` imported by name before the
+    first start would start it again, and get ``None``)."""
+    from IPython.testing import globalipapp
+
+    globalipapp.start_ipython()
+    return globalipapp.get_ipython()

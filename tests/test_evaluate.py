@@ -153,7 +153,8 @@ def injected_clock(monkeypatch, latency):
         return dataclasses.replace(m, step_time=t, step_times=[t])
 
     def accum_step_time(model, inputs, loss_fn, opt, accum, repeats=3):
-        return accum * latency(inputs[0].shape[0])
+        args, _kwargs = inputs  # (positional inputs, keyword inputs) of one micro-batch
+        return accum * latency(args[0].shape[0])
 
     monkeypatch.setattr(evaluate_module, "measure", measure)
     monkeypatch.setattr(evaluate_module, "_accum_step_time", accum_step_time)

@@ -177,10 +177,8 @@ def test_search_reads_a_fraction_as_a_share():
 
 # ---------------------------------------------------------------------- the magics: keyword inputs, one budget parser
 @pytest.fixture(scope="module")
-def ip():
-    from IPython.testing.globalipapp import get_ipython
-
-    shell = get_ipython()
+def ip(ipython_shell):
+    shell = ipython_shell
     shell.run_line_magic("load_ext", "memopt_nb")
     yield shell
     shell.run_line_magic("unload_ext", "memopt_nb")

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import get_ipython
 from IPython.utils.capture import capture_output
 
 import memopt_nb as memopt
@@ -14,8 +13,8 @@ from memopt_nb.notebook import magics
 
 
 @pytest.fixture(scope="module")
-def ip():
-    shell = get_ipython()
+def ip(ipython_shell):
+    shell = ipython_shell
     shell.run_line_magic("load_ext", "memopt_nb")
     shell.run_cell(
         "import torch\nimport memopt_nb as memopt\n"
