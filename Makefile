@@ -23,7 +23,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 bench: $(STAMP)
 	$(PY) -m memopt_nb bench
