@@ -6,6 +6,7 @@ arrays), so a slip in compiling them shows up here as a difference on some plan.
 
 import numpy as np
 import pytest
+import torch
 
 import memopt_nb as memopt
 from memopt_nb.device import DeviceSpec
@@ -166,15 +167,22 @@ def test_predicted_peak_equals_measured(name, zoo_profiles):
 def test_simulated_step_time_is_the_right_order_of_magnitude(zoo_profiles):
     """A sanity bound (0.2x to 5x) only: the machine is shared; benchmarks/simulator_fidelity.py has the real figure."""
     zm, opt, prof = zoo_profiles["mlp"]
-    for plan in (Plan.uniform(prof, "keep"), Plan.uniform(prof, "recompute"), Plan.uniform(prof, "swap")):
-        sim = memopt.simulate(prof, plan)
-        ratios = []
-        for _ in range(3):  # a disturbed machine only slows the measured step down: retry before failing
-            meas = memopt.measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=3)
-            ratios.append(sim.step_time / meas.step_time)
-            if 0.2 <= ratios[-1] <= 5.0:
-                break
-        assert 0.2 <= ratios[-1] <= 5.0, (plan.method, ratios)
+    threads = torch.get_num_threads()
+    # measured on one thread: a multi-threaded step on a machine with another busy process can run 10-50x slower
+    # (OpenMP waiting for a core), which no cost model should chase; one thread is at most the profile's threads slower
+    torch.set_num_threads(1)
+    try:
+        for plan in (Plan.uniform(prof, "keep"), Plan.uniform(prof, "recompute"), Plan.uniform(prof, "swap")):
+            sim = memopt.simulate(prof, plan)
+            ratios = []
+            for _ in range(3):  # a disturbed machine only slows the measured step down: retry before failing
+                meas = memopt.measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=3)
+                ratios.append(sim.step_time / meas.step_time)
+                if 0.2 <= ratios[-1] <= 5.0:
+                    break
+            assert 0.2 <= ratios[-1] <= 5.0, (plan.method, ratios)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_other_device_rescales_time(small_real):
