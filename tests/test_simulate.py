@@ -22,8 +22,8 @@ SLOW_LINK = DeviceSpec.preset("a100-40gb").with_changes(name="a100-slow-link", h
                                                         d2h_bytes_per_s=1e9)
 
 
-# small real models (seconds to profile): a U-Net with units picked by name, so that code between units saves storages
-# units save too, and a GPT
+# small real models (seconds to profile): a U-Net with units picked by name, so that code between units also saves
+# storages, and a GPT
 SMALL = {"unet": (dict(widths=(8, 16, 32), image=16, batch_size=4), ["down.0", "down.2", "up.0", "up.1"]),
          "gpt": (dict(n_layers=3, batch_size=4, seq_len=32, d_model=32, n_heads=2), "auto")}
 
