@@ -1,4 +1,4 @@
-"""A plan: for every unit a strategy (keep, recompute, swap) and, for swaps, its timing.
+"""A plan: for every unit a strategy (keep, recompute, swap), for swaps its timing, and where its state lives.
 
 A :class:`Plan` is plain data. It knows the units it was made for (a fingerprint of names, module types and parameter
 shapes), the budget and device it targets, who made it and what the simulator predicted. It saves to versioned JSON and
@@ -14,6 +14,19 @@ Timing of a swapped unit ``i`` (both are counted in units):
 * ``prefetch_distance`` ``d`` — the copy back starts when backward reaches unit ``i + d`` (``d = 0``: when unit ``i``
   itself is reached, i.e. on demand). Prefetches are issued in the order backward needs them, so a unit's prefetch never
   starts before that of a unit after it; :func:`effective_triggers` applies that rule.
+
+Where a unit's training state lives (schema 2; a schema-1 plan loads with everything ``"resident"``):
+
+* ``optimizer`` — ``"resident"`` or ``"offload"``: the unit's optimizer state lives on the host between steps and comes
+  back unit by unit for the step (which still runs on the device, with the user's optimizer).
+* ``grads`` — ``"resident"``, ``"offload"`` (copied to the host as soon as backward has accumulated them, brought back
+  for the step) or ``"step"`` (the unit's optimizer step runs inside backward, then its gradients are freed; only in a
+  plan made with ``step_in_backward=True``, because it changes what the training loop may do).
+* ``params`` — ``"resident"`` or ``"offload"``: parameters live on the host and are fetched for the unit's forward
+  and its backward.
+
+:data:`STATE_CHOICES` lists every combination (all-resident first); :func:`state_choices` is the subset a planner may
+use for an ``offload_state=`` argument.
 """
 
 from __future__ import annotations
@@ -31,9 +44,20 @@ from typing import Any
 
 from .errors import PlanError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT = "memopt_nb.plan"
 STRATEGIES = ("keep", "recompute", "swap")
+#: Where a unit's optimizer state may live.
+OPTIMIZER_PLACES = ("resident", "offload")
+#: Where a unit's gradients may live (``"step"``: stepped in backward, then freed).
+GRAD_PLACES = ("resident", "offload", "step")
+#: Where a unit's parameters may live.
+PARAM_PLACES = ("resident", "offload")
+#: Every ``(optimizer, grads, params)`` placement, all-resident first (index 0); planners encode placements as indices.
+STATE_CHOICES: tuple[tuple[str, str, str], ...] = tuple(
+    (o, g, p) for o in OPTIMIZER_PLACES for g in GRAD_PLACES for p in PARAM_PLACES)
+#: The pieces ``offload_state=`` names.
+STATE_PIECES = ("optimizer", "grads", "params")
 #: Offload windows the planners choose from.
 WINDOWS = (0, 1, 2)
 #: Prefetch distances the planners choose from.
@@ -51,12 +75,18 @@ class Decision:
             unit's saved tensors to host memory, bring them back in backward).
         offload_window: for swap, how many following unit forwards the offload may overlap (see module docs).
         prefetch_distance: for swap, how many units ahead in backward the copy back starts (0 = on demand).
+        optimizer: where the unit's optimizer state lives: ``"resident"`` or ``"offload"`` (see module docs).
+        grads: where its gradients live: ``"resident"``, ``"offload"`` or ``"step"`` (stepped in backward).
+        params: where its parameters live: ``"resident"`` or ``"offload"``.
     """
 
     unit: str
     strategy: str = "keep"
     offload_window: int = 1
     prefetch_distance: int = 1
+    optimizer: str = "resident"
+    grads: str = "resident"
+    params: str = "resident"
 
     def __post_init__(self) -> None:
         if not isinstance(self.unit, str):
@@ -70,9 +100,69 @@ class Decision:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TIMING:
                 raise PlanError(f"unit {self.unit!r}: {name} must be an int in 0..{MAX_TIMING} (planners use "
                                 f"{list(allowed)}), got {value!r}")
+        for name, places in (("optimizer", OPTIMIZER_PLACES), ("grads", GRAD_PLACES), ("params", PARAM_PLACES)):
+            if getattr(self, name) not in places:
+                raise PlanError(f"unit {self.unit!r}: {name} must be one of {', '.join(map(repr, places))}, "
+                                f"got {getattr(self, name)!r}")
+
+    @property
+    def placement(self) -> tuple[str, str, str]:
+        """``(optimizer, grads, params)``."""
+        return (self.optimizer, self.grads, self.params)
+
+    @property
+    def state_index(self) -> int:
+        """Index of :attr:`placement` in :data:`STATE_CHOICES` (0: everything resident)."""
+        return STATE_CHOICES.index(self.placement)
+
+    @property
+    def moves_state(self) -> bool:
+        """Whether anything of this unit's state is not simply resident."""
+        return self.placement != STATE_CHOICES[0]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def state_choices(offload_state: bool | str | Iterable[str] = True, *,
+                  step_in_backward: bool = False) -> tuple[tuple[str, str, str], ...]:
+    """The placements (a subset of :data:`STATE_CHOICES`, all-resident first) a planner may choose from.
+
+    ``offload_state``: ``True`` (optimizer state, gradients and parameters may be offloaded), ``False`` (activations
+    only: everything stays resident) or a set of pieces from :data:`STATE_PIECES`, e.g. ``{"optimizer", "grads"}``.
+    ``step_in_backward=True`` adds ``grads="step"``: it is opt-in because the loop may then no longer accumulate or
+    clip gradients (see :mod:`memopt_nb.runtime.state`).
+    """
+    if offload_state is True:
+        pieces = set(STATE_PIECES)
+    elif offload_state is False or offload_state is None:
+        pieces = set()
+    else:
+        if isinstance(offload_state, str):
+            offload_state = [p.strip() for p in offload_state.split(",") if p.strip()]
+        try:
+            pieces = set(offload_state)
+        except TypeError:
+            raise PlanError(f"offload_state must be True, False or a set of {', '.join(STATE_PIECES)}; got "
+                            f"{offload_state!r}") from None
+        unknown = sorted(map(str, pieces - set(STATE_PIECES)))
+        if unknown:
+            raise PlanError(f"offload_state names unknown pieces {unknown}; use any of {', '.join(STATE_PIECES)} "
+                            "(or True for all, False for activations only)")
+    if not isinstance(step_in_backward, bool):
+        raise PlanError(f"step_in_backward must be True or False, got {step_in_backward!r}")
+    out = []
+    for o, g, p in STATE_CHOICES:
+        if o == "offload" and "optimizer" not in pieces:
+            continue
+        if g == "offload" and "grads" not in pieces:
+            continue
+        if g == "step" and not step_in_backward:
+            continue
+        if p == "offload" and "params" not in pieces:
+            continue
+        out.append((o, g, p))
+    return tuple(out)
 
 
 def effective_triggers(strategies: Sequence[str], distances: Sequence[int]) -> list[int | None]:
@@ -154,6 +244,52 @@ def model_fingerprint(model: Any, unit_names: Sequence[str]) -> dict[str, Any]:
         "parts": {name: _digest(_tree_rows(child, name)) for name, child in model.named_children()},
         "containers": containers,
     }
+
+
+def optimizer_fingerprint(optimizer: Any) -> dict[str, Any]:
+    """What identifies an optimizer for a plan that moves its state: class, and per parameter group its
+    hyper-parameters (numbers, bools and strings only) and parameter shapes."""
+    groups = []
+    for g in optimizer.param_groups:
+        hyper = {k: v for k, v in sorted(g.items()) if k != "params" and isinstance(v, (bool, int, float, str))}
+        hyper.update({k: list(v) for k, v in sorted(g.items())
+                      if isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v)})
+        groups.append({"hyper": hyper, "param_shapes": [list(p.shape) for p in g["params"]]})
+    return {"class": type(optimizer).__name__, "groups": groups}
+
+
+def _layout_value(v: Any) -> Any:
+    """What of a hyper-parameter can change the optimizer's state or code path: flags and names, and whether a number
+    is zero (SGD keeps a momentum buffer only when ``momentum != 0``); a scheduler may change the numbers themselves."""
+    if isinstance(v, bool) or isinstance(v, str) or v is None:
+        return v
+    if isinstance(v, (int, float)):
+        return v == 0
+    if isinstance(v, list):
+        return [_layout_value(x) for x in v]
+    return v
+
+
+def optimizer_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
+    """What differs between the optimizer a plan was made for (``want``) and this one (``have``), in words.
+
+    Learning rates and other numbers a scheduler may change are not compared, only whether they are zero."""
+    if want.get("class") != have.get("class"):
+        return [f"the plan was made for {want.get('class')}; this optimizer is {have.get('class')}"]
+    wg, hg = want.get("groups", []), have.get("groups", [])
+    if len(wg) != len(hg):
+        return [f"the plan was made for an optimizer with {len(wg)} parameter group(s); this one has {len(hg)}"]
+    out = []
+    for i, (a, b) in enumerate(zip(wg, hg, strict=True)):
+        if a.get("param_shapes") != b.get("param_shapes"):
+            out.append(f"parameter group {i} holds other parameters ({len(a.get('param_shapes', []))} in the plan, "
+                       f"{len(b.get('param_shapes', []))} here, or other shapes)")
+        ha, hb = a.get("hyper", {}), b.get("hyper", {})
+        diff = sorted(k for k in set(ha) | set(hb) if _layout_value(ha.get(k)) != _layout_value(hb.get(k)))
+        if diff:
+            out.append(f"parameter group {i}: " + ", ".join(f"{k} {ha.get(k)!r} in the plan, {hb.get(k)!r} here"
+                                                            for k in diff[:4]))
+    return out
 
 
 def _children_text(parent: str, children: Sequence[str]) -> str:
@@ -266,6 +402,10 @@ class Plan:
         predicted_step_time: simulated seconds per training step.
         feasible: whether the simulator found the plan within its budget (``None`` if not checked).
         meta: anything else (search history, timings, solver status).
+        step_in_backward: whether the plan may step units inside backward (``grads="step"``); such a plan changes
+            what the training loop may do (no gradient accumulation, no clipping), so it is opt-in.
+        optimizer_fingerprint: the optimizer the plan was made for (its class, hyper-parameters and the shapes of
+            each parameter group), ``None`` when the plan moves no state or was made without one.
     """
 
     decisions: tuple[Decision, ...]
@@ -279,6 +419,8 @@ class Plan:
     feasible: bool | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     model_fingerprint: dict[str, Any] | None = None
+    step_in_backward: bool = False
+    optimizer_fingerprint: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.decisions = tuple(self.decisions)
@@ -294,7 +436,16 @@ class Plan:
             raise PlanError(f"a plan names each unit once; repeated: {', '.join(dupes)}")
         if self.fingerprint and [f.get("name") for f in self.fingerprint] != names:
             raise PlanError("plan fingerprint and decisions name different units")
+        if not isinstance(self.step_in_backward, bool):
+            raise PlanError(f"step_in_backward must be True or False, got {self.step_in_backward!r}")
+        stepped = [d.unit for d in self.decisions if d.grads == "step"]
+        if stepped and not self.step_in_backward:
+            more = " …" if len(stepped) > 4 else ""
+            raise PlanError(f"units {', '.join(stepped[:4])}{more} have grads='step' but the "
+                            "plan was not made with step_in_backward=True; stepping in backward changes what the "
+                            "training loop may do (no gradient accumulation or clipping), so it must be asked for")
         self._model_ref: weakref.ref | None = None
+        self._optimizer_ref: weakref.ref | None = None
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -324,9 +475,12 @@ class Plan:
             Decision(n, s, int(w), int(d)) for n, s, w, d in zip(names, strategies, windows, dists, strict=True)
         )
         kwargs.setdefault("model_fingerprint", (getattr(profile, "meta", None) or {}).get("model_fingerprint"))
+        kwargs.setdefault("optimizer_fingerprint",
+                          (getattr(profile, "meta", None) or {}).get("optimizer_fingerprint"))
         plan = cls(decisions=decisions, fingerprint=profile.fingerprint, method=method,
                    device=profile.device.to_dict(), **kwargs)
         plan._model_ref = getattr(profile, "_model_ref", None)
+        plan._optimizer_ref = getattr(profile, "_optimizer_ref", None)
         return plan
 
     # ------------------------------------------------------------------ views
@@ -337,6 +491,28 @@ class Plan:
     @property
     def strategies(self) -> list[str]:
         return [d.strategy for d in self.decisions]
+
+    @property
+    def placements(self) -> list[tuple[str, str, str]]:
+        """Per unit ``(optimizer, grads, params)``."""
+        return [d.placement for d in self.decisions]
+
+    @property
+    def state_indices(self) -> list[int]:
+        """Per unit the index of its placement in :data:`STATE_CHOICES`."""
+        return [d.state_index for d in self.decisions]
+
+    @property
+    def moves_state(self) -> bool:
+        """Whether the plan places any optimizer state, gradient or parameter anywhere but on the device."""
+        return any(d.moves_state for d in self.decisions)
+
+    def state_counts(self) -> dict[str, int]:
+        """How many units offload their optimizer state / gradients / parameters, and step in backward."""
+        return {"optimizer": sum(d.optimizer == "offload" for d in self.decisions),
+                "grads": sum(d.grads == "offload" for d in self.decisions),
+                "step": sum(d.grads == "step" for d in self.decisions),
+                "params": sum(d.params == "offload" for d in self.decisions)}
 
     @property
     def offload_windows(self) -> list[int]:
@@ -355,7 +531,7 @@ class Plan:
         if self.units != other.units:
             return False
         for a, b in zip(self.decisions, other.decisions, strict=True):
-            if a.strategy != b.strategy:
+            if a.strategy != b.strategy or a.placement != b.placement:
                 return False
             if a.strategy == "swap" and (a.offload_window, a.prefetch_distance) != (
                 b.offload_window, b.prefetch_distance
@@ -376,6 +552,7 @@ class Plan:
         meta = {**self.meta, **changes.pop("meta", {})}
         plan = dataclasses.replace(self, meta=meta, **changes)
         plan._model_ref = self._model_ref
+        plan._optimizer_ref = self._optimizer_ref
         return plan
 
     # ------------------------------------------------------------------ validation
@@ -444,6 +621,8 @@ class Plan:
             "decisions": [d.to_dict() for d in self.decisions],
             "fingerprint": [dict(f) for f in self.fingerprint],
             "model_fingerprint": self.model_fingerprint,
+            "step_in_backward": self.step_in_backward,
+            "optimizer_fingerprint": self.optimizer_fingerprint,
             "meta": _jsonable(self.meta),
         }
 
@@ -473,6 +652,10 @@ class Plan:
             "predicted_step_time": _check_field(data, "predicted_step_time", number, "a number of seconds"),
             "feasible": _check_field(data, "feasible", lambda v: isinstance(v, bool), "true or false"),
             "meta": _check_field(data, "meta", lambda v: isinstance(v, dict), "an object") or {},
+            "step_in_backward": _check_field(data, "step_in_backward", lambda v: isinstance(v, bool),
+                                             "true or false") or False,
+            "optimizer_fingerprint": _check_field(data, "optimizer_fingerprint", lambda v: isinstance(v, dict),
+                                                  "an object"),
         }
         fingerprint = _check_unit_fingerprint(data.get("fingerprint"))
         model_fp = _check_model_fingerprint(data.get("model_fingerprint"))
@@ -533,6 +716,12 @@ class Plan:
         device = f" for {name}" if name else ""
         parts = [f"Plan[{self.method}]{device}: {len(self.decisions)} units: keep {c['keep']}, recompute "
                  f"{c['recompute']}, swap {c['swap']}"]
+        sc = self.state_counts()
+        moved = [f"{k} {v}" for k, v in (("optimizer offloaded", sc["optimizer"]),
+                                         ("grads offloaded", sc["grads"]), ("stepped in backward", sc["step"]),
+                                         ("params offloaded", sc["params"])) if v]
+        if moved:
+            parts.append("state: " + ", ".join(moved))
         if self.budget_bytes:
             parts.append(f"budget {format_bytes(self.budget_bytes)}")
         if self.predicted_peak_bytes is not None:
@@ -559,11 +748,16 @@ class Plan:
                 back = ("copy back when its backward starts" if k == 0 else
                         f"copy back starts {k} unit{'s' if k > 1 else ''} ahead in backward")
                 timing = f"{out}; {back} (window {w}, prefetch {k})"
-            rows.append(f"<tr><td>{html.escape(d.unit)}</td><td>{d.strategy}</td><td>{timing}</td></tr>")
+            state = ", ".join(f"{k} {v}" for k, v in zip(("optimizer", "grads", "params"), d.placement, strict=True)
+                              if v != "resident") or "resident"
+            rows.append(f"<tr><td>{html.escape(d.unit)}</td><td>{d.strategy}</td><td>{timing}</td>"
+                        f"<td>{state}</td></tr>")
         return (
             f"<div><b>{html.escape(self.summary())}</b><table><thead><tr><th>unit</th><th>strategy</th>"
             '<th title="swapped units only: offload window (forwards the copy to host may overlap) and prefetch '
-            f'distance (units ahead the copy back starts)">swap timing</th></tr></thead><tbody>{"".join(rows)}'
+            f'distance (units ahead the copy back starts)">swap timing</th>'
+            '<th title="where the unit\'s optimizer state, gradients and parameters live">state</th></tr></thead>'
+            f'<tbody>{"".join(rows)}'
             "</tbody></table></div>"
         )
 
@@ -583,7 +777,8 @@ def _jsonable(obj: Any) -> Any:
 
 
 def decisions_from(strategies: Iterable[str], units: Sequence[str], windows: Sequence[int],
-                   distances: Sequence[int]) -> tuple[Decision, ...]:
-    """Decisions from parallel lists (used by planners)."""
-    return tuple(Decision(u, s, int(w), int(d)) for u, s, w, d in zip(units, strategies, windows, distances,
-                                                                         strict=True))
+                   distances: Sequence[int], states: Sequence[int] | None = None) -> tuple[Decision, ...]:
+    """Decisions from parallel lists (used by planners); ``states`` are indices into :data:`STATE_CHOICES`."""
+    states = [0] * len(units) if states is None else list(states)
+    return tuple(Decision(u, s, int(w), int(d), *STATE_CHOICES[int(c)])
+                 for u, s, w, d, c in zip(units, strategies, windows, distances, states, strict=True))

@@ -114,6 +114,7 @@ def make_plan(sim: Simulator, strategies: Sequence[int], windows: Sequence[int],
         meta=meta,
     )
     plan._model_ref = getattr(profile, "_model_ref", None)
+    plan._optimizer_ref = getattr(profile, "_optimizer_ref", None)
     return plan
 
 
