@@ -221,3 +221,71 @@ def test_json_roundtrip_keeps_what_the_plan_was_made_for(tmp_path):
     assert q.predicted_peak_bytes == sim.peak_bytes <= budget
     assert q.predicted_step_time == pytest.approx(sim.step_time, rel=1e-12)
     assert Plan.load(tmp_path / "keep_all.json").predicted_peak_bytes == prof.peak_bytes > budget
+
+
+# ------------------------------------------------------------ schema 2: where each unit's state lives (issue 11)
+def test_a_schema_1_plan_loads_with_every_unit_resident():
+    old = Plan.from_dict(_plan_dict())
+    assert old.placements == [("resident", "resident", "resident")]
+    assert old.state_indices == [0] and not old.moves_state and not old.step_in_backward
+    assert old.optimizer_fingerprint is None
+    again = Plan.from_json(old.to_json())
+    assert again.to_dict()["schema_version"] == 2 and again == old
+
+
+def test_placements_round_trip_and_change_equality(tmp_path):
+    from memopt_nb.plan import STATE_CHOICES
+    d = [Decision("a", "recompute", optimizer="offload", grads="offload"), Decision("b", params="offload"),
+         Decision("c", "swap", 2, 0, grads="step")]
+    p = Plan(tuple(d), step_in_backward=True, optimizer_fingerprint={"class": "AdamW", "groups": []})
+    q = Plan.load(p.save(tmp_path / "p.json"))
+    assert q == p and q.placements == p.placements and q.step_in_backward
+    assert q.optimizer_fingerprint == {"class": "AdamW", "groups": []}
+    assert [STATE_CHOICES[i] for i in q.state_indices] == q.placements
+    assert q.state_counts() == {"optimizer": 1, "grads": 1, "step": 1, "params": 1}
+    moved = Plan((Decision("a", "recompute", optimizer="offload"), *d[1:]), step_in_backward=True)
+    assert moved != p and not moved.same_decisions(p) and p.same_decisions(q)
+    assert "stepped in backward 1" in p.summary() and "params offloaded 1" in p.summary()
+    assert "optimizer offload, grads offload" in p._repr_html_()
+
+
+def test_step_in_backward_must_be_asked_for_and_wrong_places_are_refused():
+    with pytest.raises(PlanError, match="grads='step'.*step_in_backward=True"):
+        Plan((Decision("a", grads="step"),))
+    with pytest.raises(PlanError, match="grads must be one of 'resident', 'offload', 'step'"):
+        Decision("a", grads="host")
+    with pytest.raises(PlanError, match="params must be one of"):
+        Plan.from_dict(_plan_dict(schema_version=2, decisions=[{"unit": "layers.0", "params": "cpu"}]))
+    with pytest.raises(PlanError, match="step_in_backward must be true or false"):
+        Plan.from_dict(_plan_dict(schema_version=2, step_in_backward="yes"))
+
+
+def test_state_choices_parses_offload_state():
+    from memopt_nb.plan import STATE_CHOICES, state_choices
+    assert state_choices(True) == tuple(c for c in STATE_CHOICES if c[1] != "step")
+    assert state_choices(False) == (STATE_CHOICES[0],)
+    assert state_choices({"optimizer"}) == (STATE_CHOICES[0], ("offload", "resident", "resident"))
+    assert state_choices("grads, params") == state_choices({"grads", "params"})
+    with_step = state_choices({"optimizer"}, step_in_backward=True)
+    assert ("resident", "step", "resident") in with_step and ("offload", "step", "resident") in with_step
+    assert len(state_choices(True, step_in_backward=True)) == len(STATE_CHOICES)
+    with pytest.raises(PlanError, match="unknown pieces \\['weights'\\]; use any of optimizer, grads, params"):
+        state_choices({"weights"})
+    with pytest.raises(PlanError, match="offload_state must be True, False or a set"):
+        state_choices(3)
+
+
+def test_optimizer_fingerprint_names_what_differs_but_not_a_scheduled_lr():
+    import torch
+
+    from memopt_nb.plan import optimizer_differences, optimizer_fingerprint
+    m = nn.Linear(3, 4)
+    want = optimizer_fingerprint(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    assert optimizer_differences(want, optimizer_fingerprint(torch.optim.SGD(m.parameters(), lr=0.01,
+                                                                                momentum=0.5))) == []
+    assert optimizer_differences(want, optimizer_fingerprint(torch.optim.SGD(m.parameters(), lr=0.1))) == [
+        "parameter group 0: momentum 0.9 in the plan, 0 here"]
+    assert "this optimizer is Adam" in optimizer_differences(want, optimizer_fingerprint(
+        torch.optim.Adam(m.parameters())))[0]
+    other = optimizer_fingerprint(torch.optim.SGD(nn.Linear(3, 5).parameters(), lr=0.1, momentum=0.9))
+    assert "holds other parameters" in optimizer_differences(want, other)[0]
