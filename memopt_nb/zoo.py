@@ -10,6 +10,15 @@ model, inputs and targets on a GPU.
 * ``vit`` — ViT-style encoder: 4×4 patches, class token, pre-norm attention blocks, cross-entropy.
 * ``unet`` — U-Net: encoder and decoder blocks with BatchNorm and skip connections, MSE to a target image.
 * ``mlp`` — residual MLP blocks with dropout, cross-entropy.
+
+Fixed-state-heavy models (:data:`STATE_HEAVY`), with the layer shapes of well-known image models at a small batch and
+image, so that parameters, gradients and Adam state are most of a training step's memory (what whole-step plans are
+for). They are built here, not imported: no torchvision or timm needed.
+
+* ``resnet18`` — ResNet-18's shapes (7×7 stem, max-pool, BasicBlocks 64–512 wide, 2 per stage; 11.7 M parameters).
+* ``vit_tiny`` — ViT-Tiny's shapes (width 192, 12 blocks, 3 heads, MLP ×4; 5.6 M parameters) on 8×8 patches.
+* ``convnext_atto`` — ConvNeXt-Atto's shapes (widths 40–320, blocks 2/2/6/2, 7×7 depthwise convolutions, LayerNorm,
+  layer scale; 3.7 M parameters).
 """
 
 from __future__ import annotations
@@ -133,10 +142,15 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, widths: tuple[int, ...], blocks_per_stage: int, classes: int) -> None:
+    def __init__(self, widths: tuple[int, ...], blocks_per_stage: int, classes: int,
+                 imagenet_stem: bool = False) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]),
-                                  nn.ReLU())
+        if imagenet_stem:  # 7×7 stride-2 convolution and a max-pool, as ResNet-18 on ImageNet
+            self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]),
+                                      nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        else:
+            self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]),
+                                      nn.ReLU())
         stages = []
         cin = widths[0]
         for i, w in enumerate(widths):
@@ -149,6 +163,51 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dwconv(x).permute(0, 2, 3, 1)
+        y = self.fc2(F.gelu(self.fc1(self.norm(y)))) * self.gamma
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, widths: tuple[int, ...], depths: tuple[int, ...], classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 4, 4), LayerNorm2d(widths[0]))
+        self.downsample = nn.ModuleList([nn.Identity()] + [
+            nn.Sequential(LayerNorm2d(widths[i - 1]), nn.Conv2d(widths[i - 1], widths[i], 2, 2))
+            for i in range(1, len(widths))])
+        self.blocks = nn.ModuleList([ConvNeXtBlock(w) for w, d in zip(widths, depths, strict=True) for _ in range(d)])
+        self.stage_of = [i for i, d in enumerate(depths) for _ in range(d)]
+        self.norm = nn.LayerNorm(widths[-1])
+        self.head = nn.Linear(widths[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        stage = 0
+        for block, s in zip(self.blocks, self.stage_of, strict=True):
+            if s != stage:
+                stage = s
+                x = self.downsample[s](x)
+            x = block(x)
+        return self.head(self.norm(x.mean((2, 3))))
 
 
 class DoubleConv(nn.Sequential):
@@ -287,14 +346,53 @@ def mlp(batch_size: int = 1024, width: int = 128, depth: int = 8, classes: int =
     return ZooModel(model.to(device), (x,), lambda out: F.cross_entropy(out, y), "mlp")
 
 
-BUILDERS: dict[str, Callable[..., ZooModel]] = {"gpt": gpt, "resnet": resnet, "vit": vit, "unet": unet, "mlp": mlp}
-MODELS = tuple(BUILDERS)
+def resnet18(batch_size: int = 4, image: int = 64, classes: int = 1000, seed: int = 0,
+             device: str | torch.device = "cpu") -> ZooModel:
+    """ResNet-18's shapes (11.7 M parameters) on small images: fixed state far above the activations."""
+    torch.manual_seed(seed)
+    model = ResNet((64, 128, 256, 512), 2, classes, imagenet_stem=True)
+    g = _gen(seed + 1)
+    x = torch.randn(batch_size, 3, image, image, generator=g).to(device)
+    y = torch.randint(0, classes, (batch_size,), generator=g).to(device)
+    return ZooModel(model.to(device), (x,), lambda out: F.cross_entropy(out, y), "resnet18")
+
+
+def vit_tiny(batch_size: int = 4, image: int = 64, patch: int = 8, classes: int = 1000, seed: int = 0,
+             device: str | torch.device = "cpu") -> ZooModel:
+    """ViT-Tiny's shapes (width 192, 12 blocks, 3 heads) on 64 patches of 8×8."""
+    torch.manual_seed(seed)
+    model = ViT(image, patch, 192, 12, 3, classes, 0.0)
+    g = _gen(seed + 1)
+    x = torch.randn(batch_size, 3, image, image, generator=g).to(device)
+    y = torch.randint(0, classes, (batch_size,), generator=g).to(device)
+    return ZooModel(model.to(device), (x,), lambda out: F.cross_entropy(out, y), "vit_tiny")
+
+
+def convnext_atto(batch_size: int = 4, image: int = 64, classes: int = 1000, seed: int = 0,
+                  device: str | torch.device = "cpu") -> ZooModel:
+    """ConvNeXt-Atto's shapes (widths 40, 80, 160, 320; 2, 2, 6, 2 blocks)."""
+    torch.manual_seed(seed)
+    model = ConvNeXt((40, 80, 160, 320), (2, 2, 6, 2), classes)
+    g = _gen(seed + 1)
+    x = torch.randn(batch_size, 3, image, image, generator=g).to(device)
+    y = torch.randint(0, classes, (batch_size,), generator=g).to(device)
+    return ZooModel(model.to(device), (x,), lambda out: F.cross_entropy(out, y), "convnext_atto")
+
+
+BUILDERS: dict[str, Callable[..., ZooModel]] = {"gpt": gpt, "resnet": resnet, "vit": vit, "unet": unet, "mlp": mlp,
+                                                "resnet18": resnet18, "vit_tiny": vit_tiny,
+                                                "convnext_atto": convnext_atto}
+#: The activation-heavy demo models every test covers.
+MODELS = ("gpt", "resnet", "vit", "unet", "mlp")
+#: Models whose parameters, gradients and optimizer state dominate the step (whole-step plans).
+STATE_HEAVY = ("resnet18", "vit_tiny", "convnext_atto")
 
 
 def build(name: str, batch_size: int | None = None, seed: int = 0, **kwargs: Any) -> ZooModel:
-    """Build a zoo model by name (``memopt.zoo.MODELS``), optionally at another batch size."""
+    """Build a zoo model by name (``memopt.zoo.MODELS`` or ``memopt.zoo.STATE_HEAVY``), optionally at another batch
+    size."""
     if name not in BUILDERS:
-        raise MemoptError(f"unknown zoo model {name!r}; choose one of {', '.join(MODELS)}")
+        raise MemoptError(f"unknown zoo model {name!r}; choose one of {', '.join(BUILDERS)}")
     if batch_size is not None:
         kwargs["batch_size"] = batch_size
     return BUILDERS[name](seed=seed, **kwargs)
