@@ -128,10 +128,6 @@ class Evaluation:
 
     def figure(self) -> Any:
         """Throughput vs batch per method, and memory vs batch with the budget line (matplotlib Figure)."""
-        import matplotlib
-
-        if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-            pass
         import matplotlib.pyplot as plt
         import seaborn as sns
 
