@@ -140,13 +140,16 @@ def floor_figures() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
     plain = memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, steps=1).peak_bytes
-    print(f"heavy MLP: unoptimized peak measured {format_bytes(plain)}")
+    print(f"heavy MLP: unoptimized peak measured {plain} B ({format_bytes(plain)}); activation-only floor "
+          f"{explain_floor(prof).floor_bytes} B")
     for sib in (False, True):
         fl = explain_floor(prof, offload_state=True, step_in_backward=sib)
         plan = fl.plan
         meas = measure_state(model, inputs, loss_fn, opt, plan)
-        print(f"  offload_state=True step_in_backward={sib}: floor predicted {format_bytes(fl.floor_bytes)} "
-              f"({fl.floor_bytes / plain:.3f}x), that plan measured {format_bytes(meas)} ({meas / plain:.3f}x)")
+        print(f"  offload_state=True step_in_backward={sib}: floor predicted {fl.floor_bytes} B "
+              f"({format_bytes(fl.floor_bytes)}, {fl.floor_bytes / plain:.3f}x), that plan measured {meas} B "
+              f"({meas / plain:.3f}x); plan: {sorted(set(plan.strategies))}, placements "
+              f"{sorted(set(plan.placements))}")
         print("   ", fl.breakdown_text())
 
 

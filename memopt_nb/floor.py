@@ -177,11 +177,17 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
 
 
 def _moved_bytes(profile: Any, plan: Any) -> int:
-    moved = 0
+    """State the plan keeps off the device, less the largest amount its schedule brings back at once (a unit's
+    state, gradients and parameters with the next unit's state and parameters on their way in)."""
+    per = []
     for u, (o, g, p) in zip(profile.units, plan.placements, strict=True):
-        moved += (u.optimizer_bytes if o == "offload" else 0) + (u.grad_bytes if g != "resident" else 0) + (
-            u.param_bytes if p == "offload" else 0)
-    return moved
+        op = (u.optimizer_bytes if o == "offload" and g != "step" else 0) + (u.param_bytes if p == "offload" else 0)
+        per.append((op + (u.grad_bytes if g == "offload" else 0), op,
+                    (u.optimizer_bytes if o == "offload" else 0) + (u.grad_bytes if g != "resident" else 0)
+                    + (u.param_bytes if p == "offload" else 0)))
+    moved = sum(total for _, _, total in per)
+    window = max([per[i][0] + (per[i + 1][1] if i + 1 < len(per) else 0) for i in range(len(per))] + [0])
+    return max(moved - window, 0)
 
 
 def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None = None,
