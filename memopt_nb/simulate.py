@@ -158,8 +158,7 @@ class SimResult:
 
     def __repr__(self) -> str:
         fit = "" if self.feasible is None else (" fits" if self.feasible else " OVER BUDGET")
-        where = f" in the {self.peak_phase}" if self.peak_phase else ""
-        return (f"SimResult(peak {format_bytes(self.peak_bytes)}{where}, step {self.step_time * 1e3:.2f} ms, "
+        return (f"SimResult(peak {format_bytes(self.peak_bytes)}, step {self.step_time * 1e3:.2f} ms, "
                 f"stall {self.stall_time * 1e3:.2f} ms, recompute {self.recompute_time * 1e3:.2f} ms{fit})")
 
     def _repr_html_(self) -> str:
