@@ -243,3 +243,16 @@ def test_floor_advice_names_state_offload_when_state_bounds_it():
     fl = explain_floor(prof)
     assert fl.bound == "fixed state"
     assert any("offload_state=True" in a for a in fl.advice)
+
+
+@pytest.mark.parametrize("strategy", ["keep", "recompute"])
+def test_mixed_placements_measured_exactly(mlp, strategy):
+    """Units placed differently: what is on the device depends on each unit's own placement only (StateManager's
+    fixed-neighbour prefetch and fixed unit-by-unit step), so the sum over units is exact."""
+    z, opt, prof = mlp
+    r, o = "resident", "offload"
+    mixes = [[(r, r, o), (r, r, r), (o, r, o)], [(o, r, r), (r, r, o), (r, r, r)]]
+    for placements in mixes:
+        plan = with_placements(Plan.uniform(prof, strategy), placements)
+        assert memopt.simulate(prof, plan).peak_bytes == measure_state(z.model, z.inputs, z.loss_fn, opt, plan), \
+            placements
