@@ -44,6 +44,18 @@ On exit everything is put back exactly: the original state tensor objects refill
 placeholder gradients replaced by real ones, parameters refilled, hooks removed, ``opt.step`` / ``zero_grad`` /
 ``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted.
 
+Schedule (fixed, so that what is on the device at any moment depends on each unit's own placement only — the cost
+model of :mod:`memopt_nb.simulate` sums over units and relies on it):
+
+* with any unit's ``params="offload"``, every unit's forward pre-hook fetches unit ``u + 1``'s offloaded parameters
+  ahead, and backward reaching unit ``u`` fetches unit ``u - 1``'s (the fixed neighbour, whatever the placements in
+  between);
+* ``grads="offload"``: a unit's gradient copies to the host are waited for when its last gradient is accumulated, so
+  they have left the device before backward moves on;
+* ``opt.step()`` with any placement managed runs in parts: the parameters outside units, then unit 0, 1, … each alone
+  (a unit stepped in backward is an empty part), bringing part ``i + 1``'s state and parameters while part ``i``
+  steps. With every placement resident it is one plain step.
+
 Transfers: on the CPU (the emulated device) host copies are ``torch.UntypedStorage`` objects and a worker thread per
 direction copies with ``memmove``, so the meter of :mod:`memopt_nb.runtime.memory` does not count the host store
 (storages freed or re-grown are reported to it with ``note_device_storage``). On CUDA the copies run on a
