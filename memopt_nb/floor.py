@@ -11,6 +11,14 @@ plan reaches (:func:`memopt_nb.solvers.min_peak`, "the floor") is therefore roug
 
 :func:`explain_floor` computes the split and names the largest part (what *bounds* the floor), with advice that would
 lower that part. The split is an estimate from the profile's totals; the floor itself is exact (the MILP's minimum).
+
+**Optimizer state, gradients and parameters.** With ``offload_state`` (see :func:`memopt_nb.plan.state_choices`) a
+plan also decides, per unit, where its optimizer state, gradients and parameters live, so the fixed state shrinks to
+what stays on the device: the parameters, gradients and state outside units (and buffers), the units left resident,
+and the one or two units whose state is on the device at the peak. The floor is then the smallest peak a search over
+strategies *and* placements finds with the simulator (:func:`state_floor`; a lower bound is the MILP's job). With
+``offload_state=False`` (the default, today's activation-only space) the floor is as before, and when the fixed state
+bounds it the advice gives the floor the state placements would reach.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any
 
 from .budget import format_bytes
 
-__all__ = ["FIXED_STATE", "KEPT_ACTIVATIONS", "LARGEST_UNIT", "Floor", "explain_floor"]
+__all__ = ["FIXED_STATE", "KEPT_ACTIVATIONS", "LARGEST_UNIT", "Floor", "explain_floor", "state_floor"]
 
 #: Names of the three parts (the values of :attr:`Floor.bound`).
 FIXED_STATE = "fixed state"
@@ -41,6 +49,11 @@ class Floor:
         kept_bytes: the rest of the floor: kept unit inputs, activations no plan frees, code outside units.
         bound: the largest of the three parts: ``"fixed state"``, ``"largest unit"`` or ``"kept activations"``.
         advice: what would lower the floor (only options that help with this bound).
+        offload_state: the placements allowed (``False``: activations only).
+        moved_bytes: with placements, the state the floor's plan keeps off the device (outside the step's window).
+        state_floor_bytes: the floor with placements allowed (``offload_state=True``), when the profile records per-unit
+            state (``None`` otherwise); equal to ``floor_bytes`` when they were allowed.
+        plan: the plan that reaches ``floor_bytes`` when it was searched here (placements allowed), else ``None``.
     """
 
     floor_bytes: int
@@ -50,6 +63,10 @@ class Floor:
     kept_bytes: int
     bound: str
     advice: list[str] = field(default_factory=list)
+    offload_state: Any = False
+    moved_bytes: int = 0
+    state_floor_bytes: int | None = None
+    plan: Any = None
 
     def parts(self) -> dict[str, int]:
         """``{part name: bytes}`` of the three parts, in the order they are explained."""
@@ -60,7 +77,11 @@ class Floor:
         """One sentence: what bounds the floor, with the part's size and share."""
         fb = format_bytes
         share = self.parts()[self.bound] / max(self.floor_bytes, 1)
-        if self.bound == FIXED_STATE:
+        if self.bound == FIXED_STATE and self.offload_state is not False:
+            what = (f"the state that stays on the device — parameters, gradients and optimizer state outside units or "
+                    f"not movable, and the units whose state the step needs at the peak — {fb(self.fixed_bytes)} "
+                    f"({share:.0%}; {fb(self.moved_bytes)} of state is off the device)")
+        elif self.bound == FIXED_STATE:
             what = (f"the fixed state — parameters, gradients and optimizer state, held through the whole step — "
                     f"{fb(self.fixed_bytes)} ({share:.0%})")
         elif self.bound == LARGEST_UNIT:
@@ -89,20 +110,112 @@ def _working_set(unit: Any) -> int:
     return int(max(unit.rc_fwd_rel_peak, unit.rc_bwd_rel_peak, unit.saved_bytes))
 
 
+def _has_state(profile: Any) -> bool:
+    return any(getattr(u, "grad_bytes", 0) > 0 for u in profile.units) and getattr(profile, "step_segment", -1) >= 0
+
+
+def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("keep", "recompute", "swap"),
+                offload_state: Any = True, step_in_backward: bool = False, passes: int = 3) -> tuple[int, Any]:
+    """The smallest peak found over activation strategies and state placements, and a plan that reaches it.
+
+    A search with the simulator, not a proof: every uniform plan (each strategy with each allowed placement), then
+    unit-by-unit improvement (``passes`` sweeps, each trying every strategy and placement of one unit at a time).
+    The exact minimum over the enlarged space is the MILP's (:func:`memopt_nb.solvers.min_peak` with
+    ``offload_state=``); this is an upper bound on it, and a plan that reaches it.
+    """
+    import numpy as np
+
+    from .plan import STATE_CHOICES, Plan, decisions_from, state_choices
+    from .simulate import CODES, Simulator
+
+    sim = Simulator(profile, device)
+    tab = sim.state_table()
+    n = sim.n
+    allowed_choices = [STATE_CHOICES.index(c) for c in state_choices(offload_state, step_in_backward=step_in_backward)]
+    codes = [CODES[s] for s in strategies]
+    ok_s = np.ones((n, 3), dtype=bool)
+    ok_s[:, 1] = sim.recomputable
+    ok_s[:, 2] = sim.swappable
+    opts = [[(s, c) for s in codes if ok_s[u, s] for c in allowed_choices if tab.allowed[u, c]] for u in range(n)]
+    ones = np.ones((1, n), dtype=np.int64)
+
+    def peaks(S: np.ndarray, C: np.ndarray) -> np.ndarray:
+        return sim.evaluate(S, np.broadcast_to(ones, S.shape), np.broadcast_to(ones, S.shape), states=C)[0]
+
+    cands = []
+    for s in codes:
+        for c in allowed_choices:
+            S = np.array([[s if ok_s[u, s] else 0 for u in range(n)]])
+            C = np.array([[c if tab.allowed[u, c] else 0 for u in range(n)]])
+            cands.append((S, C))
+    vals = peaks(np.concatenate([a for a, _ in cands]), np.concatenate([b for _, b in cands]))
+    best = int(np.argmin(vals))
+    S, C, val = cands[best][0].copy(), cands[best][1].copy(), float(vals[best])
+    for _ in range(passes):
+        improved = False
+        for u in range(n):
+            trial_S = np.repeat(S, len(opts[u]), axis=0)
+            trial_C = np.repeat(C, len(opts[u]), axis=0)
+            for i, (s, c) in enumerate(opts[u]):
+                trial_S[i, u], trial_C[i, u] = s, c
+            v = peaks(trial_S, trial_C)
+            i = int(np.argmin(v))
+            if v[i] < val:
+                S, C, val, improved = trial_S[i:i + 1].copy(), trial_C[i:i + 1].copy(), float(v[i]), True
+        if not improved:
+            break
+    names = {v: k for k, v in CODES.items()}
+    decisions = decisions_from([names[int(x)] for x in S[0]], [u.name for u in profile.units], [1] * n, [1] * n,
+                               states=[int(x) for x in C[0]])
+    base = Plan.from_strategies(profile, [names[int(x)] for x in S[0]], method="state_floor")
+    import dataclasses
+
+    plan = dataclasses.replace(base, decisions=decisions,
+                               step_in_backward=any(STATE_CHOICES[int(x)][1] == "step" for x in C[0]))
+    plan._model_ref, plan._optimizer_ref = base._model_ref, base._optimizer_ref
+    return int(round(val)), plan
+
+
+def _moved_bytes(profile: Any, plan: Any) -> int:
+    """State the plan keeps off the device, less the largest amount its schedule brings back at once (a unit's
+    state, gradients and parameters with the next unit's state and parameters on their way in)."""
+    per = []
+    for u, (o, g, p) in zip(profile.units, plan.placements, strict=True):
+        op = (u.optimizer_bytes if o == "offload" and g != "step" else 0) + (u.param_bytes if p == "offload" else 0)
+        per.append((op + (u.grad_bytes if g == "offload" else 0), op,
+                    (u.optimizer_bytes if o == "offload" else 0) + (u.grad_bytes if g != "resident" else 0)
+                    + (u.param_bytes if p == "offload" else 0)))
+    moved = sum(total for _, _, total in per)
+    window = max([per[i][0] + (per[i + 1][1] if i + 1 < len(per) else 0) for i in range(len(per))] + [0])
+    return max(moved - window, 0)
+
+
 def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None = None,
-                  strategies: Sequence[str] = ("keep", "recompute", "swap")) -> Floor:
+                  strategies: Sequence[str] = ("keep", "recompute", "swap"), offload_state: Any = False,
+                  step_in_backward: bool = False) -> Floor:
     """Split the smallest reachable peak of ``profile`` (on ``device``) into fixed state, the largest unit's working set
     and kept activations, and say which bounds it and what would lower it.
 
-    ``floor_bytes``: the floor if already known (else :func:`memopt_nb.solvers.min_peak` computes it).
+    ``floor_bytes``: the floor if already known (else :func:`memopt_nb.solvers.min_peak` computes it, or with
+    ``offload_state`` :func:`state_floor`). ``offload_state`` / ``step_in_backward``: the state placements a plan may
+    use (as in :func:`memopt_nb.plan.state_choices`; ``False``: activations only).
     """
+    plan = None
+    state_floor_bytes = None
+    moved = 0
+    if offload_state is not False and _has_state(profile):
+        found, plan = state_floor(profile, device, strategies, offload_state, step_in_backward)
+        if floor_bytes is None:
+            floor_bytes = found
+        state_floor_bytes = int(floor_bytes)
+        moved = _moved_bytes(profile, plan)
     if floor_bytes is None:
         from .solvers import min_peak
 
         floor_bytes = min_peak(profile, device, strategies)
     floor = int(floor_bytes)
     fixed = int(profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes + profile.buffer_bytes)
-    fixed = min(fixed, floor)
+    fixed = min(max(fixed - moved, 0), floor)
     units = list(profile.units)
     if units:
         big = max(units, key=_working_set)
@@ -114,9 +227,13 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     bound = max(parts, key=lambda k: parts[k])
     activations = work + kept
     advice: list[str] = []
+    if bound == FIXED_STATE and offload_state is False and _has_state(profile):
+        state_floor_bytes, _ = state_floor(profile, device, strategies, True, False)
+        if state_floor_bytes < floor:
+            advice.append(f"let the plan move optimizer state, gradients and parameters off the device "
+                          f"(offload_state=True): floor about {format_bytes(state_floor_bytes)}")
     if bound == FIXED_STATE:
-        advice.append("no per-unit plan lowers the fixed state: shard it across devices (FSDP2, see "
-                      "memopt.distributed.per_rank and tutorial 04)")
+        advice.append("shard the state across devices (FSDP2, see memopt.distributed.per_rank and tutorial 04)")
         if activations >= 0.1 * floor:
             advice.append("a smaller batch (activations are the other "
                           f"{format_bytes(activations)})")
@@ -127,4 +244,5 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     else:
         advice.append("a smaller batch (kept activations grow with it)")
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
-                 bound=bound, advice=advice)
+                 bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
+                 state_floor_bytes=state_floor_bytes, plan=plan)

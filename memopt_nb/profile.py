@@ -41,14 +41,14 @@ from torch.utils._pytree import tree_leaves
 from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import ProfileError
-from .plan import model_fingerprint, unit_fingerprint
+from .plan import model_fingerprint, optimizer_fingerprint, unit_fingerprint
 from .runtime.measure import model_device
 from .runtime.memory import meter_for
 from .runtime.recompute import ForwardEffects, checkpointed_call, forward_side_effects, running_stat_modules
 from .runtime.step import model_keywords, preserved_state, training_step
 
 PROFILE_FORMAT = "memopt_nb.profile"
-PROFILE_SCHEMA = 1
+PROFILE_SCHEMA = 2  # 2: per-unit state bytes and the unit-by-unit optimizer step (schema 1 loads with zeros)
 _use_count = lambda st: torch._C._storage_Use_Count(st._cdata)  # noqa: E731
 _RNG_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "randperm", "exponential")
 
@@ -71,6 +71,12 @@ class UnitProfile:
         not_recomputable_reason: why recomputing it cannot be exact (e.g. it changes an argument), "" if it can.
         fwd_segment, bwd_segment: indices of its forward and backward in ``ModelProfile.segments``.
         rc_fwd_rel_peak, rc_bwd_rel_peak: peak above the segment's start level when the unit is recomputed.
+        grad_bytes, optimizer_bytes: its gradients (trainable parameters the optimizer steps) and the optimizer state
+            a placement can move (tensors with at least one dimension, measured after a first step); param_storages,
+            grad_storages, optimizer_storages: how many storages each is (the per-copy cost counts them).
+        step_time, step_rel_peak: the optimizer step over this unit's parameters alone, as the unit-by-unit step of
+            :class:`~memopt_nb.runtime.state.StateManager` runs it: seconds, and peak above the level before it.
+        params_offloadable: every parameter is a whole, resizable storage used by no module outside the unit.
     """
 
     name: str
@@ -95,6 +101,14 @@ class UnitProfile:
     output_shapes: list[list[int]] = field(default_factory=list)
     side_effects: str = ""
     not_recomputable_reason: str = ""
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    param_storages: int = 0
+    grad_storages: int = 0
+    optimizer_storages: int = 0
+    step_time: float = 0.0
+    step_rel_peak: int = 0
+    params_offloadable: bool = False
 
 
 @dataclass
@@ -143,6 +157,11 @@ class ModelProfile:
 
     Build one with :func:`profile`. It round-trips through JSON (:meth:`save`, :meth:`load`) and renders as a table in
     a notebook.
+
+    The optimizer step: ``segments[step_segment]`` is the plain step (all parameters in one ``opt.step()``); the
+    unit-by-unit step that state placements use is described by each unit's ``step_time`` / ``step_rel_peak`` and,
+    for the parameters outside units (stepped first), ``outside_step_time`` / ``outside_step_rel_peak``;
+    ``chunked_step_time`` is that whole step's seconds (0 when no optimizer was given).
     """
 
     units: list[UnitProfile]
@@ -163,9 +182,16 @@ class ModelProfile:
     excluded: list[dict[str, str]] = field(default_factory=list)
     coverage: float = 1.0
     meta: dict[str, Any] = field(default_factory=dict)
+    step_segment: int = -1
+    outside_step_time: float = 0.0
+    outside_step_rel_peak: int = 0
+    chunked_step_time: float = 0.0
 
     def __post_init__(self) -> None:
         self._model_ref: weakref.ref | None = None
+        self._optimizer_ref: weakref.ref | None = None
+        if self.step_segment < 0:  # schema 1: the optimizer step is the segment that ends at "optimizer_end"
+            self.step_segment = next((i for i, sg in enumerate(self.segments) if sg.label == "to optimizer_end"), -1)
 
     # ------------------------------------------------------------------ convenience
     @property
@@ -871,6 +897,11 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
                 raise ProfileError("the step ran differently between repeats (data-dependent control flow?)")
             timings.append(durations)
         static = _static_bytes(model, optimizer)
+        modules = dict(model.named_modules())
+        unit_params = [list(modules[nm].parameters()) for nm in names]
+        state_bytes = _unit_state_bytes(model, optimizer, unit_params, [modules[nm] for nm in names])
+        chunked = (_chunked_step(model, inputs, loss_fn, optimizer, unit_params, dev, kwargs)
+                   if optimizer is not None else None)
     segs, fwd_seg, bwd_seg = _segments_from(keep_marks, n)
     for i, seg in enumerate(segs):
         seg.time = statistics.median(t[i] for t in timings)
@@ -879,7 +910,6 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         for i in range(len(rc_marks) - 1):
             rc_rel[i] = max(0, rc_marks[i + 1][2] - rc_marks[i][1])
     groups = _groups_from(run)
-    modules = dict(model.named_modules())
     spec_link = spec.has_host_link
     unit_list = []
     for i, name in enumerate(names):
@@ -895,7 +925,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             recomputable=True, swappable=spec_link, fwd_segment=fwd_seg[i], bwd_segment=bwd_seg[i],
             rc_fwd_rel_peak=rc_rel.get(fwd_seg[i], segs[fwd_seg[i]].rel_peak),
             rc_bwd_rel_peak=rc_rel.get(bwd_seg[i], segs[bwd_seg[i]].rel_peak + 0),
-            input_shapes=in_shapes, output_shapes=out_shapes,
+            input_shapes=in_shapes, output_shapes=out_shapes, **state_bytes[i],
+            step_time=chunked[0][i + 1] if chunked else 0.0, step_rel_peak=chunked[1][i + 1] if chunked else 0,
         ))
     unit_saved = sum(g.nbytes for g in groups if g.savers)
     batch = None  # the first dimension of the first batched input tensor, positional first, then keyword
@@ -921,11 +952,103 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "profile_seconds": round(time.perf_counter() - t_start, 3),
             "rc_marks_matched": bool(rc_rel),
             "model_fingerprint": model_fingerprint(model, names),  # a plan made from this profile refuses other models
+            "optimizer_fingerprint": optimizer_fingerprint(optimizer) if optimizer is not None else None,
         },
+        step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
+        outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,
+        chunked_step_time=chunked[2] if chunked else 0.0,
     )
     _mark_side_effects(prof, effects)
     prof._model_ref = weakref.ref(model)
+    if optimizer is not None:
+        prof._optimizer_ref = weakref.ref(optimizer)
     return prof
+
+
+def _unit_state_bytes(model: nn.Module, optimizer: Any, unit_params: list[list[nn.Parameter]],
+                      unit_modules: list[nn.Module]) -> list[dict[str, Any]]:
+    """Per unit: gradient and movable optimizer-state bytes and storage counts, and whether its parameters can move."""
+    in_opt = set()
+    if optimizer is not None:
+        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    owners: dict[int, set[int]] = collections.defaultdict(set)
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners[id(p)].add(id(m))
+    out = []
+    for ps, mod in zip(unit_params, unit_modules, strict=True):
+        inside = {id(m) for m in mod.modules()}
+        grads = [p for p in ps if p.requires_grad and id(p) in in_opt]
+        state = []
+        for p in grads:
+            for v in optimizer.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device == p.device:
+                    state.append(v)
+        offloadable = bool(ps) and all(
+            p.layout == torch.strided and p.storage_offset() == 0 and p.is_contiguous()
+            and p.untyped_storage().nbytes() == p.nbytes and p.untyped_storage().resizable()
+            and owners[id(p)] <= inside for p in ps)
+        out.append({
+            "grad_bytes": sum(p.nbytes for p in grads), "grad_storages": len(grads),
+            "optimizer_bytes": sum(v.untyped_storage().nbytes() for v in state), "optimizer_storages": len(state),
+            "param_storages": len(ps), "params_offloadable": offloadable,
+        })
+    return out
+
+
+class _ChunkedOptimizer:
+    """Stands in for the optimizer in a training step: steps the parameters outside units, then each unit's, apart
+    (as :class:`~memopt_nb.runtime.state.StateManager` does), marking before and after each part."""
+
+    def __init__(self, optimizer: Any, chunks: list[list[nn.Parameter]], mark: Callable[[Any], None]) -> None:
+        self.optimizer, self.chunks, self.mark = optimizer, chunks, mark
+
+    def step(self) -> None:
+        opt = self.optimizer
+        fn = type(opt).step
+        raw = fn.__wrapped__ if getattr(fn, "hooked", False) else fn
+        groups = opt.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for i, chunk in enumerate(self.chunks):
+                ids = {id(p) for p in chunk}
+                self.mark(("chunk_start", i))
+                if chunk:
+                    for g, ps in zip(groups, saved, strict=True):
+                        g["params"] = [p for p in ps if id(p) in ids]
+                    raw(opt)
+                self.mark(("chunk_end", i))
+        finally:
+            for g, ps in zip(groups, saved, strict=True):
+                g["params"] = ps
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _chunked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any,
+                  unit_params: list[list[nn.Parameter]], device: torch.device,
+                  kwargs: Mapping[str, Any] | None) -> tuple[list[float], list[int], float]:
+    """The unit-by-unit optimizer step: per chunk (outside units first) seconds and peak above its start level, and
+    the whole step's seconds."""
+    mine = {id(p) for ps in unit_params for p in ps}
+    in_units = [[p for p in ps if p.requires_grad] for ps in unit_params]
+    outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+    chunks = [outside, *in_units]
+    meter = meter_for(device)
+    meter.track(model, optimizer, list(inputs), kwargs)
+    with meter:
+        training_step(model, inputs, loss_fn, _ChunkedOptimizer(optimizer, chunks, meter.mark), kwargs=kwargs)
+    rel = [0] * len(chunks)
+    for (label, level, _), (nlabel, _, peak) in zip(meter.marks, meter.marks[1:]):
+        if label[0] == "chunk_start" and nlabel == ("chunk_end", label[1]):
+            rel[label[1]] = max(0, peak - level)
+    clock = _Clock(device)
+    training_step(model, inputs, loss_fn, _ChunkedOptimizer(optimizer, chunks, clock.mark), kwargs=kwargs)
+    d = clock.durations()
+    times = [d[2 * i] for i in range(len(chunks))]
+    return times, rel, float(sum(d))
 
 
 def _static_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:

@@ -43,6 +43,28 @@ there has finished, and a unit's backward waits until its own copy back has fini
 (:func:`thread_seconds`), spent by the training thread, is added to the step and moves no queue. Without it (the CPU
 when compute uses every core) the copies run on the compute cores, one after another, where they are issued, and
 nothing overlaps.
+
+**Optimizer state, gradients and parameters** (plan placements). This part replays what
+:class:`~memopt_nb.runtime.state.StateManager` does, event by event, keeping a ledger of which unit's state (``O``),
+gradients (``G``) and parameters (``P``) are on the device, against the profiled run where every ``O`` and ``P`` is
+there all step and each ``G`` from its unit's backward on. A unit whose optimizer steps nothing keeps everything.
+
+* The forward pre-hook of every unit fetches its own offloaded parameters and those of the unit after it; the hook
+  after its forward lets its own go. A hook that runs in the code between units is charged to the unit segment next to
+  it (the one that holds the same bytes with a peak no lower). When backward reaches a unit, its parameters and those
+  of the unit before it are fetched; when its gradients are complete, its own go (charged from the next segment on).
+* Gradients of a unit with ``grads="offload"`` or ``"step"`` leave the device when its backward ends (they are made
+  there, so it holds them). ``"step"`` then steps the unit: at that moment the device holds the level after its
+  backward plus the step's own peak. Offloaded optimizer state is never on the device outside a step.
+* The optimizer step: if the plan moves anything it runs in parts, the parameters outside units first, then unit
+  0, 1, …; before part ``i`` steps, part ``i`` is on the device, the state sent back after part ``i - 1`` has left,
+  and part ``i + 1``'s state and parameters are on their way in; part ``i``'s offloaded gradients are brought in for
+  its step alone; after it, its parameters leave. Each part peaks at the level plus its own step peak.
+* Time: every byte a placement moves is a copy job priced by :func:`copy_seconds`. Without ``copy_overlap`` all add
+  to the step. With it the training thread's per-storage share adds, and a job that the runtime starts ahead (a
+  fetch of the next unit's parameters or state) shows only where it outlasts the compute it runs beside: the previous
+  unit's forward, the next unit's backward, the previous part of the step. Jobs the runtime waits for at once show in
+  full. The parted step costs ``chunked_step_time`` instead of the plain step's time, when longer.
 """
 
 from __future__ import annotations
@@ -53,7 +75,7 @@ from typing import Any
 
 from .device import DeviceSpec
 from .errors import PlanError, ProfileError
-from .plan import STRATEGIES, Plan
+from .plan import STATE_CHOICES, STRATEGIES, Plan
 
 __all__ = ["CopyJob", "Replay", "copy_seconds", "prefetch_triggers", "replay", "thread_seconds"]
 
@@ -96,7 +118,10 @@ class Replay:
         bytes_offloaded / bytes_prefetched: bytes of the offload jobs / of the prefetch jobs the backward issued.
         triggers: per unit, the unit whose backward starts its prefetch (``None`` unless swapped).
         copies: every copy job in issue order. rows: the timeline ``{"time", "bytes", "phase", "unit", "event"}``,
-            two rows per segment (its start level, then its peak at mid-segment).
+            two rows per segment (its start level, then its peak at mid-segment); with a plan that moves state, the
+            plain step's rows are replaced by one per part of the parted step.
+        step_points: with a plan that moves state, ``(label, peak)`` per part of the parted step.
+        state_time: seconds the placements add; moves_state: whether any placement moves anything.
     """
 
     peak_bytes: int
@@ -113,6 +138,9 @@ class Replay:
     triggers: list[int | None]
     copies: list[CopyJob] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    step_points: list[tuple[str, int]] = field(default_factory=list)
+    state_time: float = 0.0
+    moves_state: bool = False
 
     @property
     def stall_time(self) -> float:
@@ -175,15 +203,178 @@ def _decode(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | N
     return strategies, ws, ds
 
 
+class _StateReplay:
+    """The placements' part of the replay (module docstring): ledger changes, backward steps, the parted step."""
+
+    def __init__(self, profile: Any, placements: Sequence[tuple[str, str, str]], dev: DeviceSpec, factor: float):
+        units, segs = profile.units, profile.segments
+        n = len(units)
+        self.n = n
+        self.units = units
+        self.segs = segs
+        self.place = [tuple(pl) if units[u].grad_bytes > 0 else ("resident", "resident", "resident")
+                      for u, pl in enumerate(placements)]
+        for u, pl in enumerate(self.place):
+            if pl[2] == "offload" and not units[u].params_offloadable:
+                raise PlanError(f"unit {u} ({units[u].name}): its parameters cannot be offloaded (shared with another "
+                                "module, a view or not resizable); keep params='resident' for it")
+        self.moves = any(pl != ("resident", "resident", "resident") for pl in self.place)
+        self.step_seg = next((k for k, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1)
+        self.dev, self.factor = dev, factor
+        self.outside_time = 0.0
+
+    def on_device(self, k: int) -> dict[tuple[str, int], bool]:
+        """Which offloadable items are on the device during segment ``k`` (outside the step), by the hook rules."""
+        out: dict[tuple[str, int], bool] = {}
+        units, n = self.units, self.n
+        for u in range(n):
+            o, g, p = self.place[u]
+            fwd, bwd = units[u].fwd_segment, units[u].bwd_segment
+            out[("O", u)] = o == "resident"
+            made = k >= bwd  # the profiled run holds G from its unit's backward on
+            out[("G", u)] = made and (g == "resident" or k == bwd)
+            if p == "resident":
+                out[("P", u)] = True
+            else:
+                ahead_f = units[u - 1].fwd_segment if u > 0 else fwd  # the pre-hook of u - 1 fetches u
+                ahead_b = units[u + 1].bwd_segment if u + 1 < n else bwd  # backward reaching u + 1 fetches u
+                out[("P", u)] = ahead_f <= k <= fwd or ahead_b <= k <= bwd
+        return out
+
+    def size(self, item: tuple[str, int]) -> int:
+        kind, u = item
+        up = self.units[u]
+        return {"O": up.optimizer_bytes, "G": up.grad_bytes, "P": up.param_bytes}[kind]
+
+    def profiled(self, item: tuple[str, int], k: int) -> bool:
+        kind, u = item
+        return k >= self.units[u].bwd_segment if kind == "G" else True
+
+    def extra(self, k: int) -> int:
+        """The plan's state bytes minus the profiled run's, in segment ``k``."""
+        return sum((self.size(it) if here else 0) - (self.size(it) if self.profiled(it, k) else 0)
+                   for it, here in self.on_device(k).items())
+
+    def backward_step_gap(self, k: int) -> int:
+        """For the backward segment of a unit stepped in backward: how far that step rises above the segment's peak.
+
+        Measured against the profiled segment (every unit kept, every other unit's placement as profiled): at the
+        step, the level after the backward with this unit's state, gradients and parameters all on the device, plus
+        the step's own peak; the segment without it, the profiled peak less this unit's offloaded state. Everything
+        else (the activation plan, other units' placements) moves both alike.
+        """
+        seg = self.segs[k]
+        if seg.kind != "bwd" or self.place[seg.unit][1] != "step":
+            return 0
+        u = seg.unit
+        after = self.segs[k + 1].start_level if k + 1 < len(self.segs) else seg.start_level
+        moment = after + self.units[u].step_rel_peak
+        without = seg.start_level + seg.rel_peak + sum(
+            (self.size(it) if here else 0) - (self.size(it) if self.profiled(it, k) else 0)
+            for it, here in self.on_device(k).items() if it[1] == u)
+        return max(0, moment - without)
+
+    def parted_step(self, base: int, outside_rel: int) -> list[tuple[str, int]]:
+        """Walk the parted step: ``(label, peak)`` per part."""
+        units, n = self.units, self.n
+        here = {}  # item -> on the device now (start of the step: after backward)
+        for u in range(n):
+            o, g, p = self.place[u]
+            here[("O", u)] = o == "resident"
+            here[("G", u)] = g == "resident"
+            here[("P", u)] = p == "resident"
+
+        def level() -> int:
+            return base + sum(self.size(it) * (int(on) - 1) for it, on in here.items())  # profiled: all there
+
+        def stepped(u: int) -> bool:
+            return self.place[u][1] == "step"
+
+        def bring(part: int) -> None:  # part 0: outside units; part i: unit i - 1
+            u = part - 1
+            if 0 <= u < n and not stepped(u):
+                here[("O", u)] = True
+                here[("P", u)] = True
+
+        points = []
+        bring(0)
+        for part in range(n + 1):
+            u = part - 1
+            bring(part)
+            if u >= 1:  # the state sent back after the previous part has left
+                v = u - 1
+                if self.place[v][0] == "offload":
+                    here[("O", v)] = False
+            elif u == 0:
+                pass
+            bring(part + 1)
+            if u < 0:
+                points.append(("step outside units", level() + outside_rel))
+                continue
+            if stepped(u):
+                points.append((f"step of {units[u].name} (in backward)", level()))
+                continue
+            if self.place[u][1] == "offload":
+                here[("G", u)] = True
+            points.append((f"step of {units[u].name}", level() + units[u].step_rel_peak))
+            if self.place[u][1] == "offload":
+                here[("G", u)] = False
+            if self.place[u][2] == "offload":
+                here[("P", u)] = False
+        return points
+
+    def seconds(self) -> float:
+        """What the placements add to the step (see the module docstring)."""
+        dev, units, n, f = self.dev, self.units, self.n, self.factor
+
+        def job(direction: str, nbytes: int, storages: int, beside: float | None) -> float:
+            if not dev.copy_overlap:
+                return copy_seconds(dev, direction, nbytes, storages)
+            wire = copy_seconds(dev, direction, nbytes, 0)
+            shown = wire if beside is None else max(0.0, wire - beside)
+            return thread_seconds(dev, storages) + shown
+
+        part_time = [self.outside_time] + [u.step_time * f for u in units]
+        t = 0.0
+        for u, up in enumerate(units):
+            o, g, p = self.place[u]
+            if o == "offload":
+                t += job("h2d", up.optimizer_bytes, up.optimizer_storages, part_time[u] if g != "step" else None)
+                t += job("d2h", up.optimizer_bytes, up.optimizer_storages, None)
+            if g == "offload":
+                t += job("d2h", up.grad_bytes, up.grad_storages, None)
+                t += job("h2d", up.grad_bytes, up.grad_storages, None)
+            if p == "offload":
+                prev_fwd = self.segs[units[u - 1].fwd_segment].time * f if u > 0 else 0.0
+                next_bwd = self.segs[units[u + 1].bwd_segment].time * f if u + 1 < n else 0.0
+                t += job("h2d", up.param_bytes, up.param_storages, prev_fwd)
+                t += job("h2d", up.param_bytes, up.param_storages, next_bwd)
+                if g != "step":
+                    t += job("h2d", up.param_bytes, up.param_storages, part_time[u])
+                t += job("d2h", up.param_bytes, up.param_storages, None)
+        return t
+
+
 def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None = None,
-           distances: Sequence[int] | None = None, device: DeviceSpec | str | None = None) -> Replay:
+           distances: Sequence[int] | None = None, device: DeviceSpec | str | None = None,
+           states: Sequence[Any] | None = None) -> Replay:
     """Replay one training step of ``profile`` under a plan on ``device`` (default: the profiled device).
 
-    ``plan`` is a :class:`~memopt_nb.plan.Plan`, or a list of strategies (names, or codes 0 keep / 1 recompute /
-    2 swap) given with ``windows`` and ``distances``. See the module docstring for the rules.
+    ``plan`` is a :class:`~memopt_nb.plan.Plan` (its placements count), or a list of strategies (names, or codes
+    0 keep / 1 recompute / 2 swap) given with ``windows`` and ``distances``, and optionally ``states``: per unit an
+    ``(optimizer, grads, params)`` placement or an index into :data:`~memopt_nb.plan.STATE_CHOICES`. See the module
+    docstring for the rules.
     """
     dev = DeviceSpec.resolve(device, profile.device)
     strategies, windows_, distances_ = _decode(profile, plan, windows, distances)
+    if isinstance(plan, Plan):
+        placements = plan.placements
+    elif states is None:
+        placements = [STATE_CHOICES[0]] * len(profile.units)
+    else:
+        placements = [STATE_CHOICES[int(c)] if not isinstance(c, (tuple, list)) else tuple(c) for c in states]
+    if len(placements) != len(profile.units):
+        raise PlanError(f"expected {len(profile.units)} placements (one per unit), got {len(placements)}")
     units, segments = profile.units, profile.segments
     n = len(units)
     rc = [s == "recompute" for s in strategies]
@@ -252,6 +443,8 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
 
     # ---- walk the step
     factor = dev.time_factor(profile.device)
+    state = _StateReplay(profile, placements, dev, factor)
+    state.outside_time = profile.outside_step_time * factor
     overlap = dev.copy_overlap
     t = 0.0
     d2h_free = h2d_free = 0.0  # when each copy engine is next idle
@@ -318,24 +511,45 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
                 redo = units[u].fwd_time * factor
                 recompute += redo
                 dur += redo
-        level = seg.start_level + extra
+        level = seg.start_level + extra + state.extra(k)
         own = seg.rel_peak
         if seg.kind in ("fwd", "bwd") and rc[seg.unit]:
             own = units[seg.unit].rc_fwd_rel_peak if seg.kind == "fwd" else units[seg.unit].rc_bwd_rel_peak
         peak = level + own
+        peak += state.backward_step_gap(k)
+        phase = "forward" if k < forward_end else "backward"
+        if k == state.step_seg:
+            phase = "optimizer step"
+        elif 0 <= state.step_seg < k:
+            phase = "after the step"
+        if k == state.step_seg and state.moves:
+            # the parted step replaces the plain one: one row per part
+            step_points = state.parted_step(seg.start_level, profile.outside_step_rel_peak)
+            levels.append(level)
+            peaks.append(max(p for _, p in step_points))
+            dur = max(dur, profile.chunked_step_time * factor)
+            for i, (label, p) in enumerate(step_points):
+                rows.append({"time": t + dur * i / len(step_points), "bytes": p, "phase": phase, "unit": -1,
+                             "event": label})
+            compute += dur
+            t += dur
+            continue
         levels.append(level)
         peaks.append(peak)
-        phase = "forward" if k < forward_end else "backward"
         rows.append({"time": t, "bytes": level, "phase": phase, "unit": seg.unit, "event": seg.kind})
         rows.append({"time": t + dur / 2, "bytes": peak, "phase": phase, "unit": seg.unit, "event": "peak"})
         compute += dur
         t += dur
-    compute += thread
-    t += thread
+    state_time = state.seconds() if state.moves else 0.0
+    compute += thread + state_time
+    t += thread + state_time
     return Replay(
         peak_bytes=max(peaks), step_time=t, segment_levels=levels, segment_peaks=peaks, compute_time=compute,
         recompute_time=recompute, copy_time=copy_total, fwd_stall_time=fwd_stall, bwd_stall_time=bwd_stall,
         bytes_offloaded=sum(j.nbytes for j in copies if j.direction == "d2h"),
         bytes_prefetched=sum(j.nbytes for j in copies if j.direction == "h2d"),
         triggers=triggers, copies=copies, rows=rows,
+        step_points=state.parted_step(segments[state.step_seg].start_level, profile.outside_step_rel_peak)
+        if state.moves and state.step_seg >= 0 else [],
+        state_time=state_time, moves_state=state.moves,
     )

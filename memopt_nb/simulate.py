@@ -17,6 +17,30 @@ every storage group (see :class:`~memopt_nb.profile.StorageGroup`), plus the seg
 
 These rules are exactly what the runtime does, so memory is predicted from structure, not from timing.
 
+**Optimizer state, gradients and parameters** (plan schema 2; :class:`StateTable`). Each unit's placement
+``(optimizer, grads, params)`` changes the level of every segment by what it moves, following
+:class:`~memopt_nb.runtime.state.StateManager`'s fixed schedule (each unit's bytes depend on its own placement only, so
+the model is a sum over units — what the MILP needs):
+
+* ``optimizer="offload"``: its state bytes are off the device in every segment; ``grads="offload"``: its gradients
+  are off the device after its backward (counted in full during its backward, where they are made and copied out);
+  ``grads="step"``: likewise, and its backward also holds, at its end, the level after it plus its step's own peak;
+* ``params="offload"``: its parameters are on the device from the forward of unit ``u - 1`` (fetched ahead) to its own
+  forward, and from the backward of unit ``u + 1`` to its own backward; the hook-time fetches and frees inside the
+  code between units are covered by the neighbouring unit segments, whose peaks are never lower;
+* the optimizer step: with every placement resident it is the plain step (segment ``step_segment``); otherwise it runs
+  unit by unit (parameters outside units first, then unit 0, 1, …): at the point where unit ``k`` steps, unit ``k`` and
+  ``k + 1`` have their state and parameters on the device, unit ``k`` its gradients, and the peak is the level plus
+  unit ``k``'s own step peak (``UnitProfile.step_rel_peak``). A unit stepped in backward adds nothing there.
+
+Time of the state copies (the approximation: per unit, what cannot hide behind the compute the runtime puts beside
+it, priced by :meth:`DeviceSpec.copy_seconds`): without ``copy_overlap`` every byte moved adds to the step (state:
+in and out once; gradients: out in backward and in for the step; parameters: in for the forward, the backward and the
+step, out after the step). With it, the per-storage term adds; a prefetch's bytes hide behind the neighbour's compute
+it runs beside (the previous unit's forward, the next unit's backward, the previous unit's step) and the rest shows;
+copies to host the runtime waits for (gradients at the end of their unit's backward, state and parameters after their
+step) show in full. The unit-by-unit step costs ``chunked_step_extra`` over the plain one whenever any unit moves.
+
 **Time**: segment durations (scaled to the target device, see :meth:`DeviceSpec.time_factor`), plus a recomputed
 unit's forward in its backward, plus the copies, priced by :meth:`DeviceSpec.copy_seconds` (bytes over the link plus
 ``copy_overhead_s`` per storage, each direction):
@@ -44,12 +68,52 @@ import numpy as np
 from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import PlanError
-from .plan import Plan
+from .plan import STATE_CHOICES, Plan
 from .reference_sim import Replay, replay
 
 KEEP, RECOMPUTE, SWAP = 0, 1, 2
 CODES = {"keep": KEEP, "recompute": RECOMPUTE, "swap": SWAP}
 NAMES = {v: k for k, v in CODES.items()}
+
+
+@dataclass(frozen=True)
+class StateTable:
+    """The state part of the cost model, in the separable form the planners use (one row per unit and placement).
+
+    With ``c_u`` each unit's index into ``choices`` (:data:`~memopt_nb.plan.STATE_CHOICES`) and ``act_peak[s]`` the
+    peak of segment ``s`` under the activation plan alone::
+
+        peak = max( max_s (act_peak[s] + sum_u seg_delta[u, c_u, s]),
+                    plain_step_peak                                   if every c_u == 0
+                    max_k (step_base[k] + sum_u step_delta[u, c_u, k])  otherwise )
+        time = activation time (plain step included) + sum_u time[u, c_u] + (chunked_step_extra if any c_u != 0)
+
+    Attributes:
+        choices: the placements, ``STATE_CHOICES`` (index 0: all resident).
+        seg_delta: ``(n, C, S)`` change of segment ``s``'s peak when unit ``u`` takes choice ``c``. The plain step's
+            segment (``step_segment``) gets ``-plain_step_peak`` for every choice that moves something, so that once
+            any unit moves, the unit-by-unit step points (not the plain step) bound the step; rows of choice 0, and
+            of units with no parameters, are zero.
+        step_base: ``(K,)`` peak at each point of the unit-by-unit step with every unit resident (``K = n + 1``:
+            point 0 steps the parameters outside units, point ``k + 1`` unit ``k``).
+        step_delta: ``(n, C, K)`` change of step point ``k``'s peak when unit ``u`` takes choice ``c``.
+        plain_step_peak: peak of the plain optimizer step (every unit resident).
+        time: ``(n, C)`` seconds unit ``u``'s choice ``c`` adds to the step.
+        chunked_step_extra: seconds the unit-by-unit step costs over the plain one.
+        allowed: ``(n, C)`` whether unit ``u`` can take choice ``c`` at all (has parameters the optimizer steps; its
+            parameters can be offloaded); planners also apply :func:`~memopt_nb.plan.state_choices`.
+        step_segment: index of the plain step's segment (``-1``: the profile has none).
+    """
+
+    choices: tuple[tuple[str, str, str], ...]
+    seg_delta: np.ndarray
+    step_base: np.ndarray
+    step_delta: np.ndarray
+    plain_step_peak: int
+    time: np.ndarray
+    chunked_step_extra: float
+    allowed: np.ndarray | None = None
+    step_segment: int = -1
 
 
 @dataclass
@@ -65,6 +129,10 @@ class SimResult:
         segment_peaks: peak per segment; timeline: rows ``{"time", "bytes", "phase", "unit", "event"}``.
         storages_offloaded: storages moved to the host (and back); copy_time: what those copies cost by
             :meth:`DeviceSpec.copy_seconds` (both directions, bytes and per-storage terms, overlapped or not).
+        peak_phase: where the peak sits: ``"forward"``, ``"backward"``, ``"optimizer step"`` or ``"after the step"``;
+            peak_where: the segment label (or ``"step of <unit>"`` in the unit-by-unit step).
+        step_peak: peak of the optimizer step (plain, or unit by unit when the plan moves state); state_time: the
+            seconds the plan's state placements add (copies, and the unit-by-unit step).
     """
 
     peak_bytes: int
@@ -83,6 +151,10 @@ class SimResult:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     storages_offloaded: int = 0
     copy_time: float = 0.0
+    peak_phase: str = ""
+    peak_where: str = ""
+    step_peak: int = 0
+    state_time: float = 0.0
 
     def __repr__(self) -> str:
         fit = "" if self.feasible is None else (" fits" if self.feasible else " OVER BUDGET")
@@ -130,6 +202,132 @@ class Simulator:
         self.bw_d2h = self.device.d2h_bytes_per_s or 1.0
         self.bw_h2d = self.device.h2d_bytes_per_s or 1.0
         self._compile_groups(profile.groups)
+        self.step_segment = int(getattr(profile, "step_segment", -1))
+        self._state: StateTable | None = None
+
+    # ------------------------------------------------------------------ optimizer state, gradients, parameters
+    def state_table(self) -> StateTable:
+        """The state part of the model (see :class:`StateTable`), compiled once per simulator."""
+        if self._state is None:
+            self._state = self._compile_state()
+        return self._state
+
+    def _compile_state(self) -> StateTable:
+        prof, n, S = self.profile, self.n, self.S
+        C = len(STATE_CHOICES)
+        units, segs = prof.units, prof.segments
+        ss = self.step_segment
+        peak0 = self.start_level + self.rel  # every unit kept, every placement resident
+        level_after = np.append(self.start_level[1:], self.start_level[-1] if S else 0)
+        seg_delta = np.zeros((n, C, S), dtype=np.int64)
+        step_delta = np.zeros((n, C, n + 1), dtype=np.int64)
+        tcost = np.zeros((n, C))
+        allowed = np.zeros((n, C), dtype=bool)
+        allowed[:, 0] = True
+        rel = [int(getattr(prof, "outside_step_rel_peak", 0))] + [int(getattr(u, "step_rel_peak", 0)) for u in units]
+        base_level = int(segs[ss].start_level) if ss >= 0 else 0
+        step_base = np.array([base_level + r for r in rel], dtype=np.int64)
+        plain = int(peak0[ss]) if ss >= 0 else 0
+        step_t = [float(getattr(prof, "outside_step_time", 0.0)) * self.factor] + [
+            float(getattr(u, "step_time", 0.0)) * self.factor for u in units]
+        seg_idx = np.arange(S)
+        for u, up in enumerate(units):
+            P, G, Ost = int(up.param_bytes), int(getattr(up, "grad_bytes", 0)), int(getattr(up, "optimizer_bytes", 0))
+            nP, nG, nO = (int(getattr(up, k, 0)) for k in ("param_storages", "grad_storages", "optimizer_storages"))
+            if G == 0:
+                continue  # nothing the optimizer steps: every choice is choice 0
+            fs, bs = int(self.fwd_seg[u]), int(self.bwd_seg[u])
+            fwd_from = int(self.fwd_seg[u - 1]) if u > 0 else fs
+            bwd_from = int(self.bwd_seg[u + 1]) if u + 1 < n else bs
+            p_here = ((seg_idx >= fwd_from) & (seg_idx <= fs)) | ((seg_idx >= bwd_from) & (seg_idx <= bs))
+            after_bwd = seg_idx > bs
+            for c, (o, g, p) in enumerate(STATE_CHOICES):
+                if c == 0:
+                    continue
+                if p == "offload" and not getattr(up, "params_offloadable", False):
+                    continue
+                allowed[u, c] = True
+                d = np.zeros(S, dtype=np.int64)
+                k = np.zeros(n + 1, dtype=np.int64)
+                mine = u + 1  # the step point of unit u; point u is the one before, while u's state comes in
+                near = np.zeros(n + 1, dtype=bool)
+                near[u:u + 2] = True
+                if o == "offload":
+                    d -= Ost
+                    k -= np.where(near & (g != "step"), 0, Ost)
+                if g in ("offload", "step"):
+                    d -= np.where(after_bwd, G, 0)
+                    k -= G
+                    if g == "offload":
+                        k[mine] += G  # brought back for its step
+                    else:
+                        k[mine] -= rel[mine]  # stepped in backward: nothing to step here
+                if p == "offload":
+                    d -= np.where(p_here, 0, P)
+                    k -= np.where(near & (g != "step"), 0, P)
+                if g == "step":  # the step at the end of its backward: the level after it plus the step's own peak
+                    spike = int(level_after[bs]) + rel[mine]
+                    d[bs] = max(int(peak0[bs]) + int(d[bs]), spike) - int(peak0[bs])
+                if ss >= 0:
+                    d[ss] = -plain
+                seg_delta[u, c] = d
+                step_delta[u, c] = k
+                tcost[u, c] = self._state_seconds(u, o, g, p, P, G, Ost, nP, nG, nO, step_t)
+        extra = max(0.0, (float(getattr(prof, "chunked_step_time", 0.0)) - (segs[ss].time if ss >= 0 else 0.0))
+                    ) * self.factor
+        return StateTable(choices=STATE_CHOICES, seg_delta=seg_delta, step_base=step_base, step_delta=step_delta,
+                          plain_step_peak=plain, time=tcost, chunked_step_extra=extra, allowed=allowed,
+                          step_segment=ss)
+
+    def _state_seconds(self, u: int, o: str, g: str, p: str, P: int, G: int, Ost: int, nP: int, nG: int, nO: int,
+                       step_t: list[float]) -> float:
+        """Seconds unit ``u``'s placement adds: its copies, less what hides behind the compute beside them."""
+        dev = self.device
+        cost = lambda nbytes, count, direction: dev.copy_seconds(nbytes, count, direction)  # noqa: E731
+        if not dev.copy_overlap:
+            t = 0.0
+            if o == "offload":
+                t += cost(Ost, nO, "both")
+            if g == "offload":
+                t += cost(G, nG, "both")
+            if p == "offload":
+                t += 2 * cost(P, nP, "h2d") + cost(P, nP, "both" if g != "step" else "d2h")
+            return float(t)
+        n = self.n
+        hidden = lambda nbytes, direction, window: max(0.0, dev.copy_seconds(nbytes, 0, direction) - window)  # noqa
+        t = 0.0
+        if o == "offload":
+            t += cost(0, nO, "both") + dev.copy_seconds(Ost, 0, "d2h")
+            t += hidden(Ost, "h2d", step_t[u]) if g != "step" else dev.copy_seconds(Ost, 0, "h2d")
+        if g == "offload":
+            t += cost(G, nG, "both")
+        if p == "offload":
+            prev_fwd = float(self.fwd_time[u - 1]) if u > 0 else 0.0
+            next_bwd = float(self.dur[self.bwd_seg[u + 1]]) if u + 1 < n else 0.0
+            t += cost(0, nP, "h2d") * 2 + hidden(P, "h2d", prev_fwd) + hidden(P, "h2d", next_bwd)
+            t += cost(P, nP, "d2h")
+            if g != "step":
+                t += cost(0, nP, "h2d") + hidden(P, "h2d", step_t[u])
+        return float(t)
+
+    def _state_part(self, states: np.ndarray | None, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For ``(B, n)`` choice indices: per plan the segment deltas ``(B, S)``, the step peak, the added seconds and
+        whether the plan moves anything."""
+        n, S = self.n, self.S
+        if states is None:
+            return np.zeros((B, S)), np.zeros(B), np.zeros(B), np.zeros(B, dtype=bool)
+        c = np.atleast_2d(np.asarray(states, dtype=np.int64))
+        if c.shape != (B, n) or (c.size and (c.min() < 0 or c.max() >= len(STATE_CHOICES))):
+            raise PlanError(f"states must be a (B, {n}) array of indices into STATE_CHOICES "
+                            f"(0..{len(STATE_CHOICES) - 1}), got shape {c.shape}")
+        tab = self.state_table()
+        cols = np.arange(n)[None, :]
+        seg = tab.seg_delta[cols, c].sum(axis=1).astype(np.float64)  # (B, S)
+        moved = (c != 0).any(axis=1)
+        chunked = (tab.step_base[None, :] + tab.step_delta[cols, c].sum(axis=1)).max(axis=1)
+        step = np.where(moved, chunked, tab.plain_step_peak).astype(np.float64)
+        t = tab.time[cols, c].sum(axis=1) + np.where(moved, tab.chunked_step_extra, 0.0)
+        return seg, step, t, moved
 
     def _compile_groups(self, groups: Sequence[Any]) -> None:
         def changes(g: Any) -> bool:  # groups no plan can move are left out
@@ -172,8 +370,13 @@ class Simulator:
 
     # ------------------------------------------------------------------ batched evaluation
     def evaluate(self, strategies: np.ndarray, windows: np.ndarray, distances: np.ndarray,
+                 states: np.ndarray | None = None,
                  details: bool = False) -> tuple[np.ndarray, np.ndarray] | dict[str, np.ndarray]:
-        """Peak bytes and step seconds for a batch of plans (arrays of shape ``(B, n)``)."""
+        """Peak bytes and step seconds for a batch of plans (arrays of shape ``(B, n)``).
+
+        ``states``: ``(B, n)`` indices into :data:`~memopt_nb.plan.STATE_CHOICES` (``None``: everything resident);
+        the state part follows :class:`StateTable` exactly.
+        """
         s = np.atleast_2d(np.asarray(strategies, dtype=np.int64))
         w = np.atleast_2d(np.asarray(windows, dtype=np.int64))
         d = np.atleast_2d(np.asarray(distances, dtype=np.int64))
@@ -220,8 +423,9 @@ class Simulator:
         unit_of = np.maximum(self.seg_unit, 0)
         seg_rc = (self.seg_unit >= 0)[None] & rc[:, unit_of]
         rel = np.where(seg_rc, self.rc_rel[None], self.rel[None])
-        peaks = self.start_level[None] + delta + rel
-        peak = peaks.max(axis=1)
+        st_seg, st_step, st_time, st_moved = self._state_part(states, B)
+        peaks = self.start_level[None] + delta + rel + st_seg
+        peak = np.maximum(peaks.max(axis=1), st_step) if states is not None else peaks.max(axis=1)
         # ---- time
         off_nb = nb * off
         off_count = (self.g_cnt[None] * off).sum(axis=1)  # storages offloaded (and brought back)
@@ -231,11 +435,12 @@ class Simulator:
         copy_time = dev.copy_seconds(off_nb.sum(axis=1), off_count, "both")
         if not dev.copy_overlap:
             # copies share the compute cores (CPU device, no spare core): their time adds to the step, nothing overlaps
-            t = self.dur.sum() + recompute + copy_time
+            t = self.dur.sum() + recompute + copy_time + st_time
             if not details:
                 return peak, t
             zero = np.zeros(B)
             return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": zero, "bwd_stall": zero,
+                    "step_peak": st_step, "state_time": st_time, "moved": st_moved,
                     "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
                     "compute": self.dur.sum() + recompute + copy_time, "trig": trig, "off": off, "r_pos": r_pos,
                     "t_pos": t_pos, "storages": off_count}
@@ -277,10 +482,11 @@ class Simulator:
                 t = t + self.dur[k] + np.where(rc[:, u], self.fwd_time[u], 0.0)
             else:
                 t = t + self.dur[k]
-        t = t + thread_copy
+        t = t + thread_copy + st_time
         if not details:
             return peak, t
         return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": fwd_stall, "bwd_stall": bwd_stall,
+                "step_peak": st_step, "state_time": st_time, "moved": st_moved,
                 "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
                 "compute": np.full(B, self.dur.sum()) + recompute + thread_copy, "trig": trig, "off": off,
                 "r_pos": r_pos, "t_pos": t_pos, "storages": off_count}
@@ -292,14 +498,33 @@ class Simulator:
         s = np.array([[CODES[x] for x in plan.strategies]])
         return s, np.array([plan.offload_windows]), np.array([plan.prefetch_distances])
 
+    def _where(self, peaks: np.ndarray, step_peak: float, moved: bool) -> tuple[str, str]:
+        """The phase and place of the peak: a segment, or the unit-by-unit step."""
+        ss = self.step_segment
+        seg_peaks = peaks.copy()
+        if moved and ss >= 0:
+            seg_peaks[ss] = -np.inf
+        k = int(np.argmax(seg_peaks))
+        if moved and step_peak >= seg_peaks[k]:
+            return "optimizer step", "unit-by-unit step"
+        if k == ss:
+            return "optimizer step", self.profile.segments[k].label
+        phase = ("forward" if k <= self.end else "after the step" if 0 <= ss < k else "backward")
+        return phase, self.profile.segments[k].label
+
     def run(self, plan: Plan, budget: int | None = None) -> SimResult:
         s, w, d = self.encode(plan)
-        det = self.evaluate(s, w, d, details=True)
+        states = np.array([plan.state_indices])
+        det = self.evaluate(s, w, d, states=states, details=True)
         # the timeline, and what the backward brings back, come from the independent replay of the same step
         rep = replay(self.profile, plan, device=self.device)
         budget = budget if budget is not None else plan.budget_bytes
         peak = int(round(float(det["peak"][0])))
         stall = float(det["fwd_stall"][0] + det["bwd_stall"][0])
+        moved = bool(det["moved"][0])
+        phase, where = self._where(det["peaks"][0], float(det["step_peak"][0]), moved)
+        if moved and phase == "optimizer step" and rep.step_points:
+            where = max(rep.step_points, key=lambda r: r[1])[0]
         return SimResult(
             peak_bytes=peak, step_time=float(det["time"][0]), compute_time=float(det["compute"][0]),
             recompute_time=float(det["recompute"][0]), stall_time=stall, fwd_stall_time=float(det["fwd_stall"][0]),
@@ -309,6 +534,8 @@ class Simulator:
             segment_peaks=[int(round(x)) for x in det["peaks"][0]],
             timeline=self._timeline(rep),
             storages_offloaded=int(round(float(det["storages"][0]))), copy_time=float(det["copy"][0]),
+            peak_phase=phase, peak_where=where, step_peak=int(round(float(det["step_peak"][0]))),
+            state_time=float(det["state_time"][0]),
         )
 
     def _timeline(self, rep: Replay) -> list[dict[str, Any]]:
@@ -337,6 +564,9 @@ def simulate_reference(sim: Simulator | Any, strategies: Sequence[Any], windows:
 def simulate(profile: Any, plan: Plan, device: DeviceSpec | str | None = None,
              budget: int | None = None) -> SimResult:
     """Predict peak memory, step time and a timeline of one training step of ``profile`` under ``plan``.
+
+    The plan's per-unit placements of optimizer state, gradients and parameters count (``SimResult.peak_phase`` says
+    whether the peak is in the forward, the backward or the optimizer step).
 
     ``device`` is the device to predict for (default: the profiled one); a preset name such as ``"a100-40gb"`` rescales
     compute times by the FLOP/s ratio (see :class:`~memopt_nb.device.DeviceSpec`). ``budget`` defaults to the plan's.

@@ -44,6 +44,18 @@ On exit everything is put back exactly: the original state tensor objects refill
 placeholder gradients replaced by real ones, parameters refilled, hooks removed, ``opt.step`` / ``zero_grad`` /
 ``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted.
 
+Schedule (fixed, so that what is on the device at any moment depends on each unit's own placement only — the cost
+model of :mod:`memopt_nb.simulate` sums over units and relies on it):
+
+* with any unit's ``params="offload"``, every unit's forward pre-hook fetches unit ``u + 1``'s offloaded parameters
+  ahead, and backward reaching unit ``u`` fetches unit ``u - 1``'s (the fixed neighbour, whatever the placements in
+  between);
+* ``grads="offload"``: a unit's gradient copies to the host are waited for when its last gradient is accumulated, so
+  they have left the device before backward moves on;
+* ``opt.step()`` with any placement managed runs in parts: the parameters outside units, then unit 0, 1, … each alone
+  (a unit stepped in backward is an empty part), bringing part ``i + 1``'s state and parameters while part ``i``
+  steps. With every placement resident it is one plain step.
+
 Transfers: on the CPU (the emulated device) host copies are ``torch.UntypedStorage`` objects and a worker thread per
 direction copies with ``memmove``, so the meter of :mod:`memopt_nb.runtime.memory` does not count the host store
 (storages freed or re-grown are reported to it with ``note_device_storage``). On CUDA the copies run on a
@@ -486,7 +498,6 @@ class StateManager:
         self._state_keys: set[int] = set()
         self._lr_sched = False
         self._pending: list[_Slot] = []
-        self._grads_in_flight: list[_Slot] = []
 
     def apply(self) -> StateManager:
         """Install the placements. Raises :class:`StateError` if they do not fit or are applied already."""
@@ -564,9 +575,14 @@ class StateManager:
                 for s in self._param_slots[u]:
                     s.free()
                 self._param_where[u] = "host"
-                self._handles.append(mod.register_forward_pre_hook(self._make_fwd_pre(u)))
-                self._handles.append(mod.register_forward_hook(self._make_fwd_post(u)))
                 self._handles += self._state_dict_hooks(u, mod)
+        if any(pl.params == "offload" for pl in self.placements):
+            # every unit's forward prefetches its neighbour's parameters (a fixed neighbour: u + 1 in forward, u - 1
+            # in backward), whatever its own placement
+            for u, mod in enumerate(self.modules):
+                if mod is not None:
+                    self._handles.append(mod.register_forward_pre_hook(self._make_fwd_pre(u)))
+                    self._handles.append(mod.register_forward_hook(self._make_fwd_post(u)))
         if self.step_in_backward:
             self._handles.append(model.register_forward_pre_hook(self._check_forward))
 
@@ -688,10 +704,11 @@ class StateManager:
             if len(seen) < len(self._trainable[u]):
                 return
             seen.clear()
-            if pl.grads == "offload":  # at most two units' gradients in flight to the host
-                for slot in self._grads_in_flight:
-                    slot.mover.wait_host(slot.ticket)
-                self._grads_in_flight = [self._grad_slots[i] for i in self._trainable[u] if i in self._grad_slots]
+            if pl.grads == "offload":  # the unit's gradients leave the device before backward moves on
+                for i in self._trainable[u]:
+                    slot = self._grad_slots.get(i)
+                    if slot is not None:
+                        slot.mover.wait_host(slot.ticket)
             if pl.grads == "step":
                 self._step_in_backward(u)
             if self._param_slots[u]:
@@ -793,17 +810,18 @@ class StateManager:
                     self._free_params(u)
 
     def _neighbour(self, u: int, step: int) -> int | None:
+        """The unit next to ``u`` (``u + step``) if its parameters are offloaded — a fixed neighbour, so what is on
+        the device at any moment depends on each unit's own placement only (the cost model relies on it)."""
         v = u + step
-        while 0 <= v < len(self.unit_params):
-            if self._param_slots[v]:
-                return v
-            v += step
+        if 0 <= v < len(self.unit_params) and self._param_slots[v]:
+            return v
         return None
 
     def _make_fwd_pre(self, u: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            self._fetch_params(u, wait=True)
-            nxt = self._neighbour(u, 1) if self.prefetch else None
+            if self._param_slots[u]:
+                self._fetch_params(u, wait=True)
+            nxt = self._neighbour(u, 1) if self.prefetch and not self._in_bw[u] else None
             if nxt is not None:
                 self._fetch_params(nxt, wait=False)
 
@@ -817,7 +835,7 @@ class StateManager:
             if storages is None:
                 storages = {s.storage._cdata for s in self._param_slots[u]}
             outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-            if any(type(t) is not HostTensor and t.untyped_storage()._cdata in storages for t in outs):
+            if storages and any(type(t) is not HostTensor and t.untyped_storage()._cdata in storages for t in outs):
                 raise StateError(f"unit {u} returns a view of one of its parameters; its parameters cannot be "
                                  "offloaded (the view would lose its data) — keep params='resident' for it")
             grads = [t for t in outs if t.requires_grad] if torch.is_grad_enabled() else []
@@ -829,7 +847,8 @@ class StateManager:
                         return
                     fired[0] = True
                     self._in_bw[u] = True
-                    self._fetch_params(u, wait=True)
+                    if self._param_slots[u]:
+                        self._fetch_params(u, wait=True)
                     prev = self._neighbour(u, -1) if self.prefetch else None
                     if prev is not None:
                         self._fetch_params(prev, wait=False)
@@ -837,8 +856,8 @@ class StateManager:
 
                 for t in grads:
                     t.register_hook(trigger)
-            if not self._in_bw[u]:  # a recompute inside backward must not free what backward still needs
-                self._free_params(u)
+            if self._param_slots[u] and not self._in_bw[u]:  # a recompute inside backward must not free what
+                self._free_params(u)                            # backward still needs
 
         return hook
 
@@ -911,7 +930,8 @@ class StateManager:
                     p.grad = g._slot.materialize()
                     self.stats["grad_h2d_bytes"] += g._slot.nbytes
                     swapped.append((p, g))
-            self._raw_step(chunk)
+            if chunk:
+                self._raw_step(chunk)
             for p, g in swapped:
                 p.grad = g
             del swapped
@@ -934,19 +954,22 @@ class StateManager:
             with torch.enable_grad():
                 loss = closure()
         order = self._opt_ids()
-        chunks: list[list[nn.Parameter]] = []
-        resident = []
-        by_unit: dict[int, list[nn.Parameter]] = collections.defaultdict(list)
+        outside: list[nn.Parameter] = []
+        by_unit: list[list[nn.Parameter]] = [[] for _ in self.unit_params]
         for g in opt.param_groups:
             for p in g["params"]:
                 u = self.unit_of.get(id(p))
-                if u is None or not self.placements[u].managed:
-                    resident.append(p)
+                if u is None:
+                    outside.append(p)
                 elif u not in self._stepped:
                     by_unit[u].append(p)
-        if resident:
-            chunks.append(resident)
-        chunks += [by_unit[u] for u in sorted(by_unit)]
+        if any(pl.managed for pl in self.placements):
+            # a fixed schedule: the parameters outside units, then every unit in order, each while the next one's
+            # state and parameters come in (a unit stepped in backward is an empty chunk), so what is on the device
+            # at each point of the step depends on each unit's own placement only
+            chunks = [outside, *by_unit]
+        else:
+            chunks = [outside + [p for ps in by_unit for p in ps]]
         self._run_chunks(chunks, closure=None)
         self._stepped.clear()
         self._reorder_state(order)
