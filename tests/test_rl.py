@@ -195,3 +195,13 @@ def test_same_seed_same_plan_in_another_process(tmp_path):
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert len(runs[0]["rewards"]) > 1
     assert runs[0] == runs[1]
+
+
+def test_reward_scale_reaches_the_environment_from_search():
+    """``search(reward_scale=)`` scales what the agents are paid: the first iteration's rollout (the untrained
+    policy, the same for both) reports returns in exact proportion to the scale."""
+    prof = chain_profile(6, seed=1)
+    a = memopt.search(prof, "70%", total_timesteps=600, seed=2, reward_scale=10.0)
+    b = memopt.search(prof, "70%", total_timesteps=600, seed=2, reward_scale=2.5)
+    ra, rb = a.meta["history"][0]["reward_strategy"], b.meta["history"][0]["reward_strategy"]
+    assert ra != 0.0 and ra == pytest.approx(4.0 * rb, rel=1e-9)

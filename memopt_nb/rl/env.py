@@ -46,6 +46,8 @@ from pettingzoo import ParallelEnv
 from ..simulate import KEEP, RECOMPUTE, SWAP
 from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
+__all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING"]
+
 STRATEGY, TIMING = "strategy", "timing"
 _N_COMMON = 8
 _N_UNIT = 9
@@ -285,8 +287,3 @@ class MemoryPlanningEnv(ParallelEnv):
 
     def close(self) -> None:
         pass
-
-    # ------------------------------------------------------------------ plan access
-    def plan_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The (partial) plan as strategy codes, windows and distances."""
-        return self.codes.copy(), self.windows.copy(), self.dists.copy()

@@ -22,6 +22,8 @@ from .env import STRATEGY, TIMING, MemoryPlanningEnv
 from .ppo import PPOConfig, train
 from .task import N_OPTIONS, TIMINGS, PlanningTask
 
+__all__ = ["search", "polish", "SearchTracker", "default_timesteps", "default_restarts", "METHOD"]
+
 METHOD = "memopt-ppo"
 
 
@@ -113,7 +115,8 @@ def _keeps_global_rng(fn: Callable[..., Plan]) -> Callable[..., Plan]:
 @_keeps_global_rng
 def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
-           config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None) -> Plan:
+           config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None,
+           reward_scale: float = 10.0) -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
 
     Args:
@@ -129,6 +132,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         polish_plan: run a local search on the agents' best plan; what it adds is reported separately.
         restarts: independent agent pairs trained one after the other, each on an equal share of the timesteps
             (default :func:`default_restarts`); the best plan of all of them is returned.
+        reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
+            are next to PPO's fixed clipping and entropy coefficients.
 
     The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak the
     agents found so far, feasible fraction; ``total_timesteps`` in a row is what PPO really runs — whole iterations —
@@ -145,56 +150,9 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     cfg = PPOConfig(**{**cfg.__dict__, "seed": seed,
                        "total_timesteps": total_timesteps or (config.total_timesteps if config else
                                                               default_timesteps(task.n))})
-    best: dict[str, Any] = {"time": math.inf, "peak": math.inf, "plan": None, "episode": None}
-    least_bad: dict[str, Any] = {"objective": math.inf, "plan": None, "peak": math.inf, "time": math.inf}
-    history: list[dict[str, Any]] = []
-    window = {"episodes": 0, "feasible": 0}
-    episodes = [0]
-
-    def on_episode(info: dict) -> None:
-        episodes[0] += 1
-        window["episodes"] += 1
-        plan = (info["codes"], info["windows"], info["dists"])
-        if info["feasible"]:
-            window["feasible"] += 1
-            if info["time"] < best["time"]:
-                best.update(time=info["time"], peak=info["peak"], plan=plan, episode=episodes[0])
-        elif info["objective"] < least_bad["objective"]:
-            least_bad.update(objective=info["objective"], plan=plan, peak=info["peak"], time=info["time"])
-
-    restart = [0]
-    offset = {"iterations": 0, "steps": 0}
     runs = max(1, int(restarts if restarts is not None else default_restarts(task.n)))
-    # What PPO will really run: whole iterations of num_envs x num_steps per agent pair (the progress bar's 100%).
-    batch = cfg.num_envs * (cfg.num_steps or task.n + 1)
-    planned_steps = runs * max(1, (cfg.total_timesteps // runs) // batch) * batch
-
-    def on_iteration(stats: dict) -> None:
-        if stats["iteration"] == 1 and history:  # a new agent pair continues the numbering
-            offset["iterations"] = history[-1]["iteration"]
-            offset["steps"] = history[-1]["global_step"]
-        row = {
-            "iteration": stats["iteration"] + offset["iterations"],
-            "restart": restart[0],
-            "global_step": stats["global_step"] + offset["steps"],
-            "total_timesteps": planned_steps,
-            "seconds": time.perf_counter() - t0,
-            "reward_strategy": stats[f"{STRATEGY}/episodic_return"],
-            "reward_timing": stats[f"{TIMING}/episodic_return"],
-            "entropy_strategy": stats[f"{STRATEGY}/entropy"],
-            "entropy_timing": stats[f"{TIMING}/entropy"],
-            "best_step_time": best["time"] if best["plan"] is not None else None,
-            "best_peak": best["peak"] if best["plan"] is not None else None,
-            "feasible_fraction": window["feasible"] / max(window["episodes"], 1),
-            "budget": task.budget,
-            "base_step_time": task.base_time,
-            "base_peak": task.base_peak,
-        }
-        window.update(episodes=0, feasible=0)
-        history.append(row)
-        if callback is not None:
-            callback(row)
-
+    tracker = SearchTracker(task, cfg, runs, t0, callback)
+    make_env = functools.partial(MemoryPlanningEnv, task, reward_scale=reward_scale)
     interrupted = False
     # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
     # machine (so a seed gives the same plan everywhere). The user's setting is restored afterwards.
@@ -202,25 +160,98 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     torch.set_num_threads(1)
     try:
         for k in range(runs):
-            restart[0] = k
+            tracker.restart = k
             run_cfg = PPOConfig(**{**cfg.__dict__, "seed": seed * 7919 + k,
                                    "total_timesteps": cfg.total_timesteps // runs})
-            agents = train(lambda: MemoryPlanningEnv(task), run_cfg, on_episode=on_episode,
-                           on_iteration=on_iteration)
-            _greedy_rollout(task, agents, on_episode)
+            agents = train(make_env, run_cfg, on_episode=tracker.on_episode, on_iteration=tracker.on_iteration)
+            _greedy_rollout(make_env, agents, tracker.on_episode)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         torch.set_num_threads(threads)
-    seconds = time.perf_counter() - t0
-    meta = {"history": history, "search_seconds": seconds, "interrupted": interrupted,
-            "total_timesteps": planned_steps, "requested_timesteps": cfg.total_timesteps,
-            "timesteps_run": history[-1]["global_step"] if history else 0, "restarts": runs, "episodes": episodes[0],
-            "best_episode": best["episode"],
-            "base_step_time": task.base_time}
+    return _finish(task, tracker, seed=seed, interrupted=interrupted, polish_plan=polish_plan, t0=t0)
+
+
+class SearchTracker:
+    """What the search keeps while the agents train: the best feasible plan, the least infeasible one, the history.
+
+    ``on_episode`` receives every finished episode's info from the environment; ``on_iteration`` receives PPO's stats
+    after each update, turns them into a history row (numbered across restarts) and passes it to the user's callback.
+    """
+
+    def __init__(self, task: PlanningTask, cfg: PPOConfig, runs: int, t0: float,
+                 callback: Callable[[dict], None] | None) -> None:
+        self.task = task
+        self.t0 = t0
+        self.callback = callback
+        self.best: dict[str, Any] = {"time": math.inf, "peak": math.inf, "plan": None, "episode": None}
+        self.least_bad: dict[str, Any] = {"objective": math.inf, "plan": None, "peak": math.inf, "time": math.inf}
+        self.history: list[dict[str, Any]] = []
+        self.episodes = 0
+        self.restart = 0
+        self._window = {"episodes": 0, "feasible": 0}  # episodes since the last history row
+        self._offset = {"iterations": 0, "steps": 0}  # where the current agent pair's numbering starts
+        # What PPO will really run: whole iterations of num_envs x num_steps per agent pair (the progress bar's 100%).
+        batch = cfg.num_envs * (cfg.num_steps or task.n + 1)
+        self.planned_steps = runs * max(1, (cfg.total_timesteps // runs) // batch) * batch
+        self.requested_steps = cfg.total_timesteps
+        self.runs = runs
+
+    def on_episode(self, info: dict) -> None:
+        self.episodes += 1
+        self._window["episodes"] += 1
+        plan = (info["codes"], info["windows"], info["dists"])
+        if info["feasible"]:
+            self._window["feasible"] += 1
+            if info["time"] < self.best["time"]:
+                self.best.update(time=info["time"], peak=info["peak"], plan=plan, episode=self.episodes)
+        elif info["objective"] < self.least_bad["objective"]:
+            self.least_bad.update(objective=info["objective"], plan=plan, peak=info["peak"], time=info["time"])
+
+    def on_iteration(self, stats: dict) -> None:
+        history, best, task = self.history, self.best, self.task
+        if stats["iteration"] == 1 and history:  # a new agent pair continues the numbering
+            self._offset["iterations"] = history[-1]["iteration"]
+            self._offset["steps"] = history[-1]["global_step"]
+        row = {
+            "iteration": stats["iteration"] + self._offset["iterations"],
+            "restart": self.restart,
+            "global_step": stats["global_step"] + self._offset["steps"],
+            "total_timesteps": self.planned_steps,
+            "seconds": time.perf_counter() - self.t0,
+            "reward_strategy": stats[f"{STRATEGY}/episodic_return"],
+            "reward_timing": stats[f"{TIMING}/episodic_return"],
+            "entropy_strategy": stats[f"{STRATEGY}/entropy"],
+            "entropy_timing": stats[f"{TIMING}/entropy"],
+            "best_step_time": best["time"] if best["plan"] is not None else None,
+            "best_peak": best["peak"] if best["plan"] is not None else None,
+            "feasible_fraction": self._window["feasible"] / max(self._window["episodes"], 1),
+            "budget": task.budget,
+            "base_step_time": task.base_time,
+            "base_peak": task.base_peak,
+        }
+        self._window.update(episodes=0, feasible=0)
+        history.append(row)
+        if self.callback is not None:
+            self.callback(row)
+
+    def meta(self, interrupted: bool) -> dict[str, Any]:
+        """The search's record for the plan's ``meta``."""
+        history = self.history
+        return {"history": history, "search_seconds": time.perf_counter() - self.t0, "interrupted": interrupted,
+                "total_timesteps": self.planned_steps, "requested_timesteps": self.requested_steps,
+                "timesteps_run": history[-1]["global_step"] if history else 0, "restarts": self.runs,
+                "episodes": self.episodes, "best_episode": self.best["episode"], "base_step_time": self.task.base_time}
+
+
+def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
+            t0: float) -> Plan:
+    """The plan to return: the agents' best feasible one (polished), else the least infeasible one, flagged."""
+    meta = tracker.meta(interrupted)
+    best, least_bad = tracker.best, tracker.least_bad
     if best["plan"] is None:
         warnings.warn("the agents found no plan within the budget; returning the least infeasible one, flagged",
-                      stacklevel=2)
+                      stacklevel=3)
         if least_bad["plan"] is None:
             least_bad["plan"] = _option_arrays(np.zeros(task.n, dtype=np.int64))
         c, w, d = least_bad["plan"]
@@ -247,9 +278,10 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     return plan
 
 
-def _greedy_rollout(task: PlanningTask, agents: dict, on_episode: Callable[[dict], None]) -> None:
+def _greedy_rollout(make_env: Callable[[], MemoryPlanningEnv], agents: dict,
+                    on_episode: Callable[[dict], None]) -> None:
     """One deterministic episode with each agent's most likely action; its plan competes like any other."""
-    env = MemoryPlanningEnv(task)
+    env = make_env()
     obs, _ = env.reset()
     info: dict = {}
     while env.agents:

@@ -17,15 +17,13 @@ from ..plan import DISTANCES, WINDOWS
 from ..simulate import KEEP, RECOMPUTE, SWAP, Simulator
 from ..solvers.common import as_simulator, check_budget
 
+__all__ = ["PlanningTask", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS"]
+
 #: Timing actions: (offload window, prefetch distance) pairs.
 TIMINGS: tuple[tuple[int, int], ...] = tuple((w, d) for w in WINDOWS for d in DISTANCES)
 #: The timing a swap gets when nobody chooses one (the timing agent's difference reward is measured against it).
 DEFAULT_TIMING = TIMINGS.index((1, 1))
 N_OPTIONS = 2 + len(TIMINGS)  # keep, recompute, swap × timings
-
-
-def option_index(strategy: int, timing: int) -> int:
-    return strategy if strategy != SWAP else 2 + timing
 
 
 class PlanningTask:
