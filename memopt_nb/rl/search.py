@@ -8,21 +8,21 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..device import DeviceSpec
-from ..plan import Plan
+from ..plan import STATE_CHOICES, Plan, decisions_from
 from ..simulate import SWAP
 from ..solvers.common import make_plan
 from .env import STRATEGY, TIMING, MemoryPlanningEnv
 from .ppo import PPOConfig, train
 from .task import N_OPTIONS, TIMINGS, PlanningTask
 
-__all__ = ["search", "polish", "SearchTracker", "default_timesteps", "default_restarts", "METHOD"]
+__all__ = ["search", "polish", "plan_from_arrays", "SearchTracker", "default_timesteps", "default_restarts", "METHOD"]
 
 METHOD = "memopt-ppo"
 
@@ -57,13 +57,20 @@ def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np
 
 
 def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
-           max_rounds: int = 100) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Best-improvement local search: change one unit's option at a time while the simulator says it helps."""
+           states: np.ndarray | None = None, max_rounds: int = 100
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Best-improvement local search: change one unit's option — its strategy and timing, or its placement (one of
+    ``task.state_ids``) — at a time while the simulator says it helps. Returns codes, windows, distances, placements
+    (indices into STATE_CHOICES) and the number of moves made."""
+    n = task.n
     cur = _to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
-    peak, t = task.evaluate(*[a[None] for a in _option_arrays(cur)])
+    cur_st = np.zeros(n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64).copy()
+    peak, t = task.evaluate(*[a[None] for a in _option_arrays(cur)], cur_st[None])
     best_t = float(t[0]) if peak[0] <= task.budget else math.inf
     moves = 0
-    n = task.n
+    # the placement moves: every unit to every allowed placement it may take
+    st_units, st_local = np.nonzero(task.state_ok)
+    st_ids = task.state_ids[st_local]
     for _ in range(max_rounds):
         cand = np.repeat(cur[None], n * N_OPTIONS, axis=0)
         units = np.repeat(np.arange(n), N_OPTIONS)
@@ -71,15 +78,40 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
         cand[np.arange(n * N_OPTIONS), units] = opts
         ok = task.option_ok[units, opts]
         cand = cand[ok]
-        peak, t = task.evaluate(*_option_arrays(cand))
+        cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
+        if task.C > 1:
+            more = np.repeat(cur[None], st_units.size, axis=0)
+            more_st = np.repeat(cur_st[None], st_units.size, axis=0)
+            more_st[np.arange(st_units.size), st_units] = st_ids
+            cand, cand_st = np.concatenate([cand, more]), np.concatenate([cand_st, more_st])
+        peak, t = task.evaluate(*_option_arrays(cand), cand_st)
         t = np.where(peak <= task.budget, t, math.inf)
         i = int(np.argmin(t))
         if not t[i] < best_t * (1 - 1e-12):
             break
-        cur, best_t = cand[i], float(t[i])
+        cur, cur_st, best_t = cand[i], cand_st[i], float(t[i])
         moves += 1
     c, w, d = _option_arrays(cur)
-    return c, w, d, moves
+    return c, w, d, cur_st, moves
+
+
+def plan_from_arrays(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
+                     states: np.ndarray | None, *, seed: int | None, **meta: Any) -> Plan:
+    """The plan of these arrays, with the task's prediction (placements and the optimizer step included).
+
+    Without a state model and without ``step_in_backward`` this is exactly
+    :func:`~memopt_nb.solvers.common.make_plan`; otherwise the decisions carry the placements, the predicted peak and
+    step time come from the task's state-aware evaluation, and the plan records ``step_in_backward``.
+    """
+    plan = make_plan(task.sim, codes, windows, dists, budget=task.budget, method=METHOD, seed=seed, **meta)
+    if task.state_model is None and not task.step_in_backward:
+        return plan
+    st = np.zeros(task.n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64)
+    peak, time_ = task.evaluate(np.asarray(codes)[None], np.asarray(windows)[None], np.asarray(dists)[None], st[None])
+    decisions = decisions_from(plan.strategies, plan.units, list(windows), list(dists), states=st.tolist())
+    return plan.with_meta(decisions=decisions, predicted_peak_bytes=int(round(float(peak[0]))),
+                          predicted_step_time=float(time_[0]), feasible=bool(peak[0] <= task.budget),
+                          step_in_backward=task.step_in_backward)
 
 
 @contextlib.contextmanager
@@ -116,8 +148,12 @@ def _keeps_global_rng(fn: Callable[..., Plan]) -> Callable[..., Plan]:
 def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
            config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None,
-           reward_scale: float = 10.0) -> Plan:
+           reward_scale: float = 10.0, offload_state: bool | str | Iterable[str] = True,
+           step_in_backward: bool = False) -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
+
+    The plan decides per unit its activation strategy (keep, recompute, swap and the swap's timing) and where the
+    unit's optimizer state, gradients and parameters live (:attr:`~memopt_nb.plan.Plan.placements`).
 
     Args:
         profile: a :class:`~memopt_nb.profile.ModelProfile`.
@@ -132,6 +168,13 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         polish_plan: run a local search on the agents' best plan; what it adds is reported separately.
         restarts: independent agent pairs trained one after the other, each on an equal share of the timesteps
             (default :func:`default_restarts`); the best plan of all of them is returned.
+        offload_state: which state the plan may move off the device: ``True`` (optimizer state, gradients and
+            parameters; the default), ``False`` (activations only: the plans of the activation-only search), or a set
+            of ``"optimizer"``, ``"grads"``, ``"params"`` (also as a comma-separated string). Read by
+            :func:`memopt_nb.plan.state_choices`; a bad value raises :class:`~memopt_nb.errors.PlanError`.
+        step_in_backward: also allow ``grads="step"`` (the unit's optimizer step runs in backward, then its gradients
+            are freed). Opt-in: under such a plan the loop may no longer accumulate gradients over several backwards
+            or clip their global norm. The plan records it (:attr:`~memopt_nb.plan.Plan.step_in_backward`).
         reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
             are next to PPO's fixed clipping and entropy coefficients.
 
@@ -139,13 +182,15 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     agents found so far, feasible fraction; ``total_timesteps`` in a row is what PPO really runs — whole iterations —
     not the number asked for, which is ``meta["requested_timesteps"]``), ``timesteps_run``, ``agents_step_time`` and
     ``agents_peak`` (what the agents alone reached), ``polish`` (``"ran"``, ``"off"`` or ``"skipped: ..."``),
-    ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds`` and ``interrupted`` (Ctrl-C returns the
-    best plan so far). The plan's own ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
+    ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds``, ``interrupted`` (Ctrl-C returns the
+    best plan so far), ``state_choices`` (the placements the agents could choose from; only all-resident when the
+    cost model has no state table) and ``agents_states`` (the agents' placements before the polish). The plan's own
+    ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
     """
     t0 = time.perf_counter()
-    task = PlanningTask(profile, budget, device)
+    task = PlanningTask(profile, budget, device, offload_state=offload_state, step_in_backward=step_in_backward)
     cfg = config or PPOConfig()
     cfg = PPOConfig(**{**cfg.__dict__, "seed": seed,
                        "total_timesteps": total_timesteps or (config.total_timesteps if config else
@@ -200,7 +245,7 @@ class SearchTracker:
     def on_episode(self, info: dict) -> None:
         self.episodes += 1
         self._window["episodes"] += 1
-        plan = (info["codes"], info["windows"], info["dists"])
+        plan = (info["codes"], info["windows"], info["dists"], info["states"])
         if info["feasible"]:
             self._window["feasible"] += 1
             if info["time"] < self.best["time"]:
@@ -241,7 +286,8 @@ class SearchTracker:
         return {"history": history, "search_seconds": time.perf_counter() - self.t0, "interrupted": interrupted,
                 "total_timesteps": self.planned_steps, "requested_timesteps": self.requested_steps,
                 "timesteps_run": history[-1]["global_step"] if history else 0, "restarts": self.runs,
-                "episodes": self.episodes, "best_episode": self.best["episode"], "base_step_time": self.task.base_time}
+                "episodes": self.episodes, "best_episode": self.best["episode"], "base_step_time": self.task.base_time,
+                "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids]}
 
 
 def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
@@ -253,12 +299,12 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
         warnings.warn("the agents found no plan within the budget; returning the least infeasible one, flagged",
                       stacklevel=3)
         if least_bad["plan"] is None:
-            least_bad["plan"] = _option_arrays(np.zeros(task.n, dtype=np.int64))
-        c, w, d = least_bad["plan"]
-        return make_plan(task.sim, c, w, d, budget=task.budget, method=METHOD, seed=seed,
-                         **meta, no_feasible_plan=True, agents_step_time=None, polished_step_time=None,
-                         polish="skipped: no feasible plan")
-    c, w, d = best["plan"]
+            zero = np.zeros(task.n, dtype=np.int64)
+            least_bad["plan"] = (*_option_arrays(zero), zero)
+        c, w, d, st = least_bad["plan"]
+        return plan_from_arrays(task, c, w, d, st, seed=seed, **meta, no_feasible_plan=True, agents_step_time=None,
+                                polished_step_time=None, polish="skipped: no feasible plan")
+    c, w, d, st = best["plan"]
     agents_time = best["time"]
     moves = 0
     if not polish_plan:
@@ -266,12 +312,13 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     elif interrupted:
         polish_state = "skipped: interrupted"
     else:
-        c, w, d, moves = polish(task, c, w, d)
+        c, w, d, st, moves = polish(task, c, w, d, st)
         polish_state = "ran"
-    plan = make_plan(task.sim, c, w, d, budget=task.budget, method=METHOD, seed=seed, **meta,
-                     agents_step_time=agents_time, agents_peak=best["peak"],
-                     agents_decisions=[int(x) for x in _to_options(*best["plan"])],
-                     polished=moves > 0, polish_moves=moves, polish=polish_state)
+    plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta,
+                            agents_step_time=agents_time, agents_peak=best["peak"],
+                            agents_decisions=[int(x) for x in _to_options(*best["plan"][:3])],
+                            agents_states=[int(x) for x in best["plan"][3]],
+                            polished=moves > 0, polish_moves=moves, polish=polish_state)
     # Only a polish that ran has a step time of its own; the plan's predictions are the one source of the final numbers.
     plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state == "ran" else None
     plan.meta["search_seconds"] = time.perf_counter() - t0
