@@ -403,12 +403,14 @@ def test_state_env_passes_the_pettingzoo_api_and_reports_placements(with_table):
 
 def test_step_in_backward_and_a_piece_list_reach_the_plan(with_table):
     prof = chain_profile(4, seed=3)
+    prof.meta["optimizer_fingerprint"] = {"class": "torch.optim.Adam", "groups": []}
     with_table(prof)
     lo = solvers.min_peak(prof)
     budget = int(lo - 0.3 * (prof.optimizer_state_bytes + prof.grad_bytes))
     plan = memopt.search(prof, budget, total_timesteps=1000, seed=1, offload_state={"optimizer", "grads"},
                          step_in_backward=True)
-    assert plan.step_in_backward is True
+    assert plan.step_in_backward is True and plan.moves_state
+    assert plan.optimizer_fingerprint == prof.meta["optimizer_fingerprint"]
     assert {p[2] for p in plan.placements} == {"resident"}  # parameters were not allowed to move
     assert plan.meta["state_choices"] == [list(c) for c in state_choices({"optimizer", "grads"},
                                                                          step_in_backward=True)]
@@ -493,3 +495,16 @@ def test_masks_never_exclude_a_feasible_completion(with_table):
                     assert (prefix_c, prefix_s) not in reachable, (seed, ep, t)
                 obs, *_ = env.step({"strategy": int(rng.choice(np.flatnonzero(mask))), "timing": 0})
     assert forbidden > 20
+
+
+def test_a_budget_below_the_optimizer_step_is_refused(with_table):
+    """The optimizer step's share of the peak is exact in the model: a budget below it is refused before training,
+    with what it needs, even where activations alone would fit (offload_state=False: the plain step stays)."""
+    prof = chain_profile(4, seed=3)
+    lo = solvers.min_peak(prof)
+    budget = int(lo + 0.5 * (prof.peak_bytes - lo))
+    with_table(prof, plain_step_peak=budget + 2**20)
+    with pytest.raises(BudgetError, match="optimizer step alone") as err:
+        memopt.search(prof, budget, offload_state=False)
+    assert str(budget + 2**20) in str(err.value) and "offload_state=True" in str(err.value)
+    assert PlanningTask(prof, budget).budget == budget  # moving state may bring the step below it

@@ -67,6 +67,11 @@ _N_UNIT = 9
 _N_LOOK = 7
 
 
+def _rowmax(x: np.ndarray) -> np.ndarray:
+    """Max over the last axis; ``-inf`` where it is empty (no step points)."""
+    return x.max(axis=-1) if x.shape[-1] else np.full(x.shape[:-1], -np.inf)
+
+
 class MemoryPlanningEnv(ParallelEnv):
     """Two agents plan keep/recompute/swap and swap timing for the units of one profile under one budget."""
 
@@ -239,31 +244,23 @@ class MemoryPlanningEnv(ParallelEnv):
             swap_opts = np.flatnonzero(task.option_ok[t, 2:])
             swap_min = task.marg_peak[t, 2 + swap_opts].min(axis=0) if swap_opts.size else np.zeros(task.S)
             choice.append(swap_min)
-            ok_s = [True, bool(task.option_ok[t, RECOMPUTE]), bool(task.option_ok[t, 2:].any())]
-            ok = np.array([ok_s[o] and bool(task.state_ok[t, j]) for o in range(3) for j in range(C)])
-            for a in np.flatnonzero(ok):
-                o, j = divmod(int(a), C)
-                if j == 0:
-                    s_mask[a] = task.bound(level + choice[o] + rest, self.step_level + rest_step, self.moved,
-                                           rest_move) <= tol
-                else:
-                    s_mask[a] = task.bound(level + choice[o] + task.st_seg[t, j] + rest,
-                                           self.step_level + task.st_step[t, j] + rest_step, True) <= tol
+            ok_s = np.array([True, bool(task.option_ok[t, RECOMPUTE]), bool(task.option_ok[t, 2:].any())])
+            ok = (ok_s[:, None] & task.state_ok[t][None]).ravel()  # action o * C + j
+            # every (strategy o, placement j) at once: segments (3, C, S) and the step's points (C, K)
+            seg = (level + np.stack(choice))[:, None] + task.st_seg[t][None]
+            step = self.step_level[None] + task.st_step[t]
+            moved = self.moved | (np.arange(C) > 0)
+            with_rest = task.bounds((seg + rest).max(axis=2), _rowmax(step + rest_step)[None], moved[None], rest_move)
+            s_mask[:] = ok & (with_rest.ravel() <= tol)
             if not s_mask.any():
                 s_mask[:] = ok
             unit = self._unit_features(t)
-            per = []
-            costs = [task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE], task.marg_time[t, 2 + DEFAULT_TIMING]]
-            for o in range(3):
-                for j in range(C):
-                    if j == 0:
-                        est = task.bound(level + choice[o], self.step_level, self.moved)
-                        cost = costs[o]
-                    else:
-                        est = task.bound(level + choice[o] + task.st_seg[t, j], self.step_level + task.st_step[t, j],
-                                         True)
-                        cost = costs[o] + task.st_time[t, j] + (0.0 if self.moved else task.chunk_extra)
-                    per += [(cur - est) / need, cost / self._t_unit, float(s_mask[o * C + j])]
+            est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (3, C)
+            costs = np.array([task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE],
+                              task.marg_time[t, 2 + DEFAULT_TIMING]])
+            st_cost = task.st_time[t] + np.where(moved & ~self.moved, task.chunk_extra, 0.0)
+            per = np.stack([(cur - est) / need, (costs[:, None] + st_cost[None]) / self._t_unit,
+                            s_mask.reshape(3, C).astype(np.float64)], axis=2).ravel()
             if self._states:
                 saving = max(float(-task.st_seg[t, j].min()) for j in range(C) if task.state_ok[t, j])
                 times = [float(task.st_time[t, j]) for j in range(1, C) if task.state_ok[t, j]]
@@ -309,9 +306,9 @@ class MemoryPlanningEnv(ParallelEnv):
             base = self.level + frugal + rest
             base_step = self.step_level + frugal_step + rest_step
             ok = task.option_ok[p, 2:]
-            for j in range(m):
-                t_mask[j] = ok[j] and task.bound(base + task.marg_peak[p, 2 + j], base_step, self.moved,
-                                                 t_move or rest_move) <= tol
+            peaks = task.bounds((base[None] + task.marg_peak[p, 2:]).max(axis=1), _rowmax(base_step[None]),
+                                np.array([self.moved]), t_move or rest_move)
+            t_mask[:] = ok & (peaks <= tol)
             if not t_mask.any():
                 t_mask[:] = ok
             default = task.marg_time[p, 2 + DEFAULT_TIMING]

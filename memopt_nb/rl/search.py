@@ -109,9 +109,11 @@ def plan_from_arrays(task: PlanningTask, codes: np.ndarray, windows: np.ndarray,
     st = np.zeros(task.n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64)
     peak, time_ = task.evaluate(np.asarray(codes)[None], np.asarray(windows)[None], np.asarray(dists)[None], st[None])
     decisions = decisions_from(plan.strategies, plan.units, list(windows), list(dists), states=st.tolist())
+    fingerprint = plan.optimizer_fingerprint or (getattr(task.profile, "meta", None) or {}).get(
+        "optimizer_fingerprint")  # the optimizer the placements were made for (the runtime checks it)
     return plan.with_meta(decisions=decisions, predicted_peak_bytes=int(round(float(peak[0]))),
                           predicted_step_time=float(time_[0]), feasible=bool(peak[0] <= task.budget),
-                          step_in_backward=task.step_in_backward)
+                          step_in_backward=task.step_in_backward, optimizer_fingerprint=fingerprint)
 
 
 @contextlib.contextmanager

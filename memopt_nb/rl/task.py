@@ -182,6 +182,7 @@ class PlanningTask:
         self.suffix_red = np.concatenate([np.cumsum(self.max_red[::-1])[::-1], [0.0]])
         if self.C > 1:  # placements may lower the floor below the activation-only one: the enlarged space's floor
             self.budget = self._check_budget(budget)
+        self._check_step_floor()
         # copy-engine load of swapping a unit, relative to its forward: its bytes plus the storages it owns, priced by
         # DeviceSpec.copy_seconds (the slower direction)
         sim, dev = self.sim, self.sim.device
@@ -243,6 +244,13 @@ class PlanningTask:
             return float(seg.max())
         return max(float(seg.max()), self.step_part(step, moved, can_move))
 
+    def bounds(self, seg_max: np.ndarray, step_max: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
+        """:meth:`bound` for arrays of segment maxima and step-point maxima (broadcast together)."""
+        if not self.has_step:
+            return np.asarray(seg_max, dtype=np.float64)
+        still = np.minimum(self.plain_step, step_max) if can_move else np.full(np.shape(step_max), self.plain_step)
+        return np.maximum(seg_max, np.where(moved, step_max, still))
+
     def lower_bound(self) -> float:
         """The smallest peak any plan in this task's space reaches, by the marginal model."""
         return self.bound(self.base_peaks + self.suffix_min[0], self.step_base + self.suffix_step[0], False,
@@ -272,6 +280,22 @@ class PlanningTask:
                 + ("" if self.C == len(STATE_CHOICES) else ", or allow more of the state to move (offload_state=True"
                    + (", step_in_backward=True" if not self.step_in_backward else "") + ")") + ".")
         return value
+
+    def _check_step_floor(self) -> None:
+        """Refuse a budget the optimizer step alone exceeds whatever the plan does (its part of the model is exact)."""
+        if not self.has_step:
+            return
+        step = self.step_part(self.step_base + self.suffix_step[0], False, bool(self.suffix_can_move[0]))
+        if self.budget < step:
+            value = self.budget
+            more = "" if self.C == len(STATE_CHOICES) else (
+                " Allowing more of the state to move (offload_state=True"
+                + (", step_in_backward=True" if not self.step_in_backward else "") + ") may lower it.")
+            raise BudgetError(
+                f"budget {format_bytes(value)} ({value} bytes) is below what the optimizer step alone needs on "
+                f"{self.sim.device.name} with the placements allowed ({self._allowed_text()}): at least "
+                f"{format_bytes(int(step))} ({int(step)} bytes), whatever the plan does with activations. Ask for at "
+                f"least that much.{more}")
 
     def _allowed_text(self) -> str:
         return "; ".join("/".join(STATE_CHOICES[int(i)]) for i in self.state_ids[1:]) or "none"
