@@ -59,18 +59,20 @@ def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np
 def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
            states: np.ndarray | None = None, max_rounds: int = 100
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """Best-improvement local search: change one unit's option — its strategy and timing, or its placement (one of
-    ``task.state_ids``) — at a time while the simulator says it helps. Returns codes, windows, distances, placements
-    (indices into STATE_CHOICES) and the number of moves made."""
+    """Best-improvement local search while the simulator says it helps; returns codes, windows, distances, placements
+    (indices into STATE_CHOICES) and the number of moves made.
+
+    A move changes one unit's option (strategy and timing). Where placements may be chosen, a move may also change one
+    unit's placement, alone or together with one unit's option (so a faster activation option that needs a little
+    more memory can be paid for by moving some state). Pairs are scored with the cost model's separable state part
+    (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is taken.
+    """
     n = task.n
     cur = _to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
     cur_st = np.zeros(n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64).copy()
     peak, t = task.evaluate(*[a[None] for a in _option_arrays(cur)], cur_st[None])
     best_t = float(t[0]) if peak[0] <= task.budget else math.inf
     moves = 0
-    # the placement moves: every unit to every allowed placement it may take
-    st_units, st_local = np.nonzero(task.state_ok)
-    st_ids = task.state_ids[st_local]
     for _ in range(max_rounds):
         cand = np.repeat(cur[None], n * N_OPTIONS, axis=0)
         units = np.repeat(np.arange(n), N_OPTIONS)
@@ -78,12 +80,10 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
         cand[np.arange(n * N_OPTIONS), units] = opts
         ok = task.option_ok[units, opts]
         cand = cand[ok]
-        cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
         if task.C > 1:
-            more = np.repeat(cur[None], st_units.size, axis=0)
-            more_st = np.repeat(cur_st[None], st_units.size, axis=0)
-            more_st[np.arange(st_units.size), st_units] = st_ids
-            cand, cand_st = np.concatenate([cand, more]), np.concatenate([cand_st, more_st])
+            cand, cand_st = _best_pairs(task, cur, cur_st, cand)
+        else:
+            cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
         peak, t = task.evaluate(*_option_arrays(cand), cand_st)
         t = np.where(peak <= task.budget, t, math.inf)
         i = int(np.argmin(t))
@@ -93,6 +93,81 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
         moves += 1
     c, w, d = _option_arrays(cur)
     return c, w, d, cur_st, moves
+
+
+def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
+                keep: int = 8, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """The ``keep`` fastest moves within budget among (one unit's option changed, or none) x (one unit's placement
+    changed, or none), scored by the separable state part; as option and placement arrays for exact evaluation."""
+    n = task.n
+    acts = np.concatenate([cur[None], cand])  # row 0: no option changed
+    st_units, st_local = np.nonzero(task.state_ok)
+    sts = np.repeat(cur_st[None], st_units.size + 1, axis=0)  # row 0: no placement changed
+    sts[np.arange(1, st_units.size + 1), st_units] = task.state_ids[st_local]
+    local = np.searchsorted(task.state_ids, sts)  # placements as local choices j
+    units = np.arange(n)[None]
+    seg = task.st_seg[units, local].sum(axis=1)  # (Z, S)
+    moved = (sts != 0).any(axis=1)
+    step_max = task.step_part_many(task.step_base[None] + task.st_step[units, local].sum(axis=1), moved)
+    st_time = task.st_time[units, local].sum(axis=1) + np.where(moved, task.chunk_extra, 0.0)
+    det = task.sim.evaluate(*_option_arrays(acts), details=True)
+    best = []  # (time, a, z)
+    for lo in range(0, acts.shape[0], chunk):
+        peaks = det["peaks"][lo: lo + chunk]
+        peak = np.maximum((peaks[:, None, :] + seg[None]).max(axis=2), step_max[None])  # (a, Z)
+        time = np.where(peak <= task.budget, det["time"][lo: lo + chunk, None] + st_time[None], np.inf)
+        flat = np.argsort(time, axis=None, kind="stable")[:keep]
+        a, z = np.unravel_index(flat, time.shape)
+        best += [(float(time[i, j]), lo + int(i), int(j)) for i, j in zip(a, z) if np.isfinite(time[i, j])]
+    best.sort()
+    best = best[:keep] or [(0.0, 0, 0)]
+    out_a, out_s = acts[[a for _, a, _ in best]], sts[[z for _, _, z in best]]
+    # two units' placements changed at once, options unchanged (e.g. two units trading what they offload)
+    pairs = _best_state_pairs(task, det["peaks"][0], float(det["time"][0]), cur_st, st_units, task.state_ids[st_local],
+                              keep)
+    if pairs.size:
+        out_a = np.concatenate([out_a, np.repeat(cur[None], pairs.shape[0], axis=0)])
+        out_s = np.concatenate([out_s, pairs])
+    return out_a, out_s
+
+
+def _best_state_pairs(task: PlanningTask, peaks: np.ndarray, time0: float, cur_st: np.ndarray, units: np.ndarray,
+                      ids: np.ndarray, keep: int) -> np.ndarray:
+    """The ``keep`` fastest placements within budget that change two units' placements of ``cur_st`` (options fixed,
+    their per-segment peaks ``peaks`` and time ``time0``), scored by the separable state part."""
+    n = task.n
+    loc = np.searchsorted(task.state_ids, cur_st)
+    new_loc = np.searchsorted(task.state_ids, ids)
+    d_seg = task.st_seg[units, new_loc] - task.st_seg[units, loc[units]]  # (Z, S) each single change's difference
+    d_step = task.st_step[units, new_loc] - task.st_step[units, loc[units]]
+    d_time = task.st_time[units, new_loc] - task.st_time[units, loc[units]]
+    r = np.arange(n)
+    seg0 = peaks + task.st_seg[r, loc].sum(axis=0)
+    step0 = task.step_base + task.st_step[r, loc].sum(axis=0)
+    time_base = time0 + task.st_time[r, loc].sum()
+    nonzero = int((cur_st != 0).sum())
+    d_nz = (ids != 0).astype(int) - (cur_st[units] != 0).astype(int)
+    best = []
+    Z = units.size
+    for i in range(Z):
+        j = np.arange(i + 1, Z)
+        j = j[units[j] != units[i]]
+        if not j.size:
+            continue
+        seg = (seg0 + d_seg[i])[None] + d_seg[j]
+        moved = nonzero + d_nz[i] + d_nz[j] > 0
+        step = task.step_part_many((step0 + d_step[i])[None] + d_step[j], moved)
+        peak = np.maximum(seg.max(axis=1), step)
+        time = time_base + d_time[i] + d_time[j] + np.where(moved, task.chunk_extra, 0.0)
+        time = np.where(peak <= task.budget, time, np.inf)
+        for k in np.argsort(time, kind="stable")[:keep]:
+            if np.isfinite(time[k]):
+                best.append((float(time[k]), i, int(j[k])))
+    best.sort()
+    out = np.repeat(cur_st[None], min(keep, len(best)), axis=0)
+    for row, (_, i, j) in enumerate(best[:keep]):
+        out[row, units[i]], out[row, units[j]] = ids[i], ids[j]
+    return out
 
 
 def plan_from_arrays(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,

@@ -238,6 +238,13 @@ class PlanningTask:
             return chunked
         return min(self.plain_step, chunked) if can_move else self.plain_step
 
+    def step_part_many(self, step: np.ndarray, moved: np.ndarray) -> np.ndarray:
+        """The optimizer step's share of the peak for finished plans: ``step`` (B, K) points, ``moved`` (B,)."""
+        if not self.has_step:
+            return np.full(step.shape[0], -np.inf)
+        chunked = step.max(axis=1) if self.K else np.full(step.shape[0], -np.inf)
+        return np.where(moved, chunked, self.plain_step)
+
     def bound(self, seg: np.ndarray, step: np.ndarray, moved: bool, can_move: bool = False) -> float:
         """The peak by the marginal model: segments and the optimizer step (see :meth:`step_part`)."""
         if not self.has_step:
