@@ -509,3 +509,72 @@ def test_a_budget_below_the_optimizer_step_is_refused(with_table):
         memopt.search(prof, budget, offload_state=False)
     assert str(budget + 2**20) in str(err.value) and "offload_state=True" in str(err.value)
     assert PlanningTask(prof, budget).budget == budget  # moving state may bring the step below it
+
+
+def test_placements_no_unit_can_take_leave_the_action_space(with_table, monkeypatch):
+    """A state table whose rows are zero for every unit (no parameters anywhere, as on a synthetic chain) leaves the
+    activation-only action space; rows zero for one placement drop just that placement."""
+    prof = chain_profile(5, seed=1)
+    table = fake_state_table(prof)
+    zero = FakeStateTable(table.choices, 0 * table.seg_delta, table.step_base, 0 * table.step_delta,
+                          table.plain_step_peak, 0 * table.time, table.chunked_step_extra)
+    monkeypatch.setattr(rl_task, "state_model_for", lambda sim: rl_task.StateModel(sim, zero, native=False))
+    task = PlanningTask(prof, "80%")
+    assert task.C == 1 and MemoryPlanningEnv(task).action_space("strategy").n == 3
+    gone = STATE_CHOICES.index(("offload", "resident", "offload"))
+    seg, step, time = table.seg_delta.copy(), table.step_delta.copy(), table.time.copy()
+    seg[:, gone], step[:, gone], time[:, gone] = 0, 0, 0.0
+    part = FakeStateTable(table.choices, seg, table.step_base, step, table.plain_step_peak, time,
+                          table.chunked_step_extra)
+    monkeypatch.setattr(rl_task, "state_model_for", lambda sim: rl_task.StateModel(sim, part, native=False))
+    task = PlanningTask(prof, "80%")
+    assert task.C == 7 and gone not in task.state_ids
+
+
+class StateSimulator(Simulator):
+    """A simulator with the contract's interface (``state_table()``, ``evaluate(..., states=)``), built on a fake
+    table: what the planners will meet once the cost model has its own."""
+
+    def __init__(self, profile, table):
+        super().__init__(profile)
+        self.table = table
+        self.seen_states = []
+
+    def state_table(self):
+        return self.table
+
+    def evaluate(self, strategies, windows, distances, details=False, states=None):
+        if states is None or details:
+            assert states is None
+            return super().evaluate(strategies, windows, distances, details=details)
+        self.seen_states.append(np.array(states))
+        return contract_peak_time(self.profile, self.table, np.atleast_2d(strategies), np.atleast_2d(windows),
+                                  np.atleast_2d(distances), np.atleast_2d(states))
+
+
+def test_a_simulator_that_takes_states_is_asked_for_them():
+    prof = chain_profile(4, seed=3)
+    sim = StateSimulator(prof, fake_state_table(prof))
+    model = rl_task.state_model_for(sim)
+    assert model is not None and model.native
+    lo = solvers.min_peak(prof)
+    budget = int(lo - 0.3 * (prof.optimizer_state_bytes + prof.grad_bytes))
+    plan = memopt.search(sim, budget, total_timesteps=600, seed=0)
+    assert plan.feasible and plan.moves_state
+    assert any(np.any(s != 0) for s in sim.seen_states)
+    c = np.array([[STRATEGIES.index(s) for s in plan.strategies]])
+    peak, _ = contract_peak_time(prof, sim.table, c, np.array([plan.offload_windows]),
+                                 np.array([plan.prefetch_distances]), np.array([plan.state_indices]))
+    assert plan.predicted_peak_bytes == int(round(peak[0]))
+
+
+def test_without_a_state_table_only_all_resident_plans_are_evaluated():
+    """Today's simulator has no state table: the task allows only all-resident placements whatever offload_state
+    says, and refuses to price any other (rather than silently dropping it)."""
+    prof = chain_profile(4, seed=3)
+    task = PlanningTask(prof, None, offload_state=True, step_in_backward=True)
+    assert task.state_model is None and task.C == 1
+    z = np.zeros((1, 4), dtype=np.int64)
+    assert task.evaluate(z, z + 1, z + 1, z)[0][0] == Simulator(prof).evaluate(z, z + 1, z + 1)[0][0]
+    with pytest.raises(PlanError, match="no state table"):
+        task.evaluate(z, z + 1, z + 1, z + 6)

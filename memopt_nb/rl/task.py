@@ -220,6 +220,10 @@ class PlanningTask:
             self.state_ok[:, 1:] = (np.abs(self.st_seg[:, 1:]).max(axis=2) > 0) | (self.st_time[:, 1:] != 0)
             if self.K:
                 self.state_ok[:, 1:] |= np.abs(self.st_step[:, 1:]).max(axis=2) > 0
+            usable = np.concatenate([[True], self.state_ok[:, 1:].any(axis=0)])
+            if not usable.all():  # placements no unit can take leave the action space (none: activations only)
+                self.state_ids = ids[usable]
+                return self._compile_states()
         seg = np.where(self.state_ok[:, :, None], self.st_seg, np.inf)
         self.st_min_seg = seg.min(axis=1)  # (n, S): includes all-resident (0), so never positive
         step = np.where(self.state_ok[:, :, None], self.st_step, np.inf)
