@@ -73,7 +73,8 @@ def _rowmax(x: np.ndarray) -> np.ndarray:
 
 
 class MemoryPlanningEnv(ParallelEnv):
-    """Two agents plan keep/recompute/swap and swap timing for the units of one profile under one budget."""
+    """Two agents plan keep/recompute/swap with each unit's state placement, and swap timing, for the units of one
+    profile under one budget."""
 
     metadata = {"name": "memopt_planning_v0", "render_modes": []}
 
