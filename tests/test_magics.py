@@ -273,3 +273,41 @@ def test_budget_below_the_floor_says_what_bounds_it(ip, prof):
     assert floor.bound_text() in msg and floor.breakdown_text() in msg
     assert all(a in msg for a in floor.advice)
     assert "add units" not in msg
+
+
+@pytest.mark.parametrize("flags, offload_state, step", [
+    ("", True, False),
+    ("--offload-state all", True, False),
+    ("--offload-state none", False, False),
+    ("--offload-state optimizer", {"optimizer"}, False),
+    ("--offload-state 'grads, params' --step-in-backward", {"grads", "params"}, True),
+    ("--offload-state OPTIMIZER,grads,params", {"optimizer", "grads", "params"}, False),
+])
+def test_plan_offload_state_flags_reach_the_search(ip, prof, monkeypatch, flags, offload_state, step):
+    calls = []
+    real = memopt.search
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memopt, "search", spy)
+    ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 -q -o p_state {flags}")
+    assert calls[0]["offload_state"] == offload_state and calls[0]["step_in_backward"] is step
+    assert ip.user_ns["p_state"].step_in_backward is step
+
+
+@pytest.mark.parametrize("value, message", [
+    ("everything", "unknown 'everything'"),
+    ("optimizer,activations", "unknown 'activations'"),
+    ("optimizer,", "unknown ''"),
+    ("''", "empty"),
+])
+def test_plan_offload_state_mistakes_are_usage_errors(ip, prof, monkeypatch, value, message):
+    calls = []
+    monkeypatch.setattr(memopt, "search", lambda *a, **k: calls.append(k))
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 --offload-state {value}")
+    msg = str(err.value)
+    assert message in msg and "all" in msg and "none" in msg and "optimizer, grads, params" in msg
+    assert calls == []

@@ -17,6 +17,7 @@ Plan — run ``memopt.search`` with the live dashboard and store the plan (in ``
 
     %memopt_plan prof --budget 60%
     %memopt_plan prof --budget 2GiB --device a100-40gb --timesteps 20000 --seed 1 -o p
+    %memopt_plan prof --budget 40% --offload-state optimizer,grads --step-in-backward
 
 Mistakes (an unknown name, an object that is not an ``nn.Module``, a bad budget, a budget below the smallest peak
 any plan reaches) raise ``UsageError`` with the reason and no traceback. A trailing ``;`` hides what the magic returns
@@ -90,6 +91,24 @@ def _check_output_name(name: str | None) -> None:
 def _optimizer_classes() -> dict[str, type]:
     return {name.lower(): cls for name, cls in vars(torch.optim).items()
             if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+
+
+def _parse_offload_state(text: str) -> bool | set[str]:
+    """``--offload-state``: ``all``, ``none`` or a comma-separated list of the pieces (see ``memopt.search``)."""
+    from ..plan import STATE_PIECES
+
+    value = (_unquote(text.strip()) or "").strip().lower()
+    if value == "all":
+        return True
+    if value == "none":
+        return False
+    pieces = [p.strip() for p in value.split(",")]
+    unknown = [p for p in pieces if p not in STATE_PIECES]
+    if not value or unknown:
+        what = f"unknown {', '.join(repr(p) for p in unknown)}" if value else "empty"
+        raise UsageError(f"--offload-state {text!r}: {what}; give all (the default), none (activations only) or a "
+                         f"comma-separated list of {', '.join(STATE_PIECES)}, e.g. --offload-state optimizer,grads")
+    return set(pieces)
 
 
 def _parse_units(text: str | None) -> Any:
@@ -312,6 +331,13 @@ class MemoptMagics(Magics):
     @ma.argument("--timesteps", type=int, metavar="N",
                  help="PPO timesteps (default: $MEMOPT_NB_TIMESTEPS if set, else the search's default)")
     @ma.argument("--seed", type=int, default=0, help="random seed; the same seed gives the same plan (default 0)")
+    @ma.argument("--offload-state", metavar="WHAT", default="all",
+                 help="what of the training state the plan may move off the device: all (default: optimizer state, "
+                      "gradients and parameters), none (activations only), or a comma-separated list of optimizer, "
+                      "grads, params")
+    @ma.argument("--step-in-backward", action="store_true",
+                 help="also allow stepping a unit's parameters inside backward (grads='step'); the training loop may "
+                      "then no longer accumulate gradients over several backwards or clip their global norm")
     @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
                  help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
     @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
@@ -322,7 +348,12 @@ class MemoptMagics(Magics):
     def memopt_plan(self, line: str) -> Any:
         """Search a memory plan with the two PPO agents (``memopt.search``), watching them learn in a live dashboard.
 
-        ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S] [-o NAME] [--no-widget] [-q]``
+        ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S]
+        [--offload-state all|none|optimizer,grads,params] [--step-in-backward] [-o NAME] [--no-widget] [-q]``
+
+        ``--offload-state`` says what of the training state the plan may place on the host (``all`` by default,
+        ``none`` for activations only, or a comma-separated list); ``--step-in-backward`` also allows running a unit's
+        optimizer step inside backward, after which the loop may no longer accumulate or clip gradients.
 
         The dashboard shows both agents' rewards, the fastest plan's peak against the budget and, at the end, the
         memory timeline of the returned plan against the unoptimized step; when the search ends it stays in the cell as
@@ -349,6 +380,7 @@ class MemoptMagics(Magics):
             budget = memopt.resolve_budget(text, reference=prof.peak_bytes)
         except memopt.MemoptError as exc:
             raise UsageError(f"--budget {args.budget}: {exc}") from None
+        offload_state = _parse_offload_state(args.offload_state)
         if args.timesteps is not None and args.timesteps <= 0:
             raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
         try:
@@ -360,7 +392,8 @@ class MemoptMagics(Magics):
                 f"{memopt.format_bytes(prof.peak_bytes)}"
         dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title)
         try:
-            plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed)
+            plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, offload_state=offload_state,
+                            step_in_backward=args.step_in_backward)
         except memopt.MemoptError as exc:
             raise UsageError(f"--budget {args.budget}: {exc}" if isinstance(exc, memopt.BudgetError)
                              else str(exc)) from None

@@ -1,7 +1,11 @@
 """``MemoryPlanningEnv`` — a PettingZoo ``ParallelEnv`` in which two cooperating agents write a memory plan.
 
-Agents: ``"strategy"`` picks keep / recompute / swap for each unit; ``"timing"`` picks the offload window and prefetch
-distance of each swapped unit. One episode walks the units in forward order, *pipelined*: at step ``t`` the strategy
+Agents: ``"strategy"`` picks keep / recompute / swap for each unit and, where the task allows state placements
+(``offload_state=``), where the unit's optimizer state, gradients and parameters live: its action is
+``strategy * C + j`` for the task's ``C`` allowed placements (``task.state_ids[j]`` indexes
+:data:`~memopt_nb.plan.STATE_CHOICES`; ``C == 1`` — activations only — leaves today's three actions and observations
+unchanged). ``"timing"`` picks the offload window and prefetch distance of each swapped unit (the timing of state
+transfers is the runtime's). One episode walks the units in forward order, *pipelined*: at step ``t`` the strategy
 agent decides unit ``t`` while the timing agent decides unit ``t − 1``, whose strategy it already sees. So both agents
 act at every step (``n + 1`` steps; at the two ends one agent has only a no-op), which is why this is a ParallelEnv
 rather than a turn-based AEC environment: no agent ever waits, and PPO batches both agents' transitions alike.
@@ -14,10 +18,18 @@ Observations (``{"observation": float32 vector, "action_mask": int8 vector}``):
   still possible is needed, the recent load of the copy engine, and the overhead so far;
 * per action, what it would take off the current peak and what it would cost in time (from the task's marginal model),
   and where the unit's cheapest way to save memory ranks among the units still ahead;
-* a look-ahead window of the next units; the device (copy overlap, link speed relative to compute via the ratio).
+* a look-ahead window of the next units; the device (copy overlap, link speed relative to compute via the ratio);
+* with placements (``C > 1``): the unit's largest state saving and cheapest state time, and per look-ahead unit what
+  its most frugal placement would take off the peak.
 
-Action masks: recompute/swap where the unit allows it, swap only with a host link, timings only for swapped units and
-only where they differ in effect, and any action after which the budget is out of reach even if every remaining unit
+The memory estimate behind the observations and masks is the task's marginal model: per-segment levels, plus — when
+the cost model has a state table — the optimizer step's share of the peak (the plain step while every unit is
+resident, the unit-by-unit step's points once any unit moves state). The state part is exactly the contract's
+separable form, so for placements the estimate is exact.
+
+Action masks: recompute/swap where the unit allows it, swap only with a host link, a placement only where the state
+table says it changes something (not for units without parameters), timings only for swapped units and only where
+they differ in effect, and any action after which the budget is out of reach even if every remaining unit
 takes its most frugal option (by the marginal model; for the unit decided at the same step by the other agent, its
 most frugal allowed option is assumed). An action outside the mask is replaced by the first allowed one.
 
@@ -28,7 +40,8 @@ with how far the peak exceeds the budget. The timing agent earns a *difference r
 strategy agent earns ``−min(J(plan), J(default timings))``: its strategies judged with the better of the timings tried,
 so that neither the timing agent's exploration nor a fixed default timing (which would teach it that a swap only the
 right timing hides is bad) counts against it. Both are paid densely: each step carries the marginal-model cost of
-that step's choice (for a swap, the cheapest allowed timing), and the last step carries the exact remainder, so every
+that step's choice (for a swap, the cheapest allowed timing; a placement's state time, plus the unit-by-unit step's
+extra time for the first unit that moves state), and the last step carries the exact remainder, so every
 agent's episode return is exactly its share (shaping that leaves the returns unchanged). Returns are scaled by
 ``reward_scale``.
 """
@@ -46,14 +59,22 @@ from pettingzoo import ParallelEnv
 from ..simulate import KEEP, RECOMPUTE, SWAP
 from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
+__all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING"]
+
 STRATEGY, TIMING = "strategy", "timing"
 _N_COMMON = 8
 _N_UNIT = 9
 _N_LOOK = 7
 
 
+def _rowmax(x: np.ndarray) -> np.ndarray:
+    """Max over the last axis; ``-inf`` where it is empty (no step points)."""
+    return x.max(axis=-1) if x.shape[-1] else np.full(x.shape[:-1], -np.inf)
+
+
 class MemoryPlanningEnv(ParallelEnv):
-    """Two agents plan keep/recompute/swap and swap timing for the units of one profile under one budget."""
+    """Two agents plan keep/recompute/swap with each unit's state placement, and swap timing, for the units of one
+    profile under one budget."""
 
     metadata = {"name": "memopt_planning_v0", "render_modes": []}
 
@@ -67,11 +88,14 @@ class MemoryPlanningEnv(ParallelEnv):
         n = task.n
         self._t_unit = task.base_time / n
         self._b_unit = task.budget / n
+        C = task.C
+        self._states = C > 1  # placements to choose: a few more features (none when C == 1, as before placements)
+        self._n_look = _N_LOOK + (1 if self._states else 0)
         self._dims = {
-            STRATEGY: _N_COMMON + _N_UNIT + 3 * 3 + lookahead * _N_LOOK,
+            STRATEGY: _N_COMMON + _N_UNIT + (2 if self._states else 0) + 3 * 3 * C + lookahead * self._n_look,
             TIMING: _N_COMMON + _N_UNIT + 3 + 3 * len(TIMINGS),
         }
-        self._actions = {STRATEGY: 3, TIMING: len(TIMINGS)}
+        self._actions = {STRATEGY: 3 * C, TIMING: len(TIMINGS)}
         self.np_random, _ = seeding.np_random(None)
 
     # ------------------------------------------------------------------ spaces (cached: the API test checks identity)
@@ -98,6 +122,9 @@ class MemoryPlanningEnv(ParallelEnv):
         self.windows = np.ones(n, dtype=np.int64)
         self.dists = np.ones(n, dtype=np.int64)
         self.level = task.base_peaks.copy()  # per-segment peak with every decided unit's marginal applied
+        self.states = np.zeros(n, dtype=np.int64)  # placements, as indices into STATE_CHOICES
+        self.step_level = task.step_base.copy()  # the unit-by-unit optimizer step's points, placements applied
+        self.moved = False  # whether any decided unit moves state (then the step runs unit by unit)
         self.spent = 0.0  # marginal-model overhead of the decisions so far
         self.shaped = {STRATEGY: 0.0, TIMING: 0.0}
         self._obs, self._masks = self._observe()
@@ -117,14 +144,22 @@ class MemoryPlanningEnv(ParallelEnv):
             rewards[TIMING] = -cost / task.base_time * self.reward_scale
         # strategy for unit t
         if t < n:
-            s = self._allowed(STRATEGY, actions.get(STRATEGY, 0))
+            s, j = divmod(self._allowed(STRATEGY, actions.get(STRATEGY, 0)), task.C)
             self.codes[t] = s
+            self.states[t] = task.state_ids[j]
+            st_cost = 0.0
+            if j:  # the placement's exact, separable part
+                self.level += task.st_seg[t, j]
+                self.step_level += task.st_step[t, j]
+                st_cost = task.st_time[t, j] + (0.0 if self.moved else task.chunk_extra)
+                self.moved = True
+                self.spent += st_cost
             if s != SWAP:
                 self.level += task.marg_peak[t, s]
                 self.spent += task.marg_time[t, s]
-                cost = task.marg_time[t, s]
+                cost = task.marg_time[t, s] + st_cost
             else:  # optimistic: as if the timing agent picks the cheapest allowed timing
-                cost = task.marg_time[t, 2 + np.flatnonzero(task.option_ok[t, 2:])].min()
+                cost = task.marg_time[t, 2 + np.flatnonzero(task.option_ok[t, 2:])].min() + st_cost
             rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
         for a in rewards:
             self.shaped[a] += rewards[a]
@@ -149,13 +184,15 @@ class MemoryPlanningEnv(ParallelEnv):
         dw, dd = TIMINGS[DEFAULT_TIMING]
         windows = np.stack([self.windows, np.where(self.codes == SWAP, dw, 1)])
         dists = np.stack([self.dists, np.where(self.codes == SWAP, dd, 1)])
-        peak, time = task.evaluate(codes, windows, dists)
+        states = np.stack([self.states, self.states])
+        peak, time = task.evaluate(codes, windows, dists, states)
         j = task.overhead(time) + task.penalty(peak)
         share = {STRATEGY: -min(j[0], j[1]) * self.reward_scale, TIMING: -(j[0] - j[1]) * self.reward_scale}
         for a in rewards:
             # the last step pays what the dense rewards have not: episode return == the agent's exact share
             rewards[a] += share[a] - self.shaped[a]
         result = {"codes": self.codes.copy(), "windows": self.windows.copy(), "dists": self.dists.copy(),
+                  "states": self.states.copy(),
                   "peak": float(peak[0]), "time": float(time[0]), "feasible": bool(peak[0] <= task.budget),
                   "objective": float(j[0]), "objective_default_timing": float(j[1]),
                   "return": {a: float(v) for a, v in share.items()}}
@@ -182,37 +219,53 @@ class MemoryPlanningEnv(ParallelEnv):
             pending = task.marg_peak[t - 1, 2 + opts]
             level = level + pending.min(axis=0)
         rest = task.suffix_min[min(t + 1, n)]
-        cur = float(level.max())
+        rest_step = task.suffix_step[min(t + 1, n)]
+        rest_move = bool(task.suffix_can_move[min(t + 1, n)])
+        cur = task.bound(level, self.step_level, self.moved)
         need = max(cur - budget, 0.01 * budget)
         # how much of what the remaining units could still take off is needed, and the recent load of the copy engine
         need_ratio = max(cur - budget, 0.0) / max(float(task.suffix_red[min(t, n)]), 1.0)
         recent = [v for v in range(max(0, t - 3), min(t, n))]
         load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if self.codes[v] == SWAP)
         load /= max(sum(task.sim.fwd_time[v] for v in range(max(0, t - 3), min(t + 1, n))), 1e-12)
-        common = np.array([t / n, (n - t) / n, (cur - budget) / budget,
-                           (float((level + task.suffix_min[min(t, n)]).max()) - budget) / budget,
+        tt = min(t, n)
+        least = task.bound(level + task.suffix_min[tt], self.step_level + task.suffix_step[tt], self.moved,
+                           bool(task.suffix_can_move[tt]))  # the peak if every remaining unit is most frugal
+        common = np.array([t / n, (n - t) / n, (cur - budget) / budget, (least - budget) / budget,
                            self.spent / task.base_time, float(task.sim.device.copy_overlap), min(need_ratio, 5.0),
                            min(load, 10.0)], dtype=np.float64)
         obs: dict[str, dict[str, np.ndarray]] = {}
         masks: dict[str, np.ndarray] = {}
         # strategy agent, unit t
-        s_mask = np.zeros(3, dtype=np.int8)
+        C = task.C
+        s_mask = np.zeros(3 * C, dtype=np.int8)
         s_feat = np.zeros(self._dims[STRATEGY])
         if t < n:
             choice = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE]]
             swap_opts = np.flatnonzero(task.option_ok[t, 2:])
             swap_min = task.marg_peak[t, 2 + swap_opts].min(axis=0) if swap_opts.size else np.zeros(task.S)
             choice.append(swap_min)
-            ok = [True, bool(task.option_ok[t, RECOMPUTE]), bool(task.option_ok[t, 2:].any())]
-            for o in range(3):
-                s_mask[o] = ok[o] and float((level + choice[o] + rest).max()) <= tol
+            ok_s = np.array([True, bool(task.option_ok[t, RECOMPUTE]), bool(task.option_ok[t, 2:].any())])
+            ok = (ok_s[:, None] & task.state_ok[t][None]).ravel()  # action o * C + j
+            # every (strategy o, placement j) at once: segments (3, C, S) and the step's points (C, K)
+            seg = (level + np.stack(choice))[:, None] + task.st_seg[t][None]
+            step = self.step_level[None] + task.st_step[t]
+            moved = self.moved | (np.arange(C) > 0)
+            with_rest = task.bounds((seg + rest).max(axis=2), _rowmax(step + rest_step)[None], moved[None], rest_move)
+            s_mask[:] = ok & (with_rest.ravel() <= tol)
             if not s_mask.any():
                 s_mask[:] = ok
             unit = self._unit_features(t)
-            per = []
-            costs = [task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE], task.marg_time[t, 2 + DEFAULT_TIMING]]
-            for o in range(3):
-                per += [(cur - float((level + choice[o]).max())) / need, costs[o] / self._t_unit, float(s_mask[o])]
+            est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (3, C)
+            costs = np.array([task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE],
+                              task.marg_time[t, 2 + DEFAULT_TIMING]])
+            st_cost = task.st_time[t] + np.where(moved & ~self.moved, task.chunk_extra, 0.0)
+            per = np.stack([(cur - est) / need, (costs[:, None] + st_cost[None]) / self._t_unit,
+                            s_mask.reshape(3, C).astype(np.float64)], axis=2).ravel()
+            if self._states:
+                saving = max(float(-task.st_seg[t, j].min()) for j in range(C) if task.state_ok[t, j])
+                times = [float(task.st_time[t, j]) for j in range(1, C) if task.state_ok[t, j]]
+                unit = np.concatenate([unit, [saving / self._b_unit, min(times, default=0.0) / self._t_unit]])
             look = []
             for v in range(t + 1, t + 1 + self.lookahead):
                 if v < n:
@@ -222,8 +275,12 @@ class MemoryPlanningEnv(ParallelEnv):
                              task.profile.units[v].interior_bytes / self._b_unit,
                              task.marg_time[v, RECOMPUTE] / self._t_unit,
                              task.marg_time[v, 2 + DEFAULT_TIMING] / self._t_unit, rc_red, sw_red]
+                    if self._states:
+                        st_est = task.bound(level + task.st_min_seg[v], self.step_level + task.st_min_step[v],
+                                            self.moved or bool(task.state_ok[v, 1:].any()))
+                        look.append((cur - st_est) / need)
                 else:
-                    look += [0.0] * _N_LOOK
+                    look += [0.0] * self._n_look
             s_feat = np.concatenate([common, unit, per, look])
         else:
             s_mask[KEEP] = 1
@@ -238,15 +295,21 @@ class MemoryPlanningEnv(ParallelEnv):
             # unit t is being decided at the same step: like the strategy mask, assume it takes its most frugal
             # allowed option (a combination that still misses the budget ends the episode with a penalty)
             if t < n:
-                allowed = [o for o in range(3) if s_mask[o]]
+                allowed = [divmod(int(a), C) for a in np.flatnonzero(s_mask)]
                 cand = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE], swap_min]
-                frugal = np.min([cand[o] for o in allowed], axis=0)
+                frugal = np.min([cand[o] if j == 0 else cand[o] + task.st_seg[t, j] for o, j in allowed], axis=0)
+                frugal_step = np.min([task.st_step[t, j] for _, j in allowed], axis=0)
+                t_move = any(j > 0 for _, j in allowed)
             else:
                 frugal = np.zeros(task.S)
+                frugal_step = np.zeros(task.K)
+                t_move = False
             base = self.level + frugal + rest
+            base_step = self.step_level + frugal_step + rest_step
             ok = task.option_ok[p, 2:]
-            for j in range(m):
-                t_mask[j] = ok[j] and float((base + task.marg_peak[p, 2 + j]).max()) <= tol
+            peaks = task.bounds((base[None] + task.marg_peak[p, 2:]).max(axis=1), _rowmax(base_step[None]),
+                                np.array([self.moved]), t_move or rest_move)
+            t_mask[:] = ok & (peaks <= tol)
             if not t_mask.any():
                 t_mask[:] = ok
             default = task.marg_time[p, 2 + DEFAULT_TIMING]
@@ -285,8 +348,3 @@ class MemoryPlanningEnv(ParallelEnv):
 
     def close(self) -> None:
         pass
-
-    # ------------------------------------------------------------------ plan access
-    def plan_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The (partial) plan as strategy codes, windows and distances."""
-        return self.codes.copy(), self.windows.copy(), self.dists.copy()

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+__all__ = ["PPOConfig", "Agent", "layer_init", "compute_gae", "ppo_losses", "update_agent", "train"]
+
 
 @dataclass
 class PPOConfig:
@@ -101,6 +103,88 @@ class Agent(nn.Module):
         return self.actor(x).masked_fill(mask == 0, -1e9).argmax(-1)
 
 
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,
+                next_done: torch.Tensor, gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over a ``(num_steps, num_envs)`` rollout; returns (advantages, returns).
+
+    ``dones[t]`` flags that the observation at step ``t`` starts a new episode; ``next_value``/``next_done`` are the
+    value and flag of the observation after the last step (bootstrapping across the rollout's end).
+    """
+    num_steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    lastgaelam = 0
+    for t in reversed(range(num_steps)):
+        if t == num_steps - 1:
+            nextnonterminal = 1.0 - next_done
+            nextvalues = next_value
+        else:
+            nextnonterminal = 1.0 - dones[t + 1]
+            nextvalues = values[t + 1]
+        delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
+        lastgaelam = delta + gamma * gae_lambda * nextnonterminal * lastgaelam
+        advantages[t] = lastgaelam
+    return advantages, advantages + values
+
+
+def ppo_losses(agent: Agent, config: PPOConfig, obs: torch.Tensor, mask: torch.Tensor, actions: torch.Tensor,
+               old_logprobs: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
+               old_values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The clipped PPO objective on one minibatch: ``loss`` plus its parts and the diagnostics CleanRL logs."""
+    _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, mask, actions)
+    logratio = newlogprob - old_logprobs
+    ratio = logratio.exp()
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > config.clip_coef).float().mean()
+    if config.norm_adv and advantages.numel() > 1:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    # policy loss
+    pg_loss = torch.max(-advantages * ratio,
+                        -advantages * torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef)).mean()
+    # value loss
+    if config.clip_vloss:
+        v_unclipped = (newvalue - returns) ** 2
+        v_clipped = old_values + torch.clamp(newvalue - old_values, -config.clip_coef, config.clip_coef)
+        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - config.ent_coef * entropy_loss + v_loss * config.vf_coef
+    return {"loss": loss, "pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy_loss, "approx_kl": approx_kl,
+            "clipfrac": clipfrac}
+
+
+def update_agent(agent: Agent, optimizer: torch.optim.Optimizer, config: PPOConfig, buf: dict[str, torch.Tensor],
+                 advantages: torch.Tensor, returns: torch.Tensor, rng: np.random.Generator,
+                 minibatch_size: int) -> dict[str, float]:
+    """``config.update_epochs`` epochs of minibatch PPO updates of one agent on its rollout; returns the last stats."""
+    batch_size = buf["rewards"].numel()
+    b_obs = buf["obs"].reshape(batch_size, -1)
+    b_mask = buf["mask"].reshape(batch_size, -1)
+    b_actions = buf["actions"].reshape(-1)
+    b_logprobs = buf["logprobs"].reshape(-1)
+    b_adv = advantages.reshape(-1)
+    b_returns = returns.reshape(-1)
+    b_values = buf["values"].reshape(-1)
+    clipfracs = []
+    for _epoch in range(config.update_epochs):
+        order = rng.permutation(batch_size)
+        for lo in range(0, batch_size, minibatch_size):
+            mb = torch.as_tensor(order[lo: lo + minibatch_size])
+            out = ppo_losses(agent, config, b_obs[mb], b_mask[mb], b_actions[mb], b_logprobs[mb], b_adv[mb],
+                             b_returns[mb], b_values[mb])
+            clipfracs.append(out["clipfrac"].item())
+            optimizer.zero_grad()
+            out["loss"].backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), config.max_grad_norm)
+            optimizer.step()
+        if config.target_kl is not None and out["approx_kl"] > config.target_kl:
+            break
+    return {"policy_loss": float(out["pg_loss"].item()), "value_loss": float(out["v_loss"].item()),
+            "entropy": float(out["entropy"].item()), "approx_kl": float(out["approx_kl"].item()),
+            "clipfrac": float(np.mean(clipfracs)) if clipfracs else 0.0}
+
+
 def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[dict], None] | None = None,
           on_iteration: Callable[[dict], None] | None = None) -> dict[str, Agent]:
     """Train one agent per PettingZoo agent of ``make_env()`` with PPO; returns the agents.
@@ -108,8 +192,11 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
     ``on_episode(info)`` receives each finished episode's info (of the first agent); ``on_iteration(stats)`` is called
     after each update with mean episodic returns per agent and the losses. Raising in a callback stops training.
     """
+    # ---- seeding: every random draw comes from these two generators
     gen = torch.Generator().manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
+
+    # ---- env setup
     envs = [make_env() for _ in range(config.num_envs)]
     names = list(envs[0].possible_agents)
     first = names[0]
@@ -117,16 +204,19 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
     batch_size = config.num_envs * num_steps
     minibatch_size = max(1, batch_size // config.num_minibatches)
     num_iterations = max(1, config.total_timesteps // batch_size)
+    E = config.num_envs
+
+    # ---- agent setup: one actor-critic and one Adam per agent
     agents = {a: Agent(envs[0].observation_space(a)["observation"].shape[0], envs[0].action_space(a).n,
                        config.hidden, gen) for a in names}
     optims = {a: torch.optim.Adam(agents[a].parameters(), lr=config.learning_rate, eps=1e-5) for a in names}
-    E = config.num_envs
 
     def stack(obs_list: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         o = {a: torch.as_tensor(np.stack([ob[a]["observation"] for ob in obs_list])) for a in names}
         m = {a: torch.as_tensor(np.stack([ob[a]["action_mask"] for ob in obs_list])) for a in names}
         return o, m
 
+    # ---- storage setup
     current = [env.reset(seed=config.seed + i)[0] for i, env in enumerate(envs)]
     next_obs, next_mask = stack(current)
     next_done = torch.zeros(E)
@@ -143,10 +233,13 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
     global_step = 0
     start = time.perf_counter()
     for iteration in range(1, num_iterations + 1):
+        # ---- learning-rate annealing
         if config.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / num_iterations
             for opt in optims.values():
                 opt.param_groups[0]["lr"] = frac * config.learning_rate
+
+        # ---- rollout: both agents act at every step of every env copy
         finished = {a: [] for a in names}
         for step in range(num_steps):
             global_step += E
@@ -177,70 +270,22 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
                 current[i] = obs_i
             next_obs, next_mask = stack(current)
             next_done = torch.as_tensor(dones, dtype=torch.float32)
+
         stats: dict[str, Any] = {"iteration": iteration, "global_step": global_step,
                                  "sps": int(global_step / max(time.perf_counter() - start, 1e-9))}
         for a in names:
             b = buf[a]
+            # ---- bootstrap value and GAE
             with torch.no_grad():
                 next_value = agents[a].get_value(next_obs[a]).reshape(1, -1)
-                advantages = torch.zeros_like(b["rewards"])
-                lastgaelam = 0
-                for t in reversed(range(num_steps)):
-                    if t == num_steps - 1:
-                        nextnonterminal = 1.0 - next_done
-                        nextvalues = next_value
-                    else:
-                        nextnonterminal = 1.0 - b["dones"][t + 1]
-                        nextvalues = b["values"][t + 1]
-                    delta = b["rewards"][t] + config.gamma * nextvalues * nextnonterminal - b["values"][t]
-                    lastgaelam = delta + config.gamma * config.gae_lambda * nextnonterminal * lastgaelam
-                    advantages[t] = lastgaelam
-                returns = advantages + b["values"]
-            b_obs = b["obs"].reshape(batch_size, -1)
-            b_mask = b["mask"].reshape(batch_size, -1)
-            b_actions = b["actions"].reshape(-1)
-            b_logprobs = b["logprobs"].reshape(-1)
-            b_adv = advantages.reshape(-1)
-            b_returns = returns.reshape(-1)
-            b_values = b["values"].reshape(-1)
-            clipfracs = []
-            for _epoch in range(config.update_epochs):
-                order = rng.permutation(batch_size)
-                for lo in range(0, batch_size, minibatch_size):
-                    mb = torch.as_tensor(order[lo: lo + minibatch_size])
-                    _, newlogprob, entropy, newvalue = agents[a].get_action_and_value(b_obs[mb], b_mask[mb],
-                                                                                        b_actions[mb])
-                    logratio = newlogprob - b_logprobs[mb]
-                    ratio = logratio.exp()
-                    with torch.no_grad():
-                        approx_kl = ((ratio - 1) - logratio).mean()
-                        clipfracs.append(((ratio - 1.0).abs() > config.clip_coef).float().mean().item())
-                    mb_adv = b_adv[mb]
-                    if config.norm_adv and mb_adv.numel() > 1:
-                        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                    pg_loss = torch.max(-mb_adv * ratio,
-                                        -mb_adv * torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef)).mean()
-                    if config.clip_vloss:
-                        v_unclipped = (newvalue - b_returns[mb]) ** 2
-                        v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -config.clip_coef,
-                                                               config.clip_coef)
-                        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
-                    else:
-                        v_loss = 0.5 * ((newvalue - b_returns[mb]) ** 2).mean()
-                    entropy_loss = entropy.mean()
-                    loss = pg_loss - config.ent_coef * entropy_loss + v_loss * config.vf_coef
-                    optims[a].zero_grad()
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(agents[a].parameters(), config.max_grad_norm)
-                    optims[a].step()
-                if config.target_kl is not None and approx_kl > config.target_kl:
-                    break
+                advantages, returns = compute_gae(b["rewards"], b["values"], b["dones"], next_value, next_done,
+                                                  config.gamma, config.gae_lambda)
+            # ---- optimize the policy and value networks
+            update = update_agent(agents[a], optims[a], config, b, advantages, returns, rng, minibatch_size)
+            # ---- logging
             stats[f"{a}/episodic_return"] = float(np.mean(finished[a])) if finished[a] else float("nan")
-            stats[f"{a}/policy_loss"] = float(pg_loss.item())
-            stats[f"{a}/value_loss"] = float(v_loss.item())
-            stats[f"{a}/entropy"] = float(entropy_loss.item())
-            stats[f"{a}/approx_kl"] = float(approx_kl.item())
-            stats[f"{a}/clipfrac"] = float(np.mean(clipfracs)) if clipfracs else 0.0
+            for key, value in update.items():
+                stats[f"{a}/{key}"] = value
         if on_iteration is not None:
             on_iteration(stats)
     return agents

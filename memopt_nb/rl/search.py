@@ -8,19 +8,21 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..device import DeviceSpec
-from ..plan import Plan
+from ..plan import STATE_CHOICES, Plan, decisions_from
 from ..simulate import SWAP
 from ..solvers.common import make_plan
 from .env import STRATEGY, TIMING, MemoryPlanningEnv
 from .ppo import PPOConfig, train
 from .task import N_OPTIONS, TIMINGS, PlanningTask
+
+__all__ = ["search", "polish", "plan_from_arrays", "SearchTracker", "default_timesteps", "default_restarts", "METHOD"]
 
 METHOD = "memopt-ppo"
 
@@ -55,13 +57,22 @@ def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np
 
 
 def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
-           max_rounds: int = 100) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Best-improvement local search: change one unit's option at a time while the simulator says it helps."""
+           states: np.ndarray | None = None, max_rounds: int = 100
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Best-improvement local search while the simulator says it helps; returns codes, windows, distances, placements
+    (indices into STATE_CHOICES) and the number of moves made.
+
+    A move changes one unit's option (strategy and timing). Where placements may be chosen, a move may also change one
+    unit's placement, alone or together with one unit's option (so a faster activation option that needs a little
+    more memory can be paid for by moving some state). Pairs are scored with the cost model's separable state part
+    (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is taken.
+    """
+    n = task.n
     cur = _to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
-    peak, t = task.evaluate(*[a[None] for a in _option_arrays(cur)])
+    cur_st = np.zeros(n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64).copy()
+    peak, t = task.evaluate(*[a[None] for a in _option_arrays(cur)], cur_st[None])
     best_t = float(t[0]) if peak[0] <= task.budget else math.inf
     moves = 0
-    n = task.n
     for _ in range(max_rounds):
         cand = np.repeat(cur[None], n * N_OPTIONS, axis=0)
         units = np.repeat(np.arange(n), N_OPTIONS)
@@ -69,15 +80,115 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
         cand[np.arange(n * N_OPTIONS), units] = opts
         ok = task.option_ok[units, opts]
         cand = cand[ok]
-        peak, t = task.evaluate(*_option_arrays(cand))
+        if task.C > 1:
+            cand, cand_st = _best_pairs(task, cur, cur_st, cand)
+        else:
+            cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
+        peak, t = task.evaluate(*_option_arrays(cand), cand_st)
         t = np.where(peak <= task.budget, t, math.inf)
         i = int(np.argmin(t))
         if not t[i] < best_t * (1 - 1e-12):
             break
-        cur, best_t = cand[i], float(t[i])
+        cur, cur_st, best_t = cand[i], cand_st[i], float(t[i])
         moves += 1
     c, w, d = _option_arrays(cur)
-    return c, w, d, moves
+    return c, w, d, cur_st, moves
+
+
+def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
+                keep: int = 8, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """The ``keep`` fastest moves within budget among (one unit's option changed, or none) x (one unit's placement
+    changed, or none), scored by the separable state part; as option and placement arrays for exact evaluation."""
+    n = task.n
+    acts = np.concatenate([cur[None], cand])  # row 0: no option changed
+    st_units, st_local = np.nonzero(task.state_ok)
+    sts = np.repeat(cur_st[None], st_units.size + 1, axis=0)  # row 0: no placement changed
+    sts[np.arange(1, st_units.size + 1), st_units] = task.state_ids[st_local]
+    local = np.searchsorted(task.state_ids, sts)  # placements as local choices j
+    units = np.arange(n)[None]
+    seg = task.st_seg[units, local].sum(axis=1)  # (Z, S)
+    moved = (sts != 0).any(axis=1)
+    step_max = task.step_part_many(task.step_base[None] + task.st_step[units, local].sum(axis=1), moved)
+    st_time = task.st_time[units, local].sum(axis=1) + np.where(moved, task.chunk_extra, 0.0)
+    det = task.sim.evaluate(*_option_arrays(acts), details=True)
+    best = []  # (time, a, z)
+    for lo in range(0, acts.shape[0], chunk):
+        peaks = det["peaks"][lo: lo + chunk]
+        peak = np.maximum((peaks[:, None, :] + seg[None]).max(axis=2), step_max[None])  # (a, Z)
+        time = np.where(peak <= task.budget, det["time"][lo: lo + chunk, None] + st_time[None], np.inf)
+        flat = np.argsort(time, axis=None, kind="stable")[:keep]
+        a, z = np.unravel_index(flat, time.shape)
+        best += [(float(time[i, j]), lo + int(i), int(j)) for i, j in zip(a, z) if np.isfinite(time[i, j])]
+    best.sort()
+    best = best[:keep] or [(0.0, 0, 0)]
+    out_a, out_s = acts[[a for _, a, _ in best]], sts[[z for _, _, z in best]]
+    # two units' placements changed at once, options unchanged (e.g. two units trading what they offload)
+    pairs = _best_state_pairs(task, det["peaks"][0], float(det["time"][0]), cur_st, st_units, task.state_ids[st_local],
+                              keep)
+    if pairs.size:
+        out_a = np.concatenate([out_a, np.repeat(cur[None], pairs.shape[0], axis=0)])
+        out_s = np.concatenate([out_s, pairs])
+    return out_a, out_s
+
+
+def _best_state_pairs(task: PlanningTask, peaks: np.ndarray, time0: float, cur_st: np.ndarray, units: np.ndarray,
+                      ids: np.ndarray, keep: int) -> np.ndarray:
+    """The ``keep`` fastest placements within budget that change two units' placements of ``cur_st`` (options fixed,
+    their per-segment peaks ``peaks`` and time ``time0``), scored by the separable state part."""
+    n = task.n
+    loc = np.searchsorted(task.state_ids, cur_st)
+    new_loc = np.searchsorted(task.state_ids, ids)
+    d_seg = task.st_seg[units, new_loc] - task.st_seg[units, loc[units]]  # (Z, S) each single change's difference
+    d_step = task.st_step[units, new_loc] - task.st_step[units, loc[units]]
+    d_time = task.st_time[units, new_loc] - task.st_time[units, loc[units]]
+    r = np.arange(n)
+    seg0 = peaks + task.st_seg[r, loc].sum(axis=0)
+    step0 = task.step_base + task.st_step[r, loc].sum(axis=0)
+    time_base = time0 + task.st_time[r, loc].sum()
+    nonzero = int((cur_st != 0).sum())
+    d_nz = (ids != 0).astype(int) - (cur_st[units] != 0).astype(int)
+    best = []
+    Z = units.size
+    for i in range(Z):
+        j = np.arange(i + 1, Z)
+        j = j[units[j] != units[i]]
+        if not j.size:
+            continue
+        seg = (seg0 + d_seg[i])[None] + d_seg[j]
+        moved = nonzero + d_nz[i] + d_nz[j] > 0
+        step = task.step_part_many((step0 + d_step[i])[None] + d_step[j], moved)
+        peak = np.maximum(seg.max(axis=1), step)
+        time = time_base + d_time[i] + d_time[j] + np.where(moved, task.chunk_extra, 0.0)
+        time = np.where(peak <= task.budget, time, np.inf)
+        for k in np.argsort(time, kind="stable")[:keep]:
+            if np.isfinite(time[k]):
+                best.append((float(time[k]), i, int(j[k])))
+    best.sort()
+    out = np.repeat(cur_st[None], min(keep, len(best)), axis=0)
+    for row, (_, i, j) in enumerate(best[:keep]):
+        out[row, units[i]], out[row, units[j]] = ids[i], ids[j]
+    return out
+
+
+def plan_from_arrays(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
+                     states: np.ndarray | None, *, seed: int | None, **meta: Any) -> Plan:
+    """The plan of these arrays, with the task's prediction (placements and the optimizer step included).
+
+    Without a state model and without ``step_in_backward`` this is exactly
+    :func:`~memopt_nb.solvers.common.make_plan`; otherwise the decisions carry the placements, the predicted peak and
+    step time come from the task's state-aware evaluation, and the plan records ``step_in_backward``.
+    """
+    plan = make_plan(task.sim, codes, windows, dists, budget=task.budget, method=METHOD, seed=seed, **meta)
+    if task.state_model is None and not task.step_in_backward:
+        return plan
+    st = np.zeros(task.n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64)
+    peak, time_ = task.evaluate(np.asarray(codes)[None], np.asarray(windows)[None], np.asarray(dists)[None], st[None])
+    decisions = decisions_from(plan.strategies, plan.units, list(windows), list(dists), states=st.tolist())
+    fingerprint = plan.optimizer_fingerprint or (getattr(task.profile, "meta", None) or {}).get(
+        "optimizer_fingerprint")  # the optimizer the placements were made for (the runtime checks it)
+    return plan.with_meta(decisions=decisions, predicted_peak_bytes=int(round(float(peak[0]))),
+                          predicted_step_time=float(time_[0]), feasible=bool(peak[0] <= task.budget),
+                          step_in_backward=task.step_in_backward, optimizer_fingerprint=fingerprint)
 
 
 @contextlib.contextmanager
@@ -113,8 +224,13 @@ def _keeps_global_rng(fn: Callable[..., Plan]) -> Callable[..., Plan]:
 @_keeps_global_rng
 def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
-           config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None) -> Plan:
+           config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None,
+           reward_scale: float = 10.0, offload_state: bool | str | Iterable[str] = True,
+           step_in_backward: bool = False) -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
+
+    The plan decides per unit its activation strategy (keep, recompute, swap and the swap's timing) and where the
+    unit's optimizer state, gradients and parameters live (:attr:`~memopt_nb.plan.Plan.placements`).
 
     Args:
         profile: a :class:`~memopt_nb.profile.ModelProfile`.
@@ -129,72 +245,36 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         polish_plan: run a local search on the agents' best plan; what it adds is reported separately.
         restarts: independent agent pairs trained one after the other, each on an equal share of the timesteps
             (default :func:`default_restarts`); the best plan of all of them is returned.
+        offload_state: which state the plan may move off the device: ``True`` (optimizer state, gradients and
+            parameters; the default), ``False`` (activations only: the plans of the activation-only search), or a set
+            of ``"optimizer"``, ``"grads"``, ``"params"`` (also as a comma-separated string). Read by
+            :func:`memopt_nb.plan.state_choices`; a bad value raises :class:`~memopt_nb.errors.PlanError`.
+        step_in_backward: also allow ``grads="step"`` (the unit's optimizer step runs in backward, then its gradients
+            are freed). Opt-in: under such a plan the loop may no longer accumulate gradients over several backwards
+            or clip their global norm. The plan records it (:attr:`~memopt_nb.plan.Plan.step_in_backward`).
+        reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
+            are next to PPO's fixed clipping and entropy coefficients.
 
     The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak the
     agents found so far, feasible fraction; ``total_timesteps`` in a row is what PPO really runs — whole iterations —
     not the number asked for, which is ``meta["requested_timesteps"]``), ``timesteps_run``, ``agents_step_time`` and
     ``agents_peak`` (what the agents alone reached), ``polish`` (``"ran"``, ``"off"`` or ``"skipped: ..."``),
-    ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds`` and ``interrupted`` (Ctrl-C returns the
-    best plan so far). The plan's own ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
+    ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds``, ``interrupted`` (Ctrl-C returns the
+    best plan so far), ``state_choices`` (the placements the agents could choose from; only all-resident when the
+    cost model has no state table) and ``agents_states`` (the agents' placements before the polish). The plan's own
+    ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
     """
     t0 = time.perf_counter()
-    task = PlanningTask(profile, budget, device)
+    task = PlanningTask(profile, budget, device, offload_state=offload_state, step_in_backward=step_in_backward)
     cfg = config or PPOConfig()
     cfg = PPOConfig(**{**cfg.__dict__, "seed": seed,
                        "total_timesteps": total_timesteps or (config.total_timesteps if config else
                                                               default_timesteps(task.n))})
-    best: dict[str, Any] = {"time": math.inf, "peak": math.inf, "plan": None, "episode": None}
-    least_bad: dict[str, Any] = {"objective": math.inf, "plan": None, "peak": math.inf, "time": math.inf}
-    history: list[dict[str, Any]] = []
-    window = {"episodes": 0, "feasible": 0}
-    episodes = [0]
-
-    def on_episode(info: dict) -> None:
-        episodes[0] += 1
-        window["episodes"] += 1
-        plan = (info["codes"], info["windows"], info["dists"])
-        if info["feasible"]:
-            window["feasible"] += 1
-            if info["time"] < best["time"]:
-                best.update(time=info["time"], peak=info["peak"], plan=plan, episode=episodes[0])
-        elif info["objective"] < least_bad["objective"]:
-            least_bad.update(objective=info["objective"], plan=plan, peak=info["peak"], time=info["time"])
-
-    restart = [0]
-    offset = {"iterations": 0, "steps": 0}
     runs = max(1, int(restarts if restarts is not None else default_restarts(task.n)))
-    # What PPO will really run: whole iterations of num_envs x num_steps per agent pair (the progress bar's 100%).
-    batch = cfg.num_envs * (cfg.num_steps or task.n + 1)
-    planned_steps = runs * max(1, (cfg.total_timesteps // runs) // batch) * batch
-
-    def on_iteration(stats: dict) -> None:
-        if stats["iteration"] == 1 and history:  # a new agent pair continues the numbering
-            offset["iterations"] = history[-1]["iteration"]
-            offset["steps"] = history[-1]["global_step"]
-        row = {
-            "iteration": stats["iteration"] + offset["iterations"],
-            "restart": restart[0],
-            "global_step": stats["global_step"] + offset["steps"],
-            "total_timesteps": planned_steps,
-            "seconds": time.perf_counter() - t0,
-            "reward_strategy": stats[f"{STRATEGY}/episodic_return"],
-            "reward_timing": stats[f"{TIMING}/episodic_return"],
-            "entropy_strategy": stats[f"{STRATEGY}/entropy"],
-            "entropy_timing": stats[f"{TIMING}/entropy"],
-            "best_step_time": best["time"] if best["plan"] is not None else None,
-            "best_peak": best["peak"] if best["plan"] is not None else None,
-            "feasible_fraction": window["feasible"] / max(window["episodes"], 1),
-            "budget": task.budget,
-            "base_step_time": task.base_time,
-            "base_peak": task.base_peak,
-        }
-        window.update(episodes=0, feasible=0)
-        history.append(row)
-        if callback is not None:
-            callback(row)
-
+    tracker = SearchTracker(task, cfg, runs, t0, callback)
+    make_env = functools.partial(MemoryPlanningEnv, task, reward_scale=reward_scale)
     interrupted = False
     # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
     # machine (so a seed gives the same plan everywhere). The user's setting is restored afterwards.
@@ -202,32 +282,106 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     torch.set_num_threads(1)
     try:
         for k in range(runs):
-            restart[0] = k
+            tracker.restart = k
             run_cfg = PPOConfig(**{**cfg.__dict__, "seed": seed * 7919 + k,
                                    "total_timesteps": cfg.total_timesteps // runs})
-            agents = train(lambda: MemoryPlanningEnv(task), run_cfg, on_episode=on_episode,
-                           on_iteration=on_iteration)
-            _greedy_rollout(task, agents, on_episode)
+            agents = train(make_env, run_cfg, on_episode=tracker.on_episode, on_iteration=tracker.on_iteration)
+            _greedy_rollout(make_env, agents, tracker.on_episode)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         torch.set_num_threads(threads)
-    seconds = time.perf_counter() - t0
-    meta = {"history": history, "search_seconds": seconds, "interrupted": interrupted,
-            "total_timesteps": planned_steps, "requested_timesteps": cfg.total_timesteps,
-            "timesteps_run": history[-1]["global_step"] if history else 0, "restarts": runs, "episodes": episodes[0],
-            "best_episode": best["episode"],
-            "base_step_time": task.base_time}
+    return _finish(task, tracker, seed=seed, interrupted=interrupted, polish_plan=polish_plan, t0=t0)
+
+
+class SearchTracker:
+    """What the search keeps while the agents train: the best feasible plan, the least infeasible one, the history.
+
+    ``on_episode`` receives every finished episode's info from the environment; ``on_iteration`` receives PPO's stats
+    after each update, turns them into a history row (numbered across restarts) and passes it to the user's callback.
+    """
+
+    def __init__(self, task: PlanningTask, cfg: PPOConfig, runs: int, t0: float,
+                 callback: Callable[[dict], None] | None) -> None:
+        self.task = task
+        self.t0 = t0
+        self.callback = callback
+        self.best: dict[str, Any] = {"time": math.inf, "peak": math.inf, "plan": None, "episode": None}
+        self.least_bad: dict[str, Any] = {"objective": math.inf, "plan": None, "peak": math.inf, "time": math.inf}
+        self.history: list[dict[str, Any]] = []
+        self.episodes = 0
+        self.restart = 0
+        self._window = {"episodes": 0, "feasible": 0}  # episodes since the last history row
+        self._offset = {"iterations": 0, "steps": 0}  # where the current agent pair's numbering starts
+        # What PPO will really run: whole iterations of num_envs x num_steps per agent pair (the progress bar's 100%).
+        batch = cfg.num_envs * (cfg.num_steps or task.n + 1)
+        self.planned_steps = runs * max(1, (cfg.total_timesteps // runs) // batch) * batch
+        self.requested_steps = cfg.total_timesteps
+        self.runs = runs
+
+    def on_episode(self, info: dict) -> None:
+        self.episodes += 1
+        self._window["episodes"] += 1
+        plan = (info["codes"], info["windows"], info["dists"], info["states"])
+        if info["feasible"]:
+            self._window["feasible"] += 1
+            if info["time"] < self.best["time"]:
+                self.best.update(time=info["time"], peak=info["peak"], plan=plan, episode=self.episodes)
+        elif info["objective"] < self.least_bad["objective"]:
+            self.least_bad.update(objective=info["objective"], plan=plan, peak=info["peak"], time=info["time"])
+
+    def on_iteration(self, stats: dict) -> None:
+        history, best, task = self.history, self.best, self.task
+        if stats["iteration"] == 1 and history:  # a new agent pair continues the numbering
+            self._offset["iterations"] = history[-1]["iteration"]
+            self._offset["steps"] = history[-1]["global_step"]
+        row = {
+            "iteration": stats["iteration"] + self._offset["iterations"],
+            "restart": self.restart,
+            "global_step": stats["global_step"] + self._offset["steps"],
+            "total_timesteps": self.planned_steps,
+            "seconds": time.perf_counter() - self.t0,
+            "reward_strategy": stats[f"{STRATEGY}/episodic_return"],
+            "reward_timing": stats[f"{TIMING}/episodic_return"],
+            "entropy_strategy": stats[f"{STRATEGY}/entropy"],
+            "entropy_timing": stats[f"{TIMING}/entropy"],
+            "best_step_time": best["time"] if best["plan"] is not None else None,
+            "best_peak": best["peak"] if best["plan"] is not None else None,
+            "feasible_fraction": self._window["feasible"] / max(self._window["episodes"], 1),
+            "budget": task.budget,
+            "base_step_time": task.base_time,
+            "base_peak": task.base_peak,
+        }
+        self._window.update(episodes=0, feasible=0)
+        history.append(row)
+        if self.callback is not None:
+            self.callback(row)
+
+    def meta(self, interrupted: bool) -> dict[str, Any]:
+        """The search's record for the plan's ``meta``."""
+        history = self.history
+        return {"history": history, "search_seconds": time.perf_counter() - self.t0, "interrupted": interrupted,
+                "total_timesteps": self.planned_steps, "requested_timesteps": self.requested_steps,
+                "timesteps_run": history[-1]["global_step"] if history else 0, "restarts": self.runs,
+                "episodes": self.episodes, "best_episode": self.best["episode"], "base_step_time": self.task.base_time,
+                "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids]}
+
+
+def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
+            t0: float) -> Plan:
+    """The plan to return: the agents' best feasible one (polished), else the least infeasible one, flagged."""
+    meta = tracker.meta(interrupted)
+    best, least_bad = tracker.best, tracker.least_bad
     if best["plan"] is None:
         warnings.warn("the agents found no plan within the budget; returning the least infeasible one, flagged",
-                      stacklevel=2)
+                      stacklevel=3)
         if least_bad["plan"] is None:
-            least_bad["plan"] = _option_arrays(np.zeros(task.n, dtype=np.int64))
-        c, w, d = least_bad["plan"]
-        return make_plan(task.sim, c, w, d, budget=task.budget, method=METHOD, seed=seed,
-                         **meta, no_feasible_plan=True, agents_step_time=None, polished_step_time=None,
-                         polish="skipped: no feasible plan")
-    c, w, d = best["plan"]
+            zero = np.zeros(task.n, dtype=np.int64)
+            least_bad["plan"] = (*_option_arrays(zero), zero)
+        c, w, d, st = least_bad["plan"]
+        return plan_from_arrays(task, c, w, d, st, seed=seed, **meta, no_feasible_plan=True, agents_step_time=None,
+                                polished_step_time=None, polish="skipped: no feasible plan")
+    c, w, d, st = best["plan"]
     agents_time = best["time"]
     moves = 0
     if not polish_plan:
@@ -235,21 +389,23 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     elif interrupted:
         polish_state = "skipped: interrupted"
     else:
-        c, w, d, moves = polish(task, c, w, d)
+        c, w, d, st, moves = polish(task, c, w, d, st)
         polish_state = "ran"
-    plan = make_plan(task.sim, c, w, d, budget=task.budget, method=METHOD, seed=seed, **meta,
-                     agents_step_time=agents_time, agents_peak=best["peak"],
-                     agents_decisions=[int(x) for x in _to_options(*best["plan"])],
-                     polished=moves > 0, polish_moves=moves, polish=polish_state)
+    plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta,
+                            agents_step_time=agents_time, agents_peak=best["peak"],
+                            agents_decisions=[int(x) for x in _to_options(*best["plan"][:3])],
+                            agents_states=[int(x) for x in best["plan"][3]],
+                            polished=moves > 0, polish_moves=moves, polish=polish_state)
     # Only a polish that ran has a step time of its own; the plan's predictions are the one source of the final numbers.
     plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state == "ran" else None
     plan.meta["search_seconds"] = time.perf_counter() - t0
     return plan
 
 
-def _greedy_rollout(task: PlanningTask, agents: dict, on_episode: Callable[[dict], None]) -> None:
+def _greedy_rollout(make_env: Callable[[], MemoryPlanningEnv], agents: dict,
+                    on_episode: Callable[[dict], None]) -> None:
     """One deterministic episode with each agent's most likely action; its plan competes like any other."""
-    env = MemoryPlanningEnv(task)
+    env = make_env()
     obs, _ = env.reset()
     info: dict = {}
     while env.agents:

@@ -1,21 +1,34 @@
-"""One planning problem — a profile, a budget, a device — prepared for the agents.
+"""One planning problem — a profile, a budget, a device, the state placements allowed — prepared for the agents.
 
 Besides the exact simulator (which scores every finished plan), a task holds a *marginal model*: for every unit and
 option, how the per-segment peaks and the step time change when only that unit leaves "keep". Summing marginals is
 a fast, close approximation of the simulator (exact for memory wherever storage groups are owned by one unit) that
 the environment uses for observations and action masks, so that an environment step never needs a simulation.
+
+Where each unit's optimizer state, gradients and parameters live (``offload_state=``) comes from the simulator's
+``StateTable`` (see ``STATE_CONTRACT.md``), whose form is separable by construction: a placement changes each segment's
+peak by ``seg_delta[u, c]``, each point of the unit-by-unit optimizer step by ``step_delta[u, c]`` (the plain step's
+peak ``plain_step_peak`` applies while every unit is resident) and the step time by ``time[u, c]``, plus
+``chunked_step_extra`` once any unit moves. The marginal model adds exactly these, so for the state part it is exact.
+:func:`state_model_for` is the one place the task gets that table from.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
-from ..plan import DISTANCES, WINDOWS
+from ..errors import BudgetError, PlanError
+from ..plan import DISTANCES, STATE_CHOICES, WINDOWS, state_choices
 from ..simulate import KEEP, RECOMPUTE, SWAP, Simulator
 from ..solvers.common import as_simulator, check_budget
+
+__all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS"]
 
 #: Timing actions: (offload window, prefetch distance) pairs.
 TIMINGS: tuple[tuple[int, int], ...] = tuple((w, d) for w in WINDOWS for d in DISTANCES)
@@ -24,24 +37,96 @@ DEFAULT_TIMING = TIMINGS.index((1, 1))
 N_OPTIONS = 2 + len(TIMINGS)  # keep, recompute, swap × timings
 
 
-def option_index(strategy: int, timing: int) -> int:
-    return strategy if strategy != SWAP else 2 + timing
+class StateModel:
+    """The state part of the cost model: a ``StateTable`` (``STATE_CONTRACT.md``) and how to score plans with it.
+
+    ``native=True``: the simulator takes ``states=`` itself (``Simulator.evaluate(..., states=)``). ``native=False``:
+    the table is combined with the simulator's activation-only figures by the contract's formula
+    ``peak = max(max_s(peaks[s] + Σ_u seg_delta[u, c_u, s]), plain_step_peak if every c_u == 0 else
+    max_k(step_base[k] + Σ_u step_delta[u, c_u, k]))`` and ``time = time + Σ_u time[u, c_u] + chunked_step_extra``
+    (the latter once any unit moves) — for a table that is not the simulator's own (tests, what-if studies).
+    """
+
+    def __init__(self, sim: Simulator, table: Any, native: bool) -> None:
+        n = sim.n
+        self.sim = sim
+        self.table = table
+        self.native = native
+        if tuple(map(tuple, table.choices)) != STATE_CHOICES:
+            raise PlanError("the simulator's state table lists other placements than memopt_nb.plan.STATE_CHOICES")
+        C = len(STATE_CHOICES)
+        self.seg_delta = np.asarray(table.seg_delta, dtype=np.float64).reshape(n, C, sim.S)
+        self.step_base = np.asarray(table.step_base, dtype=np.float64).reshape(-1)
+        self.K = self.step_base.size
+        self.step_delta = np.asarray(table.step_delta, dtype=np.float64).reshape(n, C, self.K)
+        self.time = np.asarray(table.time, dtype=np.float64).reshape(n, C)
+        self.plain_step_peak = float(table.plain_step_peak)
+        self.chunked_step_extra = float(table.chunked_step_extra)
+
+    def evaluate(self, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
+                 states: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Exact peak and time of a batch of plans with placements ``states`` (``(B, n)`` indices, ``None``: all 0)."""
+        if self.native:
+            return self.sim.evaluate(codes, windows, dists, states=states)
+        det = self.sim.evaluate(codes, windows, dists, details=True)
+        B, n = det["peaks"].shape[0], self.sim.n
+        c = np.zeros((B, n), dtype=np.int64) if states is None else np.atleast_2d(np.asarray(states, dtype=np.int64))
+        units = np.arange(n)[None]
+        seg = det["peaks"] + self.seg_delta[units, c].sum(axis=1)
+        moved = (c != 0).any(axis=1)
+        if self.K:
+            chunked = (self.step_base[None] + self.step_delta[units, c].sum(axis=1)).max(axis=1)
+        else:
+            chunked = np.full(B, -np.inf)
+        peak = np.maximum(seg.max(axis=1), np.where(moved, chunked, self.plain_step_peak))
+        time = det["time"] + self.time[units, c].sum(axis=1) + np.where(moved, self.chunked_step_extra, 0.0)
+        return peak, time
+
+
+def state_model_for(sim: Simulator) -> StateModel | None:
+    """The state part of the cost model for ``sim``: its ``state_table()``, or ``None`` when it has none.
+
+    The one place the planners' task gets the table from (tests point it at a hand-made table). Without a table no
+    state placement can be priced, so the task plans activations only.
+    """
+    get = getattr(sim, "state_table", None)
+    if get is None:
+        return None
+    native = "states" in inspect.signature(sim.evaluate).parameters
+    return StateModel(sim, get(), native=native)
 
 
 class PlanningTask:
-    """A (profile, budget, device) triple compiled for the environment and the search."""
+    """A (profile, budget, device, allowed placements) compiled for the environment and the search.
 
-    def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> None:
+    ``offload_state`` and ``step_in_backward`` are read by :func:`memopt_nb.plan.state_choices`; the allowed
+    placements are ``state_ids`` (indices into :data:`~memopt_nb.plan.STATE_CHOICES`, 0 first). Without a state model
+    (:func:`state_model_for` returns ``None``) only 0 is allowed, whatever ``offload_state`` says.
+    """
+
+    def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+                 offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False) -> None:
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
-        self.budget = check_budget(self.sim, budget)
+        allowed = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
+        self.offload_state = offload_state
+        self.step_in_backward = step_in_backward
         self.n = n = self.sim.n
         self.S = self.sim.S
+        self.state_model = state_model_for(self.sim)
+        if self.state_model is None:
+            allowed = allowed[:1]
+        self.state_ids = np.array([STATE_CHOICES.index(c) for c in allowed], dtype=np.int64)
+        self._compile_states()
+        if self.C == 1:  # activations only: the exact floor (before anything else is computed)
+            self.budget = check_budget(self.sim, budget)
         keep = np.zeros((1, n), dtype=np.int64)
         base = self.sim.evaluate(keep, keep + 1, keep + 1, details=True)
         self.base_peaks = base["peaks"][0]
         self.base_peak = float(base["peak"][0])
-        self.base_time = float(base["time"][0])
+        if self.has_step:
+            self.base_peak = max(self.base_peak, self.plain_step)
+        self.base_time = float(self.evaluate(keep, keep + 1, keep + 1, keep)[1][0])
         # which options exist for each unit
         self.option_ok = np.zeros((n, N_OPTIONS), dtype=bool)
         self.option_ok[:, KEEP] = True
@@ -76,9 +161,14 @@ class PlanningTask:
         self.marg_time[~self.option_ok] = 0.0
         big = np.where(self.option_ok[:, :, None], self.marg_peak, np.inf)
         self.min_marg = big.min(axis=1)  # (n, S): the most any option of the unit can take off each segment
+        # ... and with its placements (separable: the most a placement takes off, added), per segment and step point
         self.suffix_min = np.zeros((n + 1, self.S))
+        self.suffix_step = np.zeros((n + 1, self.K))
+        self.suffix_can_move = np.zeros(n + 1, dtype=bool)
         for u in range(n - 1, -1, -1):
-            self.suffix_min[u] = self.suffix_min[u + 1] + self.min_marg[u]
+            self.suffix_min[u] = self.suffix_min[u + 1] + (self.min_marg[u] + self.st_min_seg[u])
+            self.suffix_step[u] = self.suffix_step[u + 1] + self.st_min_step[u]
+            self.suffix_can_move[u] = self.suffix_can_move[u + 1] or bool(self.state_ok[u, 1:].any())
         # cost efficiency: seconds of overhead per byte taken off each unit's most loaded segment, cheapest option
         red = -self.marg_peak.min(axis=2)  # (n, options): the largest per-segment saving of each option
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -87,7 +177,12 @@ class PlanningTask:
         self.rc_eff = eff[:, RECOMPUTE]
         self.swap_eff = eff[:, 2:].min(axis=1)
         self.max_red = red.max(axis=1)  # (n,)
+        if self.C > 1:  # the most a placement takes off a segment adds to it
+            self.max_red = self.max_red + np.maximum(-self.st_seg.min(axis=2), 0.0).max(axis=1)
         self.suffix_red = np.concatenate([np.cumsum(self.max_red[::-1])[::-1], [0.0]])
+        if self.C > 1:  # placements may lower the floor below the activation-only one: the enlarged space's floor
+            self.budget = self._check_budget(budget)
+        self._check_step_floor()
         # copy-engine load of swapping a unit, relative to its forward: its bytes plus the storages it owns, priced by
         # DeviceSpec.copy_seconds (the slower direction)
         sim, dev = self.sim, self.sim.device
@@ -97,8 +192,132 @@ class PlanningTask:
         copy = np.maximum(dev.copy_seconds(swap_bytes, owned, "d2h"), dev.copy_seconds(swap_bytes, owned, "h2d"))
         self.copy_ratio = copy / np.maximum(sim.dur[sim.fwd_seg], 1e-9)
 
-    def evaluate(self, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Exact peak and time of a batch of plans."""
+    def _compile_states(self) -> None:
+        """The allowed placements' rows of the state table, per unit and local choice ``j`` (``state_ids[j]``)."""
+        n, S, ids = self.n, self.S, self.state_ids
+        self.C = C = ids.size
+        sm = self.state_model
+        self.has_step = sm is not None  # whether the optimizer step's peak is known (it is part of the peak then)
+        self.K = sm.K if sm is not None else 0
+        if sm is None:
+            self.st_seg = np.zeros((n, 1, S))
+            self.st_step = np.zeros((n, 1, 0))
+            self.st_time = np.zeros((n, 1))
+            self.step_base = np.zeros(0)
+            self.plain_step = -np.inf
+            self.chunk_extra = 0.0
+        else:
+            self.st_seg = sm.seg_delta[:, ids]
+            self.st_step = sm.step_delta[:, ids]
+            self.st_time = sm.time[:, ids]
+            self.step_base = sm.step_base.copy()
+            self.plain_step = sm.plain_step_peak
+            self.chunk_extra = sm.chunked_step_extra
+        # a placement other than all-resident is offered only where it changes something (a unit without parameters
+        # has all-zero rows: moving "its" state would only switch to the unit-by-unit step)
+        self.state_ok = np.ones((n, C), dtype=bool)
+        if C > 1:
+            self.state_ok[:, 1:] = (np.abs(self.st_seg[:, 1:]).max(axis=2) > 0) | (self.st_time[:, 1:] != 0)
+            if self.K:
+                self.state_ok[:, 1:] |= np.abs(self.st_step[:, 1:]).max(axis=2) > 0
+            usable = np.concatenate([[True], self.state_ok[:, 1:].any(axis=0)])
+            if not usable.all():  # placements no unit can take leave the action space (none: activations only)
+                self.state_ids = ids[usable]
+                return self._compile_states()
+        seg = np.where(self.state_ok[:, :, None], self.st_seg, np.inf)
+        self.st_min_seg = seg.min(axis=1)  # (n, S): includes all-resident (0), so never positive
+        step = np.where(self.state_ok[:, :, None], self.st_step, np.inf)
+        self.st_min_step = step.min(axis=1) if self.K else np.zeros((n, 0))
+
+    def step_part(self, step: np.ndarray, moved: bool, can_move: bool = False) -> float:
+        """The optimizer step's share of the peak: the plain step while nothing moved, else the unit-by-unit one.
+
+        ``step``: step-point levels (``step_base`` plus placements' ``step_delta``); ``can_move``: whether units still
+        undecided may move (then the lower of the two is a lower bound). ``-inf`` when the step is not modelled.
+        """
+        if not self.has_step:
+            return -np.inf
+        chunked = float(step.max()) if self.K else -np.inf
+        if moved:
+            return chunked
+        return min(self.plain_step, chunked) if can_move else self.plain_step
+
+    def step_part_many(self, step: np.ndarray, moved: np.ndarray) -> np.ndarray:
+        """The optimizer step's share of the peak for finished plans: ``step`` (B, K) points, ``moved`` (B,)."""
+        if not self.has_step:
+            return np.full(step.shape[0], -np.inf)
+        chunked = step.max(axis=1) if self.K else np.full(step.shape[0], -np.inf)
+        return np.where(moved, chunked, self.plain_step)
+
+    def bound(self, seg: np.ndarray, step: np.ndarray, moved: bool, can_move: bool = False) -> float:
+        """The peak by the marginal model: segments and the optimizer step (see :meth:`step_part`)."""
+        if not self.has_step:
+            return float(seg.max())
+        return max(float(seg.max()), self.step_part(step, moved, can_move))
+
+    def bounds(self, seg_max: np.ndarray, step_max: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
+        """:meth:`bound` for arrays of segment maxima and step-point maxima (broadcast together)."""
+        if not self.has_step:
+            return np.asarray(seg_max, dtype=np.float64)
+        still = np.minimum(self.plain_step, step_max) if can_move else np.full(np.shape(step_max), self.plain_step)
+        return np.maximum(seg_max, np.where(moved, step_max, still))
+
+    def lower_bound(self) -> float:
+        """The smallest peak any plan in this task's space reaches, by the marginal model."""
+        return self.bound(self.base_peaks + self.suffix_min[0], self.step_base + self.suffix_step[0], False,
+                          bool(self.suffix_can_move[0]))
+
+    def _check_budget(self, budget: Any) -> int:
+        """:func:`~memopt_nb.solvers.common.check_budget`; where placements may move state, below its activation-only
+        floor the marginal model's floor over the enlarged space decides."""
+        try:
+            return check_budget(self.sim, budget)
+        except BudgetError:
+            if self.C == 1:
+                raise
+        value = resolve_budget(self.sim.device.capacity_bytes if budget is None else budget,
+                               reference=self.sim.profile.peak_bytes)
+        seg, step = self.base_peaks + self.suffix_min[0], self.step_base + self.suffix_step[0]
+        can_move = bool(self.suffix_can_move[0])
+        lowest = self.bound(seg, step, False, can_move)
+        if value < lowest:
+            part = ("the optimizer step (its unit-by-unit peak with every placement allowed)"
+                    if self.step_part(step, False, can_move) >= float(seg.max()) else
+                    "the activations and the state that stays resident at the peak segment")
+            raise BudgetError(
+                f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak the planner's model finds "
+                f"for this profile on {self.sim.device.name} even with state offload ({self._allowed_text()}): about "
+                f"{format_bytes(int(lowest))} ({int(lowest)} bytes), bounded by {part}. Ask for at least that much"
+                + ("" if self.C == len(STATE_CHOICES) else ", or allow more of the state to move (offload_state=True"
+                   + (", step_in_backward=True" if not self.step_in_backward else "") + ")") + ".")
+        return value
+
+    def _check_step_floor(self) -> None:
+        """Refuse a budget the optimizer step alone exceeds whatever the plan does (its part of the model is exact)."""
+        if not self.has_step:
+            return
+        step = self.step_part(self.step_base + self.suffix_step[0], False, bool(self.suffix_can_move[0]))
+        if self.budget < step:
+            value = self.budget
+            more = "" if self.C == len(STATE_CHOICES) else (
+                " Allowing more of the state to move (offload_state=True"
+                + (", step_in_backward=True" if not self.step_in_backward else "") + ") may lower it.")
+            raise BudgetError(
+                f"budget {format_bytes(value)} ({value} bytes) is below what the optimizer step alone needs on "
+                f"{self.sim.device.name} with the placements allowed ({self._allowed_text()}): at least "
+                f"{format_bytes(int(step))} ({int(step)} bytes), whatever the plan does with activations. Ask for at "
+                f"least that much.{more}")
+
+    def _allowed_text(self) -> str:
+        return "; ".join("/".join(STATE_CHOICES[int(i)]) for i in self.state_ids[1:]) or "none"
+
+    def evaluate(self, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
+                 states: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Exact peak and time of a batch of plans; ``states``: ``(B, n)`` indices into STATE_CHOICES (None: all 0)."""
+        if self.state_model is not None:
+            return self.state_model.evaluate(codes, windows, dists, states)
+        if states is not None and np.any(states):  # guard: this simulator cannot price a placement
+            raise PlanError("this simulator has no state table; only all-resident placements can be evaluated")
         return self.sim.evaluate(codes, windows, dists)
 
     def overhead(self, time: np.ndarray) -> np.ndarray:
