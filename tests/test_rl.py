@@ -571,8 +571,11 @@ def test_a_simulator_that_takes_states_is_asked_for_them():
 def test_without_a_state_table_only_all_resident_plans_are_evaluated():
     """Today's simulator has no state table: the task allows only all-resident placements whatever offload_state
     says, and refuses to price any other (rather than silently dropping it)."""
+    class NoStateSimulator(Simulator):  # a cost model without a state part (as before issue 11)
+        state_table = None
+
     prof = chain_profile(4, seed=3)
-    task = PlanningTask(prof, None, offload_state=True, step_in_backward=True)
+    task = PlanningTask(NoStateSimulator(prof), None, offload_state=True, step_in_backward=True)
     assert task.state_model is None and task.C == 1
     z = np.zeros((1, 4), dtype=np.int64)
     assert task.evaluate(z, z + 1, z + 1, z)[0][0] == Simulator(prof).evaluate(z, z + 1, z + 1)[0][0]
