@@ -30,7 +30,10 @@ OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
 }
+KERNELS = ("adam_foreach", "adamw_fused")  # the default kernel on the CPU is the single-tensor one
 SMALL = {  # small zoo configurations: seconds per test
     "mlp": dict(batch_size=8, width=32, depth=4),
     "gpt": dict(batch_size=2, seq_len=16, d_model=32, n_layers=4, n_heads=2, vocab=64),
@@ -151,12 +154,14 @@ def _assert_moved(stats: dict, plan: Plan) -> None:
 
 
 # ---------------------------------------------------------------------- bit equality
+# the three optimizers on mlp and gpt, their foreach and fused kernels on mlp, AdamW on the others (time)
+ZOO_CASES = ([("mlp", o) for o in OPTIMIZERS] + [("gpt", o) for o in OPTIMIZERS if o not in KERNELS]
+             + [("resnet", "adamw"), ("vit", "adamw")])
+
+
 @pytest.mark.parametrize("variant", ["mixed", "mixed_step"])
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("model", list(SMALL))
+@pytest.mark.parametrize(("model", "opt_name"), ZOO_CASES)
 def test_zoo_whole_step_plan_trains_bit_identically(model: str, opt_name: str, variant: str) -> None:
-    if model in ("resnet", "vit") and opt_name != "adamw":
-        pytest.skip("every optimizer on mlp and gpt; one on the others (time)")
     step = variant == "mixed_step"
     plan = _whole(Plan.uniform(_profile(model), "keep"), MIXED_STEP if step else MIXED, step_in_backward=step)
     ref = _train(lambda: _build(model), opt_name, None)
@@ -210,6 +215,19 @@ def _untouched(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     assert not any(k in opt.__dict__ for k in ("step", "zero_grad", "state_dict", "load_state_dict"))
     assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_a_loaded_plan_applies_with_the_optimizer_given() -> None:
+    opt = OPTIMIZERS["sgd"](_build("mlp").model.parameters())
+    plan = _whole(Plan.uniform(_profile("mlp"), "swap"), MIXED_STEP, step_in_backward=True, opt=opt)
+    loaded = Plan.from_json(plan.to_json())
+    assert loaded == plan and loaded.step_in_backward and loaded.optimizer_fingerprint == plan.optimizer_fingerprint
+    ref = _train(lambda: _build("mlp"), "sgd", None)
+    got = _train(lambda: _build("mlp"), "sgd", loaded)
+    _assert_same_training(ref, got, stepped=True)
+    _assert_moved(got[2]["stats"], loaded)
+    with pytest.raises(PlanError, match="made for SGD; this optimizer is Adam"):
+        _train(lambda: _build("mlp"), "adam", loaded)
 
 
 def test_a_plan_that_moves_state_needs_an_optimizer() -> None:
