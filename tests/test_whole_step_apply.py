@@ -412,6 +412,48 @@ def test_step_in_backward_refuses_clip_grad_norm_through_memopt_plan() -> None:
         applied.remove()
 
 
+def test_step_in_backward_refuses_a_second_backward_through_the_same_graph() -> None:
+    """``loss.backward(retain_graph=True)`` twice: refused when the second backward starts, before it accumulates
+    anything (it failed half-way with autograd's in-place RuntimeError)."""
+    zm = _build("mlp")
+    model = zm.model
+    opt = OPTIMIZERS["adam"](model.parameters())
+    plan = _whole(Plan.uniform(_profile("mlp"), "keep"), [("keep", "resident", "step", "resident")],
+                  step_in_backward=True)
+    with memopt.plan(plan, model, optimizer=opt) as applied:
+        loss = zm.loss_fn(model(*zm.inputs))
+        loss.backward(retain_graph=True)
+        grads = _readable_grads(model)
+        params = _params(model, applied)
+        assert grads and applied.stats["steps_in_backward"] == len(plan.units)
+        with pytest.raises(StepInBackwardError, match="second backward"):
+            loss.backward()
+        assert _same(grads, _readable_grads(model)) and _same(params, _params(model, applied))
+        opt.step()
+        opt.zero_grad()
+
+
+def test_step_in_backward_with_intermediate_outputs_in_the_loss() -> None:
+    """Outputs produced inside the model (HF ``output_hidden_states``) get their gradient in the middle of backward,
+    after later units have stepped: that is the first backward, not a second one."""
+
+    def hidden_loss(out):
+        return out.logits.float().square().mean() + sum(h.square().mean() for h in out.hidden_states)
+
+    def make():
+        zm = _gpt2()
+        zm.model.config.output_hidden_states = True
+        return memopt.zoo.ZooModel(zm.model, zm.inputs, hidden_loss, "gpt2")
+
+    zm = make()
+    prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, repeats=1)
+    plan = _whole(Plan.uniform(prof, "keep"), [("keep", "offload", "step", "resident")], step_in_backward=True)
+    ref = _train(make, "adamw", None)
+    got = _train(make, "adamw", plan)
+    _assert_same_training(ref, got, stepped=True)
+    assert got[2]["stats"]["steps_in_backward"] == 3 * len(plan.units)
+
+
 def test_a_plan_without_step_in_backward_allows_accumulation_and_clipping() -> None:
     """grads='offload' keeps the loop free: two backwards, clip_grad_norm_, step — as plain training."""
 

@@ -558,6 +558,7 @@ class StateManager:
                 self._handles += self._state_dict_hooks(u, mod)
         if self.step_in_backward:
             self._handles.append(model.register_forward_pre_hook(self._check_forward))
+            self._handles.append(model.register_forward_hook(self._guard_outputs))
 
     def remove(self) -> None:
         """Undo :meth:`apply`: state, gradients and parameters back on the device, hooks and methods removed."""
@@ -709,6 +710,19 @@ class StateManager:
             self._stale = sum(1 for ps in self.unit_params for p in ps
                               if isinstance(p.grad, HostTensor) and p.grad._stepped)
         return self._stale
+
+    def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A second backward through the same graph (``retain_graph=True``) starts at the model's outputs: refuse it
+        there, before it accumulates anything (it would otherwise fail later with autograd's in-place error)."""
+        if torch.is_grad_enabled():
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._check_backward)
+
+    def _check_backward(self, grad: torch.Tensor) -> None:
+        if self._stepped and self._sib_gen != self._gen:  # stepped in an earlier backward, not in this one
+            raise StepInBackwardError("a second backward through the model before opt.step() (retain_graph=True), "
+                                      f"after the first one already stepped some units; {_STEP_RULES}")
 
     def _check_forward(self, module: nn.Module, args: Any) -> None:
         if self._stepped and torch.is_grad_enabled():
