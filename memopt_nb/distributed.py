@@ -44,6 +44,27 @@ unit never offloads them: the swap engine skips every saved tensor that is a par
 the unit's or the model's parameters at call time, or is a view of a parameter (FSDP2's unsharded parameters are views
 of its all-gather buffers; the last rule also covers modules sharded *inside* a unit, all-gathered after the unit
 started). Those storages are also held by FSDP itself, so they never become eligible for offload in the first place.
+
+Whole-step plans (optimizer state, gradients, parameters)
+---------------------------------------------------------
+A schema-2 plan may also place each unit's optimizer state, gradients and parameters on the host
+(:mod:`memopt_nb.runtime.state`). What applies where, checked by :func:`check_state_placements` when the plan is
+entered (a :class:`~memopt_nb.errors.PlanError`, with nothing changed):
+
+* **DDP** — placements apply per rank, to that rank's replica and optimizer: ``optimizer="offload"`` and
+  ``params="offload"`` work as on one device and train bit-identically to DDP without a plan. ``grads="offload"`` and
+  ``grads="step"`` are refused: DDP averages gradients across ranks *after* backward has accumulated them (its hooks
+  run after memopt's), so a step in backward would use this rank's un-averaged gradients, and DDP's buckets hold a
+  copy of every gradient anyway, so offloading them saves nothing. Pass the DDP wrapper itself to ``memopt.plan``
+  (passing ``ddp.module`` hides DDP from this check).
+* **FSDP2** — a plan that moves state is refused; plan activations only (``offload_state=False``). FSDP2 owns the
+  parameters (DTensor shards it all-gathers around each unit), reduce-scatters the gradients and hands the optimizer
+  shards; a second mechanism moving the same tensors would fight it. Each rank already holds only its shard of
+  parameters, gradients and optimizer state (what :func:`per_rank` accounts), and when that shard does not fit, FSDP2's
+  own ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=True))`` is the right tool: it keeps the shards on
+  the host and runs the optimizer step on the CPU. That step is numerically different from a device step (results are
+  close, not bit-identical to training without offload), whereas memopt's placements on one device or under DDP step
+  on the device with the state streamed in and out and keep every bit.
 """
 
 from __future__ import annotations
@@ -57,12 +78,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .errors import ProfileError, WrapOrderError
+from .errors import PlanError, ProfileError, WrapOrderError
 from .plan import Plan, plain_module_type
 
 __all__ = [
-    "broadcast_plan", "check_plain", "ddp_bucket_bytes", "fsdp_modules", "fully_shard_units", "order_guard",
-    "per_rank", "plain_module_type", "resized_storages", "unwrap",
+    "broadcast_plan", "check_plain", "check_state_placements", "ddp_bucket_bytes", "fsdp_modules",
+    "fully_shard_units", "order_guard", "per_rank", "plain_module_type", "resized_storages", "unwrap",
 ]
 
 SHARDINGS = (None, "ddp", "fsdp")
@@ -105,6 +126,35 @@ def unwrap(model: nn.Module) -> nn.Module:
                              "modules; shard with FSDP2 instead — torch.distributed.fsdp.fully_shard, or "
                              "memopt.distributed.fully_shard_units(model, plan)")
     return model
+
+
+def check_state_placements(wrapped: nn.Module, model: nn.Module, plan: Plan) -> None:
+    """Raise :class:`~memopt_nb.errors.PlanError` if ``plan``'s state placements cannot apply to this (wrapped or
+    sharded) model; see "Whole-step plans" in this module's docs. ``wrapped`` is what the user passed, ``model`` the
+    module the plan's names refer to."""
+    if not plan.moves_state:
+        return
+    sharded = fsdp_modules(model)
+    if sharded:
+        raise PlanError(
+            "this plan moves optimizer state, gradients or parameters, and the model is sharded with fully_shard "
+            "(FSDP2): FSDP2 owns those tensors (DTensor shards, its own gradient reduce-scatter and all-gathers), so "
+            "memopt does not move them. Use FSDP2's own offload for that: fully_shard(..., "
+            "offload_policy=CPUOffloadPolicy()) keeps this rank's parameter, gradient and optimizer-state shards on "
+            "the host and runs the optimizer step there (numerically different from a device step: not "
+            "bit-identical to training without it). Then plan activations only: memopt.search(profile, budget, "
+            "offload_state=False)")
+    if is_ddp(wrapped):
+        moved = [d.unit for d in plan.decisions if d.grads != "resident"]
+        if moved:
+            more = " …" if len(moved) > 3 else ""
+            raise PlanError(
+                f"this plan offloads or steps in backward the gradients of units {', '.join(moved[:3])}{more}, and "
+                "the model is wrapped with DistributedDataParallel: DDP averages gradients across ranks after "
+                "backward has accumulated them (in its own buckets, which hold a copy of every gradient anyway), so "
+                "offloading them saves nothing and stepping in backward would step on this rank's un-averaged "
+                "gradients. Under DDP a plan may offload optimizer state and parameters per rank; plan with "
+                "memopt.search(profile, budget, offload_state={'optimizer', 'params'})")
 
 
 def check_plain(model: nn.Module, what: str = "profile") -> None:

@@ -1,4 +1,10 @@
-"""``with memopt.plan(p):`` — apply a plan to a live model for the duration of a block, then restore it exactly."""
+"""``with memopt.plan(p):`` — apply a plan to a live model (and its optimizer) for a block, then restore it exactly.
+
+A plan decides per unit an activation strategy (keep, recompute, swap) and, from schema 2 on, where the unit's
+optimizer state, gradients and parameters live. The activation part is applied here by wrapping the units'
+``forward``; the state part by a :class:`~memopt_nb.runtime.state.StateManager` over the same units and the
+optimizer. Both are installed together and removed together, also when the block raises or is interrupted.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..distributed import order_guard, unwrap
+from ..distributed import check_state_placements, order_guard, unwrap
 from ..errors import PlanError
-from ..plan import Plan, effective_triggers
+from ..plan import Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
 from .recompute import ReplayGuard, checkpointed_call
+from .state import Placement, StateManager
+from .storages import plain_storage_ptrs
 from .swap import SwapEngine
+
+__all__ = ["EXACT_BACKENDS", "AppliedPlan", "PlannedForward", "plan"]
 
 _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _DEVICE_WARNED: dict[int, weakref.ref] = {}  # plans already warned about (by id, while alive): warn once per plan
@@ -53,14 +63,6 @@ def _warn_other_device(plan: Plan, model: nn.Module) -> None:
         f"budget and predicted peak and step time are for {plan.device['name']}; plan again for this device "
         "(memopt.search(profile, budget) without device=) to fit this one",
         UserWarning, stacklevel=4)
-
-
-def _storage_ptrs(tensors: Any) -> set[int]:
-    out = set()
-    for t in tensors:
-        if type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and not t.is_meta:
-            out.add(t.untyped_storage().data_ptr())
-    return out
 
 
 #: torch.compile backends under which a plan keeps results bit-identical (they run the plan's eager code as is).
@@ -134,7 +136,7 @@ class PlannedForward:
         if self.guard is not None:
             out = checkpointed_call(self.guard, inner, *args, **kwargs)
         else:
-            ptrs = self.model_ptrs | _storage_ptrs(self.module.parameters())
+            ptrs = self.model_ptrs | plain_storage_ptrs(self.module.parameters())
             with engine.hooks(p, index, ptrs):
                 out = inner(*args, **kwargs)
         engine.end_unit(p, index, out)
@@ -170,17 +172,41 @@ def _check_recomputable(plan: Plan, model: nn.Module) -> None:
                         "(Hugging Face), model.set_grad_checkpointing(False) (timm)")
 
 
+def _resolve_optimizer(plan: Plan, optimizer: Any) -> torch.optim.Optimizer | None:
+    """The optimizer a plan that moves state manages: the one given, else the one its profile saw, else an error."""
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise PlanError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        return optimizer
+    if not plan.moves_state:
+        return None
+    ref = plan._optimizer_ref
+    optimizer = ref() if ref is not None else None
+    if optimizer is None:
+        sc = plan.state_counts()
+        what = ", ".join(f"{k} {v}" for k, v in sc.items() if v)
+        raise PlanError(
+            f"this plan moves training state ({what} units) but is not tied to a live optimizer (it was loaded "
+            "from JSON, the profile was made without optimizer=, or that optimizer is gone); pass the optimizer you "
+            "train with: memopt.plan(p, model, optimizer=opt)")
+    return optimizer
+
+
 class AppliedPlan:
-    """A plan applied (or ready to be applied) to one model.
+    """A plan applied (or ready to be applied) to one model and, when the plan moves state, its optimizer.
 
     Use as a context manager — ``with memopt.plan(p, model):`` — or call :meth:`apply` / :meth:`remove`. While applied,
     the units' ``forward`` is wrapped: ``recompute`` units run under non-reentrant checkpointing, and when the plan
-    swaps anything every unit's saved tensors go through the swap engine. Nothing else about the model changes, and
-    :meth:`remove` puts every ``forward`` back as it was, also when the block raises or is interrupted. Under
-    ``torch.no_grad()`` the wrappers call straight through.
+    swaps anything every unit's saved tensors go through the swap engine. A plan that places optimizer state,
+    gradients or parameters anywhere but on the device also installs a
+    :class:`~memopt_nb.runtime.state.StateManager` (:attr:`state`) over the same units and the optimizer. Nothing else
+    about the model or optimizer changes, and :meth:`remove` puts every ``forward``, hook, optimizer method, state
+    tensor, gradient and parameter back as it was, also when the block raises or is interrupted. Under
+    ``torch.no_grad()`` the activation wrappers call straight through.
     """
 
-    def __init__(self, plan: Plan, model: nn.Module | None = None) -> None:
+    def __init__(self, plan: Plan, model: nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         if not isinstance(plan, Plan):
             raise PlanError(f"memopt.plan() takes a Plan, got {type(plan).__name__}; load one with Plan.load(path)")
         if model is None:
@@ -193,11 +219,15 @@ class AppliedPlan:
                 )
         if not isinstance(model, nn.Module):
             raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._wrapper = model  # DDP, if it is one: the state placements it allows differ
         model = unwrap(model)  # a DDP wrapper's names gain "module."; the plan names the wrapped module's units
         self._guard: Any = None
         self.plan = plan
         self.model = model
+        self.optimizer = _resolve_optimizer(plan, optimizer)
         self.engine: SwapEngine | None = None
+        #: the :class:`~memopt_nb.runtime.state.StateManager` placing state while applied (``None`` if nothing moves)
+        self.state: StateManager | None = None
         self._installed: list[tuple[nn.Module, bool, Any]] = []
         self._stats: dict[str, float] = {}
 
@@ -213,8 +243,27 @@ class AppliedPlan:
     def active(self) -> bool:
         return bool(self._installed) or _APPLIED.get(self.model) is self
 
+    def _state_manager(self, modules: list[nn.Module]) -> StateManager | None:
+        """The StateManager for the plan's placements (checked, not installed), or ``None`` if it moves no state."""
+        plan, opt = self.plan, self.optimizer
+        if not plan.moves_state:
+            return None
+        check_state_placements(self._wrapper, self.model, plan)
+        if plan.optimizer_fingerprint is not None:
+            diff = optimizer_differences(plan.optimizer_fingerprint, optimizer_fingerprint(opt))
+            if diff:
+                raise PlanError("this plan was made for another optimizer: " + "; ".join(diff) + ". Pass the "
+                                "optimizer the plan was made for, or profile with this one and plan again")
+        mine = {id(p) for p in self.model.parameters()}
+        if not any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+            raise PlanError("the optimizer holds none of the model's parameters; pass the optimizer that trains this "
+                            "model: memopt.plan(p, model, optimizer=opt)")
+        placements = [Placement(*d.placement) for d in plan.decisions]
+        return StateManager(self.model, opt, modules, placements, step_in_backward=plan.step_in_backward)
+
     def apply(self) -> AppliedPlan:
-        """Install the plan on the model. Raises :class:`PlanError` if it does not fit or another plan is applied."""
+        """Install the plan on the model (and optimizer). Raises :class:`PlanError`, with nothing changed, if it does
+        not fit, if another plan is applied, or if the optimizer is not the one the plan was made for."""
         model, plan = self.model, self.plan
         current = _APPLIED.get(model)
         if current is not None:
@@ -231,12 +280,19 @@ class AppliedPlan:
             for b in names[i + 1:]:
                 if a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + "."):
                     raise PlanError(f"plan units {a!r} and {b!r} are nested; units must not contain each other")
+        state = self._state_manager(modules)  # every check before anything changes
+        self._stats = {}
         strategies = plan.strategies
         has_swap = "swap" in strategies
         if has_swap:
             self.engine = SwapEngine(strategies, plan.offload_windows,
                                      effective_triggers(strategies, plan.prefetch_distances))
-        model_ptrs = _storage_ptrs(list(model.parameters()) + list(model.buffers())) if has_swap else set()
+        # parameters a unit offloads leave their storage (its address may then hold an activation): a unit's own
+        # parameters are read at each call instead
+        moved = {id(p) for m, d in zip(modules, plan.decisions, strict=True) if d.params == "offload"
+                 for p in m.parameters()}
+        model_ptrs = plain_storage_ptrs([t for t in [*model.parameters(), *model.buffers()] if id(t) not in moved]) \
+            if has_swap else set()
         _APPLIED[model] = self
         try:
             self._guard = order_guard(model, modules, names)  # sharding after this point raises at forward
@@ -244,6 +300,9 @@ class AppliedPlan:
                 if strategy == "keep" and not has_swap:
                     continue
                 self._wrap(index, module, strategy, model_ptrs)
+            if state is not None:
+                self.state = state
+                state.apply()
         except BaseException:
             self.remove()
             raise
@@ -257,36 +316,48 @@ class AppliedPlan:
         self._installed.append((module, had_own, previous))
 
     def remove(self) -> None:
-        """Undo :meth:`apply`: every wrapped ``forward`` is restored exactly. Safe to call twice."""
-        for module, had_own, previous in reversed(self._installed):
-            if had_own:
-                module.forward = previous
-            else:
-                module.__dict__.pop("forward", None)
-        self._installed.clear()
-        if self._guard is not None:
-            self._guard.remove()
-            self._guard = None
-        if self.engine is not None:
-            self._stats = {**self.engine.stats, **self.engine.pool_stats()}
-            self.engine.close()
-            self.engine = None
-        if _APPLIED.get(self.model) is self:
-            del _APPLIED[self.model]
+        """Undo :meth:`apply`: optimizer state, gradients and parameters back on the device in their own tensors, the
+        optimizer's methods and every wrapped ``forward`` restored exactly. Safe to call twice."""
+        try:
+            if self.state is not None:
+                self._stats.update(self.state.stats)
+                self.state.remove()
+        finally:
+            self.state = None
+            for module, had_own, previous in reversed(self._installed):
+                if had_own:
+                    module.forward = previous
+                else:
+                    module.__dict__.pop("forward", None)
+            self._installed.clear()
+            if self._guard is not None:
+                self._guard.remove()
+                self._guard = None
+            if self.engine is not None:
+                self._stats.update({**self.engine.stats, **self.engine.pool_stats()})
+                self.engine.close()
+                self.engine = None
+            if _APPLIED.get(self.model) is self:
+                del _APPLIED[self.model]
 
     @property
     def stats(self) -> dict[str, float]:
-        """What the swap engine did so far: bytes offloaded/prefetched, on-demand fetches, seconds waited, pool use."""
+        """What the plan did so far: the swap engine's bytes offloaded/prefetched, on-demand fetches, seconds waited
+        and pool use; the state placements' bytes moved each way (``state_d2h_bytes``, ``grad_d2h_bytes``,
+        ``param_h2d_bytes`` …) and ``steps_in_backward``."""
+        out = dict(self._stats)
         if self.engine is not None:
-            return {**self.engine.stats, **self.engine.pool_stats()}
-        return dict(self._stats)
+            out.update({**self.engine.stats, **self.engine.pool_stats()})
+        if self.state is not None:
+            out.update(self.state.stats)
+        return out
 
     def __repr__(self) -> str:
-        state = "applied" if self._installed else "not applied"
+        state = "applied" if self._installed or self.state is not None else "not applied"
         return f"<memopt plan {self.plan.method!r} on {type(self.model).__name__}, {state}>"
 
 
-def plan(p: Plan, model: nn.Module | None = None) -> AppliedPlan:
+def plan(p: Plan, model: nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None) -> AppliedPlan:
     """Apply plan ``p`` to ``model`` (default: the model it was profiled from) inside a ``with`` block.
 
     Example::
@@ -297,7 +368,26 @@ def plan(p: Plan, model: nn.Module | None = None) -> AppliedPlan:
                 loss.backward()
                 opt.step(); opt.zero_grad()
 
-    Loss and gradients are the same as without the plan; only memory and time change. On exit the model's modules are
-    exactly as before.
+    Loss, gradients, parameters, buffers and optimizer state are the same as without the plan; only memory and time
+    change. On exit the model's modules (and the optimizer) are exactly as before, also after an exception or an
+    interrupt.
+
+    A plan that moves optimizer state, gradients or parameters (schema 2) manages the optimizer too: by default the one
+    its profile saw (``memopt.profile(..., optimizer=opt)``); for a loaded plan, or another optimizer object, pass it:
+    ``memopt.plan(p, model, optimizer=opt)``. ``opt.step()``, ``opt.zero_grad()``, ``opt.state_dict()`` and
+    ``opt.load_state_dict()`` keep working and give the same values; the step runs unit by unit on the device with
+    the optimizer's own code. An optimizer of another class, with other parameter groups or hyper-parameters that
+    change its state (e.g. SGD momentum 0 vs not) raises :class:`PlanError` naming the difference; learning rates may
+    differ (a scheduler changes them).
+
+    A plan made with ``step_in_backward=True`` that steps units in backward (``grads="step"``) changes what the loop may
+    do between ``backward()`` and ``opt.step()``: exactly one backward per step (no gradient accumulation), no
+    ``clip_grad_norm_`` or other reading of those gradients, and ``opt.step()`` then ``opt.zero_grad()`` before the
+    next forward. Breaking a rule raises :class:`~memopt_nb.runtime.state.StepInBackwardError` (a ``PlanError``)
+    before the offending call changes anything. Use a plan with ``grads="offload"`` for such loops.
+
+    While a unit's parameters are offloaded they have no data outside its forward and backward:
+    ``model.state_dict()`` and ``load_state_dict()`` still work; to read or change them otherwise use
+    ``with applied.state.gathered():``. Under DDP and FSDP2 see :mod:`memopt_nb.distributed` for what may move.
     """
-    return AppliedPlan(p, model)
+    return AppliedPlan(p, model, optimizer)

@@ -14,11 +14,14 @@ import torch
 import torch.nn as nn
 
 from ..budget import format_bytes
-from ..errors import ProfileError
+from ..errors import PlanError, ProfileError
 from ..plan import Plan
 from .apply import AppliedPlan
 from .memory import meter_for
 from .step import model_keywords, preserved_state, training_step
+
+__all__ = ["MEASURE_OPTIONS", "Measurement", "measure", "model_device"]
+
 
 #: measure()'s own keyword options; every other keyword goes to the model.
 MEASURE_OPTIONS = ("loss_fn", "optimizer", "plan", "steps", "warmup", "model_kwargs")
@@ -36,7 +39,8 @@ class Measurement:
         losses: loss of every step run (warm-up, memory step and timed steps), for equality checks.
         device: ``"cpu"`` or ``"cuda:0"``.
         method: the plan's method, or ``"none"``.
-        swap_stats: what the swap engine did (bytes moved, waits), if the plan swaps.
+        swap_stats: what the plan did: the swap engine's bytes moved and waits, if it swaps; the state placements'
+            bytes moved each way and steps in backward, if it moves optimizer state, gradients or parameters.
     """
 
     peak_bytes: int
@@ -82,6 +86,9 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
 
     ``warmup`` steps (default 1; 0 skips it) create optimizer state, one step is measured for memory, then ``steps``
     steps are timed. The model, optimizer and RNG are restored afterwards, so measuring has no side effects.
+
+    A plan that moves optimizer state, gradients or parameters (a whole-step plan) manages ``optimizer`` (required
+    then) for the measured steps, so the peak and time include the state's transfers and the unit-by-unit step.
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"measure() needs a torch.nn.Module, got {type(model).__name__}")
@@ -92,7 +99,10 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
                                f"got {value!r} ({type(value).__name__})")
     kwargs = model_keywords(model, "measure", MEASURE_OPTIONS, model_kwargs, kwargs)
     device = model_device(model, inputs, kwargs)
-    ctx: Any = AppliedPlan(plan, model) if plan is not None else contextlib.nullcontext()
+    if plan is not None and plan.moves_state and optimizer is None:
+        raise PlanError("this plan moves optimizer state, gradients or parameters, which only a training step with "
+                        "an optimizer exercises; pass it: memopt.measure(model, ..., optimizer=opt, plan=p)")
+    ctx: Any = AppliedPlan(plan, model, optimizer) if plan is not None else contextlib.nullcontext()
     losses: list[float] = []
     times: list[float] = []
     with preserved_state(model, optimizer), ctx:

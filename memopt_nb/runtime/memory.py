@@ -21,6 +21,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+__all__ = ["CudaMeter", "StorageTracker", "active_meter", "meter_for", "note_device_storage"]
+
+
 _ACTIVE: list[Any] = []
 
 

@@ -79,13 +79,13 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import PlanError
+from ..plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
 from .memory import note_device_storage
+from .storages import byte_view as _u8
+from .storages import exclusive as _exclusive
+from .storages import tensor_on
 
 __all__ = ["HostTensor", "Placement", "StateError", "StateManager", "StepInBackwardError", "manage_state"]
-
-OPTIMIZER_CHOICES = ("resident", "offload")
-GRAD_CHOICES = ("resident", "offload", "step")
-PARAM_CHOICES = ("resident", "offload")
 
 
 class StateError(PlanError):
@@ -112,8 +112,8 @@ class Placement:
     params: str = "resident"
 
     def check(self, step_in_backward: bool, where: str) -> None:
-        for field, value, choices in (("optimizer", self.optimizer, OPTIMIZER_CHOICES),
-                                      ("grads", self.grads, GRAD_CHOICES), ("params", self.params, PARAM_CHOICES)):
+        for field, value, choices in (("optimizer", self.optimizer, OPTIMIZER_PLACES),
+                                      ("grads", self.grads, GRAD_PLACES), ("params", self.params, PARAM_PLACES)):
             if value not in choices:
                 raise StateError(f"{where}: {field}={value!r} is not one of {', '.join(map(repr, choices))}")
         if self.grads == "step" and not step_in_backward:
@@ -126,10 +126,6 @@ class Placement:
 
 
 # ---------------------------------------------------------------------- copy engines
-def _u8(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
-
-
 class _ThreadMover:
     """Copies of the emulated CPU device: one worker thread per direction, ``memmove`` (invisible to the meter)."""
 
@@ -267,7 +263,7 @@ class _Slot:
         st = self.mover.new_device(self.nbytes, self.device)
         ticket = self.mover.copy("h2d", st, self.host, self.nbytes)
         self.mover.wait(ticket)
-        return torch.empty(0, dtype=self.dtype, device=self.device).set_(st, self.offset, self.size, self.stride)
+        return tensor_on(st, self.dtype, self.offset, self.size, self.stride)
 
     def store(self, t: torch.Tensor) -> None:
         """Write a device tensor's value (same layout) back to the host, synchronously."""
@@ -277,13 +273,6 @@ class _Slot:
     def zero(self) -> None:
         self.mover.wait_host(self.ticket)
         ctypes.memset(self.host.data_ptr(), 0, self.nbytes)
-
-
-def _exclusive(t: torch.Tensor) -> bool:
-    """A plain dense tensor that is the whole of its storage (so moving the storage moves exactly this tensor)."""
-    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and not t.is_meta
-            and t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
-            and t.nbytes > 0)
 
 
 # ---------------------------------------------------------------------- placeholders
@@ -585,6 +574,7 @@ class StateManager:
                     self._handles.append(mod.register_forward_hook(self._make_fwd_post(u)))
         if self.step_in_backward:
             self._handles.append(model.register_forward_pre_hook(self._check_forward))
+            self._handles.append(model.register_forward_hook(self._guard_outputs))
 
     def remove(self) -> None:
         """Undo :meth:`apply`: state, gradients and parameters back on the device, hooks and methods removed."""
@@ -737,6 +727,19 @@ class StateManager:
             self._stale = sum(1 for ps in self.unit_params for p in ps
                               if isinstance(p.grad, HostTensor) and p.grad._stepped)
         return self._stale
+
+    def _guard_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A second backward through the same graph (``retain_graph=True``) starts at the model's outputs: refuse it
+        there, before it accumulates anything (it would otherwise fail later with autograd's in-place error)."""
+        if torch.is_grad_enabled():
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._check_backward)
+
+    def _check_backward(self, grad: torch.Tensor) -> None:
+        if self._stepped and self._sib_gen != self._gen:  # stepped in an earlier backward, not in this one
+            raise StepInBackwardError("a second backward through the model before opt.step() (retain_graph=True), "
+                                      f"after the first one already stepped some units; {_STEP_RULES}")
 
     def _check_forward(self, module: nn.Module, args: Any) -> None:
         if self._stepped and torch.is_grad_enabled():

@@ -14,6 +14,9 @@ from torch.utils._pytree import tree_map
 
 from ..errors import ProfileError
 
+__all__ = ["default_loss", "model_keywords", "preserved_state", "training_step"]
+
+
 Mark = Callable[[Any], None]
 
 

@@ -28,18 +28,14 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .memory import note_device_storage
+from .storages import byte_view, is_plain, tensor_on, use_count
 
-_use_count: Callable[[Any], int] = lambda st: torch._C._storage_Use_Count(st._cdata)  # noqa: E731
-
-
-def _u8(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+__all__ = ["CudaCopyEngine", "HostPool", "SwapEngine", "ThreadCopyEngine"]
 
 
 class HostPool:
@@ -141,8 +137,7 @@ class _Handle:
 
 
 def _manageable(t: torch.Tensor) -> bool:
-    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
-            and not t.is_meta)
+    return is_plain(t) and t.device.type in ("cpu", "cuda")
 
 
 class ThreadCopyEngine:
@@ -243,7 +238,7 @@ class CudaCopyEngine:  # pragma: no cover - needs a GPU
         self.d2h.wait_stream(compute)
         with torch.cuda.stream(self.d2h):
             for rec, host in zip(recs, hosts):
-                _u8(host, rec.nbytes).copy_(_u8(rec.storage, rec.nbytes), non_blocking=True)
+                byte_view(host, rec.nbytes).copy_(byte_view(rec.storage, rec.nbytes), non_blocking=True)
                 rec.host = host
             ev = torch.cuda.Event()
             ev.record(self.d2h)
@@ -262,7 +257,7 @@ class CudaCopyEngine:  # pragma: no cover - needs a GPU
             self.h2d.wait_event(rec.off_event)
         with torch.cuda.stream(self.h2d):
             for rec, back in zip(recs, backs):
-                back.copy_(_u8(rec.host, rec.nbytes), non_blocking=True)
+                back.copy_(byte_view(rec.host, rec.nbytes), non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.h2d)
         for rec, back in zip(recs, backs):
@@ -375,7 +370,7 @@ class SwapEngine:
                 rec = ref()
                 if rec is None:
                     continue
-                (still if _use_count(rec.storage) > 1 else ready).append(rec)
+                (still if use_count(rec.storage) > 1 else ready).append(rec)
             p.pending = [weakref.ref(r) for r in still]
             issue = []
             for rec in ready:
@@ -486,4 +481,4 @@ class SwapEngine:
                 self.stats["prefetch_wait_s"] += time.perf_counter() - t0
                 rec.state = "back"
             st = rec.back
-        return torch.empty(0, dtype=h.dtype, device=st.device).set_(st, h.offset, h.size, h.stride)
+        return tensor_on(st, h.dtype, h.offset, h.size, h.stride)
