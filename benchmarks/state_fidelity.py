@@ -26,7 +26,6 @@ from memopt_nb.budget import format_bytes
 from memopt_nb.plan import STATE_CHOICES, Plan
 from memopt_nb.runtime.apply import AppliedPlan
 from memopt_nb.runtime.memory import meter_for
-from memopt_nb.runtime.state import Placement, StateManager
 from memopt_nb.runtime.step import preserved_state, training_step
 
 PLACEMENTS = {
@@ -52,12 +51,9 @@ def with_placements(plan: Plan, placements: list[tuple[str, str, str]]) -> Plan:
 def measure_state(model: nn.Module, inputs: tuple, loss_fn, optimizer: torch.optim.Optimizer, plan: Plan,
                   warmup: int = 1) -> int:
     """Peak bytes of one training step under ``plan``'s activation strategies and placements (as memopt.measure)."""
-    units = [model.get_submodule(n) for n in plan.units]
-    placements = [Placement(*pl) for pl in plan.placements]
     device = next(model.parameters()).device
     with preserved_state(model, optimizer):
-        with AppliedPlan(plan, model), StateManager(model, optimizer, units, placements,
-                                                    step_in_backward=plan.step_in_backward):
+        with AppliedPlan(plan, model, optimizer):  # memopt.plan: activation strategies and state placements
             for _ in range(warmup - 1):
                 training_step(model, inputs, loss_fn, optimizer)
             meter = meter_for(device)

@@ -17,7 +17,6 @@ from memopt_nb.plan import STATE_CHOICES, Plan, optimizer_fingerprint
 from memopt_nb.reference_sim import replay
 from memopt_nb.runtime.apply import AppliedPlan
 from memopt_nb.runtime.memory import meter_for
-from memopt_nb.runtime.state import Placement, StateManager
 from memopt_nb.runtime.step import preserved_state, training_step
 from memopt_nb.simulate import Simulator, StateTable
 
@@ -45,10 +44,8 @@ def with_placements(plan, placements):
 
 def measure_state(model, inputs, loss_fn, optimizer, plan):
     """Peak of one step under the plan's strategies and placements, measured as memopt.measure does (1 warm-up)."""
-    units = [model.get_submodule(n) for n in plan.units]
     with preserved_state(model, optimizer):
-        with AppliedPlan(plan, model), StateManager(model, optimizer, units, [Placement(*p) for p in plan.placements],
-                                                    step_in_backward=plan.step_in_backward):
+        with AppliedPlan(plan, model, optimizer):  # activation strategies and the StateManager for the placements
             meter = meter_for(torch.device("cpu"))
             meter.track(model, optimizer, list(inputs))
             with meter:
