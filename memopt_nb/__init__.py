@@ -30,6 +30,7 @@ from .rl.search import search
 from .runtime.apply import AppliedPlan
 from .runtime.apply import plan as plan
 from .runtime.measure import Measurement, measure
+from .runtime.state import StateError, StepInBackwardError
 from .simulate import SimResult, Simulator
 from .simulate import simulate as simulate
 
@@ -37,7 +38,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
-    "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "UnitProfile", "WrapOrderError",
+    "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "StateError", "StepInBackwardError",
+    "UnitProfile", "WrapOrderError",
     "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile", "resolve_budget", "search",
     "simulate", "solvers", "zoo",
 ]

@@ -19,7 +19,7 @@ from .zoo import build
 def _train(model_name: str, steps: int, plan: Plan | None, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     zm = build(model_name, seed=seed)
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
-    ctx = AppliedPlan(plan, zm.model) if plan is not None else None
+    ctx = AppliedPlan(plan, zm.model, opt) if plan is not None else None
     torch.manual_seed(seed)
     losses = []
     if ctx:
