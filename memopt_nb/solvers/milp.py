@@ -138,6 +138,7 @@ class Formulation:
             unit_options(sim, u, strategies) for u in range(sim.n)]
         self.table = state_table_of(sim)
         self.states = unit_states(sim, offload_state, step_in_backward, table=self.table)
+        self.time_offset = 0.0  # set by time_objective
         self._activation_variables()
         self._memory()
         self._state_variables()
@@ -356,7 +357,9 @@ class Formulation:
 
     # ------------------------------------------------------------------ time
     def time_objective(self) -> tuple[Expr, float, float]:
-        """The step time: ``(objective, constant, scale)``; seconds = (objective · x + constant) · scale."""
+        """The step time: ``(objective, constant, scale)``; seconds = (objective · x + constant) · scale
+        + :attr:`time_offset` (the plain optimizer step, which no decision changes: kept out of the program so that
+        with state fixed the program is the activation-only one, number for number)."""
         sim = self.sim
         n, S = sim.n, sim.S
         tscale = float(max(sim.dur.sum(), 1e-9))
@@ -383,7 +386,7 @@ class Formulation:
             objective[rho[S]] = 1.0
             const = 0.0
         if self.table is not None:
-            const += self._state_time(objective, tscale)
+            self.time_offset = self._state_time(objective, tscale)
         return objective, const, tscale
 
     def _schedule(self, dur: np.ndarray, fwd: np.ndarray, big: float, inv_d2h: float, inv_h2d: float) -> list[int]:
@@ -467,8 +470,8 @@ class Formulation:
         return rho
 
     def _state_time(self, objective: Expr, tscale: float) -> float:
-        """Add the placements' time and the unit-by-unit step's extra to ``objective``; return the constant (scaled)
-        by which the simulator's time of an all-resident plan exceeds the activation model's (the plain step)."""
+        """Add the placements' time and the unit-by-unit step's extra to ``objective``; return the seconds by which
+        the simulator's time of an all-resident plan exceeds the activation model's (the plain step)."""
         tm = np.asarray(self.table.time, dtype=float)
         for u, ys in enumerate(self.y):
             for c, j in ys.items():
@@ -479,7 +482,7 @@ class Formulation:
         n = sim.n
         keep = np.zeros((1, n), dtype=np.int64)
         _, t = evaluate_arrays(sim, keep, np.ones((1, n), dtype=np.int64), np.ones((1, n), dtype=np.int64))
-        return (float(t[0]) - float(sim.dur.sum())) / tscale
+        return float(t[0]) - float(sim.dur.sum())
 
     # ------------------------------------------------------------------ solve
     def cap(self, objective: Expr, hi: float) -> None:
@@ -632,12 +635,13 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
     form = Formulation(sim, strategies, **space)
     form.limit_memory(b)
     objective, const, tscale = form.time_objective()
+    offset = form.time_offset
     if fallback is not None and fallback.feasible:
-        form.cap(objective, fallback.predicted_step_time / tscale * (1 + 1e-7) - const)
+        form.cap(objective, (fallback.predicted_step_time - offset) / tscale * (1 + 1e-7) - const)
     res = form.solve(objective, max(time_limit - (time.perf_counter() - t0), 1.0))
     solve_time = time.perf_counter() - t0
     if res.x is None or (fallback is not None and fallback.feasible
-                         and (float(res.fun) + const) * tscale >= fallback.predicted_step_time):
+                         and (float(res.fun) + const) * tscale + offset >= fallback.predicted_step_time):
         if fallback is not None and fallback.feasible:
             proven = res.status in (0, 2)  # solved, or infeasible under the cut-off: nothing beats checkpointing
             return fallback.with_meta(method="optimal", meta={
@@ -649,7 +653,7 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
         raise BudgetError(f"the exact solver found no plan within {time_limit:.0f} s ({res.message}); raise "
                           f"time_limit or the budget")
     codes, ws, ds, states = form.read_back(res.x)
-    milp_time = (float(res.fun) + const) * tscale
+    milp_time = (float(res.fun) + const) * tscale + offset
     return make_plan(sim, codes, ws, ds, budget=b, method="optimal", states=states,
                      step_in_backward=step_in_backward, solver="highs-milp",
                      proven_optimal=bool(res.status == 0), milp_step_time=milp_time, solve_seconds=solve_time,
