@@ -47,10 +47,11 @@ def test_exact_solver_matches_brute_force(kind, n, seed, frac):
                                    d2h_bytes_per_s=5e9, compute_flops=1e11, copy_overlap=False)
     prof = chain_profile(n, seed=seed, device=device)
     strategies = ("keep", "recompute") if kind == "keep-recompute" else ("keep", "recompute", "swap")
-    lo = solvers.min_peak(prof, strategies=strategies)
+    space = {"strategies": strategies, "offload_state": False}  # activations only (state: see further down)
+    lo = solvers.min_peak(prof, **space)
     budget = int(lo + frac * (prof.peak_bytes - lo))
-    exact = solvers.optimal(prof, budget, strategies=strategies)
-    oracle = solvers.brute_force(prof, budget, strategies=strategies)
+    exact = solvers.optimal(prof, budget, **space)
+    oracle = solvers.brute_force(prof, budget, **space)
     assert exact.feasible and oracle.feasible
     assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9)
     assert exact.meta["milp_step_time"] == pytest.approx(exact.predicted_step_time, rel=1e-6)
@@ -58,7 +59,7 @@ def test_exact_solver_matches_brute_force(kind, n, seed, frac):
 
 def test_min_peak_is_the_true_minimum():
     prof = chain_profile(5, seed=11)
-    lo = solvers.min_peak(prof)
+    lo = solvers.min_peak(prof, offload_state=False)
     sim = Simulator(prof)
     import itertools
 
@@ -69,12 +70,20 @@ def test_min_peak_is_the_true_minimum():
     assert lo == int(np.ceil(peaks.min()))
 
 
+# the space each planner refuses a budget in: its floor is the smallest peak there
+SPACES = {"optimal": {}, **{name: {"offload_state": False} for name in solvers.CLASSIC_BASELINES},
+          "state_offload": {"offload_state": {"optimizer", "grads"}},
+          "state_offload_recompute": {"offload_state": {"optimizer", "grads"}},
+          "step_in_backward": {"offload_state": False, "step_in_backward": True},
+          "step_in_backward_recompute": {"offload_state": False, "step_in_backward": True}}
+
+
 @pytest.mark.parametrize("name", list(solvers.BASELINES) + ["optimal"])
 def test_baselines_report_feasibility_honestly(name, small_zoo):
     fn = solvers.optimal if name == "optimal" else solvers.BASELINES[name]
     for case in ("gpt", "resnet"):
         prof = small_zoo[case]
-        lo = solvers.min_peak(prof)
+        lo = solvers.min_peak(prof, **SPACES[name])  # the floor of the method's own space
         for frac in (0.05, 0.5, 0.95):
             budget = int(lo + frac * (prof.peak_bytes - lo))
             plan = fn(prof, budget)
@@ -84,14 +93,6 @@ def test_baselines_report_feasibility_honestly(name, small_zoo):
             assert plan.predicted_peak_bytes == sim.peak_bytes
             if name == "optimal":
                 assert plan.feasible
-
-
-# the space each planner refuses a budget in: its floor is the smallest peak there
-SPACES = {"optimal": {}, **{name: {"offload_state": False} for name in solvers.CLASSIC_BASELINES},
-          "state_offload": {"offload_state": {"optimizer", "grads"}},
-          "state_offload_recompute": {"offload_state": {"optimizer", "grads"}},
-          "step_in_backward": {"offload_state": False, "step_in_backward": True},
-          "step_in_backward_recompute": {"offload_state": False, "step_in_backward": True}}
 
 
 def test_budget_below_min_peak_is_refused(small_zoo):
@@ -132,7 +133,7 @@ def test_sqrt_n_keeps_units_that_cannot_be_recomputed_and_ignores_the_budget():
     prof = chain_profile(9, seed=2)
     for u in (0, 4):
         prof.units[u].recomputable = False
-    plan = solvers.sqrt_n(prof, budget=solvers.min_peak(prof))
+    plan = solvers.sqrt_n(prof, budget=solvers.min_peak(prof, offload_state=False))
     # three segments of three; units 0 and 4 would be recomputed but cannot be
     assert _codes(plan) == ["keep", "recompute", "keep", "recompute", "keep", "keep", "recompute", "recompute",
                             "keep"]
@@ -205,7 +206,7 @@ def test_capuchin_decides_in_its_stated_order(case, small_zoo):
     lopsided = memopt.DeviceSpec.preset("a100-40gb").with_changes(name="lopsided", h2d_bytes_per_s=1e11,
                                                                   d2h_bytes_per_s=1e9)  # the slower way counts
     for device in ("a100-40gb", fast_link, lopsided, None):
-        lo = solvers.min_peak(prof, device=device)
+        lo = solvers.min_peak(prof, device=device, offload_state=False)
         for frac in (0.05, 0.3, 0.6, 0.9):
             budget = int(lo + frac * (prof.peak_bytes - lo))
             plan = solvers.capuchin(prof, budget, device=device)
@@ -241,11 +242,11 @@ def test_exact_solver_matches_brute_force_on_real_profiles(name, small_zoo):
     # steps differ by less than HiGHS's absolute MIP gap (1e-6, here seconds) are ties to the solver
     for device, prof, tol in (("a100-40gb", profiled, 0.0), (None, profiled, 0.0),
                               (fast_link, fixed_times(profiled), 1e-6)):
-        lo = solvers.min_peak(prof, device=device)
+        lo = solvers.min_peak(prof, device=device, offload_state=False)
         for frac in (0.1, 0.5):
             budget = int(lo + frac * (prof.peak_bytes - lo))
-            exact = solvers.optimal(prof, budget, device=device)
-            oracle = solvers.brute_force(prof, budget, device=device)
+            exact = solvers.optimal(prof, budget, device=device, offload_state=False)
+            oracle = solvers.brute_force(prof, budget, device=device, offload_state=False)
             assert exact.feasible and oracle.feasible
             assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9, abs=tol), (
                 device, frac)
@@ -254,14 +255,32 @@ def test_exact_solver_matches_brute_force_on_real_profiles(name, small_zoo):
     assert used_swap, "no optimum used a swap: this case tests recompute only"
 
 
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_exact_solver_matches_brute_force_over_state_on_real_profiles(name, small_zoo):
+    """Adam on zoo models, state allowed to move (with checkpointing, to keep the enumeration small). Without a state
+    model in the simulator this is the activation-only space; with one, the MILP must still equal the enumeration, and
+    the simulated peak (``memopt.simulate``) must fit."""
+    prof = fixed_times(small_zoo[name])
+    space = {"strategies": ("keep", "recompute"), "offload_state": {"optimizer", "grads"}, "step_in_backward": True}
+    for device in ("a100-40gb", None):
+        lo = solvers.min_peak(prof, device=device, **space)
+        for frac in (0.0, 0.3, 1.0):
+            budget = int(lo + frac * (prof.peak_bytes - lo))
+            exact = solvers.optimal(prof, budget, device=device, **space)
+            oracle = solvers.brute_force(prof, budget, device=device, **space)
+            assert exact.feasible and oracle.feasible
+            assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9, abs=1e-6)
+            assert memopt.simulate(prof, exact, device=device).peak_bytes <= budget
+
+
 def test_exact_solver_falls_back_to_checkpointing_when_swaps_cannot_win(small_zoo):
     prof = fixed_times(small_zoo["gpt"])  # the case must not depend on how busy the machine was
     slow = memopt.DeviceSpec.preset("a100-40gb").with_changes(name="a100-slow", h2d_bytes_per_s=1e5,
                                                               d2h_bytes_per_s=1e5)
-    lo = solvers.min_peak(prof, device=slow, strategies=("keep", "recompute"))
+    lo = solvers.min_peak(prof, device=slow, strategies=("keep", "recompute"), offload_state=False)
     for budget in (int(lo + 0.3 * (prof.peak_bytes - lo)), prof.peak_bytes):
-        exact = solvers.optimal(prof, budget, device=slow)
-        oracle = solvers.brute_force(prof, budget, device=slow)
+        exact = solvers.optimal(prof, budget, device=slow, offload_state=False)
+        oracle = solvers.brute_force(prof, budget, device=slow, offload_state=False)
         assert "no plan with swaps beat the checkpointing-only optimum" in exact.meta["note"]
         assert exact.meta["proven_optimal"] is True and exact.method == "optimal"
         assert "swap" not in exact.strategies
@@ -290,7 +309,7 @@ def test_planners_leave_default_timings_on_units_they_do_not_swap(name):
     """So that ``==`` (which compares timings too) sees a planner's plan as the plain plan with the same strategies."""
     fn = {"optimal": solvers.optimal, "brute_force": solvers.brute_force}.get(name) or solvers.BASELINES[name]
     prof = chain_profile(4, seed=2)
-    lo = solvers.min_peak(prof)
+    lo = solvers.min_peak(prof, offload_state=False)
     for frac in (0.1, 0.5):
         plan = fn(prof, int(lo + frac * (prof.peak_bytes - lo)))
         for dec in plan.decisions:
@@ -406,6 +425,12 @@ def fake_table(seed=0, *, big=None, empty=None, transient=0.5, plain_low=False):
     return make
 
 
+class NoStateSim(Simulator):
+    """A simulator without a state model (as before issue 11)."""
+
+    state_table = None
+
+
 def state_sim(n, seed, device=None, **table):
     """A synthetic chain profiled on ``device`` (a DeviceSpec) or simulated on it (a preset name), with a table."""
     profiled = device if isinstance(device, memopt.DeviceSpec) else None
@@ -491,7 +516,7 @@ def test_offload_state_false_is_the_activation_only_space():
     and times that differ by the plain step's constant only."""
     for seed in range(3):
         sim = state_sim(5, seed, transient=0.5)  # the plain step's peak is below every activation floor here
-        plain = Simulator(sim.profile)
+        plain = NoStateSim(sim.profile)
         for strategies in (("keep", "recompute"), ("keep", "recompute", "swap")):
             lo = solvers.min_peak(plain, strategies=strategies)
             assert solvers.min_peak(sim, strategies=strategies, offload_state=False) == lo
@@ -516,15 +541,15 @@ def test_offload_state_false_is_the_activation_only_space():
 
 def test_without_a_state_model_nothing_moves():
     """A simulator without state_table() (no state model): every offload_state gives the activation-only plan."""
-    prof = chain_profile(5, seed=3)
+    prof = NoStateSim(chain_profile(5, seed=3))
     lo = solvers.min_peak(prof, offload_state=False)
     assert solvers.min_peak(prof) == solvers.min_peak(prof, offload_state={"params"}, step_in_backward=True) == lo
-    b = int(lo + 0.3 * (prof.peak_bytes - lo))
+    b = int(lo + 0.3 * (prof.profile.peak_bytes - lo))
     want = solvers.optimal(prof, b, offload_state=False)
     for space in ({}, {"offload_state": True, "step_in_backward": True}, {"offload_state": "optimizer,grads"}):
         got = solvers.optimal(prof, b, **space)
         assert got == want and not got.moves_state
-    assert solvers.step_in_backward(prof, b).state_indices == [0] * prof.n_units
+    assert solvers.step_in_backward(prof, b).state_indices == [0] * prof.n
 
 
 @pytest.mark.parametrize("code,placement,name", [
