@@ -33,7 +33,8 @@ def brute_force(profile: Any, budget: Any = None, device: DeviceSpec | str | Non
     opts = [[(*o, c) for c in places[u] for o in unit_options(sim, u, strategies)] for u in range(sim.n)]
     total = int(np.prod([len(o) for o in opts]))
     if total > MAX_PLANS:
-        raise MemoptError(f"{total} plans are too many to enumerate (limit {MAX_PLANS}); restrict strategies")
+        raise MemoptError(f"{total} plans are too many to enumerate (limit {MAX_PLANS}); restrict strategies= or "
+                          "offload_state=")
     best = (np.inf, None)
     it = itertools.product(*opts)
     while True:
