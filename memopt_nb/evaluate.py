@@ -40,7 +40,10 @@ from .solvers import BASELINES, min_peak, optimal
 from .zoo import build
 
 DEFAULT_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "optimal", "memopt-ppo", "grad_accum")
-BASELINE_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin")
+#: The whole-step baselines (issue 11): accepted by ``methods=``, not run by default (the published runs did not).
+STATE_BASELINE_METHODS = ("state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute")
+KNOWN_METHODS = DEFAULT_METHODS + STATE_BASELINE_METHODS
+BASELINE_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin") + STATE_BASELINE_METHODS
 
 
 @dataclass
@@ -299,7 +302,8 @@ def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn
     return float(np.median(times))
 
 
-_RULES = ("none", "recompute_all", "sqrt_n", "swap_all")  # plans that do not depend on the budget
+# plans that do not depend on the budget
+_RULES = ("none", "recompute_all", "sqrt_n", "swap_all") + STATE_BASELINE_METHODS
 
 
 def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, search_timesteps: int | None,
@@ -323,7 +327,7 @@ def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, 
             plan = BASELINES[method](sim, sim.device.capacity_bytes * 1000)
             return plan.with_meta(budget_bytes=budget, feasible=plan.predicted_peak_bytes <= budget)
         return None
-    raise MemoptError(f"unknown method {method!r}; choose from {', '.join(DEFAULT_METHODS)}")
+    raise MemoptError(f"unknown method {method!r}; choose from {', '.join(KNOWN_METHODS)}")
 
 
 def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budget: Any = None,
@@ -339,7 +343,9 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
         device: ``None`` — measure on this machine's device (real training steps); a preset name or DeviceSpec —
             simulate on it (the model is profiled here).
         budget: bytes, ``"2GiB"``, or a percentage of the unoptimized peak at ``reference_batch`` (default ``"50%"``).
-        methods: any of ``none, recompute_all, sqrt_n, swap_all, capuchin, optimal, memopt-ppo, grad_accum``.
+        methods: any of ``none, recompute_all, sqrt_n, swap_all, capuchin, optimal, memopt-ppo, grad_accum``
+            (the default), and the whole-step baselines ``state_offload, state_offload_recompute,
+            step_in_backward, step_in_backward_recompute``.
         batch_sizes: the batch sizes to try (default: powers of two around ``reference_batch``).
         reference_batch: the batch the budget percentage refers to (default: the builder's default, or 8).
         search_timesteps: PPO budget per memopt-ppo search (default: the search's own default).
@@ -352,8 +358,8 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
     say = progress or (lambda msg: None)
     builder, name, default_batch = _builder_for(model_or_builder)
     for m in methods:
-        if m not in DEFAULT_METHODS:
-            raise MemoptError(f"unknown method {m!r}; choose from {', '.join(DEFAULT_METHODS)}")
+        if m not in KNOWN_METHODS:
+            raise MemoptError(f"unknown method {m!r}; choose from {', '.join(KNOWN_METHODS)}")
     ref = reference_batch or default_batch or 8
     sizes = sorted(set(int(b) for b in (batch_sizes or [max(1, ref // 4), max(1, ref // 2), ref, 2 * ref, 4 * ref])))
     if any(b < 1 for b in sizes):

@@ -10,6 +10,26 @@
   copies the surrounding compute hides (largest first, with the shortest timing that hides them), then recompute in
   order of memory saved per second of recompute.
 
+Where the optimizer state, gradients and parameters live (issue 11):
+
+* ``state_offload`` — every unit's optimizer state and gradients offloaded to the host, the step still on the device
+  with the user's optimizer (ZeRO-Offload or torchao's ``CPUOffloadOptimizer(offload_gradients=True)``, but stepping
+  on the device, so the bits stay identical); activations and parameters stay.
+* ``step_in_backward`` — every unit's optimizer step runs inside backward as soon as its gradients are complete, then
+  its gradients are freed (PyTorch's optimizer-in-backward tutorial); the plan has ``step_in_backward=True``.
+* ``state_offload_recompute``, ``step_in_backward_recompute`` — each of these with every unit recomputed.
+
+A unit for which the placement changes nothing (no parameters) keeps everything resident. These four ignore the
+budget; each refuses one below the floor of its own space (the state it may move, every activation strategy).
+
+The classic heuristics decide activations only. They take ``offload_state=`` (and ``step_in_backward=``) as the
+planners do: their activation decisions stay their own, and when state may move *and a budget is given* the state
+placement is the fastest allowed one that fits the budget with those activations fixed (exact:
+:func:`~memopt_nb.solvers.milp.place_states`, the MILP with activations fixed; the one with the smallest peak if none
+fits). Without a budget everything stays resident. Their default is ``offload_state=False`` — activations only,
+today's space and the numbers the bench has published — so that comparing them with the planners in the enlarged space
+is asked for explicitly (``offload_state=True``: the same state options for every method).
+
 A plan that misses its budget is returned with ``feasible=False`` — never silently presented as fitting.
 """
 
@@ -21,48 +41,67 @@ from typing import Any
 import numpy as np
 
 from ..device import DeviceSpec
-from ..plan import DISTANCES, WINDOWS, Plan
-from ..simulate import KEEP, RECOMPUTE, SWAP
-from .common import as_simulator, check_budget, make_plan, uniform_arrays
+from ..plan import DISTANCES, STATE_CHOICES, WINDOWS, Plan
+from ..simulate import KEEP, RECOMPUTE, SWAP, Simulator
+from .common import as_simulator, check_budget, make_plan, place_states, uniform_arrays, unit_states
+from .space import OffloadState
+
+__all__ = ["BASELINES", "CLASSIC_BASELINES", "STATE_BASELINES", "capuchin", "none", "recompute_all", "sqrt_n",
+           "state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]
 
 
-def none(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+def _finish(sim: Simulator, arrays: tuple[list, list, list], budget: Any, b: int, method: str,
+            offload_state: OffloadState, in_backward: bool) -> Plan:
+    """A classic baseline's plan: its activation arrays, and state placed within the budget when allowed."""
+    states = None
+    if budget is not None:
+        states = place_states(sim, b, *arrays, offload_state=offload_state, step_in_backward=in_backward)
+    return make_plan(sim, *arrays, budget=b, method=method, states=states, step_in_backward=in_backward)
+
+
+def none(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+         offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
     """Plain training: keep every unit."""
     sim = as_simulator(profile, device)
-    b = check_budget(sim, budget)
-    return make_plan(sim, *uniform_arrays(sim, KEEP), budget=b, method="none")
+    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
+    return _finish(sim, uniform_arrays(sim, KEEP), budget, b, "none", offload_state, step_in_backward)
 
 
-def recompute_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+def recompute_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+                  offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
     """Activation checkpointing of every unit."""
     sim = as_simulator(profile, device)
-    b = check_budget(sim, budget)
-    return make_plan(sim, *uniform_arrays(sim, RECOMPUTE), budget=b, method="recompute_all")
+    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
+    return _finish(sim, uniform_arrays(sim, RECOMPUTE), budget, b, "recompute_all", offload_state, step_in_backward)
 
 
-def sqrt_n(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+def sqrt_n(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+           offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
     """Chen et al. √n rule over units (keeps every ⌈n/⌈√n⌉⌉-th unit, recomputes the rest)."""
     sim = as_simulator(profile, device)
-    b = check_budget(sim, budget)
+    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
     n = sim.n
     segments = max(1, math.ceil(math.sqrt(n)))
     size = math.ceil(n / segments)
     codes = [KEEP if (u + 1) % size == 0 or u == n - 1 else RECOMPUTE for u in range(n)]
     codes = [c if (c != RECOMPUTE or sim.recomputable[u]) else KEEP for u, c in enumerate(codes)]
-    return make_plan(sim, codes, [1] * n, [1] * n, budget=b, method="sqrt_n")
+    return _finish(sim, (codes, [1] * n, [1] * n), budget, b, "sqrt_n", offload_state, step_in_backward)
 
 
-def swap_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+def swap_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+             offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
     """Offload every unit, reload on demand (like ``save_on_cpu``)."""
     sim = as_simulator(profile, device)
-    b = check_budget(sim, budget)
-    return make_plan(sim, *uniform_arrays(sim, SWAP, window=0, distance=0), budget=b, method="swap_all")
+    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
+    return _finish(sim, uniform_arrays(sim, SWAP, window=0, distance=0), budget, b, "swap_all", offload_state,
+                   step_in_backward)
 
 
-def capuchin(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+def capuchin(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+             offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
     """Capuchin-style greedy: hidden swaps first, then recompute by memory saved per second."""
     sim = as_simulator(profile, device)
-    b = check_budget(sim, budget)
+    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
     n = sim.n
     prof = sim.profile
     codes, windows, dists = [KEEP] * n, [1] * n, [1] * n
@@ -106,8 +145,50 @@ def capuchin(profile: Any, budget: Any = None, device: DeviceSpec | str | None =
             codes[u] = RECOMPUTE
             if peak_of(codes, windows, dists) <= b:
                 break
-    return make_plan(sim, codes, windows, dists, budget=b, method="capuchin")
+    return _finish(sim, (codes, windows, dists), budget, b, "capuchin", offload_state, step_in_backward)
 
 
-BASELINES = {"none": none, "recompute_all": recompute_all, "sqrt_n": sqrt_n, "swap_all": swap_all,
-             "capuchin": capuchin}
+def _everywhere(profile: Any, budget: Any, device: DeviceSpec | str | None, code: int,
+                placement: tuple[str, str, str], method: str) -> Plan:
+    """Activation ``code`` and state ``placement`` on every unit that can take them."""
+    sim = as_simulator(profile, device)
+    stepped = placement[1] == "step"
+    space = {"offload_state": False if stepped else {"optimizer", "grads"}, "step_in_backward": stepped}
+    b = check_budget(sim, budget, **space)
+    c = STATE_CHOICES.index(placement)
+    offered = unit_states(sim, **space)
+    states = [c if c in offered[u] else 0 for u in range(sim.n)]
+    return make_plan(sim, *uniform_arrays(sim, code), budget=b, method=method, states=states,
+                     step_in_backward=stepped)
+
+
+def state_offload(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+    """Optimizer state and gradients offloaded on every unit, the step on the device (ZeRO-Offload-like)."""
+    return _everywhere(profile, budget, device, KEEP, ("offload", "offload", "resident"), "state_offload")
+
+
+def state_offload_recompute(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+    """:func:`state_offload` with every unit recomputed."""
+    return _everywhere(profile, budget, device, RECOMPUTE, ("offload", "offload", "resident"),
+                       "state_offload_recompute")
+
+
+def step_in_backward(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+    """Every unit's optimizer step inside backward, its gradients freed right after (optimizer-in-backward)."""
+    return _everywhere(profile, budget, device, KEEP, ("resident", "step", "resident"), "step_in_backward")
+
+
+def step_in_backward_recompute(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+    """:func:`step_in_backward` with every unit recomputed."""
+    return _everywhere(profile, budget, device, RECOMPUTE, ("resident", "step", "resident"),
+                       "step_in_backward_recompute")
+
+
+#: The activation heuristics (they take ``offload_state=``, default ``False``).
+CLASSIC_BASELINES = {"none": none, "recompute_all": recompute_all, "sqrt_n": sqrt_n, "swap_all": swap_all,
+                     "capuchin": capuchin}
+#: The fixed-state baselines (issue 11).
+STATE_BASELINES = {"state_offload": state_offload, "state_offload_recompute": state_offload_recompute,
+                   "step_in_backward": step_in_backward, "step_in_backward_recompute": step_in_backward_recompute}
+#: Every baseline, ``name(profile, budget, device=None) -> Plan``.
+BASELINES = {**CLASSIC_BASELINES, **STATE_BASELINES}

@@ -11,31 +11,38 @@ import numpy as np
 from ..device import DeviceSpec
 from ..errors import MemoptError
 from ..plan import STRATEGIES, Plan
-from .common import as_simulator, check_budget, make_plan, unit_options
+from .common import as_simulator, check_budget, evaluate_arrays, make_plan, unit_options, unit_states
+from .space import OffloadState
+
+__all__ = ["MAX_PLANS", "MAX_UNITS", "brute_force"]
 
 MAX_UNITS = 12
 MAX_PLANS = 5_000_000
 
 
 def brute_force(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
-                strategies: Sequence[str] = STRATEGIES, batch: int = 20000) -> Plan:
-    """Simulate every combination of unit options and return the fastest plan that fits ``budget``."""
+                strategies: Sequence[str] = STRATEGIES, batch: int = 20000, *, offload_state: OffloadState = True,
+                step_in_backward: bool = False) -> Plan:
+    """Simulate every combination of unit options (activation option × state placement) and return the fastest plan
+    that fits ``budget``; the space is the one :func:`~memopt_nb.solvers.optimal` searches for the same arguments."""
     sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, strategies)
+    b = check_budget(sim, budget, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
     if sim.n > MAX_UNITS:
         raise MemoptError(f"brute force is for at most {MAX_UNITS} units, this profile has {sim.n}")
-    opts = [unit_options(sim, u, strategies) for u in range(sim.n)]
+    places = unit_states(sim, offload_state, step_in_backward)
+    opts = [[(*o, c) for c in places[u] for o in unit_options(sim, u, strategies)] for u in range(sim.n)]
     total = int(np.prod([len(o) for o in opts]))
     if total > MAX_PLANS:
-        raise MemoptError(f"{total} plans are too many to enumerate (limit {MAX_PLANS}); restrict strategies")
+        raise MemoptError(f"{total} plans are too many to enumerate (limit {MAX_PLANS}); restrict strategies= or "
+                          "offload_state=")
     best = (np.inf, None)
     it = itertools.product(*opts)
     while True:
         chunk = list(itertools.islice(it, batch))
         if not chunk:
             break
-        arr = np.array(chunk)  # (B, n, 3)
-        peak, t = sim.evaluate(arr[:, :, 0], arr[:, :, 1], arr[:, :, 2])
+        arr = np.array(chunk)  # (B, n, 4)
+        peak, t = evaluate_arrays(sim, arr[:, :, 0], arr[:, :, 1], arr[:, :, 2], arr[:, :, 3])
         t = np.where(peak <= b, t, np.inf)
         i = int(np.argmin(t))
         if t[i] < best[0]:
@@ -43,4 +50,5 @@ def brute_force(profile: Any, budget: Any = None, device: DeviceSpec | str | Non
     if best[1] is None:  # pragma: no cover - check_budget guarantees a feasible plan exists
         raise MemoptError("no plan fits the budget")
     a = best[1]
-    return make_plan(sim, a[:, 0], a[:, 1], a[:, 2], budget=b, method="brute_force", plans_enumerated=total)
+    return make_plan(sim, a[:, 0], a[:, 1], a[:, 2], budget=b, method="brute_force", states=a[:, 3],
+                     step_in_backward=step_in_backward, plans_enumerated=total)

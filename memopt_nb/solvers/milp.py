@@ -14,13 +14,29 @@ constraints:
 * prefetch triggers are constrained to be monotone (a unit's prefetch never before that of a later swapped unit), which
   loses nothing: the runtime issues them in that order anyway.
 
+Where the optimizer state, gradients and parameters live (issue 11) is separable in the simulator's cost model (its
+``StateTable``, see ``STATE_CONTRACT.md``), so it enters exactly as well:
+
+* a binary per (unit, allowed placement other than all-resident), at most one per unit, and one continuous indicator
+  ``any`` that equals 1 exactly when some unit moves state;
+* every segment's memory row gains ``seg_delta`` of the chosen placements;
+* the optimizer step: the plain step's peak must fit when ``any = 0``; when ``any = 1`` the step runs unit by unit and
+  each of its points (``step_base`` plus the chosen ``step_delta``) must fit (big-M rows, exact since no placement is
+  chosen when ``any = 0``);
+* the time gains ``time`` of the chosen placements and ``chunked_step_extra`` when ``any = 1``.
+
 The objective is the simulated step time. The returned plan is re-evaluated by the simulator (both numbers are in
 ``plan.meta``), and the brute-force enumerator in the test suite checks that they agree with the true optimum.
+
+:class:`Formulation` holds one program (variables, memory constraints, time objective, solve, read-back);
+:func:`optimal`, :func:`solve_min_peak` and :func:`place_states` use it. The budget checks that every planner makes
+against the smallest reachable peak (:func:`check_budget`) live here too, since that peak is this MILP's.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -29,11 +45,24 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
 from ..errors import BudgetError
-from ..plan import STRATEGIES, Plan
-from ..simulate import RECOMPUTE, SWAP, Simulator
-from .common import as_simulator, check_budget, make_plan, unit_options
+from ..plan import STATE_CHOICES, STRATEGIES, Plan, effective_triggers
+from ..simulate import NAMES, RECOMPUTE, SWAP, Simulator
+from .space import (
+    OffloadState,
+    Option,
+    allowed_states,
+    as_simulator,
+    evaluate_arrays,
+    make_plan,
+    state_table_of,
+    unit_options,
+    unit_states,
+)
+
+__all__ = ["Formulation", "cached_min_peak", "check_budget", "optimal", "place_states", "solve_min_peak"]
 
 Expr = dict[int, float]
 _CUT_REACH = 8  # issue boundaries (4 units) a link-time cut looks back
@@ -84,15 +113,40 @@ def _add(expr: Expr, other: Expr, scale: float = 1.0) -> None:
         expr[j] = expr.get(j, 0.0) + scale * a
 
 
-class _Formulation:
-    """Variables and memory expressions shared by the time-optimal and the peak-minimal programs."""
+class Formulation:
+    """One MILP over a simulator's model: the plan's variables and memory, with a budget or a peak to minimize, and the
+    step time as objective.
 
-    def __init__(self, sim: Simulator, strategies: Sequence[str]) -> None:
+    Build it, then either :meth:`limit_memory` (a budget) and :meth:`time_objective`, or :meth:`minimize_peak`; then
+    :meth:`solve` and :meth:`read_back`.
+
+    Args:
+        sim: the compiled profile.
+        strategies: the activation strategies allowed (ignored where ``options`` are given).
+        offload_state, step_in_backward: the state placements allowed (:func:`~memopt_nb.plan.state_choices`).
+        options: per unit the activation options to choose from (default: :func:`unit_options`); one option per
+            unit fixes the activations (:func:`place_states`).
+    """
+
+    def __init__(self, sim: Simulator, strategies: Sequence[str] = STRATEGIES, *,
+                 offload_state: OffloadState = False, step_in_backward: bool = False,
+                 options: Sequence[Sequence[Option]] | None = None) -> None:
         self.sim = sim
-        self.p = p = _Program()
-        n, S = sim.n, sim.S
+        self.p = _Program()
         self.mem_scale = float(max(sim.start_level.max() + sim.rel.max(), 1.0))
-        self.opts = [unit_options(sim, u, strategies) for u in range(n)]
+        self.opts = [list(o) for o in options] if options is not None else [
+            unit_options(sim, u, strategies) for u in range(sim.n)]
+        self.table = state_table_of(sim)
+        self.states = unit_states(sim, offload_state, step_in_backward, table=self.table)
+        self.time_offset = 0.0  # set by time_objective
+        self._activation_variables()
+        self._memory()
+        self._state_variables()
+
+    # ------------------------------------------------------------------ variables
+    def _activation_variables(self) -> None:
+        """One binary per (unit, option), exactly one per unit, and the monotone prefetch triggers."""
+        p, n = self.p, self.sim.n
         self.x: list[list[int]] = []
         for u in range(n):
             xs = [p.var(0, 1, True) for _ in self.opts[u]]
@@ -103,8 +157,6 @@ class _Formulation:
         for u in range(n):
             self.rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == RECOMPUTE})
             self.sw.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == SWAP})
-        # monotone prefetch triggers
-        self.trig_of = lambda u, o: min(u + o[2], n - 1)
         dmax = max((o[2] for u in range(n) for o in self.opts[u] if o[0] == SWAP), default=0)
         for u in range(n):
             for v in range(u + 1, min(n, u + dmax + 1)):
@@ -119,7 +171,45 @@ class _Formulation:
                     if o[0] == SWAP:
                         expr[self.x[v][i]] = expr.get(self.x[v][i], 0.0) - self.trig_of(v, o) + big
                 p.row(expr, hi=2 * big)
-        # memory per segment: constant + expression
+
+    def trig_of(self, u: int, o: Option) -> int:
+        """The unit whose backward starts unit ``u``'s prefetch under swap option ``o``."""
+        return min(u + o[2], self.sim.n - 1)
+
+    def _state_variables(self) -> None:
+        """A binary per (unit, placement other than 0), at most one per unit, and ``any_state`` (1 iff some is set)."""
+        p = self.p
+        self.y: list[dict[int, int]] = []
+        for u in range(self.sim.n):
+            ys = {c: p.var(0, 1, True) for c in self.states[u][1:]}
+            if len(ys) > 1:
+                p.row({j: 1.0 for j in ys.values()}, hi=1.0)
+            self.y.append(ys)
+        chosen = [j for ys in self.y for j in ys.values()]
+        self.any_state: int | None = None
+        if not chosen:
+            return
+        z = p.var(0, 1)  # continuous: the two rows below pin it to 0 or 1
+        for ys in self.y:
+            if ys:
+                row = {z: 1.0}
+                _add(row, {j: -1.0 for j in ys.values()})
+                p.row(row, lo=0.0)
+        row = {j: 1.0 for j in chosen}
+        row[z] = -1.0
+        p.row(row, lo=0.0)
+        self.any_state = z
+        seg = np.asarray(self.table.seg_delta, dtype=float)
+        for u, ys in enumerate(self.y):
+            for c, j in ys.items():
+                for k in np.nonzero(seg[u, c])[0]:
+                    _add(self.mem_expr[int(k)], {j: float(seg[u, c, k])})
+
+    # ------------------------------------------------------------------ memory
+    def _memory(self) -> None:
+        """Memory per segment (a constant plus an expression), and the copy jobs the offloads form."""
+        sim = self.sim
+        n, S = sim.n, sim.S
         self.mem_const = np.array(sim.start_level + sim.rel, dtype=float)
         self.mem_expr: list[Expr] = [dict() for _ in range(S)]
         for k in range(S):
@@ -206,84 +296,103 @@ class _Formulation:
             _add(self.h2d_bytes[owner], ind, nb)
             _add(self.h2d_count[owner], ind, float(sim.g_cnt[g]))
 
+    def _step_points(self) -> list[tuple[float, Expr]]:
+        """Per point of the unit-by-unit optimizer step: its peak with every unit resident, and the chosen change."""
+        if self.table is None or self.any_state is None:
+            return []
+        base = np.asarray(self.table.step_base, dtype=float)
+        delta = np.asarray(self.table.step_delta, dtype=float)
+        out = []
+        for k in range(base.shape[0]):
+            expr: Expr = {}
+            for u, ys in enumerate(self.y):
+                for c, j in ys.items():
+                    if delta[u, c, k] != 0.0:
+                        expr[j] = float(delta[u, c, k])
+            out.append((float(base[k]), expr))
+        return out
 
-def _solution_arrays(form: _Formulation, xval: np.ndarray) -> tuple[list[int], list[int], list[int]]:
-    codes, ws, ds = [], [], []
-    for u in range(form.sim.n):
-        vals = [xval[j] for j in form.x[u]]
-        o = form.opts[u][int(np.argmax(vals))]
-        codes.append(o[0])
-        ws.append(o[1])
-        ds.append(o[2])
-    return codes, ws, ds
+    def limit_memory(self, budget: float) -> None:
+        """Every segment, and the optimizer step (plain or unit by unit), within ``budget`` bytes."""
+        p, ms = self.p, self.mem_scale
+        for k in range(self.sim.S):
+            p.row({j: a / ms for j, a in self.mem_expr[k].items()}, hi=(budget - self.mem_const[k]) / ms)
+        if self.table is None:
+            return
+        plain = float(self.table.plain_step_peak)
+        z = self.any_state
+        if plain > budget:  # plain * (1 - any) <= budget
+            if z is None:
+                p.row({p.var(0, 0): 1.0}, hi=(budget - plain) / ms)  # infeasible: no unit can move state
+            else:
+                p.row({z: -plain / ms}, hi=(budget - plain) / ms)
+        for base, expr in self._step_points():  # base + expr <= budget + M * (1 - any)
+            big = max(base - budget, 0.0)
+            row = {j: a / ms for j, a in expr.items()}
+            row[z] = row.get(z, 0.0) + big / ms
+            p.row(row, hi=(budget + big - base) / ms)
 
+    def minimize_peak(self) -> Expr:
+        """A variable bounding every segment's and the step's memory from above; returns the objective (that peak)."""
+        p, ms = self.p, self.mem_scale
+        peak = p.var(0, np.inf)
+        for k in range(self.sim.S):
+            row = {j: a / ms for j, a in self.mem_expr[k].items()}
+            row[peak] = -1.0
+            p.row(row, hi=-self.mem_const[k] / ms)
+        if self.table is not None:
+            plain = float(self.table.plain_step_peak)
+            z = self.any_state
+            row = {peak: -1.0}
+            if z is not None:
+                row[z] = -plain / ms
+            p.row(row, hi=-plain / ms)  # plain * (1 - any) <= peak
+            for base, expr in self._step_points():  # base + expr - M * (1 - any) <= peak
+                big = max(base, 0.0)
+                row = {j: a / ms for j, a in expr.items()}
+                row[z] = row.get(z, 0.0) + big / ms
+                row[peak] = -1.0
+                p.row(row, hi=(big - base) / ms)
+        return {peak: 1.0}
 
-def solve_min_peak(sim: Simulator, strategies: Sequence[str] = STRATEGIES, time_limit: float = 60.0) -> int:
-    """The smallest peak any plan reaches (bytes), by MILP, checked with the simulator."""
-    form = _Formulation(sim, strategies)
-    p = form.p
-    peak = p.var(0, np.inf)
-    scale = form.mem_scale
-    for k in range(sim.S):
-        row = {j: a / scale for j, a in form.mem_expr[k].items()}
-        row[peak] = -1.0
-        p.row(row, hi=-form.mem_const[k] / scale)
-    res = p.solve({peak: 1.0}, time_limit)
-    if res.x is None:  # pragma: no cover - solver failure
-        raise BudgetError(f"could not compute the minimum peak: {res.message}")
-    if res.status != 0:  # pragma: no cover - time limit: never refuse a budget some plan might meet
-        return int(np.floor(float(res.mip_dual_bound) * scale))
-    codes, ws, ds = _solution_arrays(form, res.x)
-    value = sim.evaluate(np.array([codes]), np.array([ws]), np.array([ds]))[0][0]
-    return int(np.ceil(value))
+    # ------------------------------------------------------------------ time
+    def time_objective(self) -> tuple[Expr, float, float]:
+        """The step time: ``(objective, constant, scale)``; seconds = (objective · x + constant) · scale
+        + :attr:`time_offset` (the plain optimizer step, which no decision changes: kept out of the program so that
+        with state fixed the program is the activation-only one, number for number)."""
+        sim = self.sim
+        n, S = sim.n, sim.S
+        tscale = float(max(sim.dur.sum(), 1e-9))
+        dur = sim.dur / tscale
+        fwd = sim.fwd_time / tscale
+        # DeviceSpec.copy_seconds is linear: its coefficients per byte (each direction) and per storage (round trip)
+        dev = sim.device
+        inv_d2h = float(dev.copy_seconds(1.0, 0, "d2h")) / tscale
+        inv_h2d = float(dev.copy_seconds(1.0, 0, "h2d")) / tscale
+        per_storage = float(dev.copy_seconds(0.0, 1, "both")) / tscale
+        objective: Expr = {}
+        for u in range(n):  # the training thread's per-storage share of every copy adds to the step on every device
+            _add(objective, self.h2d_count[u], per_storage)
+        if not dev.copy_overlap:
+            for u in range(n):
+                _add(objective, self.rc[u], float(fwd[u]))
+            for u in range(n):
+                _add(objective, self.h2d_bytes[u], inv_d2h + inv_h2d)
+            const = float(dur.sum())
+        else:
+            total_copy = float(sim.g_nb.sum()) * (inv_d2h + inv_h2d)
+            big = float(dur.sum() + fwd.sum() + 2 * total_copy + 1.0)
+            rho = self._schedule(dur, fwd, big, inv_d2h, inv_h2d)
+            objective[rho[S]] = 1.0
+            const = 0.0
+        if self.table is not None:
+            self.time_offset = self._state_time(objective, tscale)
+        return objective, const, tscale
 
-
-def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
-            strategies: Sequence[str] = STRATEGIES, time_limit: float = 120.0) -> Plan:
-    """The plan with the smallest simulated step time whose simulated peak fits ``budget``.
-
-    Solved exactly (to HiGHS tolerances) as a MILP over the simulator's model; ``strategies`` restricts the options
-    (e.g. ``("keep", "recompute")`` for checkpointing only). ``plan.meta`` has the solver status, the MILP objective,
-    the simulated time of the plan, the solve time and whether optimality was proven within ``time_limit``.
-    """
-    sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, strategies)
-    t0 = time.perf_counter()
-    # The checkpointing-only optimum is quick to prove; when it fits, it bounds the full problem from above (a
-    # cut-off that prunes the search) and is the answer of last resort if the full problem runs out of time.
-    fallback = None
-    if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
-        rc_only = tuple(x for x in strategies if x != "swap")
-        try:
-            fallback = optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4)
-        except BudgetError:
-            fallback = None
-    form = _Formulation(sim, strategies)
-    p = form.p
-    n, S = sim.n, sim.S
-    mscale = form.mem_scale
-    for k in range(S):
-        p.row({j: a / mscale for j, a in form.mem_expr[k].items()}, hi=(b - form.mem_const[k]) / mscale)
-    tscale = float(max(sim.dur.sum(), 1e-9))
-    dur = sim.dur / tscale
-    fwd = sim.fwd_time / tscale
-    # DeviceSpec.copy_seconds is linear: its coefficients per byte (each direction) and per storage (round trip)
-    dev = sim.device
-    inv_d2h = float(dev.copy_seconds(1.0, 0, "d2h")) / tscale
-    inv_h2d = float(dev.copy_seconds(1.0, 0, "h2d")) / tscale
-    per_storage = float(dev.copy_seconds(0.0, 1, "both")) / tscale
-    objective: Expr = {}
-    for u in range(n):  # the training thread's per-storage share of every copy adds to the step on every device
-        _add(objective, form.h2d_count[u], per_storage)
-    if not dev.copy_overlap:
-        for u in range(n):
-            _add(objective, form.rc[u], float(fwd[u]))
-        for u in range(n):
-            _add(objective, form.h2d_bytes[u], inv_d2h + inv_h2d)
-        const = float(dur.sum())
-    else:
-        total_copy = float(sim.g_nb.sum()) * (inv_d2h + inv_h2d)
-        big = float(dur.sum() + fwd.sum() + 2 * total_copy + 1.0)
+    def _schedule(self, dur: np.ndarray, fwd: np.ndarray, big: float, inv_d2h: float, inv_h2d: float) -> list[int]:
+        """Segment ready/start times with the two copy queues (copies beside compute); returns the ready times."""
+        sim, p = self.sim, self.p
+        n, S = sim.n, sim.S
         rho = [p.var(0, big) for _ in range(S + 1)]
         sigma = [p.var(0, big) for _ in range(S)]
         p.row({rho[0]: 1.0}, 0.0, 0.0)
@@ -292,12 +401,12 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
             row = {rho[k + 1]: 1.0, sigma[k]: -1.0}
             u = int(sim.seg_unit[k])
             if sim.kind[k] == 1:
-                _add(row, form.rc[u], -float(fwd[u]))
+                _add(row, self.rc[u], -float(fwd[u]))
             p.row(row, lo=float(dur[k]))
         # device-to-host queue: jobs by eligibility boundary, then release point
         q_prev = None
-        for (e, r) in sorted(form.d2h_jobs):
-            bytes_expr = form.d2h_jobs[(e, r)]
+        for (e, r) in sorted(self.d2h_jobs):
+            bytes_expr = self.d2h_jobs[(e, r)]
             q = p.var(0, big)
             row = {q: 1.0, rho[e]: -1.0}
             _add(row, bytes_expr, -inv_d2h)
@@ -315,13 +424,13 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
         # valid cuts (they strengthen the relaxation, not the model): everything issued at or after boundary e' that
         # is due by release point r must have crossed the link by then, whatever the queue order
         # (only for the few issue boundaries just before r: the far ones add size, not strength)
-        releases = sorted({r for (_, r) in form.d2h_jobs})
-        issues = sorted({e for (e, _) in form.d2h_jobs})
+        releases = sorted({r for (_, r) in self.d2h_jobs})
+        issues = sorted({e for (e, _) in self.d2h_jobs})
         for r in releases:
             near = [e0 for e0 in issues if e0 <= r][-_CUT_REACH:]
             for e0 in near:
                 row: Expr = {}
-                for (e, rr), bytes_expr in form.d2h_jobs.items():
+                for (e, rr), bytes_expr in self.d2h_jobs.items():
                     if e >= e0 and rr <= r:
                         _add(row, bytes_expr, -inv_d2h)
                 if row:
@@ -331,19 +440,19 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
         # host-to-device queue: per owner, in backward order
         h_prev = None
         for u in range(n - 1, -1, -1):
-            if not form.sw[u]:
+            if not self.sw[u]:
                 continue
             h = p.var(0, big)
             if h_prev is not None:
                 row = {h: 1.0, h_prev: -1.0}
-                _add(row, form.h2d_bytes[u], -inv_h2d)
+                _add(row, self.h2d_bytes[u], -inv_h2d)
                 p.row(row, lo=0.0)
-            for i, o in enumerate(form.opts[u]):
+            for i, o in enumerate(self.opts[u]):
                 if o[0] != SWAP:
                     continue
-                t = int(sim.bwd_seg[form.trig_of(u, o)])
-                row = {h: 1.0, rho[t]: -1.0, form.x[u][i]: -big}
-                _add(row, form.h2d_bytes[u], -inv_h2d)
+                t = int(sim.bwd_seg[self.trig_of(u, o)])
+                row = {h: 1.0, rho[t]: -1.0, self.x[u][i]: -big}
+                _add(row, self.h2d_bytes[u], -inv_h2d)
                 p.row(row, lo=-big)
             p.row({sigma[int(sim.bwd_seg[u])]: 1.0, h: -1.0}, lo=0.0)
             h_prev = h
@@ -352,33 +461,201 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
         first_bwd = int(min(sim.bwd_seg))
         acc: Expr = {}
         for u in range(n - 1, -1, -1):
-            _add(acc, form.h2d_bytes[u], -inv_h2d)
-            if acc and form.sw[u]:
+            _add(acc, self.h2d_bytes[u], -inv_h2d)
+            if acc and self.sw[u]:
                 row = dict(acc)
                 row[sigma[int(sim.bwd_seg[u])]] = 1.0
                 row[rho[first_bwd]] = row.get(rho[first_bwd], 0.0) - 1.0
                 p.row(row, lo=0.0)
-        objective[rho[S]] = 1.0
-        const = 0.0
+        return rho
+
+    def _state_time(self, objective: Expr, tscale: float) -> float:
+        """Add the placements' time and the unit-by-unit step's extra to ``objective``; return the seconds by which
+        the simulator's time of an all-resident plan exceeds the activation model's (the plain step)."""
+        tm = np.asarray(self.table.time, dtype=float)
+        for u, ys in enumerate(self.y):
+            for c, j in ys.items():
+                _add(objective, {j: float(tm[u, c]) / tscale})
+        if self.any_state is not None:
+            _add(objective, {self.any_state: float(self.table.chunked_step_extra) / tscale})
+        sim = self.sim
+        n = sim.n
+        keep = np.zeros((1, n), dtype=np.int64)
+        _, t = evaluate_arrays(sim, keep, np.ones((1, n), dtype=np.int64), np.ones((1, n), dtype=np.int64))
+        return float(t[0]) - float(sim.dur.sum())
+
+    # ------------------------------------------------------------------ solve
+    def cap(self, objective: Expr, hi: float) -> None:
+        """Only solutions whose objective is at most ``hi`` (a cut-off from a known plan)."""
+        self.p.row(dict(objective), hi=hi)
+
+    def solve(self, objective: Expr, time_limit: float) -> Any:
+        """HiGHS on the program (SciPy's ``milp`` result)."""
+        return self.p.solve(objective, time_limit)
+
+    def read_back(self, xval: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The solution as plan arrays: strategy codes, windows, distances and state placements."""
+        codes, ws, ds, states = [], [], [], []
+        for u in range(self.sim.n):
+            vals = [xval[j] for j in self.x[u]]
+            o = self.opts[u][int(np.argmax(vals))]
+            codes.append(o[0])
+            ws.append(o[1])
+            ds.append(o[2])
+            chosen = [c for c, j in self.y[u].items() if xval[j] > 0.5]
+            states.append(chosen[0] if chosen else 0)
+        return codes, ws, ds, states
+
+
+# ---------------------------------------------------------------------- the floor and budget checks
+def solve_min_peak(sim: Simulator, strategies: Sequence[str] = STRATEGIES, time_limit: float = 60.0, *,
+                   offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
+    """The smallest peak any plan reaches (bytes), by MILP, checked with the simulator."""
+    form = Formulation(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+    objective = form.minimize_peak()
+    res = form.solve(objective, time_limit)
+    if res.x is None:  # pragma: no cover - solver failure
+        raise BudgetError(f"could not compute the minimum peak: {res.message}")
+    if res.status != 0:  # pragma: no cover - time limit: never refuse a budget some plan might meet
+        return int(np.floor(float(res.mip_dual_bound) * form.mem_scale))
+    codes, ws, ds, states = form.read_back(res.x)
+    value = evaluate_arrays(sim, np.array([codes]), np.array([ws]), np.array([ds]), np.array([states]))[0][0]
+    return int(np.ceil(value))
+
+
+_MIN_PEAK: dict[tuple[Any, ...], tuple[weakref.ref, int]] = {}
+
+
+def cached_min_peak(sim: Simulator, strategies: Sequence[str] = STRATEGIES, *, offload_state: OffloadState = True,
+                    step_in_backward: bool = False) -> int:
+    """:func:`memopt_nb.solvers.min_peak` for a compiled simulator, cached per profile, device, simulator class,
+    strategies and allowed state placements."""
+    allowed = allowed_states(offload_state, step_in_backward)
+    key = (id(sim.profile), repr(sim.device), type(sim), tuple(sorted(strategies)), allowed)
+    hit = _MIN_PEAK.get(key)
+    if hit is not None and hit[0]() is sim.profile:
+        return hit[1]
+    value = solve_min_peak(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+    _MIN_PEAK[key] = (weakref.ref(sim.profile), value)
+    return value
+
+
+def _space_text(sim: Simulator, strategies: Sequence[str], offload_state: OffloadState,
+                step_in_backward: bool) -> str:
+    """How a refused budget's space was restricted, for the message ('' for the whole default space)."""
+    parts = []
+    if set(strategies) != set(STRATEGIES):
+        parts.append(f"using only {', '.join(strategies)}")
+    allowed = allowed_states(offload_state, step_in_backward)
+    if state_table_of(sim) is not None:
+        moved = {piece for c in allowed for piece, place in zip(("optimizer state", "gradients", "parameters"),
+                                                               STATE_CHOICES[c], strict=True) if place != "resident"}
+        kept = [p for p in ("optimizer state", "gradients", "parameters") if p not in moved]
+        if kept:
+            parts.append(f"with {', '.join(kept)} resident")
+    return (" " + " ".join(parts)) if parts else ""
+
+
+def check_budget(sim: Simulator, budget: Any, strategies: Sequence[str] = STRATEGIES, *,
+                 offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
+    """Parse ``budget`` (bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak; ``None``: the device's capacity) and
+    refuse one no plan in the given space (``strategies``, ``offload_state``, ``step_in_backward``) can meet."""
+    if budget is None:
+        budget = sim.device.capacity_bytes
+    value = resolve_budget(budget, reference=sim.profile.peak_bytes)
+    lowest = cached_min_peak(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+    if value < lowest:
+        from ..floor import explain_floor
+
+        using = _space_text(sim, strategies, offload_state, step_in_backward)
+        floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=strategies)
+        raise BudgetError(
+            f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches for this "
+            f"profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes) = {floor.breakdown_text()}. "
+            f"{floor.bound_text()} Ask for at least {format_bytes(lowest)}; to lower the floor: "
+            f"{'; '.join(floor.advice)}."
+        )
+    return value
+
+
+# ---------------------------------------------------------------------- planners
+def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: Sequence[int],
+                 distances: Sequence[int], *, offload_state: OffloadState = True, step_in_backward: bool = False,
+                 time_limit: float = 60.0) -> list[int]:
+    """The fastest state placement per unit (indices into STATE_CHOICES) that fits ``budget`` with the activation
+    decisions fixed (exact: the MILP with one option per unit); if none fits, the one with the smallest peak.
+
+    Everything stays resident when no placement may move (``offload_state=False``, or no state model).
+    """
+    n = sim.n
+    trig = effective_triggers([NAMES[int(c)] for c in codes], list(distances))
+    # a swap's distance as the trigger it really gets, so the MILP's monotone-trigger rows hold
+    options = [[(int(c), int(w), int(t - u) if t is not None else int(d))]
+               for u, (c, w, d, t) in enumerate(zip(codes, windows, distances, trig, strict=True))]
+    form = Formulation(sim, options=options, offload_state=offload_state, step_in_backward=step_in_backward)
+    if form.any_state is None:
+        return [0] * n
+    form.limit_memory(budget)
+    objective, _, _ = form.time_objective()
+    res = form.solve(objective, time_limit)
+    if res.x is None:
+        form = Formulation(sim, options=options, offload_state=offload_state, step_in_backward=step_in_backward)
+        res = form.solve(form.minimize_peak(), time_limit)
+        if res.x is None:  # pragma: no cover - solver failure
+            return [0] * n
+    return form.read_back(res.x)[3]
+
+
+def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
+            strategies: Sequence[str] = STRATEGIES, time_limit: float = 120.0, *,
+            offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
+    """The plan with the smallest simulated step time whose simulated peak fits ``budget``.
+
+    Solved exactly (to HiGHS tolerances) as a MILP over the simulator's model; ``strategies`` restricts the activation
+    options (e.g. ``("keep", "recompute")`` for checkpointing only). ``offload_state`` says which state may leave the
+    device: ``True`` (optimizer state, gradients, parameters), ``False`` (activations only) or a set of
+    ``"optimizer"``, ``"grads"``, ``"params"``; ``step_in_backward=True`` also allows stepping units inside backward
+    (the plan then forbids gradient accumulation and clipping). ``plan.meta`` has the solver status, the MILP
+    objective, the simulated time of the plan, the solve time and whether optimality was proven within ``time_limit``.
+    """
+    sim = as_simulator(profile, device)
+    space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
+    b = check_budget(sim, budget, strategies, **space)
+    allowed = [list(STATE_CHOICES[c]) for c in allowed_states(offload_state, step_in_backward)]
+    t0 = time.perf_counter()
+    # The checkpointing-only optimum is quick to prove; when it fits, it bounds the full problem from above (a
+    # cut-off that prunes the search) and is the answer of last resort if the full problem runs out of time.
+    fallback = None
+    if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
+        rc_only = tuple(x for x in strategies if x != "swap")
+        try:
+            fallback = optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space)
+        except BudgetError:
+            fallback = None
+    form = Formulation(sim, strategies, **space)
+    form.limit_memory(b)
+    objective, const, tscale = form.time_objective()
+    offset = form.time_offset
     if fallback is not None and fallback.feasible:
-        cutoff = fallback.predicted_step_time / tscale * (1 + 1e-7) - const
-        p.row(dict(objective), hi=cutoff)
-    res = p.solve(objective, max(time_limit - (time.perf_counter() - t0), 1.0))
+        form.cap(objective, (fallback.predicted_step_time - offset) / tscale * (1 + 1e-7) - const)
+    res = form.solve(objective, max(time_limit - (time.perf_counter() - t0), 1.0))
     solve_time = time.perf_counter() - t0
     if res.x is None or (fallback is not None and fallback.feasible
-                         and (float(res.fun) + const) * tscale >= fallback.predicted_step_time):
+                         and (float(res.fun) + const) * tscale + offset >= fallback.predicted_step_time):
         if fallback is not None and fallback.feasible:
             proven = res.status in (0, 2)  # solved, or infeasible under the cut-off: nothing beats checkpointing
             return fallback.with_meta(method="optimal", meta={
                 "solver": "highs-milp", "proven_optimal": proven, "solve_seconds": solve_time,
                 "milp_step_time": fallback.predicted_step_time, "allowed_strategies": list(strategies),
+                "allowed_placements": allowed,
                 "mip_gap": 0.0 if proven else float("nan"), "note": "no plan with swaps beat the checkpointing-only "
                 "optimum" + ("" if proven else " within the time limit")})
         raise BudgetError(f"the exact solver found no plan within {time_limit:.0f} s ({res.message}); raise "
                           f"time_limit or the budget")
-    codes, ws, ds = _solution_arrays(form, res.x)
-    milp_time = (float(res.fun) + const) * tscale
-    plan = make_plan(sim, codes, ws, ds, budget=b, method="optimal", solver="highs-milp",
+    codes, ws, ds, states = form.read_back(res.x)
+    milp_time = (float(res.fun) + const) * tscale + offset
+    return make_plan(sim, codes, ws, ds, budget=b, method="optimal", states=states,
+                     step_in_backward=step_in_backward, solver="highs-milp",
                      proven_optimal=bool(res.status == 0), milp_step_time=milp_time, solve_seconds=solve_time,
-                     mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0), allowed_strategies=list(strategies))
-    return plan
+                     mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0), allowed_strategies=list(strategies),
+                     allowed_placements=allowed)

@@ -1,0 +1,190 @@
+"""The plan space every planner shares: per unit its activation options and the state placements it may take, and
+turning the chosen arrays into a :class:`~memopt_nb.plan.Plan` with the simulator's prediction.
+
+This module depends on nothing else in :mod:`memopt_nb.solvers`; the MILP (:mod:`.milp`) builds on it, and the budget
+checks (which need the MILP's minimum peak) sit above both.
+
+State placements are indices into :data:`~memopt_nb.plan.STATE_CHOICES` (0: everything resident). Which ones a plan
+may use is :func:`memopt_nb.plan.state_choices` of the planner's ``offload_state=`` and ``step_in_backward=``
+arguments; which ones a *unit* may use also depends on the simulator's :class:`StateTable` (the cost model of the
+state part, ``Simulator.state_table()``): a placement that changes nothing for the unit (a unit without parameters, a
+piece of state the unit does not have) is not offered, since all it could do is switch the whole step to the
+unit-by-unit one. A simulator without ``state_table`` (no state model) offers only placement 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..device import DeviceSpec
+from ..errors import BudgetError, MemoptError
+from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan, decisions_from, state_choices
+from ..simulate import KEEP, NAMES, RECOMPUTE, SWAP, Simulator
+
+__all__ = ["Option", "allowed_states", "as_simulator", "evaluate_arrays", "make_plan", "state_table_of",
+           "uniform_arrays", "unit_options", "unit_states"]
+
+Option = tuple[int, int, int]  # (strategy code, offload window, prefetch distance)
+OffloadState = bool | str | Iterable[str]
+_FETCH: Any = object()  # unit_states: fetch the state table from the simulator
+
+
+def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = STRATEGIES) -> list[Option]:
+    """The distinct choices for unit ``u``: keep, recompute, and swap with each window and prefetch distance.
+
+    Timings that cannot differ in effect are collapsed (a prefetch distance past the last unit, a window that already
+    reaches the end of the forward), so every option listed leads to a different plan.
+    """
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise BudgetError(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)}")
+    n = sim.n
+    out: list[Option] = []
+    if "keep" in strategies:
+        out.append((KEEP, 1, 1))
+    if "recompute" in strategies and sim.recomputable[u]:
+        out.append((RECOMPUTE, 1, 1))
+    if "swap" in strategies and sim.swappable[u]:
+        seen_w, seen_d = set(), set()
+        ws = []
+        for w in WINDOWS:
+            key = min(u + 1 + w, n)
+            if key not in seen_w:
+                seen_w.add(key)
+                ws.append(w)
+        ds = []
+        for d in DISTANCES:
+            key = min(u + d, n - 1)
+            if key not in seen_d:
+                seen_d.add(key)
+                ds.append(d)
+        out.extend((SWAP, w, d) for w in ws for d in ds)
+    if not out:
+        out.append((KEEP, 1, 1))
+    return out
+
+
+def as_simulator(profile: Any, device: DeviceSpec | str | None) -> Simulator:
+    """``profile`` compiled for ``device`` (a :class:`Simulator` is returned as it is)."""
+    return profile if isinstance(profile, Simulator) else Simulator(profile, device)
+
+
+def state_table_of(sim: Simulator) -> Any | None:
+    """The simulator's state cost model (``sim.state_table()``), checked against the contract; ``None`` if it has none.
+
+    The table's shapes must be ``seg_delta (n, C, S)``, ``step_delta (n, C, K)``, ``step_base (K,)`` and
+    ``time (n, C)`` with ``C = len(STATE_CHOICES)`` and ``choices == STATE_CHOICES``.
+    """
+    fn = getattr(sim, "state_table", None)
+    if fn is None:
+        return None
+    table = fn()
+    if table is None:
+        return None
+    n, S, C = sim.n, sim.S, len(STATE_CHOICES)
+    K = np.shape(table.step_base)[0] if np.ndim(table.step_base) == 1 else -1
+    problems = []
+    if tuple(tuple(c) for c in table.choices) != STATE_CHOICES:
+        problems.append("its choices are not plan.STATE_CHOICES")
+    for name, want in (("seg_delta", (n, C, S)), ("step_delta", (n, C, K)), ("time", (n, C))):
+        got = np.shape(getattr(table, name))
+        if got != want:
+            problems.append(f"{name} has shape {got}, expected {want}")
+    if problems:
+        raise MemoptError(f"the simulator's state table does not fit its profile ({n} units, {S} segments): "
+                          f"{'; '.join(problems)}")
+    return table
+
+
+def allowed_states(offload_state: OffloadState = True, step_in_backward: bool = False) -> tuple[int, ...]:
+    """Indices into :data:`STATE_CHOICES` that ``offload_state=`` / ``step_in_backward=`` allow (0 first).
+
+    A value :func:`~memopt_nb.plan.state_choices` does not accept raises :class:`~memopt_nb.errors.PlanError`.
+    """
+    return tuple(STATE_CHOICES.index(c) for c in state_choices(offload_state, step_in_backward=step_in_backward))
+
+
+def unit_states(sim: Simulator, offload_state: OffloadState = True, step_in_backward: bool = False,
+                table: Any = _FETCH) -> list[list[int]]:
+    """Per unit the placements (indices into :data:`STATE_CHOICES`, 0 first) a planner may choose from.
+
+    A placement other than 0 is offered only if the state table says it changes something for the unit (its memory
+    at some segment or step point, or its time). ``table``: the simulator's state table if already fetched.
+    """
+    allowed = allowed_states(offload_state, step_in_backward)
+    if table is _FETCH:
+        table = state_table_of(sim) if len(allowed) > 1 else None
+    if table is None or len(allowed) == 1:
+        return [[0] for _ in range(sim.n)]
+    seg = np.asarray(table.seg_delta)
+    step = np.asarray(table.step_delta)
+    tm = np.asarray(table.time, dtype=float)
+    out = []
+    for u in range(sim.n):
+        out.append([0] + [c for c in allowed[1:]
+                          if seg[u, c].any() or step[u, c].any() or tm[u, c] != 0.0])
+    return out
+
+
+def evaluate_arrays(sim: Simulator, strategies: Any, windows: Any, distances: Any,
+                    states: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """``sim.evaluate`` on ``(B, n)`` arrays; ``states`` (indices into STATE_CHOICES) are passed only when some unit
+    moves state, so that a simulator without a state model evaluates activation-only plans as before."""
+    if states is not None and np.any(np.asarray(states)):
+        return sim.evaluate(strategies, windows, distances, states=np.atleast_2d(np.asarray(states, dtype=np.int64)))
+    return sim.evaluate(strategies, windows, distances)
+
+
+def make_plan(sim: Simulator, strategies: Sequence[int], windows: Sequence[int], distances: Sequence[int], *,
+              budget: int | None, method: str, seed: int | None = None, states: Sequence[int] | None = None,
+              step_in_backward: bool = False, **meta: Any) -> Plan:
+    """A Plan from arrays (strategy codes, windows, distances, state placements), with the simulator's prediction and
+    feasibility filled in.
+
+    ``plan.step_in_backward`` is set when asked or when some unit steps in backward; the optimizer fingerprint the
+    profile recorded is carried when the plan moves state.
+    """
+    s = np.asarray(strategies, dtype=np.int64)[None]
+    w = np.asarray(windows, dtype=np.int64)[None]
+    d = np.asarray(distances, dtype=np.int64)[None]
+    c = np.zeros_like(s) if states is None else np.asarray(states, dtype=np.int64)[None]
+    peak, time = evaluate_arrays(sim, s, w, d, c)
+    profile = sim.profile
+    decisions = decisions_from([NAMES[int(x)] for x in s[0]], profile.unit_names, w[0].tolist(), d[0].tolist(),
+                               c[0].tolist())
+    moves = any(x.moves_state for x in decisions)
+    stepped = any(x.grads == "step" for x in decisions)
+    profile_meta = getattr(profile, "meta", None) or {}
+    plan = Plan(
+        decisions=decisions,
+        fingerprint=profile.fingerprint,
+        model_fingerprint=profile_meta.get("model_fingerprint"),
+        budget_bytes=budget,
+        device=sim.device.to_dict(),
+        method=method,
+        seed=seed,
+        predicted_peak_bytes=int(round(float(peak[0]))),
+        predicted_step_time=float(time[0]),
+        feasible=None if budget is None else bool(peak[0] <= budget),
+        meta=meta,
+        step_in_backward=bool(step_in_backward or stepped),
+        optimizer_fingerprint=profile_meta.get("optimizer_fingerprint") if moves else None,
+    )
+    plan._model_ref = getattr(profile, "_model_ref", None)
+    plan._optimizer_ref = getattr(profile, "_optimizer_ref", None)
+    return plan
+
+
+def uniform_arrays(sim: Simulator, code: int, window: int = 1, distance: int = 1) -> tuple[list, list, list]:
+    """The arrays of a plan that gives every unit ``code`` (units that cannot take it keep)."""
+    n = sim.n
+    codes = []
+    for u in range(n):
+        if code == RECOMPUTE and not sim.recomputable[u] or code == SWAP and not sim.swappable[u]:
+            codes.append(KEEP)
+        else:
+            codes.append(code)
+    return codes, [window] * n, [distance] * n
