@@ -179,7 +179,8 @@ def test_notebook_executes(path, notebook_env):
         assert summary["activations_only_floor"] > summary["budget"] >= summary["whole_step_floor"]
         assert summary["params_equal"] is True and summary["losses_equal"] is True and summary["moves_state"]
         assert summary["measured_peak"] <= summary["budget"] and summary["predicted_peak"] <= summary["budget"]
-        assert summary["clip_refused"] is True and summary["sib_steps"] >= 1
+        assert summary["clip_refused"] is True and summary["sib_steps"] >= 1 and summary["sib_feasible"] is True
+        assert summary["sib_floor"] <= summary["sib_budget"] < summary["whole_step_floor"]
     if path.name == "benchmarks.ipynb":
         assert summary["cases"] >= 2 and summary["seconds"] > 0
 
