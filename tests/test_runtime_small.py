@@ -184,3 +184,24 @@ def test_failure_mid_step_restores_and_training_goes_on_identically(small, where
         m.zero_grad(set_to_none=True)
         zm.loss_fn(m(*zm.inputs)).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), fresh.model.parameters()))
+
+
+def test_host_pool_reports_what_it_holds():
+    """The host pool behind ``AppliedPlan.stats``: buffers by power-of-two size class (4 KiB at least), reused once
+    handed back, nothing kept after close."""
+    from memopt_nb.runtime.swap import HostPool
+
+    pool = HostPool(pin=False)
+    assert pool.stats() == {"pool_bytes": 0, "pool_allocations": 0, "pool_reuses": 0}
+    a = pool.get(5000)
+    assert a.nbytes() == 8192
+    b = pool.get(10)
+    assert b.nbytes() == 4096
+    assert pool.stats() == {"pool_bytes": 8192 + 4096, "pool_allocations": 2, "pool_reuses": 0}
+    pool.put(a)
+    assert pool.get(6000) is a  # same size class: the buffer handed back
+    assert pool.stats() == {"pool_bytes": 8192 + 4096, "pool_allocations": 2, "pool_reuses": 1}
+    pool.close()
+    pool.put(b)
+    assert pool.get(10) is not b  # a closed pool keeps nothing handed back
+    assert pool.stats()["pool_allocations"] == 3
