@@ -205,3 +205,42 @@ def test_host_pool_reports_what_it_holds():
     pool.put(b)
     assert pool.get(10) is not b  # a closed pool keeps nothing handed back
     assert pool.stats()["pool_allocations"] == 3
+
+
+def test_plans_that_cannot_apply_are_refused_with_the_model_unchanged(small, tmp_path):
+    """Nested units, a model that checkpoints itself, a plan with no model to go to, wrong argument types: each a
+    PlanError saying what to do, and the model's modules as before."""
+    from memopt_nb.errors import PlanError
+    from memopt_nb.plan import Decision
+
+    def named(names):
+        return Plan(decisions=tuple(Decision(n, "recompute") for n in names), method="recompute_all")
+
+    prof = small["gpt"]
+    zm = memopt.zoo.build("gpt", **SMALL["gpt"])
+    model = zm.model
+    before = _snapshot(model)
+    for names in (["blocks", "blocks.0"], ["blocks.1", ""], ["blocks.2", "blocks.2.attn"]):
+        with pytest.raises(PlanError, match="are nested; units must not contain each other"):
+            memopt.plan(named(names), model).apply()
+        assert _snapshot(model) == before
+    with memopt.plan(named(["blocks.0", "blocks.1"]), model):  # siblings whose names share a prefix are fine
+        assert "forward" in model.blocks[0].__dict__ and "forward" in model.blocks[1].__dict__
+    for owner, flag, shown in ((model.blocks[1], "gradient_checkpointing", "'blocks.1'"),
+                               (model.blocks[0], "grad_checkpointing", "'blocks.0'"),
+                               (model, "is_gradient_checkpointing", "gradient checkpointing is on")):
+        setattr(owner, flag, True)
+        with pytest.raises(PlanError, match=f"checkpoints its own blocks \\({shown}\\)"):
+            memopt.plan(Plan.uniform(prof, "recompute"), model).apply()
+        setattr(owner, flag, False)  # only True counts: a flag that is off is no reason to refuse
+        memopt.plan(Plan.uniform(prof, "recompute"), model).apply().remove()
+        delattr(owner, flag)
+        assert _snapshot(model) == before
+    loaded = Plan.load(Plan.uniform(prof, "recompute").save(tmp_path / "p.json"))
+    with pytest.raises(PlanError, match="not tied to a live model.*pass the model"):
+        memopt.plan(loaded)
+    with pytest.raises(PlanError, match="takes a Plan, got str"):
+        memopt.plan("plan.json", model)
+    with pytest.raises(PlanError, match="must be a torch.nn.Module, got str"):
+        memopt.plan(loaded, "model")
+    assert _snapshot(model) == before
