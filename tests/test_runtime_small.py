@@ -244,3 +244,50 @@ def test_plans_that_cannot_apply_are_refused_with_the_model_unchanged(small, tmp
     with pytest.raises(PlanError, match="must be a torch.nn.Module, got str"):
         memopt.plan(loaded, "model")
     assert _snapshot(model) == before
+
+
+class _Box:
+    """A plain object handed to a unit; the unit's forward replaces one of its attributes."""
+
+    def __init__(self):
+        self.count = 0
+
+
+class _Boxed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, box):
+        box.count = box.count + 1
+        return torch.tanh(self.lin(x)) * box.count
+
+
+class _BoxedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Boxed(), _Boxed()
+
+    def forward(self, x, box):
+        return self.b(self.a(x, box), box).sum()
+
+
+def test_a_unit_that_sets_an_attribute_of_an_argument_is_not_recomputed():
+    """Recomputing it would set the attribute a second time (the count would be off by the recomputations): the
+    profile marks such a unit not recomputable, naming the argument, and a recompute plan given anyway is refused at
+    its first forward instead of training differently."""
+    from memopt_nb.errors import PlanError
+    from memopt_nb.plan import Decision
+
+    net, x = _BoxedNet(), torch.randn(4, 8)
+    prof = memopt.profile(net, x, _Box(), units=["a", "b"], repeats=1)
+    assert [u.recomputable for u in prof.units] == [False, False]
+    assert "argument 1 (_Box)" in prof.units[0].not_recomputable_reason
+    plan = Plan(decisions=(Decision("a", "recompute"), Decision("b", "recompute")), method="recompute_all")
+    with pytest.raises(PlanError, match=r"unit 'a' changed argument 1 \(_Box\)"):
+        with memopt.plan(plan, net):
+            net(x, _Box()).backward()
+    box = _Box()
+    with memopt.plan(Plan.uniform(prof, "swap"), net):  # swap runs each forward once: fine
+        net(x, box).backward()
+    assert box.count == 2

@@ -275,6 +275,33 @@ def probe_runtime_effects() -> None:
     for plan in (Plan.uniform(prof, "recompute"), named_plan(["a", "b"], "recompute"), Plan.uniform(prof, "swap")):
         log: list = []
         print("  ", plan.strategies, _train_digest(net, lambda m, log=log: m(y, log), plan, steps=1), log)
+    class Box:  # a plain object passed to a unit, whose attribute the forward replaces
+        def __init__(self) -> None:
+            self.count = 0
+
+    class Boxed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, box: Box) -> torch.Tensor:
+            box.count = box.count + 1
+            return torch.tanh(self.lin(x)) * box.count
+
+    class BoxedNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Boxed(), Boxed()
+
+        def forward(self, x: torch.Tensor, box: Box) -> torch.Tensor:
+            return self.b(self.a(x, box), box).sum()
+
+    torch.manual_seed(0)
+    net = BoxedNet()
+    prof = memopt.profile(net, y, Box(), units=["a", "b"], repeats=1)
+    print("boxed", [(u.recomputable, u.not_recomputable_reason) for u in prof.units])
+    box = Box()
+    print("  ", _train_digest(net, lambda m: m(y, box), named_plan(["a", "b"], "recompute"), steps=1), box.count)
     # plan application's refusals
     zm = memopt.zoo.build("gpt", **SMALL["gpt"][0])
     units = [n for n, _ in zm.model.named_modules() if n.startswith("blocks.") and n.count(".") == 1]
