@@ -53,7 +53,10 @@ def fixed_times(prof: memopt.ModelProfile) -> memopt.ModelProfile:
         u.fwd_time = prof.segments[u.fwd_segment].time
         u.bwd_time = prof.segments[u.bwd_segment].time
     prof.step_time = sum(s.time for s in prof.segments)
-    prof.device = prof.device.with_changes(compute_flops=1e11, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9)
+    # copy_overhead_s and copy_overlap are measured when the CPU device is detected: fixed here, or the output would
+    # change from run to run
+    prof.device = prof.device.with_changes(compute_flops=1e11, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
+                                           copy_overhead_s=2e-5, copy_overlap=True)
     return prof
 
 
@@ -183,6 +186,166 @@ def probe_runtime() -> None:
                   "buffers", _digest(zm.model.buffers()),
                   "stats", fmt({k: v for k, v in stats.items() if "time" not in k and not k.endswith("_s")}))
             print("  forwards restored", all("forward" not in m.__dict__ for m in zm.model.modules()))
+    probe_runtime_effects()
+
+
+def _train_digest(model: torch.nn.Module, step: Any, plan: Plan | None, steps: int = 2) -> str:
+    """``steps`` Adam steps of ``model`` (``step(model) -> loss``), under ``plan`` if given: losses and a digest."""
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    ctx = memopt.plan(plan, model) if plan is not None else None
+    try:
+        if ctx is not None:
+            ctx.apply()
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = step(model)
+            loss.backward()
+            opt.step()
+            losses.append(fmt(loss.item()))
+    except memopt.MemoptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if ctx is not None:
+            ctx.remove()
+    return f"losses {losses} params {_digest(model.parameters())} buffers {_digest(model.buffers())}"
+
+
+def probe_runtime_effects() -> None:
+    """Recompute's side-effect handling (buffers, attributes, arguments, caches) and plan application's refusals."""
+    from torch import nn
+
+    from memopt_nb.plan import Decision
+
+    def named_plan(names: list[str], strategy: str) -> Plan:
+        return Plan(decisions=tuple(Decision(n, strategy) for n in names), method=f"{strategy}_all")
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return torch.tanh(self.lin(x)) * self.calls
+
+    class Logging(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, log: list) -> torch.Tensor:
+            log.append(x.shape[0])
+            return torch.tanh(self.lin(x))
+
+    class LoggingNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Logging(), Logging()
+
+        def forward(self, x: torch.Tensor, log: list | None = None) -> torch.Tensor:
+            log = [] if log is None else log
+            return self.b(self.a(x, log), log).sum()
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    for api in ("old", "parametrizations"):
+        norm = nn.utils.spectral_norm if api == "old" else nn.utils.parametrizations.spectral_norm
+        names = ["0", "2", "4"]
+        for strategy in (None, "recompute", "swap"):
+            torch.manual_seed(0)
+            net = nn.Sequential(*[m for _ in range(3) for m in (norm(nn.Linear(16, 16)), nn.Tanh())],
+                                nn.Linear(16, 1))
+            plan = named_plan(names, strategy) if strategy else None
+            print("spectral", api, strategy, _train_digest(net, lambda m: m(x).pow(2).mean(), plan))
+        prof = memopt.profile(net, x, units=names, repeats=1)
+        print("  profile", [(u.recomputable, u.side_effects, u.not_recomputable_reason) for u in prof.units])
+    y = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    for strategy in (None, "recompute", "swap"):
+        torch.manual_seed(0)
+        net = nn.Sequential(Counting(), Counting(), nn.Linear(8, 1))
+        plan = named_plan(["0", "1"], strategy) if strategy else None
+        print("counting", strategy, _train_digest(net, lambda m: m(y).sum(), plan, steps=3), net[0].calls,
+              net[1].calls, sorted(k for k in net[0].__dict__ if not k.startswith("_")))
+    torch.manual_seed(0)
+    net = LoggingNet()
+    prof = memopt.profile(net, y, units=["a", "b"], repeats=1)
+    print("logging", [(u.recomputable, u.not_recomputable_reason) for u in prof.units])
+    for plan in (Plan.uniform(prof, "recompute"), named_plan(["a", "b"], "recompute"), Plan.uniform(prof, "swap")):
+        log: list = []
+        print("  ", plan.strategies, _train_digest(net, lambda m, log=log: m(y, log), plan, steps=1), log)
+    class Box:  # a plain object passed to a unit, whose attribute the forward replaces
+        def __init__(self) -> None:
+            self.count = 0
+
+    class Boxed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, box: Box) -> torch.Tensor:
+            box.count = box.count + 1
+            return torch.tanh(self.lin(x)) * box.count
+
+    class BoxedNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Boxed(), Boxed()
+
+        def forward(self, x: torch.Tensor, box: Box) -> torch.Tensor:
+            return self.b(self.a(x, box), box).sum()
+
+    torch.manual_seed(0)
+    net = BoxedNet()
+    prof = memopt.profile(net, y, Box(), units=["a", "b"], repeats=1)
+    print("boxed", [(u.recomputable, u.not_recomputable_reason) for u in prof.units])
+    box = Box()
+    print("  ", _train_digest(net, lambda m: m(y, box), named_plan(["a", "b"], "recompute"), steps=1), box.count)
+    # plan application's refusals
+    zm = memopt.zoo.build("gpt", **SMALL["gpt"][0])
+    units = [n for n, _ in zm.model.named_modules() if n.startswith("blocks.") and n.count(".") == 1]
+    for names in (["blocks", "blocks.0"], ["", "blocks.1"], ["blocks.0", "blocks.1"]):
+        try:
+            with memopt.plan(named_plan(names, "recompute"), zm.model):
+                print("apply", names, "ok", [n for n, m in zm.model.named_modules() if "forward" in m.__dict__])
+        except memopt.MemoptError as exc:
+            print("apply", names, type(exc).__name__, exc)
+    for flag in ("gradient_checkpointing", "grad_checkpointing", "is_gradient_checkpointing"):
+        target = zm.model if flag == "is_gradient_checkpointing" else zm.model.blocks[1]
+        setattr(target, flag, True)
+        try:
+            memopt.plan(named_plan(units, "recompute"), zm.model).apply().remove()
+            print("flag", flag, "ok")
+        except memopt.MemoptError as exc:
+            print("flag", flag, type(exc).__name__, exc)
+        delattr(target, flag)
+    for args in ((named_plan(units, "keep"),), ("nope", zm.model), (named_plan(units, "keep"), "nope")):
+        try:
+            memopt.plan(*args)
+            print("plan()", "ok")
+        except memopt.MemoptError as exc:
+            print("plan()", type(exc).__name__, exc)
+    try:
+        import transformers
+    except ImportError:
+        return
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    for strategy in (None, "recompute", "swap"):
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        lengths = []
+
+        def step(m: Any, lengths: list = lengths) -> torch.Tensor:
+            out = m(input_ids=ids, labels=ids)
+            lengths.append(out.past_key_values)
+            return out.loss
+
+        plan = named_plan(["transformer.h.0", "transformer.h.1"], strategy) if strategy else None
+        digest = _train_digest(model, step, plan)
+        print("hf-gpt2", strategy, digest, [[layer.keys.shape[-2] for layer in c.layers] for c in lengths])
 
 
 def probe_rl() -> None:
