@@ -18,6 +18,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m memopt_nb demo
+	$(PY) -m memopt_nb demo --whole-step
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

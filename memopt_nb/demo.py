@@ -37,6 +37,60 @@ def _train(model_name: str, steps: int, plan: Plan | None, seed: int) -> tuple[l
     return losses, [p.detach().clone() for p in zm.model.parameters()]
 
 
+def _train_state(model_name: str, steps: int, plan: Plan | None, seed: int) -> list[torch.Tensor]:
+    """Train ``steps`` steps; return every parameter, buffer and optimizer-state tensor afterwards."""
+    zm = build(model_name, seed=seed)
+    opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+    torch.manual_seed(seed)
+    ctx = AppliedPlan(plan, zm.model, opt) if plan is not None else None
+    if ctx:
+        ctx.apply()
+    try:
+        for _ in range(steps):
+            zm.loss_fn(zm.model(*zm.inputs)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        if ctx:
+            ctx.remove()
+    state = [t.detach().clone() for t in zm.model.state_dict().values()]
+    return state + [t.clone() for s in opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)]
+
+
+def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2, steps: int = 3, seed: int = 0,
+                        out: Callable[[str], None] = print) -> dict[str, object]:
+    """A model whose parameters + gradients + Adam state are ``state_over_budget`` × the budget trains under a
+    searched whole-step plan; parameters, buffers and optimizer state are compared with plain training."""
+    from .rl.search import search
+
+    zm = build(model, seed=seed)
+    opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+    out(f"memopt_nb whole-step demo: built-in '{model}' model, {sum(p.numel() for p in zm.model.parameters()):,} "
+        "parameters, Adam")
+    prof = profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt)
+    state = prof.param_bytes + prof.grad_bytes + prof.optimizer_state_bytes
+    budget = int(state / state_over_budget)
+    out(f"  parameters + gradients + Adam state: {format_bytes(state)} ({state / prof.peak_bytes:.0%} of the peak), "
+        f"{state / budget:.1f}x the budget of {format_bytes(budget)}")
+    out(f"  smallest peak with activations only: {format_bytes(min_peak(prof, offload_state=False))}; "
+        f"with whole-step plans: {format_bytes(min_peak(prof, offload_state=True))}")
+    plan = search(prof, budget, offload_state=True)
+    base = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=steps)
+    under = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=steps)
+    matched = all(torch.equal(a, b) for a, b in zip(_train_state(model, steps, None, seed),
+                                                      _train_state(model, steps, plan, seed), strict=True))
+    out(f"  {plan.summary()}")
+    out(f"  unoptimized peak (measured): {format_bytes(base.peak_bytes)}")
+    out(f"  predicted peak under plan:   {format_bytes(plan.predicted_peak_bytes or 0)}")
+    out(f"  measured peak under plan:    {format_bytes(under.peak_bytes)}"
+        f"  ({'within' if under.peak_bytes <= budget else 'OVER'} budget)")
+    out(f"  step time ratio (plan/none): {under.step_time / base.step_time:.2f}x")
+    out(f"  parameters, buffers and Adam state after {steps} steps: "
+        f"{'identical, bit for bit' if matched else 'DIFFERENT'}")
+    return {"state": state, "budget": budget, "measured_peak": under.peak_bytes, "matched": matched, "plan": plan,
+            "within_budget": under.peak_bytes <= budget}
+
+
 def _short(d: object) -> str:
     s = {"keep": "K", "recompute": "R", "swap": "S"}[d.strategy]
     return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy == "swap" else "")
