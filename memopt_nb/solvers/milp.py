@@ -606,6 +606,29 @@ def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: S
     return form.read_back(res.x)[3]
 
 
+def _fallback(sim: Simulator, b: int, strategies: Sequence[str], time_limit: float,
+              space: dict[str, Any]) -> tuple[Plan | None, str]:
+    """A smaller problem's optimum that bounds the full one from above (a cut-off that prunes the search, and the
+    answer of last resort if the full problem runs out of time), and what it means when nothing beats it.
+
+    Where state may move, the activation-only optimum (when it fits); otherwise, or if it does not fit, the
+    checkpointing-only optimum in the same state space (quick to prove)."""
+    if any(len(c) > 1 for c in unit_states(sim, **space)):
+        try:
+            return (optimal(sim, b, strategies=strategies, time_limit=time_limit / 4, offload_state=False),
+                    "no plan moving state beat the activation-only optimum")
+        except BudgetError:
+            pass
+    if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
+        rc_only = tuple(x for x in strategies if x != "swap")
+        try:
+            return (optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space),
+                    "no plan with swaps beat the checkpointing-only optimum")
+        except BudgetError:
+            pass
+    return None, ""
+
+
 def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
             strategies: Sequence[str] = STRATEGIES, time_limit: float = 120.0, *,
             offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
@@ -623,15 +646,7 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
     b = check_budget(sim, budget, strategies, **space)
     allowed = [list(STATE_CHOICES[c]) for c in allowed_states(offload_state, step_in_backward)]
     t0 = time.perf_counter()
-    # The checkpointing-only optimum is quick to prove; when it fits, it bounds the full problem from above (a
-    # cut-off that prunes the search) and is the answer of last resort if the full problem runs out of time.
-    fallback = None
-    if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
-        rc_only = tuple(x for x in strategies if x != "swap")
-        try:
-            fallback = optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space)
-        except BudgetError:
-            fallback = None
+    fallback, note = _fallback(sim, b, strategies, time_limit, space)
     form = Formulation(sim, strategies, **space)
     form.limit_memory(b)
     objective, const, tscale = form.time_objective()
@@ -644,12 +659,12 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
                          and (float(res.fun) + const) * tscale + offset >= fallback.predicted_step_time):
         if fallback is not None and fallback.feasible:
             proven = res.status in (0, 2)  # solved, or infeasible under the cut-off: nothing beats checkpointing
-            return fallback.with_meta(method="optimal", meta={
-                "solver": "highs-milp", "proven_optimal": proven, "solve_seconds": solve_time,
-                "milp_step_time": fallback.predicted_step_time, "allowed_strategies": list(strategies),
-                "allowed_placements": allowed,
-                "mip_gap": 0.0 if proven else float("nan"), "note": "no plan with swaps beat the checkpointing-only "
-                "optimum" + ("" if proven else " within the time limit")})
+            meta = {"solver": "highs-milp", "proven_optimal": proven, "solve_seconds": solve_time,
+                    "milp_step_time": fallback.predicted_step_time, "allowed_strategies": list(strategies),
+                    "allowed_placements": allowed, "mip_gap": 0.0 if proven else float("nan"),
+                    "note": note + ("" if proven else " within the time limit")}
+            return fallback.with_meta(method="optimal", step_in_backward=fallback.step_in_backward or step_in_backward,
+                                      meta=meta)
         raise BudgetError(f"the exact solver found no plan within {time_limit:.0f} s ({res.message}); raise "
                           f"time_limit or the budget")
     codes, ws, ds, states = form.read_back(res.x)
