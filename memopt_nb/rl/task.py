@@ -119,7 +119,7 @@ class PlanningTask:
         self.state_ids = np.array([STATE_CHOICES.index(c) for c in allowed], dtype=np.int64)
         self._compile_states()
         if self.C == 1:  # activations only: the exact floor (before anything else is computed)
-            self.budget = check_budget(self.sim, budget)
+            self.budget = check_budget(self.sim, budget, offload_state=False)
         keep = np.zeros((1, n), dtype=np.int64)
         base = self.sim.evaluate(keep, keep + 1, keep + 1, details=True)
         self.base_peaks = base["peaks"][0]
@@ -268,10 +268,14 @@ class PlanningTask:
                           bool(self.suffix_can_move[0]))
 
     def _check_budget(self, budget: Any) -> int:
-        """:func:`~memopt_nb.solvers.common.check_budget`; where placements may move state, below its activation-only
-        floor the marginal model's floor over the enlarged space decides."""
+        """:func:`~memopt_nb.solvers.common.check_budget` over this task's space: exact (the MILP's floor with the
+        placements allowed) for the simulator's own state table; for another table (tests, what-if studies), below the
+        activation-only floor the marginal model's floor over the enlarged space decides."""
+        if self.state_model is not None and self.state_model.native:
+            return check_budget(self.sim, budget, offload_state=self.offload_state,
+                                step_in_backward=self.step_in_backward)
         try:
-            return check_budget(self.sim, budget)
+            return check_budget(self.sim, budget, offload_state=False)
         except BudgetError:
             if self.C == 1:
                 raise

@@ -568,7 +568,8 @@ def check_budget(sim: Simulator, budget: Any, strategies: Sequence[str] = STRATE
         from ..floor import explain_floor
 
         using = _space_text(sim, strategies, offload_state, step_in_backward)
-        floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=strategies)
+        floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=strategies,
+                              offload_state=offload_state, step_in_backward=step_in_backward)
         raise BudgetError(
             f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches for this "
             f"profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes) = {floor.breakdown_text()}. "
