@@ -122,6 +122,10 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
     took = plan.meta.get("search_seconds")
     out(f"plan ({plan.method}{f', {took:.0f} s' if took else ''}): keep {counts['keep']}, recompute "
         f"{counts['recompute']}, swap {counts['swap']}  — {' '.join(_short(d) for d in plan.decisions)}")
+    if plan.moves_state:
+        sc = plan.state_counts()
+        out(f"  state: optimizer offloaded {sc['optimizer']}, gradients offloaded {sc['grads']}, stepped in backward "
+            f"{sc['step']}, parameters offloaded {sc['params']} (of {len(plan.decisions)} units)")
     out(f"  unoptimized peak (measured): {format_bytes(base.peak_bytes)}")
     out(f"  budget:                      {format_bytes(budget)} ({budget / prof.peak_bytes:.0%} of the peak)")
     out(f"  predicted peak under plan:   {format_bytes(sim.peak_bytes)}")

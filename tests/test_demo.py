@@ -14,7 +14,7 @@ def train(plan, steps, seed=0):
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
     torch.manual_seed(seed)  # dropout masks: the same in both runs
     losses = []
-    with memopt.plan(plan, zm.model) if plan is not None else contextlib.nullcontext():
+    with memopt.plan(plan, zm.model, optimizer=opt) if plan is not None else contextlib.nullcontext():
         for _ in range(steps):
             loss = zm.loss_fn(zm.model(*zm.inputs))
             loss.backward()
