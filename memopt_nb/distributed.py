@@ -65,6 +65,10 @@ entered (a :class:`~memopt_nb.errors.PlanError`, with nothing changed):
   the host and runs the optimizer step on the CPU. That step is numerically different from a device step (results are
   close, not bit-identical to training without offload), whereas memopt's placements on one device or under DDP step
   on the device with the state streamed in and out and keep every bit.
+
+:func:`per_rank` records what a rank may move (``profile.meta["state_movable"]``: nothing under FSDP2, optimizer
+state and parameters under DDP), and the cost model offers planners only those placements, so a plan searched for a
+rank's profile is one the rank can apply.
 """
 
 from __future__ import annotations
@@ -354,6 +358,12 @@ def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, dd
     out._model_ref = profile._model_ref
     info: dict[str, Any] = {"world_size": world_size, "sharding": sharding}
     out.meta["per_rank"] = info
+    # what a whole-step plan may move on a rank (check_state_placements refuses the rest): FSDP2 owns parameters,
+    # gradients and optimizer state (use its CPUOffloadPolicy); DDP reduces gradients itself
+    if sharding == "fsdp":
+        out.meta["state_movable"] = []
+    elif sharding == "ddp":
+        out.meta["state_movable"] = ["optimizer", "params"]
     if sharding is None:
         return out
     segs = out.segments

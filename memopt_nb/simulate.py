@@ -231,6 +231,10 @@ class Simulator:
         step_t = [float(getattr(prof, "outside_step_time", 0.0)) * self.factor] + [
             float(getattr(u, "step_time", 0.0)) * self.factor for u in units]
         seg_idx = np.arange(S)
+        # what the runtime may move for this profile (memopt_nb.distributed.per_rank: nothing under FSDP2, no
+        # gradients under DDP); a choice that moves anything else is left out (all-zero rows, not allowed)
+        movable = prof.meta.get("state_movable")
+        movable = None if movable is None else set(movable)
         for u, up in enumerate(units):
             P, G, Ost = int(up.param_bytes), int(getattr(up, "grad_bytes", 0)), int(getattr(up, "optimizer_bytes", 0))
             nP, nG, nO = (int(getattr(up, k, 0)) for k in ("param_storages", "grad_storages", "optimizer_storages"))
@@ -245,6 +249,10 @@ class Simulator:
                 if c == 0:
                     continue
                 if p == "offload" and not getattr(up, "params_offloadable", False):
+                    continue
+                if movable is not None and ((o == "offload" and "optimizer" not in movable)
+                                            or (g != "resident" and "grads" not in movable)
+                                            or (p == "offload" and "params" not in movable)):
                     continue
                 allowed[u, c] = True
                 d = np.zeros(S, dtype=np.int64)

@@ -648,3 +648,30 @@ def test_swap_still_offloads_activations_placed_where_offloaded_parameters_were(
         offloaded[params] = applied.stats["offloaded_bytes"]
         assert params == "resident" or applied.stats["param_h2d_bytes"] > 0
     assert offloaded["offload"] == offloaded["resident"] > 0, offloaded
+
+
+def test_plans_for_a_rank_place_only_what_the_rank_may_move():
+    """per_rank tells the planners what a rank may move: nothing under FSDP2, no gradients under DDP (which
+    check_state_placements would refuse when the plan is entered)."""
+    import memopt_nb as memopt
+    from memopt_nb.distributed import per_rank
+    from memopt_nb.plan import STATE_CHOICES
+
+    zm = memopt.zoo.build("mlp", batch_size=8, width=64, depth=3)
+    opt = torch.optim.Adam(zm.model.parameters())
+    prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
+    plain = memopt.Simulator(prof).state_table()
+    assert plain.allowed[:, 1:].any()
+    for sharding, movable in (("fsdp", set()), ("ddp", {"optimizer", "params"})):
+        table = memopt.Simulator(per_rank(prof, 2, sharding)).state_table()
+        for c, (o, g, p) in enumerate(STATE_CHOICES):
+            needs = {k for k, moved in (("optimizer", o == "offload"), ("grads", g != "resident"),
+                                        ("params", p == "offload")) if moved}
+            may = needs <= movable
+            assert (table.allowed[:, c] == (plain.allowed[:, c] & may)).all(), (sharding, c)
+            if not may:
+                assert not table.seg_delta[:, c].any() and not table.step_delta[:, c].any()
+        low = memopt.solvers.min_peak(per_rank(prof, 2, sharding))
+        p = memopt.solvers.optimal(per_rank(prof, 2, sharding), budget=low)
+        assert all(set(k for k, v in zip(("optimizer", "grads", "params"), d.placement) if v != "resident")
+                   <= movable for d in p.decisions)
