@@ -63,7 +63,7 @@ def test_kept_activations_advice_is_a_smaller_batch_only():
 
 def test_budget_error_explains_the_floor():
     prof = profile_of([(512, 512)] * 8, 8)
-    floor = explain_floor(prof)
+    floor = explain_floor(prof, offload_state=True)  # the search's default space
     with pytest.raises(memopt.BudgetError) as err:
         memopt.search(prof, floor.floor_bytes - 1)
     msg = str(err.value)
