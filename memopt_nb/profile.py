@@ -44,7 +44,14 @@ from .errors import ProfileError
 from .plan import model_fingerprint, optimizer_fingerprint, unit_fingerprint
 from .runtime.measure import model_device
 from .runtime.memory import meter_for
-from .runtime.recompute import ForwardEffects, checkpointed_call, forward_side_effects, running_stat_modules
+from .runtime.recompute import (
+    ForwardEffects,
+    cache_tensors,
+    checkpointed_call,
+    forward_side_effects,
+    is_cache,
+    running_stat_modules,
+)
 from .runtime.step import model_keywords, preserved_state, training_step
 
 PROFILE_FORMAT = "memopt_nb.profile"
@@ -139,6 +146,9 @@ class StorageGroup:
         free_pos: the segment boundary (index) at which nothing but autograd refers to them any more, or ``None`` if
             something still does at the end of the forward.
         outside_release: for storages code outside units saves, the segment in which that code's backward lets go.
+        release_pos: for storages something besides autograd still refers to when the forward ends (``free_pos`` is
+            ``None``): the boundary, after the forward, at which nothing but autograd refers to them any more (a
+            model's output dropped after the loss: a Hugging Face KV cache), or ``None`` if never in the step.
     """
 
     nbytes: int
@@ -149,6 +159,7 @@ class StorageGroup:
     outside_saver: bool
     free_pos: int | None
     outside_release: int | None = None
+    release_pos: int | None = None
 
 
 @dataclass
@@ -528,7 +539,8 @@ def _discover(model: nn.Module, inputs: Sequence[Any],
 
 # ====================================================================== instrumented runs
 class _SInfo:
-    __slots__ = ("nbytes", "producer", "savers", "consumers", "outside", "free_pos", "weak", "outside_release")
+    __slots__ = ("nbytes", "producer", "savers", "consumers", "outside", "free_pos", "weak", "outside_release",
+                 "release_pos")
 
     def __init__(self, st: torch.UntypedStorage, producer: int) -> None:
         self.nbytes = st.nbytes()
@@ -538,6 +550,7 @@ class _SInfo:
         self.outside = False
         self.free_pos: int | None = None
         self.outside_release: int | None = None
+        self.release_pos: int | None = None
         self.weak = weakref.ref(st)  # never a strong reference: handles keep saved storages alive, as autograd would
 
 
@@ -584,12 +597,18 @@ class _Run:
         self.unit_io: dict[int, tuple[list[list[int]], list[list[int]], int, int]] = {}
         self._installed: list[tuple[nn.Module, Any]] = []
         self.bwd_started: set[int] = set()
+        self.forward_done = False
 
     # -- marks
     def _mark(self, label: Any) -> int:
         self.mark(label)
         self.n_marks += 1
-        return self.n_marks - 1
+        pos = self.n_marks - 1
+        if label[0] == "forward_end":
+            self.forward_done = True
+        if self.observe and self.forward_done:
+            self._scan_release(pos)
+        return pos
 
     # -- storage bookkeeping (observe mode)
     def _info(self, st: torch.UntypedStorage, producer: int) -> _SInfo:
@@ -612,6 +631,15 @@ class _Run:
             st = inf.weak()  # holding the Python storage object adds exactly one reference
             if st is None or _use_count(st) <= 1:
                 inf.free_pos = pos
+
+    def _scan_release(self, pos: int) -> None:
+        # after the forward: when what was still referenced at its end (a model output, a KV cache) is let go of
+        for inf in self.infos.values():
+            if inf.free_pos is not None or inf.release_pos is not None:
+                continue
+            st = inf.weak()
+            if st is None or _use_count(st) <= 1:
+                inf.release_pos = pos
 
     def _outside_pack(self, t: torch.Tensor) -> Any:
         if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta:
@@ -681,7 +709,9 @@ class _Run:
             for t in grad_inputs.values():
                 self._tensor_event(t, "end", index)
             in_ptrs = set()
-            for t in leaves:
+            # a recomputed unit keeps the tensors of a cache passed in (its copy of the cache before the forward)
+            held = [t for a in [*args, *kwargs.values()] if is_cache(a) for t in cache_tensors(a)]
+            for t in [*leaves, *held]:
                 if t.layout == torch.strided and not t.is_meta:
                     st = t.untyped_storage()
                     in_ptrs.add(id(st))
@@ -1072,10 +1102,10 @@ def _groups_from(run: _Run) -> list[StorageGroup]:
         if not inf.savers and not inf.consumers:
             continue
         key = (inf.producer, tuple(sorted(inf.savers)), tuple(sorted(inf.consumers)), inf.outside, inf.free_pos,
-               inf.outside_release)
+               inf.outside_release, inf.release_pos)
         agg[key][0] += inf.nbytes
         agg[key][1] += 1
     out = [StorageGroup(nbytes=v[0], count=v[1], producer=k[0], savers=k[1], consumers=k[2], outside_saver=k[3],
-                        free_pos=k[4], outside_release=k[5]) for k, v in agg.items()]
+                        free_pos=k[4], outside_release=k[5], release_pos=k[6]) for k, v in agg.items()]
     out.sort(key=lambda g: (g.savers[-1] if g.savers else max(g.consumers), g.producer, g.free_pos or 0))
     return out

@@ -18,12 +18,14 @@ or the one measured with the unit recomputed, for that unit's forward and backwa
 
 * *forward liveness*: it is referenced outside autograd until the boundary ``free_pos`` (so it is resident through
   segment ``free_pos - 1``); a group still referenced when the last unit's forward returns (``free_pos`` is ``None``) is
-  resident through the segment after the last unit's forward. A group that no unit saves and that is still referenced
-  then belongs to the caller (the batch) and no plan moves it; neither does one that code outside units saves and never
-  lets go of.
+  resident through segment ``release_pos - 1`` when it is let go of later in the step (a model output the loss has
+  done with, and the Hugging Face KV cache in it), else through the segment after the last unit's forward. A group
+  that no unit saves and that is still referenced all step belongs to the caller (the batch) and no plan moves it;
+  neither does one that code outside units saves and never lets go of.
 * *holders*: every unit that saves it holds it until its own backward, except its producer when the producer is
   recomputed (recomputation recreates it); a recomputed unit that takes it as input holds it until its backward
-  (checkpointing keeps inputs); code outside units that saves it holds it until ``outside_release``. The group is freed
+  (checkpointing keeps inputs; a tensor of a cache passed in is an input: the recomputation keeps a copy of the cache
+  as it was); code outside units that saves it holds it until ``outside_release``. The group is freed
   after the later of its forward liveness and its last holder. The profiled run is the plan that keeps every unit.
 * *offload*: a group some unit saves, that code outside units does not save and whose forward liveness ends in the
   forward, is offloaded when its *owner* (the last unit, in forward order, that saves it) is swapped and no recomputed
@@ -417,9 +419,10 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     for g in profile.groups:
         if g.outside_saver and g.outside_release is None:
             continue  # code outside units holds it all step
-        if not g.savers and not g.outside_saver and g.free_pos is None:
+        if not g.savers and not g.outside_saver and g.free_pos is None and g.release_pos is None:
             continue  # the caller's (an input batch): nothing in the step lets go of it
-        last_fwd = g.free_pos - 1 if g.free_pos is not None else forward_end
+        last_fwd = (g.free_pos - 1 if g.free_pos is not None else g.release_pos - 1 if g.release_pos is not None
+                    else forward_end)
         outside = [g.outside_release] if g.outside_saver else []
         kept_holders = [bwd_at[s] for s in g.savers] + outside
         plan_holders = ([bwd_at[s] for s in g.savers if not (s == g.producer and rc[s])]

@@ -341,7 +341,7 @@ class Simulator:
         def changes(g: Any) -> bool:  # groups no plan can move are left out
             if g.outside_saver:
                 return g.outside_release is not None
-            return bool(g.savers) or g.free_pos is not None
+            return bool(g.savers) or g.free_pos is not None or getattr(g, "release_pos", None) is not None
 
         gs = [g for g in groups if changes(g)]
         self.G = G = len(gs)
@@ -358,8 +358,11 @@ class Simulator:
         self.g_has_sav = self.g_sav[:, 0] >= 0
         self.g_owner = np.where(self.g_has_sav, self.g_sav.max(axis=1), 0)
         self.g_free = np.array([g.free_pos if g.free_pos is not None else -1 for g in gs], dtype=np.int64)
-        # forward liveness end when nothing else holds it: resident through segment free-1 (or the one after the end)
-        fallback = np.where(self.g_free >= 0, self.g_free - 1, self.end)
+        g_release = np.array([r if (r := getattr(g, "release_pos", None)) is not None else -1 for g in gs],
+                             dtype=np.int64)
+        # liveness outside autograd: resident through segment free-1, or release-1 for what is let go of after the
+        # forward (a model output, a KV cache), or the segment after the forward
+        fallback = np.where(self.g_free >= 0, self.g_free - 1, np.where(g_release >= 0, g_release - 1, self.end))
         bwd_of = lambda idx: np.where(idx >= 0, self.bwd_seg[np.maximum(idx, 0)], -1)  # noqa: E731
         self.g_sav_bwd = bwd_of(self.g_sav)
         self.g_con_bwd = bwd_of(self.g_con)
@@ -367,7 +370,7 @@ class Simulator:
         # code outside units that saves a storage lets go of it in this segment's backward (-1: no such code)
         self.g_out_rel = np.array([g.outside_release if g.outside_saver else -1 for g in gs], dtype=np.int64)
         base = np.maximum(np.where(self.g_has_sav, self.g_sav_bwd.max(axis=1), -1), self.g_out_rel)
-        self.g_base_end = np.where(base >= 0, base, fallback)
+        self.g_base_end = np.maximum(base, fallback)
         outside = np.array([g.outside_saver for g in gs], dtype=bool)
         self.g_eligible = self.g_has_sav & (self.g_free >= 0) & ~outside
         self.g_next = np.where(self.g_free >= 0, self.next_unit[np.maximum(self.g_free, 0)], 0)
@@ -414,7 +417,7 @@ class Simulator:
         end_sav = np.where(hold_sav, self.g_sav_bwd[None], -1).max(axis=2)
         end_con = np.where(con_rc, self.g_con_bwd[None], -1).max(axis=2)
         plan_end = np.maximum(np.maximum(end_sav, end_con), self.g_out_rel[None])
-        plan_end = np.where(plan_end >= 0, plan_end, self.g_fallback[None])
+        plan_end = np.maximum(plan_end, self.g_fallback[None])
         owner_sw = sw[:, self.g_owner]
         off = self.g_eligible[None] & owner_sw & ~con_rc.any(axis=2)
         r_unit = self.g_next[None] + w[:, self.g_owner]

@@ -138,3 +138,45 @@ def test_hf_gpt2_peak_predicted_within_2_percent(hf_gpt2, strategy):
     assert abs(sim.peak_bytes - meas.peak_bytes) <= 0.02 * meas.peak_bytes
     if strategy != "keep":
         assert sim.peak_bytes < prof.peak_bytes  # the plan changes something the prediction has to follow
+
+
+# ---------------------------------------------------------------------- GPT-2 with its KV cache (use_cache=True)
+@pytest.fixture(scope="module")
+def hf_gpt2_cache():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    # use_cache=True (the default): the output carries a KV cache that every block extends and the loss drops; a
+    # recomputed block keeps the cache as it was before its forward (the K/V of the blocks before it) for its replay
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    assert cfg.use_cache
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.Adam(model.parameters())
+
+    def loss_fn(out):
+        return out.logits.float().pow(2).mean()
+
+    prof = memopt.profile(model, ids, loss_fn=loss_fn, optimizer=opt, repeats=1)
+    return model, ids, loss_fn, opt, prof
+
+
+@pytest.mark.parametrize("strategies", [("recompute",) * 3, ("recompute", "keep", "recompute"),
+                                        ("keep", "recompute", "keep")])
+def test_hf_gpt2_with_kv_cache_recompute_peak_is_exact(hf_gpt2_cache, strategies):
+    """The KV cache is let go of when the loss drops the output; a recomputed block holds the cache's K/V of earlier
+    blocks until its backward, and nothing more (it used to hold the live cache, every block's K/V, to its backward)."""
+    model, ids, loss_fn, opt, prof = hf_gpt2_cache
+    assert prof.n_units == 3
+    plan = memopt.Plan.from_strategies(prof, list(strategies))
+    sim = memopt.simulate(prof, plan)
+    meas = memopt.measure(model, ids, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1)
+    assert sim.peak_bytes == meas.peak_bytes
+    assert sim.peak_bytes < prof.peak_bytes
+    # the reference replay agrees with the compiled simulator
+    sim_c = Simulator(prof)
+    s, w, d = sim_c.encode(plan)
+    assert simulate_reference(sim_c, s[0], w[0], d[0])["peak"] == sim.peak_bytes
+    # the cache's tensors are inputs of the blocks after the one that makes them, let go of after the forward
+    late = [g for g in prof.groups if g.free_pos is None and g.release_pos is not None and g.consumers]
+    assert late and all(g.release_pos > prof.units[-1].fwd_segment + 1 for g in late)

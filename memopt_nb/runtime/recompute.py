@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import PlanError
 
-__all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "checkpointed_call", "forward_side_effects", "is_cache",
-           "running_stat_modules"]
+__all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "cache_tensors", "checkpointed_call",
+           "forward_side_effects", "is_cache", "running_stat_modules"]
 
 def running_stat_modules(module: nn.Module) -> list[nn.Module]:
     """Submodules whose training-mode forward updates running statistics (BatchNorm and friends)."""
@@ -92,13 +92,40 @@ def _tensor_versions(obj: Any, depth: int, out: list[tuple[torch.Tensor, int]]) 
             _tensor_versions(v, depth - 1, out)
 
 
+#: how deep a cache's Python structure is copied (cache -> its dict -> list of layers -> layer -> tensors)
+_CACHE_DEPTH = 4
+
+
+def cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """The tensors a cache refers to now: what a recomputed unit's copy of it (its state before the first forward)
+    keeps alive until the unit's backward."""
+    found: list[tuple[torch.Tensor, int]] = []
+    _tensor_versions(cache, _CACHE_DEPTH, found)
+    return [t for t, _ in found]
+
+
+class _CacheKey:
+    """Stands in a recomputed unit's arguments for a cache after the first forward, so the live cache (which later
+    units extend) is not kept alive by the recomputation; :meth:`ReplayGuard.again` puts the replay copy there."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+def _without_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    swap = lambda a: _CacheKey(id(a)) if is_cache(a) else a  # noqa: E731
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
 class _CacheSnapshot:
     """A Hugging Face cache as it was before a unit's first forward, for the recomputation to append to instead."""
 
     def __init__(self, cache: Any) -> None:
-        self.state = _copy_state(cache, 4)
+        self.state = _copy_state(cache, _CACHE_DEPTH)
         self.versions: list[tuple[torch.Tensor, int]] = []
-        _tensor_versions(self.state, 4, self.versions)
+        _tensor_versions(self.state, _CACHE_DEPTH, self.versions)
 
     def replay_copy(self, unit: str) -> Any:
         changed = [t for t, v in self.versions if t._version != v]
@@ -107,7 +134,7 @@ class _CacheSnapshot:
                 f"unit {unit!r} updates a cache ({type(self.state).__name__}) in place, so its recomputation cannot "
                 "start from the cache as the first forward saw it; keep or swap this unit, or call the model with "
                 "use_cache=False while training")
-        return _copy_state(self.state, 4)
+        return _copy_state(self.state, _CACHE_DEPTH)
 
 
 def _shallow_signature(obj: Any) -> Any:
@@ -253,8 +280,14 @@ class ReplayGuard:
         state, caches = memo
         if caches:
             replays = {key: snap.replay_copy(self.name) for key, snap in caches.items()}
-            args = tuple(replays.get(id(a), a) if is_cache(a) else a for a in args)
-            kwargs = {k: (replays.get(id(v), v) if is_cache(v) else v) for k, v in kwargs.items()}
+
+            def replay(a: Any) -> Any:  # the live cache, or what stands for it once the first forward is done
+                if isinstance(a, _CacheKey):
+                    return replays[a.key]
+                return replays.get(id(a), a) if is_cache(a) else a
+
+            args = tuple(replay(a) for a in args)
+            kwargs = {k: replay(v) for k, v in kwargs.items()}
         for i, m in enumerate(self.modules):
             before = state.before_bufs[i]
             for k in list(m._buffers):
@@ -292,16 +325,23 @@ def checkpointed_call(guard: ReplayGuard | nn.Module, forward: Callable[..., Any
     if not isinstance(guard, ReplayGuard):
         guard = ReplayGuard(guard, strict=False)
     memo: list[Any] = []
+    # what the recomputation calls forward with: after the first forward a cache argument is replaced by a marker (the
+    # recomputation appends to a copy of the cache as it was before, which the guard keeps), so the live cache, which
+    # later units extend, is not held until this unit's backward (what a profile's storage groups assume)
+    held: list[Any] = [args, kwargs]
 
     def run(*_devices: Any) -> Any:  # the tensors passed only tell checkpoint which devices' RNG to keep
         if not memo:
-            out, state = guard.first(forward, args, kwargs)
+            out, state = guard.first(forward, held[0], held[1])
             memo.append(state)
+            if state[1]:
+                held[:] = _without_caches(held[0], held[1])
             return out
-        return guard.again(forward, args, kwargs, memo[0])
+        return guard.again(forward, held[0], held[1], memo[0])
 
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    del args, kwargs
     return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
 
 
