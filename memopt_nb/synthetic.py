@@ -118,7 +118,8 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
     return ModelProfile(
         units=unit_list, segments=seg_list, groups=groups, device=dev, peak_bytes=peak, step_time=float(sum(times)),
         start_level=int(level[0]), param_bytes=static_bytes // 4 + int(pb.sum()),
-        grad_bytes=static_bytes // 4 + int(pb.sum()), optimizer_state_bytes=static_bytes // 2 + int(2 * pb.sum()), buffer_bytes=0, input_bytes=0, unattributed_bytes=0, batch_size=None,
+        grad_bytes=static_bytes // 4 + int(pb.sum()), optimizer_state_bytes=static_bytes // 2 + int(2 * pb.sum()),
+        buffer_bytes=0, input_bytes=0, unattributed_bytes=0, batch_size=None,
         fingerprint=tuple({"name": f"blocks.{u}", "type": "SyntheticBlock", "param_shapes": []} for u in range(n)),
         meta={"model_class": f"SyntheticChain{n}", "synthetic_seed": seed}, step_segment=step_seg,
         outside_step_time=1e-4 if state_bytes > 0 else 0.0,
