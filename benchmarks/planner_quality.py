@@ -92,9 +92,10 @@ def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float
     }
 
 
-def whole_step(time_limit: float, timesteps: int | None, quick: bool) -> None:
+def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tuple[int, ...] = (24, 48, 64),
+               zoo_devices: tuple[str | None, ...] = (None, "a100-40gb")) -> None:
     cases = [(name, zoo_profile(name, repeats=1)) for name in memopt.zoo.STATE_HEAVY]
-    chains = (12, 24) if quick else (24, 48, 64)
+    chains = (12, 24) if quick else chains
     cases += [(f"chain{n}+state", chain_profile(n, seed=n, state_bytes=16 * 2**20)) for n in chains]
     fractions = (0.25, 0.6)
     rows = []
@@ -102,7 +103,7 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool) -> None:
           "| random feasible | feasible | search s | MILP s | MILP proven (gap) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, prof in cases:
-        devices = ("a100-40gb",) if label.startswith("chain") else (None, "a100-40gb")
+        devices = ("a100-40gb",) if label.startswith("chain") else zoo_devices
         for device in devices:
             for frac in fractions:
                 r = run_whole_step_case(label, prof, device, frac, time_limit, timesteps)
@@ -159,10 +160,14 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per case (s)")
     ap.add_argument("--timesteps", type=int, default=None, help="PPO timesteps (default: memopt's default)")
     ap.add_argument("--whole-step", action="store_true", help="over the enlarged space (issue 11), cases with state")
+    ap.add_argument("--chains", default="24,48,64", help="--whole-step: synthetic chain sizes")
+    ap.add_argument("--zoo-devices", default="cpu,a100-40gb", help="--whole-step: devices for the zoo cases "
+                    "(cpu: the profiled one)")
     args = ap.parse_args()
     if args.whole_step:
         torch.set_num_threads(1)
-        whole_step(args.time_limit, args.timesteps, args.quick)
+        whole_step(args.time_limit, args.timesteps, args.quick, tuple(int(x) for x in args.chains.split(",")),
+                   tuple(None if d == "cpu" else d for d in args.zoo_devices.split(",")))
         return
     devices = (None, "a100-40gb", "v100-16gb")
     fractions = FRACTIONS
