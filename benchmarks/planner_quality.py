@@ -8,6 +8,13 @@ baseline's, feasibility and search wall time.
 
     python benchmarks/planner_quality.py            # full suite (about an hour on 2 cores)
     python benchmarks/planner_quality.py --quick    # a few cases
+    python benchmarks/planner_quality.py --whole-step  # issue 11: over the enlarged space (state placements)
+
+``--whole-step``: the same comparison over the enlarged space (``offload_state=True``: per unit also where its
+optimizer state, gradients and parameters live) on cases that have state: the fixed-state-heavy zoo models with Adam
+and synthetic chains whose units have parameters, gradients and Adam-like state (``chain_profile(state_bytes=...)``),
+at budgets between the whole-step floor and the unoptimized peak. Next to the agents: uniform random sampling over the
+same space given 4x the plan evaluations the agents made (best feasible plan found).
 """
 
 from __future__ import annotations
@@ -21,19 +28,105 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
+from memopt_nb.solvers.space import evaluate_arrays, unit_options, unit_states  # noqa: E402
 from memopt_nb.synthetic import chain_profile  # noqa: E402
 
 FRACTIONS = (0.40, 0.55, 0.70, 0.85)
 
 
-def zoo_profile(name: str):
+def zoo_profile(name: str, repeats: int = 3):
     zm = memopt.zoo.build(name)
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
-    return memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=3)
+    return memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=repeats)
+
+
+def random_sampling(sim, budget: int, evaluations: int, seed: int = 0, batch: int = 4096) -> tuple[float, float]:
+    """Best feasible step time of ``evaluations`` uniform random plans over the enlarged space (every activation
+    option and every offered placement per unit), and the feasible fraction."""
+    rng = np.random.default_rng(seed)
+    opts = [np.array(unit_options(sim, u)) for u in range(sim.n)]
+    sts = [np.array(x) for x in unit_states(sim, offload_state=True)]
+    best, feasible, done = math.inf, 0, 0
+    while done < evaluations:
+        b = min(batch, evaluations - done)
+        pick = [o[rng.integers(0, len(o), b)] for o in opts]
+        c = np.stack([p[:, 0] for p in pick], axis=1)
+        w = np.stack([p[:, 1] for p in pick], axis=1)
+        d = np.stack([p[:, 2] for p in pick], axis=1)
+        st = np.stack([x[rng.integers(0, len(x), b)] for x in sts], axis=1)
+        peak, tm = evaluate_arrays(sim, c, w, d, st)
+        ok = peak <= budget
+        feasible += int(ok.sum())
+        if ok.any():
+            best = min(best, float(tm[ok].min()))
+        done += b
+    return best, feasible / max(done, 1)
+
+
+def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float, timesteps: int | None) -> dict:
+    sim = memopt.Simulator(prof, device)
+    lo = solvers.min_peak(sim, offload_state=True)
+    budget = int(lo + frac * (prof.peak_bytes - lo))
+    t0 = time.perf_counter()
+    opt = solvers.optimal(sim, budget, time_limit=time_limit, offload_state=True)
+    opt_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan = memopt.search(prof, budget, device, total_timesteps=timesteps, seed=0, offload_state=True)
+    search_s = time.perf_counter() - t0
+    agents = plan.meta["agents_step_time"] or math.inf
+    ref = opt.predicted_step_time
+    evals = 4 * 2 * max(1, int(plan.meta["timesteps_run"]) // sim.n)  # an episode evaluates its plan and its defaults
+    rand, rand_ok = random_sampling(sim, budget, evals)
+    gap = opt.meta.get("mip_gap")
+    return {
+        "case": label, "device": sim.device.name, "budget": frac, "units": prof.n_units,
+        "agents_vs_opt": agents / ref, "polished_vs_opt": plan.predicted_step_time / ref,
+        "random_vs_opt": rand / ref, "random_feasible": rand_ok, "evals": evals, "feasible": bool(plan.feasible),
+        "search_s": search_s, "opt_s": opt_s, "proven": bool(opt.meta["proven_optimal"]),
+        "gap": float(gap) if gap is not None else math.nan,
+    }
+
+
+def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tuple[int, ...] = (24, 48, 64),
+               zoo_devices: tuple[str | None, ...] = (None, "a100-40gb")) -> None:
+    cases = [(name, zoo_profile(name, repeats=1)) for name in memopt.zoo.STATE_HEAVY]
+    chains = (12, 24) if quick else chains
+    cases += [(f"chain{n}+state", chain_profile(n, seed=n, state_bytes=16 * 2**20)) for n in chains]
+    fractions = (0.25, 0.6)
+    rows = []
+    print("| case | device | budget | units | agents ÷ opt | polished ÷ opt | random (4x evals) ÷ opt "
+          "| random feasible | feasible | search s | MILP s | MILP proven (gap) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, prof in cases:
+        devices = ("a100-40gb",) if label.startswith("chain") else zoo_devices
+        for device in devices:
+            for frac in fractions:
+                r = run_whole_step_case(label, prof, device, frac, time_limit, timesteps)
+                rows.append(r)
+                proven = "yes" if r["proven"] else f"no (gap {r['gap']:.2%})"
+                print(f"| {r['case']} | {r['device']} | {r['budget']:.0%} | {r['units']} | {r['agents_vs_opt']:.4f} | "
+                      f"{r['polished_vs_opt']:.4f} | {r['random_vs_opt']:.4f} | {r['random_feasible']:.1%} | "
+                      f"{'yes' if r['feasible'] else 'NO'} | {r['search_s']:.1f} | {r['opt_s']:.1f} | {proven} |",
+                      flush=True)
+    a = [r["agents_vs_opt"] for r in rows]
+    p = [r["polished_vs_opt"] for r in rows]
+    rd = [r["random_vs_opt"] for r in rows]
+    s48 = [r["search_s"] for r in rows if r["units"] >= 48]
+    print()
+    print(f"cases {len(rows)}; feasible {sum(r['feasible'] for r in rows)}/{len(rows)}")
+    print(f"agents ÷ optimum: median {statistics.median(a):.4f} (target ≤ 1.02), worst {max(a):.4f} (target ≤ 1.05)")
+    print(f"polished ÷ optimum: median {statistics.median(p):.4f}, worst {max(p):.4f}")
+    print(f"random sampling (4x evaluations) ÷ optimum: median {statistics.median(rd):.4f}, worst {max(rd):.4f}")
+    if s48:
+        print(f"search time at ≥ 48 units: median {statistics.median(s48):.1f} s, max {max(s48):.1f} s "
+              f"(target ≤ 60 s at 48)")
+    print(f"MILP proven optimal in {sum(r['proven'] for r in rows)}/{len(rows)} cases (ratios use the incumbent "
+          f"otherwise)")
 
 
 def run_case(label: str, prof, device, frac: float, time_limit: float, timesteps: int | None) -> dict:
@@ -66,7 +159,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a handful of cases")
     ap.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per case (s)")
     ap.add_argument("--timesteps", type=int, default=None, help="PPO timesteps (default: memopt's default)")
+    ap.add_argument("--whole-step", action="store_true", help="over the enlarged space (issue 11), cases with state")
+    ap.add_argument("--chains", default="24,48,64", help="--whole-step: synthetic chain sizes")
+    ap.add_argument("--zoo-devices", default="cpu,a100-40gb", help="--whole-step: devices for the zoo cases "
+                    "(cpu: the profiled one)")
     args = ap.parse_args()
+    if args.whole_step:
+        torch.set_num_threads(1)
+        whole_step(args.time_limit, args.timesteps, args.quick, tuple(int(x) for x in args.chains.split(",")),
+                   tuple(None if d == "cpu" else d for d in args.zoo_devices.split(",")))
+        return
     devices = (None, "a100-40gb", "v100-16gb")
     fractions = FRACTIONS
     if args.quick:

@@ -3,6 +3,12 @@
 A synthetic chain has ``n`` units with random forward times (backward ≈ 2×), internal saved bytes and boundary
 tensors; optionally some boundaries are also saved by the unit that produced them (as a ReLU saves its output). The
 memory levels are computed from the same storage groups the simulator uses, so the profile is self-consistent.
+
+``state_bytes > 0`` gives every unit parameters (random sizes around ``state_bytes``), gradients of the same size and
+Adam-like optimizer state (2x), so that whole-step plans (placements of optimizer state, gradients and parameters) have
+something to move: the levels then include the units' parameters and state throughout and each unit's gradients from
+its backward on, and the last segment is the optimizer step. The default (0) gives the activation-only chains as
+before (the same random draws, the same profile).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ MiB = 2**20
 
 
 def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, device: DeviceSpec | None = None,
-                  static_bytes: int = 64 * MiB, spread: float = 1.0) -> ModelProfile:
-    """A random ``n``-unit chain profile; ``spread`` scales how much units differ from each other."""
+                  static_bytes: int = 64 * MiB, spread: float = 1.0, state_bytes: int = 0) -> ModelProfile:
+    """A random ``n``-unit chain profile; ``spread`` scales how much units differ from each other; ``state_bytes``
+    (mean parameter bytes per unit, 0: none) gives units parameters, gradients and optimizer state."""
     rng = np.random.default_rng(seed)
     dev = device or DeviceSpec(name="synthetic-gpu", kind="preset", capacity_bytes=16 * 2**30,
                                h2d_bytes_per_s=12e9, d2h_bytes_per_s=12e9, compute_flops=10e12,
@@ -71,7 +78,17 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
         birth = fwd_seg[g.producer] if g.producer >= 0 else 0
         end = max(bwd_seg[s] for s in g.savers)
         level[birth + 1: end + 1] += g.nbytes
-    grads = 0.0
+    step_seg = -1
+    pb = np.zeros(n, dtype=np.int64)
+    step_t = np.zeros(n)
+    if state_bytes > 0:  # drawn after everything above, so that state_bytes=0 keeps the old profiles
+        pb = (state_bytes * var(n)).astype(np.int64) // 4 * 4
+        step_t = pb * 4.0 / 200e9 + 2e-5  # an Adam step reads and writes about 4x the parameters
+        level += int((pb + 2 * pb).sum())  # parameters and optimizer state, resident all step
+        for u in range(n):
+            level[bwd_seg[u] + 1:] += int(pb[u])  # its gradients, from its backward to the step
+        step_seg = S - 1
+        times[step_seg] = float(step_t.sum()) + 1e-4
     seg_list = []
     for k in range(S):
         u = units[k]
@@ -79,7 +96,8 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
             rel = float(transient_f[u] + interior[u])
         elif kinds[k] == "bwd":
             rel = float(transient_b[u])
-            grads += 0.0
+        elif k == step_seg:
+            rel = float(pb.max() // 2)  # the step's intermediates, one tensor at a time
         else:
             rel = 0.0
         seg_list.append(Segment(kinds[k], u, labels[k], float(times[k]), int(level[k]), int(rel)))
@@ -91,12 +109,18 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
             input_bytes=int(boundary[u]), output_bytes=int(boundary[u + 1]), param_bytes=0, has_rng=False,
             has_running_stats=False, recomputable=True, swappable=dev.has_host_link, fwd_segment=fwd_seg[u],
             bwd_segment=bwd_seg[u], rc_fwd_rel_peak=int(transient_f[u]),
-            rc_bwd_rel_peak=int(interior[u] + transient_b[u] + transient_f[u])))
+            rc_bwd_rel_peak=int(interior[u] + transient_b[u] + transient_f[u]),
+            grad_bytes=int(pb[u]), optimizer_bytes=int(2 * pb[u]), param_storages=2 if pb[u] else 0,
+            grad_storages=2 if pb[u] else 0, optimizer_storages=4 if pb[u] else 0, step_time=float(step_t[u]),
+            step_rel_peak=int(pb[u] // 2), params_offloadable=bool(pb[u])))
+        unit_list[-1].param_bytes = int(pb[u])
     peak = int(max(s.start_level + s.rel_peak for s in seg_list))
     return ModelProfile(
         units=unit_list, segments=seg_list, groups=groups, device=dev, peak_bytes=peak, step_time=float(sum(times)),
-        start_level=int(level[0]), param_bytes=static_bytes // 4, grad_bytes=static_bytes // 4,
-        optimizer_state_bytes=static_bytes // 2, buffer_bytes=0, input_bytes=0, unattributed_bytes=0, batch_size=None,
+        start_level=int(level[0]), param_bytes=static_bytes // 4 + int(pb.sum()),
+        grad_bytes=static_bytes // 4 + int(pb.sum()), optimizer_state_bytes=static_bytes // 2 + int(2 * pb.sum()),
+        buffer_bytes=0, input_bytes=0, unattributed_bytes=0, batch_size=None,
         fingerprint=tuple({"name": f"blocks.{u}", "type": "SyntheticBlock", "param_shapes": []} for u in range(n)),
-        meta={"model_class": f"SyntheticChain{n}", "synthetic_seed": seed},
+        meta={"model_class": f"SyntheticChain{n}", "synthetic_seed": seed}, step_segment=step_seg,
+        outside_step_time=1e-4 if state_bytes > 0 else 0.0,
     )
