@@ -212,7 +212,7 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     if floor_bytes is None:
         from .solvers import min_peak
 
-        floor_bytes = min_peak(profile, device, strategies)
+        floor_bytes = min_peak(profile, device, strategies, offload_state=False)
     floor = int(floor_bytes)
     fixed = int(profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes + profile.buffer_bytes)
     fixed = min(max(fixed - moved, 0), floor)
