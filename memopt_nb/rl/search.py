@@ -56,6 +56,31 @@ def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np
     return idx
 
 
+def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int) -> tuple:
+    """Where placements may move, two more starts for the polish: the agents' activation decisions and keep-all, each
+    with the fastest state placement that fits the budget for those activations (exact: the MILP with activations
+    fixed, :func:`~memopt_nb.solvers.place_states`). Returns the fastest feasible of the polished plans (``current``
+    first: ties keep it). Only for the cost model's own state table (a hand-made one is not the MILP's)."""
+    if task.C == 1 or task.state_model is None or not task.state_model.native:
+        return (*current, moves)
+    from ..solvers.common import place_states
+
+    def time_of(c: np.ndarray, w: np.ndarray, d: np.ndarray, st: np.ndarray) -> float:
+        peak, t = task.evaluate(c[None], w[None], d[None], np.asarray(st, dtype=np.int64)[None])
+        return float(t[0]) if peak[0] <= task.budget else math.inf
+
+    best, best_t = (*current, moves), time_of(*current)
+    keep = np.zeros(task.n, dtype=np.int64)
+    for c, w, d in (agents[:3], (keep, keep + 1, keep + 1)):
+        st = place_states(task.sim, task.budget, c, w, d, offload_state=task.offload_state,
+                          step_in_backward=task.step_in_backward, time_limit=10.0)
+        c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
+        t = time_of(c2, w2, d2, st2)
+        if t < best_t * (1 - 1e-12):
+            best, best_t = (c2, w2, d2, st2, moves + m + 1), t
+    return best
+
+
 def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
            states: np.ndarray | None = None, max_rounds: int = 100
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
@@ -242,7 +267,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         callback: called with one history row per PPO iteration (for live widgets).
         config: a full :class:`~memopt_nb.rl.ppo.PPOConfig` (its ``total_timesteps``/``seed`` are overridden by the
             arguments above when given).
-        polish_plan: run a local search on the agents' best plan; what it adds is reported separately.
+        polish_plan: run a local search on the agents' best plan (where state may move, also from their activation
+            decisions and from keep-all, each with its exact best state placement); what it adds is reported separately.
         restarts: independent agent pairs trained one after the other, each on an equal share of the timesteps
             (default :func:`default_restarts`); the best plan of all of them is returned.
         offload_state: which state the plan may move off the device: ``True`` (optimizer state, gradients and
@@ -391,6 +417,7 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     else:
         c, w, d, st, moves = polish(task, c, w, d, st)
         polish_state = "ran"
+        c, w, d, st, moves = _polish_exact_placements(task, (c, w, d, st), best["plan"], moves)
     plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta,
                             agents_step_time=agents_time, agents_peak=best["peak"],
                             agents_decisions=[int(x) for x in _to_options(*best["plan"][:3])],
