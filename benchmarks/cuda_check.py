@@ -697,7 +697,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     heavy = [m for m in whole if m in memopt.zoo.STATE_HEAVY] or whole[-1:]
     search_models = [] if args.no_search else (heavy[:1] if args.quick or args.dry_run else heavy)
     return Config(device=device, dry_run=args.dry_run, quick=args.quick, models=models, whole_models=whole,
-                  batch=args.batch, optimizers=args.optimizers, measure_steps=2 if args.dry_run else 5,
+                  batch=args.batch, optimizers=args.optimizers, measure_steps=1 if args.dry_run else 5,
                   search_timesteps=steps, search_models=search_models, pytest=args.pytest)
 
 
