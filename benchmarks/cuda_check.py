@@ -279,11 +279,15 @@ def guarded(fn: Callable[[], Any], failures: list[str], what: str) -> Any:
 
 
 # ---------------------------------------------------------------------- activation section
-def activation_section(cfg: Config, failures: list[str]) -> list[dict]:
-    rows: list[dict] = []
+def activation_section(cfg: Config, failures: list[str], save: Callable[[], None] = lambda: None,
+                       rows: list[dict] | None = None) -> list[dict]:
+    """Activation-only plans per model (appended to ``rows``, saved after each model)."""
+    rows = [] if rows is None else rows
     for name in cfg.models:
         t0 = time.perf_counter()
-        rows += activation_model(name, cfg, failures)
+        got = guarded(lambda name=name: activation_model(name, cfg, failures), failures, f"activation {name}")
+        rows.extend(got or [])
+        save()
         print(f"{name}: activation plans profiled and checked in {time.perf_counter() - t0:.1f} s")
     return rows
 
@@ -373,19 +377,20 @@ def search_plan(prof: Any, cfg: Config) -> tuple[Plan | None, dict]:
     return plan, info
 
 
-def whole_section(cfg: Config, failures: list[str]) -> tuple[list[dict], list[dict], list[dict]]:
-    """Bit equality per (model, optimizer, plan), measured vs simulated per (model, plan), and the searched plans."""
-    eq_rows: list[dict] = []
-    mem_rows: list[dict] = []
-    search_rows: list[dict] = []
+def whole_section(cfg: Config, failures: list[str], result: dict[str, Any] | None = None,
+                  save: Callable[[], None] = lambda: None) -> tuple[list[dict], list[dict], list[dict]]:
+    """Bit equality per (model, optimizer, plan), measured vs simulated per (model, plan), and the searched plans;
+    also kept in ``result`` (``whole_equal``, ``whole_memory``, ``search``) and saved after each model."""
+    result = {} if result is None else result
+    lists = [result.setdefault(k, []) for k in ("whole_equal", "whole_memory", "search")]
     for name in cfg.whole_models:
         t0 = time.perf_counter()
-        eq, mem, searched = whole_model(name, cfg, failures)
-        eq_rows += eq
-        mem_rows += mem
-        search_rows += searched
+        got = guarded(lambda name=name: whole_model(name, cfg, failures), failures, f"whole-step {name}")
+        for acc, rows in zip(lists, got or ([], [], []), strict=True):
+            acc += rows
+        save()
         print(f"{name}: whole-step plans checked in {time.perf_counter() - t0:.1f} s")
-    return eq_rows, mem_rows, search_rows
+    return lists[0], lists[1], lists[2]
 
 
 def whole_model(name: str, cfg: Config, failures: list[str]) -> tuple[list[dict], list[dict], list[dict]]:
@@ -717,18 +722,37 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     result: dict[str, Any] = {"device": str(spec), "torch": torch.__version__, "dry_run": cfg.dry_run,
                               "quick": cfg.quick, "config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()}}
-    result["activation"] = activation_section(cfg, failures) if cfg.models else []
-    eq, mem, searched = whole_section(cfg, failures) if cfg.whole_models else ([], [], [])
-    result.update(whole_equal=eq, whole_memory=mem, search=searched)
-    result["streams"] = stream_section(cfg, failures, out) if cfg.whole_models else []
+    timings: dict[str, float] = {}
+    result["section_seconds"] = timings
+
+    def save() -> None:  # after every section, so a run cut short by `timeout` still leaves what it checked
+        result["failures"] = failures
+        result["seconds"] = time.perf_counter() - t0
+        (out / "cuda_check.json").write_text(json.dumps(result, indent=1, default=str))
+
+    def section(label: str, fn: Callable[[], Any]) -> Any:
+        ts = time.perf_counter()
+        got = fn()
+        timings[label] = time.perf_counter() - ts
+        return got
+
+    result["activation"] = []
+    if cfg.models:
+        section("activation", lambda: activation_section(cfg, failures, save, result["activation"]))
+    save()
+    if cfg.whole_models:
+        section("whole_step", lambda: whole_section(cfg, failures, result, save))
+    else:
+        result.update(whole_equal=[], whole_memory=[], search=[])
+    save()
+    result["streams"] = section("streams", lambda: stream_section(cfg, failures, out)) if cfg.whole_models else []
+    save()
     if cfg.pytest:
-        result["pytest"] = pytest_section(cfg, failures, out)
-    result["failures"] = failures
-    result["seconds"] = time.perf_counter() - t0
+        result["pytest"] = section("pytest", lambda: pytest_section(cfg, failures, out))
+    save()
     text = tables(result)
     print(text)
-    print(f"total {result['seconds']:.1f} s")
-    (out / "cuda_check.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"total {result['seconds']:.1f} s; per section: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
     (out / "cuda_check.md").write_text(text + "\n")
     return 1 if failures else 0
 

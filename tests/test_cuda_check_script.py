@@ -107,3 +107,16 @@ def test_trace_summary_and_junit_counts(cc, tmp_path: Path) -> None:
                    '</testsuite></testsuites>')
     assert cc.junit_counts(xml) == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1,
                                     "failed_ids": ["a::t2", "a::t4"]}
+
+
+def test_a_check_that_raises_is_a_failure_and_the_run_goes_on(cc, tmp_path: Path, monkeypatch) -> None:
+    """One broken check (as a CUDA-only error would be) is recorded, the other sections still run, exit status 1."""
+    def broken(name, cfg, failures):
+        raise RuntimeError("deterministic algorithm missing (simulated)")
+
+    monkeypatch.setattr(cc, "whole_model", broken)
+    rc = cc.main(["--dry-run", "--models", "--whole-models", "mlp", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cuda_check.json").read_text())
+    assert rc == 1 and result["whole_equal"] == [] and result["activation"] == []
+    assert result["failures"] == ["whole-step mlp: RuntimeError: deterministic algorithm missing (simulated)"]
+    assert "1 check(s) failed" in (tmp_path / "cuda_check.md").read_text()
