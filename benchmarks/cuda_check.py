@@ -587,7 +587,7 @@ def pytest_section(cfg: Config, failures: list[str], out: Path, select: str = "c
     except subprocess.TimeoutExpired:
         failures.append(f"pytest: timed out after {cfg.pytest_timeout:.0f} s")
         return {"command": " ".join(cmd), "timed_out": True}
-    res: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": proc.returncode,
+    res: dict[str, Any] = {"command": "python " + " ".join(cmd[1:]), "returncode": proc.returncode,
                            "seconds": time.perf_counter() - t0, "tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
     if xml.exists():
         res.update(junit_counts(xml))
