@@ -205,8 +205,11 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     moved = 0
     if offload_state is not False and _has_state(profile):
         found, plan = state_floor(profile, device, strategies, offload_state, step_in_backward)
-        if floor_bytes is None:
-            floor_bytes = found
+        if floor_bytes is None:  # the exact floor (the MILP's); the search above gives the plan reaching ~it
+            from .solvers import min_peak
+
+            floor_bytes = min(found, min_peak(profile, device, strategies, offload_state=offload_state,
+                                              step_in_backward=step_in_backward))
         state_floor_bytes = int(floor_bytes)
         moved = _moved_bytes(profile, plan)
     if floor_bytes is None:

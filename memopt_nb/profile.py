@@ -290,7 +290,7 @@ class ModelProfile:
         from .floor import explain_floor
 
         try:
-            floor = explain_floor(self)
+            floor = explain_floor(self, offload_state=True)  # the planners' default space
         except Exception as exc:  # noqa: BLE001 - a display must not fail
             return f"<p>smallest reachable peak: not computed ({html.escape(type(exc).__name__)}: " \
                    f"{html.escape(str(exc))})</p>"

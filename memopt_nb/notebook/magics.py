@@ -129,7 +129,7 @@ def _profile_display(prof: memopt.ModelProfile) -> None:
     from IPython.display import Image, display
 
     try:
-        floor = explain_floor(prof).text()
+        floor = explain_floor(prof, offload_state=True).text()  # the planners' default space
     except Exception as exc:  # noqa: BLE001 - a display must not fail
         floor = f"smallest reachable peak: not computed ({type(exc).__name__}: {exc})"
     if not in_notebook():
