@@ -68,3 +68,16 @@ def environment_line() -> str:
 
     return (f"python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
             f"{platform.processor() or platform.machine()}")
+
+
+def small_gpt2(batch: int = 4, seq: int = 32) -> tuple[Any, tuple[Any, ...], Any]:
+    """A transformers GPT-2 from a small config (4 layers, width 64; random init, no download), a batch of token ids
+    and a loss: ``(model, inputs, loss_fn)``. The whole-step benchmarks' third-party model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128, n_positions=64)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return model, (ids,), (lambda out: out.logits.float().pow(2).mean())

@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import small_gpt2
 
 import memopt_nb as memopt
 from memopt_nb import zoo
@@ -66,16 +67,6 @@ def measure_state(model: nn.Module, inputs: tuple, loss_fn, optimizer: torch.opt
             return int(meter.peak)
 
 
-def gpt2(batch: int = 4, seq: int = 32):
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128, n_positions=64)
-    model = transformers.GPT2LMHeadModel(cfg)
-    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
-    return model, (ids,), (lambda out: out.logits.float().pow(2).mean())
-
-
 def build(name: str):
     if name == "mlp":
         z = zoo.mlp(batch_size=64, width=128, depth=4)
@@ -84,7 +75,7 @@ def build(name: str):
         z = zoo.gpt(batch_size=2, seq_len=32, d_model=64, n_layers=3, n_heads=2, vocab=128)
         return z.model, z.inputs, z.loss_fn
     if name == "gpt2":
-        return gpt2()
+        return small_gpt2()
     if name == "heavy-mlp":
         return heavy_mlp()
     raise SystemExit(f"unknown model {name}")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from _common import small_gpt2  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
@@ -33,16 +34,6 @@ from memopt_nb.solvers.space import make_plan, uniform_arrays, unit_states  # no
 MiB = 2**20
 GPUS = ("a100-40gb", "h100-80gb")
 EVERYTHING = STATE_CHOICES.index(("offload", "offload", "offload"))
-
-
-def gpt2(batch: int = 4, seq: int = 32):
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128, n_positions=64)
-    model = transformers.GPT2LMHeadModel(cfg)
-    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
-    return model, (ids,), (lambda out: out.logits.float().pow(2).mean())
 
 
 def split_units(model: nn.Module) -> list[str]:
@@ -64,7 +55,7 @@ def split_units(model: nn.Module) -> list[str]:
 def build(name: str):
     """(model, inputs, loss_fn, units) for a model name."""
     if name == "gpt2":
-        return (*gpt2(), "auto")
+        return (*small_gpt2(), "auto")
     if name == "resnet18-split":
         z = memopt.zoo.build("resnet18")
         return z.model, z.inputs, z.loss_fn, split_units(z.model)

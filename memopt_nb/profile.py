@@ -53,10 +53,10 @@ from .runtime.recompute import (
     running_stat_modules,
 )
 from .runtime.step import model_keywords, preserved_state, training_step
+from .runtime.storages import is_plain, tensor_on, use_count
 
 PROFILE_FORMAT = "memopt_nb.profile"
 PROFILE_SCHEMA = 2  # 2: per-unit state bytes and the unit-by-unit optimizer step (schema 1 loads with zeros)
-_use_count = lambda st: torch._C._storage_Use_Count(st._cdata)  # noqa: E731
 _RNG_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "randperm", "exponential")
 
 
@@ -510,7 +510,7 @@ def _discover(model: nn.Module, inputs: Sequence[Any],
             handles.append(mod.register_forward_hook(post(name)))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta:
+        if is_plain(t):
             st = t.untyped_storage()
             ptr = st.data_ptr()
             if ptr not in param_ptrs and st.nbytes() > 0:
@@ -573,7 +573,7 @@ def _unpack(h: Any) -> torch.Tensor:
         return h
     if isinstance(h, _OutsideRef):
         return h.t
-    return torch.empty(0, dtype=h.dtype, device=h.st.device).set_(h.st, h.offset, h.size, h.stride)
+    return tensor_on(h.st, h.dtype, h.offset, h.size, h.stride)
 
 
 class _Run:
@@ -629,7 +629,7 @@ class _Run:
             if inf.free_pos is not None:
                 continue
             st = inf.weak()  # holding the Python storage object adds exactly one reference
-            if st is None or _use_count(st) <= 1:
+            if st is None or use_count(st) <= 1:
                 inf.free_pos = pos
 
     def _scan_release(self, pos: int) -> None:
@@ -638,11 +638,11 @@ class _Run:
             if inf.free_pos is not None or inf.release_pos is not None:
                 continue
             st = inf.weak()
-            if st is None or _use_count(st) <= 1:
+            if st is None or use_count(st) <= 1:
                 inf.release_pos = pos
 
     def _outside_pack(self, t: torch.Tensor) -> Any:
-        if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta:
+        if is_plain(t):
             st = t.untyped_storage()
             if st.data_ptr() not in self.param_ptrs and st.nbytes() > 0:
                 inf = self._info(st, self._producer_of(st))
@@ -725,7 +725,7 @@ class _Run:
                 ptrs = self.param_ptrs
 
                 def pack(t: torch.Tensor) -> Any:
-                    if not (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta):
+                    if not is_plain(t):
                         return t
                     st = t.untyped_storage()
                     if st.data_ptr() in ptrs or st.nbytes() == 0:
