@@ -348,16 +348,45 @@ def test_plan_removed_while_another_thread_trains():
             started.set()
 
     applied = memopt.plan(plan, model).apply()
-    th = threading.Thread(target=worker)
+    th = threading.Thread(target=worker, daemon=True)  # a failure below must not leave pytest waiting on it forever
     th.start()
-    started.wait(30)
-    applied.remove()
-    for _ in range(3):
-        model(x).backward()
-    stop.set()
-    th.join(30)
+    try:
+        started.wait(30)
+        applied.remove()
+        for _ in range(3):
+            model(x).backward()
+    finally:
+        stop.set()
+        th.join(30)
     assert not errors
     assert memopt_threads() == []
+
+
+def test_swapping_a_saved_tensor_never_changes_its_version_not_even_for_a_moment():
+    """The swap engine's pack hook keeps an alias for autograd's in-place check; it must not do an in-place op on the
+    saved tensor to make it. ``set_()`` bumped the shared version counter and set it back, and a second thread saving
+    the same input in between recorded version 1 and then failed backward (CI, 2026-12-03)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.inplace = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.is_mutable:
+                self.inplace.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(32, 32)
+    with memopt.plan(make_plan(CHAIN, "swap"), model) as applied:
+        with Ops() as ops:
+            loss = model(x)
+        loss.backward()
+    assert applied.stats["offloads"] > 0  # the pack hook did run on the saved tensors, x among them
+    assert ops.inplace == [] and x._version == 0
 
 
 def test_deepcopy_inside_the_block_is_an_independent_model():

@@ -119,11 +119,12 @@ class _Handle:
         self.stride = t.stride()
         self.dtype = t.dtype
         # to check at unpack, as autograd does, that nobody changed the tensor in place in between: an alias that
-        # shares its version counter but not its storage (which must stay free to be offloaded)
+        # shares its version counter but not its storage (which must stay free to be offloaded). Assigning ``.data``
+        # never touches the shared counter; ``set_()`` would bump it for a moment, and another thread saving the same
+        # tensor (an input shared by two training threads) in that moment would record the wrong version.
         self.version = t._version
         alias = t.detach()
-        with torch.autograd._unsafe_preserve_version_counter(alias):
-            alias.set_()
+        alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
         self.ref = alias
 
     def check_version(self) -> None:
