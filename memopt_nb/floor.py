@@ -190,6 +190,12 @@ def _moved_bytes(profile: Any, plan: Any) -> int:
     return max(moved - window, 0)
 
 
+def _grads_may_move(offload_state: Any) -> bool:
+    from .plan import state_choices
+
+    return any(g != "resident" for _, g, _ in state_choices(offload_state))
+
+
 def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None = None,
                   strategies: Sequence[str] = ("keep", "recompute", "swap"), offload_state: Any = False,
                   step_in_backward: bool = False) -> Floor:
@@ -235,14 +241,22 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
         if state_floor_bytes < floor:
             advice.append(f"let the plan move optimizer state, gradients and parameters off the device "
                           f"(offload_state=True): floor about {format_bytes(state_floor_bytes)}")
+    if bound == FIXED_STATE and offload_state is not False and not step_in_backward and profile.grad_bytes > 0 \
+            and profile.meta.get("optimizer") and _grads_may_move(offload_state):
+        advice.append("step_in_backward=True: each unit's optimizer step runs in backward and frees its gradients "
+                      "at once (the loop may then neither accumulate gradients nor clip them)")
     if bound == FIXED_STATE:
         advice.append("shard the state across devices (FSDP2, see memopt.distributed.per_rank and tutorial 04)")
         if activations >= 0.1 * floor:
             advice.append("a smaller batch (activations are the other "
                           f"{format_bytes(activations)})")
     elif bound == LARGEST_UNIT:
-        advice.append(f"finer units: split {name} into its children (profile with --units naming them, or a deeper "
-                      "--units level)")
+        if profile.meta.get("units_rule") != "fine":
+            advice.append(f"finer units: profile with units='fine' (magic: --units fine), which splits {name} and "
+                          "units like it into their submodules")
+        else:
+            advice.append(f"finer units: units='fine' could not split {name} further (its submodules do not cover what "
+                          "it saves, or 64 units were reached); name smaller modules in units=[...]")
         advice.append("a smaller batch")
     else:
         advice.append("a smaller batch (kept activations grow with it)")

@@ -298,18 +298,39 @@ class ModelProfile:
         return (f"<p><b>Smallest reachable peak (any plan): {format_bytes(floor.floor_bytes)}</b> = "
                 f"{html.escape(floor.breakdown_text())}.<br>{html.escape(floor.bound_text())}{advice}</p>")
 
+    def hierarchy(self) -> list[tuple[int, str, int | None]]:
+        """The units as a tree, for display: ``(depth, module name, unit index or None)`` in forward order; rows with
+        ``None`` are the modules ``units="fine"`` split into their children (``meta["split"]``), each just above its
+        first child. Without splits: one row per unit, all at depth 0."""
+        split = sorted(self.meta.get("split") or {}, key=len)
+        rows: list[tuple[int, str, int | None]] = []
+        shown: list[str] = []  # the split ancestors of the previous unit, outermost first
+        for u in self.units:
+            chain = [p for p in split if u.name.startswith(p + ".")]
+            common = 0
+            while common < min(len(chain), len(shown)) and chain[common] == shown[common]:
+                common += 1
+            rows.extend((depth, chain[depth], None) for depth in range(common, len(chain)))
+            shown = chain
+            rows.append((len(chain), u.name, u.index))
+        return rows
+
     def _repr_html_(self) -> str:
         numbered = any(u.name != str(u.index) for u in self.units)  # nn.Sequential children: the name is the index
-        rows = "".join(
-            "<tr>" + (f"<td>{u.index}</td>" if numbered else "") +
-            f"<td>{html.escape(u.name)}</td><td>{html.escape(u.type)}</td>"
-            f"<td>{u.fwd_time * 1e3:.2f}</td><td>{u.bwd_time * 1e3:.2f}</td><td>{format_bytes(u.saved_bytes)}</td>"
-            f"<td>{format_bytes(u.interior_bytes)}</td><td>{format_bytes(u.output_bytes)}</td>"
-            f"<td>{format_bytes(u.param_bytes)}</td>"
-            f"<td>{', '.join(f for f, on in (('random ops', u.has_rng), ('running stats', u.has_running_stats)) if on)}"
-            f"{_effects_html(u)}</td></tr>"
-            for u in self.units
-        )
+        split = self.meta.get("split") or {}
+        parents: list[str] = []
+        cells = []
+        for depth, name, index in self.hierarchy():
+            parents = parents[:depth]
+            label = name[len(parents[-1]) + 1:] if parents else name
+            if index is None:
+                cells.append(f'<tr><td colspan="{10 if numbered else 9}" style="text-align:left;padding-left:'
+                             f'{1.2 * depth:.1f}em"><b>{html.escape(label)}</b> ({html.escape(split.get(name, ""))}, '
+                             "split into the units below)</td></tr>")
+                parents.append(name)
+            else:
+                cells.append(self._unit_row(self.units[index], numbered, depth, label))
+        rows = "".join(cells)
         totals = (f"peak {format_bytes(self.peak_bytes)} · step {self.step_time * 1e3:.1f} ms · params "
                   f"{format_bytes(self.param_bytes)} · optimizer state {format_bytes(self.optimizer_state_bytes)} · "
                   f"not in units {format_bytes(self.unattributed_bytes)} · units cover {self.coverage:.0%} of saved "
@@ -329,6 +350,18 @@ class ModelProfile:
             f"<div><b>{html.escape(self.summary())}</b><p>{totals}</p>{self._floor_html()}{excluded}<table><thead>"
             f"<tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
         )
+
+    @staticmethod
+    def _unit_row(u: UnitProfile, numbered: bool, depth: int = 0, label: str | None = None) -> str:
+        pad = f' style="padding-left:{1.2 * depth:.1f}em" title="{html.escape(u.name)}"' if depth else ""
+        return (
+            "<tr>" + (f"<td>{u.index}</td>" if numbered else "") +
+            f"<td{pad}>{html.escape(label if label is not None else u.name)}</td><td>{html.escape(u.type)}</td>"
+            f"<td>{u.fwd_time * 1e3:.2f}</td><td>{u.bwd_time * 1e3:.2f}</td><td>{format_bytes(u.saved_bytes)}</td>"
+            f"<td>{format_bytes(u.interior_bytes)}</td><td>{format_bytes(u.output_bytes)}</td>"
+            f"<td>{format_bytes(u.param_bytes)}</td>"
+            f"<td>{', '.join(f for f, on in (('random ops', u.has_rng), ('running stats', u.has_running_stats)) if on)}"
+            f"{_effects_html(u)}</td></tr>")
 
 
 def _effects_html(u: UnitProfile) -> str:
@@ -398,9 +431,14 @@ def _container_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]]) -> tuple[list[str], list[dict]]:
-    """Pick unit names; returns (names in forward order, excluded with reasons)."""
+def _select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]],
+                  split: dict[str, str] | None = None) -> tuple[list[str], list[dict]]:
+    """Pick unit names; returns (names in forward order, excluded with reasons). ``split`` receives, for
+    ``units="fine"``, each module split into its children -> its class name."""
     all_names = [n for n, _ in model.named_modules() if n]
+    if units == "fine":
+        blocks, excluded = _select_units(model, "auto", info)
+        return _split_largest(model, blocks, info, split if split is not None else {}), excluded
     if isinstance(units, str) and units != "auto":
         units = [units]
     if units == "auto":
@@ -438,7 +476,7 @@ def _select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]])
                 if b.startswith(a + ".") or a.startswith(b + ".") or a == b:
                     raise ProfileError(f"units {a!r} and {b!r} overlap; give modules that do not contain each other")
     else:
-        raise ProfileError(f"units must be 'auto', an int depth or a list of module names, got {units!r}")
+        raise ProfileError(f"units must be 'auto', 'fine', an int depth or a list of module names, got {units!r}")
     chosen, excluded = [], []
     for n in candidates:
         calls = info[n]["calls"]
@@ -455,6 +493,43 @@ def _select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]])
         raise ProfileError("no usable units: " + "; ".join(f"{e['name']} ({e['reason']})" for e in excluded)
                            if excluded else "the model has no module to plan on; pass units=[...]")
     return chosen, excluded
+
+
+#: ``units="fine"``: at most this many units, a split only when its children cover this share of the parent's saved
+#: bytes (what they leave is saved by the parent's own code between them, which no plan then manages) and its largest
+#: child saves at most this share of the parent (else the split does not lower the working set that bounds the floor).
+FINE_MAX_UNITS = 64
+FINE_MIN_COVER = 0.98
+FINE_MAX_CHILD = 0.8
+
+
+def _split_largest(model: nn.Module, units: list[str], info: dict[str, dict[str, Any]],
+                   split: dict[str, str]) -> list[str]:
+    """``units="fine"``: repeatedly replace the unit that saves the most bytes by its children, while it can be split.
+
+    The floor of a plan (see :mod:`memopt_nb.floor`) is bounded by the working set of the largest unit: its saved
+    bytes come back, or are recomputed, all at once. Splitting it into its direct submodules lowers that, and gives
+    the planner finer choices (recompute a layer norm, keep a matmul's output). A unit is split when every one of its
+    direct children that runs once with gradient becomes a unit, those children together save at least
+    ``FINE_MIN_COVER`` of its saved bytes, the largest saves at most ``FINE_MAX_CHILD`` of them, and the total stays
+    within ``FINE_MAX_UNITS``. Splitting stops at the first largest unit that cannot be split: splitting a smaller one
+    would not lower the floor. Units never nest; the result may mix depths (a block kept whole next to split ones).
+    """
+    modules = dict(model.named_modules())
+    units = list(units)
+    while True:
+        largest = max(units, key=lambda n: info[n]["saved"])
+        saved = info[largest]["saved"]
+        kids = [f"{largest}.{c}" for c, _ in modules[largest].named_children()]
+        usable = [k for k in kids if info[k]["calls"] == 1 and info[k]["backward"]]
+        if (saved == 0 or not usable or len(units) - 1 + len(usable) > FINE_MAX_UNITS
+                or sum(info[k]["saved"] for k in usable) < FINE_MIN_COVER * saved
+                or max(info[k]["saved"] for k in usable) > FINE_MAX_CHILD * saved):
+            break
+        at = units.index(largest)
+        units[at:at + 1] = sorted(usable, key=lambda n: info[n]["order"])
+        split[largest] = type(modules[largest]).__name__
+    return units
 
 
 class _OpWatcher(TorchDispatchMode):
@@ -873,8 +948,11 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             (``model_kwargs={"device": ...}``); may be combined with ``example_kwargs``.
         loss_fn: ``loss_fn(output) -> scalar``; by default the output itself if scalar, else its sum.
         optimizer: the optimizer you train with (its state counts towards memory); optional.
-        units: ``"auto"`` (repeated blocks: children of ModuleList/Sequential containers, about 4–64 of them), a
-            list of qualified module names, or an int depth in the module tree.
+        units: ``"auto"`` (repeated blocks: children of ModuleList/Sequential containers, about 4–64 of them),
+            ``"fine"`` (those blocks, then the unit that saves the most split into its submodules while that lowers
+            the largest unit, up to 64 units; a transformer block becomes attention, MLP and norms — plans reach a
+            lower floor and can recompute the cheap parts only; see ``_split_largest``), a list of qualified module
+            names (units must not contain each other), or an int depth in the module tree.
         repeats: timed steps; times are medians.
         device: the DeviceSpec of the device measured (detected by default).
 
@@ -911,7 +989,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         effects = forward_side_effects(model, lambda: model(*inputs, **kwargs))
         _refuse_own_checkpointing(model, effects)
         info, total_saved = _discover(model, inputs, kwargs)
-        names, excluded = _select_units(model, units, info)
+        split: dict[str, str] = {}
+        names, excluded = _select_units(model, units, info, split)
         n = len(names)
         keep_marks, run, peak = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=True,
                                               recompute=False, kwargs=kwargs)
@@ -983,6 +1062,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "rc_marks_matched": bool(rc_rel),
             "model_fingerprint": model_fingerprint(model, names),  # a plan made from this profile refuses other models
             "optimizer_fingerprint": optimizer_fingerprint(optimizer) if optimizer is not None else None,
+            "units_rule": units if units in ("auto", "fine") else "depth" if isinstance(units, int) else "names",
+            "split": split,  # units="fine": module split into its children -> its class (the table's hierarchy)
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,

@@ -115,12 +115,14 @@ def _parse_units(text: str | None) -> Any:
     text = _unquote(text)
     if text is None or text.strip() in ("", "auto"):
         return "auto"
+    if text.strip() == "fine":
+        return "fine"
     text = text.strip()
     if text.lstrip("-").isdigit():
         return int(text)
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
-        raise UsageError(f"--units {text!r}: give 'auto', a depth (an int) or comma-separated module names")
+        raise UsageError(f"--units {text!r}: give 'auto', 'fine', a depth (an int) or comma-separated module names")
     return names
 
 
@@ -254,8 +256,9 @@ class MemoptMagics(Magics):
     @ma.argument("--optimizer", metavar="NAME",
                  help="your optimizer's variable name, or a torch.optim class (Adam, SGD, ...) built on the model")
     @ma.argument("--units", metavar="UNITS",
-                 help="'auto' (default: the blocks of ModuleList/Sequential containers), a depth in the module tree, "
-                      "or comma-separated module names")
+                 help="'auto' (default: the blocks of ModuleList/Sequential containers), 'fine' (those blocks split "
+                      "into their submodules where that lowers the largest unit), a depth in the module tree, or "
+                      "comma-separated module names")
     @ma.argument("--repeats", type=int, default=3, help="timed steps; times are medians (default 3)")
     @ma.argument("-o", "--output", metavar="NAME", help="store the ModelProfile in the notebook as NAME")
     @ma.argument("-q", "--quiet", action="store_true", help="do not display the profile")
