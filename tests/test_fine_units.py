@@ -141,3 +141,11 @@ def test_fine_stops_at_the_unit_cap(monkeypatch):
     model = torch.nn.Sequential(*(Split() for _ in range(4)))
     names = [u.name for u in memopt.profile(model, torch.randn(8, 16), units="fine", repeats=1).units]
     assert names == ["0.a", "0.act", "0.b", "1", "2", "3"]
+
+
+def test_the_magic_reads_units_fine():
+    pytest.importorskip("IPython")
+    from memopt_nb.notebook.magics import _parse_units
+
+    assert _parse_units("fine") == "fine" and _parse_units("'fine'") == "fine" and _parse_units("auto") == "auto"
+    assert _parse_units("h.0,h.1") == ["h.0", "h.1"]

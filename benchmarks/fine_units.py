@@ -1,0 +1,233 @@
+"""Finer units (issue 12): what ``units="fine"`` does to the floor, the throughput and the max batch.
+
+Models this project did not write, built from configs (random init, no download): Hugging Face GPT-2 with 6 layers of
+width 192 at batch 8 x 128 tokens, and Hugging Face ViT-Tiny (12 layers of width 192, 224 px, patch 16) at batch 32 —
+the two configurations of issue 12. Plain SGD (no optimizer state) unless ``--adam``.
+
+    python benchmarks/fine_units.py                # all sections, about 5 minutes on 2 CPU cores
+    python benchmarks/fine_units.py --floor --train
+
+Sections:
+* ``--floor``: the activation-only floor (the smallest peak any keep/recompute/swap plan reaches, exact MILP) with the
+  blocks as units (``units="auto"``, the old space) and with ``units="fine"``, and what bounds each.
+* ``--train``: a plan over the fine units at 0.95x the old floor (the MILP's fastest under that budget) trains
+  bit-identically to no plan (2 SGD steps, dropout on) and its measured peak (the emulated CPU device) is within budget.
+* ``--bench``: simulated step time of the fastest plan (MILP) over blocks and over fine units against the best classic
+  baseline (recompute-all, sqrt(n), swap-all, Capuchin) on blocks, at budgets from the old floor up, on the profiled
+  CPU and an A100-40GB preset.
+* ``--max-batch`` (GPT-2): the largest batch whose plan fits the memory plain training needs at batch 8, for the best
+  classic baseline on blocks and for the exact floor over fine units.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import memopt_nb as memopt  # noqa: E402
+from memopt_nb import solvers  # noqa: E402
+from memopt_nb.floor import explain_floor  # noqa: E402
+
+CLASSIC = ("recompute_all", "sqrt_n", "swap_all", "capuchin")
+DEVICES = (None, "a100-40gb")
+FRACTIONS = (0.0, 0.1, 0.25, 0.5)
+
+
+def mib(b: float) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def build(name: str, batch: int | None = None):
+    """(model, keyword inputs, loss_fn) for ``gpt2`` or ``vit``; random init from a seeded config."""
+    import transformers
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=6, n_embd=192, n_head=3, vocab_size=1024, bos_token_id=0,
+                                      eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg).train()
+        ids = torch.randint(0, 1024, (batch or 8, 128), generator=gen)
+        return model, {"input_ids": ids, "labels": ids}, (lambda out: out.loss)
+    cfg = transformers.ViTConfig(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,
+                                 image_size=224, patch_size=16, num_labels=10)
+    model = transformers.ViTForImageClassification(cfg).train()
+    b = batch or 32
+    return model, {"pixel_values": torch.randn(b, 3, 224, 224, generator=gen),
+                   "labels": torch.randint(0, 10, (b,), generator=gen)}, (lambda out: out.loss)
+
+
+def optimizer_for(model, adam: bool):
+    return torch.optim.AdamW(model.parameters(), lr=1e-4) if adam else torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def profiles(name: str, adam: bool, batch: int | None = None):
+    model, kw, loss_fn = build(name, batch)
+    opt = optimizer_for(model, adam)
+    out = {units: memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units=units, repeats=1, **kw)
+           for units in ("auto", "fine")}
+    return model, kw, loss_fn, opt, out
+
+
+def floor_section(names, adam):
+    print("| model | units | count | activation-only floor MiB | ÷ blocks' floor | bound (fixed / largest unit / "
+          "kept) MiB |")
+    print("|---|---|---|---|---|---|")
+    ratios = {}
+    for name in names:
+        *_, profs = profiles(name, adam)
+        old = solvers.min_peak(profs["auto"], offload_state=False)
+        for units, prof in profs.items():
+            f = explain_floor(prof, offload_state=False)
+            ratios[(name, units)] = f.floor_bytes / old
+            print(f"| {name} | {units} | {prof.n_units} | {mib(f.floor_bytes)} | {f.floor_bytes / old:.3f} | "
+                  f"{f.bound} ({mib(f.fixed_bytes)} / {mib(f.largest_unit_bytes)} {f.largest_unit} / "
+                  f"{mib(f.kept_bytes)}) |", flush=True)
+    return ratios
+
+
+def train_steps(model, kw, loss_fn, adam, plan=None, steps=2):
+    model = copy.deepcopy(model)
+    opt = optimizer_for(model, adam)
+    torch.manual_seed(123)
+    losses = []
+    ctx = memopt.plan(plan, model) if plan is not None else None
+    if ctx is not None:
+        ctx.apply()
+    try:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(**kw))
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            opt.step()
+    finally:
+        if ctx is not None:
+            ctx.remove()
+    return losses, grads, [p.detach().clone() for p in model.parameters()]
+
+
+def train_section(names, adam):
+    print("| model | budget = 0.95 × blocks' floor, MiB | plan (fine units) | predicted peak MiB | measured peak MiB "
+          "| within budget | bit-identical (2 steps: loss, grads, params) |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        model, kw, loss_fn, opt, profs = profiles(name, adam)
+        budget = int(0.95 * solvers.min_peak(profs["auto"], offload_state=False))
+        plan = solvers.optimal(profs["fine"], budget, offload_state=False, time_limit=60)
+        m = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1, **kw)
+        ref, got = train_steps(model, kw, loss_fn, adam), train_steps(model, kw, loss_fn, adam, plan)
+        same = all(torch.equal(a, b) for xs, ys in zip(ref, got) for a, b in zip(xs, ys, strict=True))
+        print(f"| {name} | {mib(budget)} | {' '.join(f'{k} {v}' for k, v in plan.counts().items())} | "
+              f"{mib(plan.predicted_peak_bytes)} | {mib(m.peak_bytes)} | {'yes' if m.peak_bytes <= budget else 'NO'} "
+              f"| {'yes' if same else 'NO'} |", flush=True)
+
+
+def best_classic(prof, budget, device):
+    best = None
+    for key in CLASSIC:
+        try:
+            p = solvers.CLASSIC_BASELINES[key](prof, budget, device)
+        except memopt.BudgetError:
+            continue
+        if p.feasible and (best is None or p.predicted_step_time < best[1].predicted_step_time):
+            best = (key, p)
+    return best
+
+
+def bench_section(names, adam):
+    print("| model | device | budget MiB | best classic on blocks | fastest on blocks (MILP) | fastest on fine units "
+          "(MILP) | fine ÷ best classic (throughput) | fine ÷ blocks MILP |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for name in names:
+        *_, profs = profiles(name, adam)
+        for device in DEVICES:
+            old = solvers.min_peak(profs["auto"], device, offload_state=False)
+            peak = profs["auto"].peak_bytes
+            for frac in FRACTIONS:
+                budget = int(old + frac * (peak - old))
+                bc = best_classic(profs["auto"], budget, device)
+                ob = solvers.optimal(profs["auto"], budget, device, offload_state=False, time_limit=30)
+                of = solvers.optimal(profs["fine"], budget, device, offload_state=False, time_limit=60)
+                t = {k: p.predicted_step_time for k, p in (("blocks", ob), ("fine", of)) if p.feasible}
+                vs_bc = bc[1].predicted_step_time / t["fine"] if bc and "fine" in t else float("nan")
+                vs_ob = t["blocks"] / t["fine"] if "blocks" in t and "fine" in t else float("nan")
+                rows.append(vs_bc)
+                dev = memopt.Simulator(profs["auto"], device).device.name
+                print(f"| {name} | {dev} | {mib(budget)} | "
+                      f"{f'{bc[0]} {bc[1].predicted_step_time * 1e3:.2f} ms' if bc else 'none fits'} | "
+                      f"{t['blocks'] * 1e3:.2f} ms | {t['fine'] * 1e3:.2f} ms | {vs_bc:.3f} | {vs_ob:.3f} |",
+                      flush=True)
+    ok = [r for r in rows if r == r]
+    print(f"\nfine ÷ best classic: min {min(ok):.3f}, median {statistics.median(ok):.3f} over {len(ok)} budgets "
+          f"({len(rows) - len(ok)} where no classic baseline fits)")
+
+
+def max_batch_section(adam):
+    model, kw, loss_fn = build("gpt2", 8)
+    opt = optimizer_for(model, adam)
+    budget = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, steps=1, **kw).peak_bytes
+    print(f"budget: plain training's measured peak at batch 8 = {mib(budget)} MiB (GPT-2 6x192, 128 tokens)")
+    print("| batch | best classic on blocks | its peak MiB | fine-unit floor MiB | fits: classic / fine |")
+    print("|---|---|---|---|---|")
+    best = {"classic": 8, "fine": 8}
+    for batch in (12, 16, 20, 24, 28, 32, 40):
+        *_, profs = profiles("gpt2", adam, batch)
+        bc = None
+        for key in CLASSIC:
+            p = solvers.CLASSIC_BASELINES[key](profs["auto"], None)
+            if bc is None or p.predicted_peak_bytes < bc[1].predicted_peak_bytes:
+                bc = (key, p)
+        fine_floor = solvers.min_peak(profs["fine"], offload_state=False)
+        fits = (bc[1].predicted_peak_bytes <= budget, fine_floor <= budget)
+        if fits[0]:
+            best["classic"] = batch
+        if fits[1]:
+            best["fine"] = batch
+        print(f"| {batch} | {bc[0]} | {mib(bc[1].predicted_peak_bytes)} | {mib(fine_floor)} | "
+              f"{'yes' if fits[0] else 'no'} / {'yes' if fits[1] else 'no'} |", flush=True)
+        if not fits[1]:
+            break
+    print(f"\nmax batch: best classic {best['classic']}, fine units {best['fine']} "
+          f"(ratio {best['fine'] / best['classic']:.2f}; batches tried in steps, so a bound)")
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag in ("floor", "train", "bench", "max-batch"):
+        ap.add_argument(f"--{flag}", action="store_true")
+    ap.add_argument("--adam", action="store_true", help="AdamW instead of SGD (the fixed state then grows 2x)")
+    ap.add_argument("--models", default="gpt2,vit")
+    args = ap.parse_args(argv)
+    every = not (args.floor or args.train or args.bench or args.max_batch)
+    names = args.models.split(",")
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    t0 = time.time()
+    print(f"# fine units — {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
+          f"{'AdamW' if args.adam else 'SGD'}\n")
+    if every or args.floor:
+        floor_section(names, args.adam)
+        print()
+    if every or args.train:
+        train_section(names, args.adam)
+        print()
+    if every or args.bench:
+        bench_section(names, args.adam)
+        print()
+    if (every or args.max_batch) and "gpt2" in names:
+        max_batch_section(args.adam)
+    print(f"\n({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
