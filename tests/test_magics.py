@@ -311,3 +311,52 @@ def test_plan_offload_state_mistakes_are_usage_errors(ip, prof, monkeypatch, val
     msg = str(err.value)
     assert message in msg and "all" in msg and "none" in msg and "optimizer, grads, params" in msg
     assert calls == []
+
+
+@pytest.mark.parametrize("flags, strategies", [
+    ("", ("keep", "recompute", "swap")),
+    ("--strategies keep,recompute", ("keep", "recompute")),
+    ("--strategies 'swap, keep'", ("keep", "swap")),
+])
+def test_plan_strategies_flag_reaches_the_search_and_the_result(ip, prof, monkeypatch, capsys, flags, strategies):
+    calls = []
+    real = memopt.search
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memopt, "search", spy)
+    ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 --no-widget -o p_strat {flags}")
+    p = ip.user_ns["p_strat"]
+    assert calls[0]["strategies"] == strategies and p.meta["allowed_strategies"] == list(strategies)
+    assert set(p.strategies) <= set(strategies)
+    out = capsys.readouterr().out
+    shown = f"(activation strategies: {', '.join(strategies)})"
+    assert (shown in out) is (len(strategies) < 3) and "stored as `p_strat`" in out
+
+
+@pytest.mark.parametrize("value, message", [
+    ("keep,teleport", "unknown 'teleport'"),
+    ("keep,", "unknown ''"),
+    ("''", "empty"),
+])
+def test_plan_strategies_mistakes_are_usage_errors(ip, prof, monkeypatch, value, message):
+    calls = []
+    monkeypatch.setattr(memopt, "search", lambda *a, **k: calls.append(k))
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 --strategies {value}")
+    msg = str(err.value)
+    assert message in msg and "keep, recompute, swap" in msg and calls == []
+
+
+def test_a_budget_below_the_floor_of_the_space_searched_states_that_floor(ip, prof):
+    whole, keep = memopt.solvers.min_peak(prof), memopt.solvers.min_peak(prof, strategies=("keep",))
+    assert whole < keep
+    budget = (whole + keep) // 2
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", f"prof --budget {budget} --timesteps 96 --strategies keep")
+    msg = str(err.value)
+    floor = explain_floor(prof, offload_state=True, strategies=("keep",))
+    assert "using only keep" in msg and memopt.format_bytes(keep) in msg and floor.breakdown_text() in msg
+    assert "allow every activation strategy" in msg and memopt.format_bytes(whole) in msg
