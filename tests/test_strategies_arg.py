@@ -168,3 +168,11 @@ def test_without_keep_every_unit_takes_an_allowed_strategy(chain):
     sim = memopt.Simulator(chain)
     expect = ["recompute" if ok else "keep" for ok in sim.recomputable]
     assert plan.strategies == expect and plan.feasible
+
+
+def test_the_exact_solvers_validate_the_space_alike(chain):
+    with pytest.raises(PlanError, match="unknown 'teleport'"):
+        solvers.optimal(chain, "60%", strategies=("keep", "teleport"))
+    with pytest.raises(PlanError, match="none given"):
+        solvers.min_peak(chain, strategies=())
+    assert solvers.min_peak(chain, strategies="recompute,keep") == solvers.min_peak(chain, strategies=CHECKPOINTING)
