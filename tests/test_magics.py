@@ -275,6 +275,19 @@ def test_budget_below_the_floor_says_what_bounds_it(ip, prof):
     assert "add units" not in msg
 
 
+def spy_on_search(monkeypatch):
+    """The keyword arguments of every ``memopt.search`` call the magic makes (the search still runs)."""
+    calls = []
+    real = memopt.search
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memopt, "search", spy)
+    return calls
+
+
 @pytest.mark.parametrize("flags, offload_state, step", [
     ("", True, False),
     ("--offload-state all", True, False),
@@ -284,14 +297,7 @@ def test_budget_below_the_floor_says_what_bounds_it(ip, prof):
     ("--offload-state OPTIMIZER,grads,params", {"optimizer", "grads", "params"}, False),
 ])
 def test_plan_offload_state_flags_reach_the_search(ip, prof, monkeypatch, flags, offload_state, step):
-    calls = []
-    real = memopt.search
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(memopt, "search", spy)
+    calls = spy_on_search(monkeypatch)
     ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 -q -o p_state {flags}")
     assert calls[0]["offload_state"] == offload_state and calls[0]["step_in_backward"] is step
     assert ip.user_ns["p_state"].step_in_backward is step
@@ -319,14 +325,7 @@ def test_plan_offload_state_mistakes_are_usage_errors(ip, prof, monkeypatch, val
     ("--strategies 'swap, keep'", ("keep", "swap")),
 ])
 def test_plan_strategies_flag_reaches_the_search_and_the_result(ip, prof, monkeypatch, capsys, flags, strategies):
-    calls = []
-    real = memopt.search
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(memopt, "search", spy)
+    calls = spy_on_search(monkeypatch)
     ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 --no-widget -o p_strat {flags}")
     p = ip.user_ns["p_strat"]
     assert calls[0]["strategies"] == strategies and p.meta["allowed_strategies"] == list(strategies)
