@@ -303,19 +303,26 @@ def test_plan_offload_state_flags_reach_the_search(ip, prof, monkeypatch, flags,
     assert ip.user_ns["p_state"].step_in_backward is step
 
 
-@pytest.mark.parametrize("value, message", [
-    ("everything", "unknown 'everything'"),
-    ("optimizer,activations", "unknown 'activations'"),
-    ("optimizer,", "unknown ''"),
-    ("''", "empty"),
+OFFLOAD_NAMES = ("all", "none", "optimizer, grads, params")
+STRATEGY_NAMES = ("keep, recompute, swap",)
+
+
+@pytest.mark.parametrize("flag, value, message, names", [
+    ("--offload-state", "everything", "unknown 'everything'", OFFLOAD_NAMES),
+    ("--offload-state", "optimizer,activations", "unknown 'activations'", OFFLOAD_NAMES),
+    ("--offload-state", "optimizer,", "unknown ''", OFFLOAD_NAMES),
+    ("--offload-state", "''", "empty", OFFLOAD_NAMES),
+    ("--strategies", "keep,teleport", "unknown 'teleport'", STRATEGY_NAMES),
+    ("--strategies", "keep,", "unknown ''", STRATEGY_NAMES),
+    ("--strategies", "''", "empty", STRATEGY_NAMES),
 ])
-def test_plan_offload_state_mistakes_are_usage_errors(ip, prof, monkeypatch, value, message):
+def test_plan_space_flag_mistakes_are_usage_errors(ip, prof, monkeypatch, flag, value, message, names):
     calls = []
     monkeypatch.setattr(memopt, "search", lambda *a, **k: calls.append(k))
     with pytest.raises(UsageError) as err:
-        ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 --offload-state {value}")
+        ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 {flag} {value}")
     msg = str(err.value)
-    assert message in msg and "all" in msg and "none" in msg and "optimizer, grads, params" in msg
+    assert message in msg and all(n in msg for n in names)
     assert calls == []
 
 
@@ -333,20 +340,6 @@ def test_plan_strategies_flag_reaches_the_search_and_the_result(ip, prof, monkey
     out = capsys.readouterr().out
     shown = f"(activation strategies: {', '.join(strategies)})"
     assert (shown in out) is (len(strategies) < 3) and "stored as `p_strat`" in out
-
-
-@pytest.mark.parametrize("value, message", [
-    ("keep,teleport", "unknown 'teleport'"),
-    ("keep,", "unknown ''"),
-    ("''", "empty"),
-])
-def test_plan_strategies_mistakes_are_usage_errors(ip, prof, monkeypatch, value, message):
-    calls = []
-    monkeypatch.setattr(memopt, "search", lambda *a, **k: calls.append(k))
-    with pytest.raises(UsageError) as err:
-        ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 --strategies {value}")
-    msg = str(err.value)
-    assert message in msg and "keep, recompute, swap" in msg and calls == []
 
 
 def test_a_budget_below_the_floor_of_the_space_searched_states_that_floor(ip, prof):
