@@ -236,6 +236,13 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     bound = max(parts, key=lambda k: parts[k])
     activations = work + kept
     advice: list[str] = []
+    every = ("keep", "recompute", "swap")
+    if set(strategies) != set(every):  # a restricted activation space: what the whole one reaches
+        from .solvers import min_peak
+
+        wider = min_peak(profile, device, every, offload_state=offload_state, step_in_backward=step_in_backward)
+        if wider < floor:
+            advice.append(f"allow every activation strategy (strategies={every!r}): floor {format_bytes(wider)}")
     if bound == FIXED_STATE and offload_state is False and _has_state(profile):
         state_floor_bytes, _ = state_floor(profile, device, strategies, True, False)
         if state_floor_bytes < floor:

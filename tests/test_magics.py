@@ -275,6 +275,19 @@ def test_budget_below_the_floor_says_what_bounds_it(ip, prof):
     assert "add units" not in msg
 
 
+def spy_on_search(monkeypatch):
+    """The keyword arguments of every ``memopt.search`` call the magic makes (the search still runs)."""
+    calls = []
+    real = memopt.search
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memopt, "search", spy)
+    return calls
+
+
 @pytest.mark.parametrize("flags, offload_state, step", [
     ("", True, False),
     ("--offload-state all", True, False),
@@ -284,30 +297,58 @@ def test_budget_below_the_floor_says_what_bounds_it(ip, prof):
     ("--offload-state OPTIMIZER,grads,params", {"optimizer", "grads", "params"}, False),
 ])
 def test_plan_offload_state_flags_reach_the_search(ip, prof, monkeypatch, flags, offload_state, step):
-    calls = []
-    real = memopt.search
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(memopt, "search", spy)
+    calls = spy_on_search(monkeypatch)
     ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 -q -o p_state {flags}")
     assert calls[0]["offload_state"] == offload_state and calls[0]["step_in_backward"] is step
     assert ip.user_ns["p_state"].step_in_backward is step
 
 
-@pytest.mark.parametrize("value, message", [
-    ("everything", "unknown 'everything'"),
-    ("optimizer,activations", "unknown 'activations'"),
-    ("optimizer,", "unknown ''"),
-    ("''", "empty"),
+OFFLOAD_NAMES = ("all", "none", "optimizer, grads, params")
+STRATEGY_NAMES = ("keep, recompute, swap",)
+
+
+@pytest.mark.parametrize("flag, value, message, names", [
+    ("--offload-state", "everything", "unknown 'everything'", OFFLOAD_NAMES),
+    ("--offload-state", "optimizer,activations", "unknown 'activations'", OFFLOAD_NAMES),
+    ("--offload-state", "optimizer,", "unknown ''", OFFLOAD_NAMES),
+    ("--offload-state", "''", "empty", OFFLOAD_NAMES),
+    ("--strategies", "keep,teleport", "unknown 'teleport'", STRATEGY_NAMES),
+    ("--strategies", "keep,", "unknown ''", STRATEGY_NAMES),
+    ("--strategies", "''", "empty", STRATEGY_NAMES),
 ])
-def test_plan_offload_state_mistakes_are_usage_errors(ip, prof, monkeypatch, value, message):
+def test_plan_space_flag_mistakes_are_usage_errors(ip, prof, monkeypatch, flag, value, message, names):
     calls = []
     monkeypatch.setattr(memopt, "search", lambda *a, **k: calls.append(k))
     with pytest.raises(UsageError) as err:
-        ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 --offload-state {value}")
+        ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 {flag} {value}")
     msg = str(err.value)
-    assert message in msg and "all" in msg and "none" in msg and "optimizer, grads, params" in msg
+    assert message in msg and all(n in msg for n in names)
     assert calls == []
+
+
+@pytest.mark.parametrize("flags, strategies", [
+    ("", ("keep", "recompute", "swap")),
+    ("--strategies keep,recompute", ("keep", "recompute")),
+    ("--strategies 'swap, keep'", ("keep", "swap")),
+])
+def test_plan_strategies_flag_reaches_the_search_and_the_result(ip, prof, monkeypatch, capsys, flags, strategies):
+    calls = spy_on_search(monkeypatch)
+    ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 --no-widget -o p_strat {flags}")
+    p = ip.user_ns["p_strat"]
+    assert calls[0]["strategies"] == strategies and p.meta["allowed_strategies"] == list(strategies)
+    assert set(p.strategies) <= set(strategies)
+    out = capsys.readouterr().out
+    shown = f"(activation strategies: {', '.join(strategies)})"
+    assert (shown in out) is (len(strategies) < 3) and "stored as `p_strat`" in out
+
+
+def test_a_budget_below_the_floor_of_the_space_searched_states_that_floor(ip, prof):
+    whole, keep = memopt.solvers.min_peak(prof), memopt.solvers.min_peak(prof, strategies=("keep",))
+    assert whole < keep
+    budget = (whole + keep) // 2
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", f"prof --budget {budget} --timesteps 96 --strategies keep")
+    msg = str(err.value)
+    floor = explain_floor(prof, offload_state=True, strategies=("keep",))
+    assert "using only keep" in msg and memopt.format_bytes(keep) in msg and floor.breakdown_text() in msg
+    assert "allow every activation strategy" in msg and memopt.format_bytes(whole) in msg

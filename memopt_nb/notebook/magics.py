@@ -18,6 +18,7 @@ Plan — run ``memopt.search`` with the live dashboard and store the plan (in ``
     %memopt_plan prof --budget 60%
     %memopt_plan prof --budget 2GiB --device a100-40gb --timesteps 20000 --seed 1 -o p
     %memopt_plan prof --budget 40% --offload-state optimizer,grads --step-in-backward
+    %memopt_plan prof --budget 60% --strategies keep,recompute
 
 Mistakes (an unknown name, an object that is not an ``nn.Module``, a bad budget, a budget below the smallest peak
 any plan reaches) raise ``UsageError`` with the reason and no traceback. A trailing ``;`` hides what the magic returns
@@ -109,6 +110,22 @@ def _parse_offload_state(text: str) -> bool | set[str]:
         raise UsageError(f"--offload-state {text!r}: {what}; give all (the default), none (activations only) or a "
                          f"comma-separated list of {', '.join(STATE_PIECES)}, e.g. --offload-state optimizer,grads")
     return set(pieces)
+
+
+def _parse_strategies(text: str) -> tuple[str, ...]:
+    """``--strategies``: a comma-separated list of the activation strategies the search may use (see
+    ``memopt.search``)."""
+    from ..plan import STRATEGIES
+    from ..solvers.common import allowed_strategies
+
+    value = (_unquote(text.strip()) or "").strip()
+    try:
+        return allowed_strategies([p.strip() for p in value.split(",")] if value else [])
+    except memopt.PlanError:
+        unknown = [repr(p.strip()) for p in value.split(",") if p.strip().lower() not in STRATEGIES]
+        what = f"unknown {', '.join(unknown)}" if value else "empty"
+        raise UsageError(f"--strategies {text!r}: {what}; give a comma-separated list of {', '.join(STRATEGIES)} "
+                         f"(default: all of them), e.g. --strategies keep,recompute") from None
 
 
 def _parse_units(text: str | None) -> Any:
@@ -341,6 +358,9 @@ class MemoptMagics(Magics):
     @ma.argument("--step-in-backward", action="store_true",
                  help="also allow stepping a unit's parameters inside backward (grads='step'); the training loop may "
                       "then no longer accumulate gradients over several backwards or clip their global norm")
+    @ma.argument("--strategies", metavar="LIST", default="keep,recompute,swap",
+                 help="the activation strategies the plan may use, comma-separated (default: keep,recompute,swap); "
+                      "e.g. keep,recompute for checkpointing only")
     @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
                  help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
     @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
@@ -352,11 +372,14 @@ class MemoptMagics(Magics):
         """Search a memory plan with the two PPO agents (``memopt.search``), watching them learn in a live dashboard.
 
         ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S]
-        [--offload-state all|none|optimizer,grads,params] [--step-in-backward] [-o NAME] [--no-widget] [-q]``
+        [--offload-state all|none|optimizer,grads,params] [--step-in-backward] [--strategies keep,recompute,swap]
+        [-o NAME] [--no-widget] [-q]``
 
         ``--offload-state`` says what of the training state the plan may place on the host (``all`` by default,
         ``none`` for activations only, or a comma-separated list); ``--step-in-backward`` also allows running a unit's
         optimizer step inside backward, after which the loop may no longer accumulate or clip gradients.
+        ``--strategies`` restricts the activation strategies (e.g. ``keep,recompute``: checkpointing only; the budget is
+        then checked against that space's floor).
 
         The dashboard shows both agents' rewards, the fastest plan's peak against the budget and, at the end, the
         memory timeline of the returned plan against the unoptimized step; when the search ends it stays in the cell as
@@ -384,6 +407,7 @@ class MemoptMagics(Magics):
         except memopt.MemoptError as exc:
             raise UsageError(f"--budget {args.budget}: {exc}") from None
         offload_state = _parse_offload_state(args.offload_state)
+        strategies = _parse_strategies(args.strategies)
         if args.timesteps is not None and args.timesteps <= 0:
             raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
         try:
@@ -396,14 +420,15 @@ class MemoptMagics(Magics):
         dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title)
         try:
             plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, offload_state=offload_state,
-                            step_in_backward=args.step_in_backward)
+                            step_in_backward=args.step_in_backward, strategies=strategies)
         except memopt.MemoptError as exc:
             raise UsageError(f"--budget {args.budget}: {exc}" if isinstance(exc, memopt.BudgetError)
                              else str(exc)) from None
         self.shell.user_ns[args.output] = plan
         if silenced or args.quiet:
             return None
-        print(f"memopt: plan stored as `{args.output}`; apply it with `with memopt.plan({args.output}): ...`")
+        space = "" if len(strategies) == 3 else f" (activation strategies: {', '.join(strategies)})"
+        print(f"memopt: plan stored as `{args.output}`{space}; apply it with `with memopt.plan({args.output}): ...`")
         return plan
 
 

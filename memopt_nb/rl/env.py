@@ -27,7 +27,8 @@ the cost model has a state table — the optimizer step's share of the peak (the
 resident, the unit-by-unit step's points once any unit moves state). The state part is exactly the contract's
 separable form, so for placements the estimate is exact.
 
-Action masks: recompute/swap where the unit allows it, swap only with a host link, a placement only where the state
+Action masks: only the activation strategies the task allows (``strategies=``; keep where none of them fits the
+unit), recompute/swap where the unit allows it, swap only with a host link, a placement only where the state
 table says it changes something (not for units without parameters), timings only for swapped units and only where
 they differ in effect, and any action after which the budget is out of reach even if every remaining unit
 takes its most frugal option (by the marginal model; for the unit decided at the same step by the other agent, its
@@ -245,7 +246,8 @@ class MemoryPlanningEnv(ParallelEnv):
             swap_opts = np.flatnonzero(task.option_ok[t, 2:])
             swap_min = task.marg_peak[t, 2 + swap_opts].min(axis=0) if swap_opts.size else np.zeros(task.S)
             choice.append(swap_min)
-            ok_s = np.array([True, bool(task.option_ok[t, RECOMPUTE]), bool(task.option_ok[t, 2:].any())])
+            ok_s = np.array([bool(task.option_ok[t, KEEP]), bool(task.option_ok[t, RECOMPUTE]),
+                             bool(task.option_ok[t, 2:].any())])
             ok = (ok_s[:, None] & task.state_ok[t][None]).ravel()  # action o * C + j
             # every (strategy o, placement j) at once: segments (3, C, S) and the step's points (C, K)
             seg = (level + np.stack(choice))[:, None] + task.st_seg[t][None]

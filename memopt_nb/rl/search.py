@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..device import DeviceSpec
-from ..plan import STATE_CHOICES, Plan, decisions_from
+from ..plan import STATE_CHOICES, STRATEGIES, Plan, decisions_from
 from ..simulate import SWAP
 from ..solvers.common import make_plan
 from .env import STRATEGY, TIMING, MemoryPlanningEnv
@@ -57,8 +57,9 @@ def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np
 
 
 def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int) -> tuple:
-    """Where placements may move, two more starts for the polish: the agents' activation decisions and keep-all, each
-    with the fastest state placement that fits the budget for those activations (exact: the MILP with activations
+    """Where placements may move, two more starts for the polish: the agents' activation decisions and keep-all (where
+    keep is not allowed, each unit's plainest allowed option: :meth:`~memopt_nb.rl.task.PlanningTask.plain_options`),
+    each with the fastest state placement that fits the budget for those activations (exact: the MILP with activations
     fixed, :func:`~memopt_nb.solvers.place_states`). Returns the fastest feasible of the polished plans (``current``
     first: ties keep it). Only for the cost model's own state table (a hand-made one is not the MILP's)."""
     if task.C == 1 or task.state_model is None or not task.state_model.native:
@@ -70,8 +71,7 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
         return float(t[0]) if peak[0] <= task.budget else math.inf
 
     best, best_t = (*current, moves), time_of(*current)
-    keep = np.zeros(task.n, dtype=np.int64)
-    for c, w, d in (agents[:3], (keep, keep + 1, keep + 1)):
+    for c, w, d in (agents[:3], _option_arrays(task.plain_options())):
         st = place_states(task.sim, task.budget, c, w, d, offload_state=task.offload_state,
                           step_in_backward=task.step_in_backward, time_limit=10.0)
         c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
@@ -251,7 +251,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
            config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None,
            reward_scale: float = 10.0, offload_state: bool | str | Iterable[str] = True,
-           step_in_backward: bool = False) -> Plan:
+           step_in_backward: bool = False, strategies: str | Iterable[str] = STRATEGIES) -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
 
     The plan decides per unit its activation strategy (keep, recompute, swap and the swap's timing) and where the
@@ -278,6 +278,12 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         step_in_backward: also allow ``grads="step"`` (the unit's optimizer step runs in backward, then its gradients
             are freed). Opt-in: under such a plan the loop may no longer accumulate gradients over several backwards
             or clip their global norm. The plan records it (:attr:`~memopt_nb.plan.Plan.step_in_backward`).
+        strategies: the activation strategies the agents may choose from: a non-empty set of ``"keep"``,
+            ``"recompute"``, ``"swap"`` (also as a comma-separated string; order and duplicates do not matter), e.g.
+            ``("keep", "recompute")`` for checkpointing only. The other strategies are masked out of the strategy
+            agent's actions, the polish never introduces them, and the budget is checked against the floor of this
+            space (``solvers.min_peak(..., strategies)``). A unit none of them fits keeps its activations. A bad
+            value raises :class:`~memopt_nb.errors.PlanError`; the default is all three.
         reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
             are next to PPO's fixed clipping and entropy coefficients.
 
@@ -287,13 +293,15 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     ``agents_peak`` (what the agents alone reached), ``polish`` (``"ran"``, ``"off"`` or ``"skipped: ..."``),
     ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds``, ``interrupted`` (Ctrl-C returns the
     best plan so far), ``state_choices`` (the placements the agents could choose from; only all-resident when the
-    cost model has no state table) and ``agents_states`` (the agents' placements before the polish). The plan's own
+    cost model has no state table), ``allowed_strategies`` (the activation strategies searched, as ``optimal``
+    records them) and ``agents_states`` (the agents' placements before the polish). The plan's own
     ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
     """
     t0 = time.perf_counter()
-    task = PlanningTask(profile, budget, device, offload_state=offload_state, step_in_backward=step_in_backward)
+    task = PlanningTask(profile, budget, device, offload_state=offload_state, step_in_backward=step_in_backward,
+                        strategies=strategies)
     cfg = config or PPOConfig()
     cfg = PPOConfig(**{**cfg.__dict__, "seed": seed,
                        "total_timesteps": total_timesteps or (config.total_timesteps if config else
@@ -390,7 +398,8 @@ class SearchTracker:
                 "total_timesteps": self.planned_steps, "requested_timesteps": self.requested_steps,
                 "timesteps_run": history[-1]["global_step"] if history else 0, "restarts": self.runs,
                 "episodes": self.episodes, "best_episode": self.best["episode"], "base_step_time": self.task.base_time,
-                "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids]}
+                "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids],
+                "allowed_strategies": list(self.task.strategies)}
 
 
 def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
@@ -402,8 +411,7 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
         warnings.warn("the agents found no plan within the budget; returning the least infeasible one, flagged",
                       stacklevel=3)
         if least_bad["plan"] is None:
-            zero = np.zeros(task.n, dtype=np.int64)
-            least_bad["plan"] = (*_option_arrays(zero), zero)
+            least_bad["plan"] = (*_option_arrays(task.plain_options()), np.zeros(task.n, dtype=np.int64))
         c, w, d, st = least_bad["plan"]
         return plan_from_arrays(task, c, w, d, st, seed=seed, **meta, no_feasible_plan=True, agents_step_time=None,
                                 polished_step_time=None, polish="skipped: no feasible plan")

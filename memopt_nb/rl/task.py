@@ -24,9 +24,9 @@ import numpy as np
 from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
 from ..errors import BudgetError, PlanError
-from ..plan import DISTANCES, STATE_CHOICES, WINDOWS, state_choices
+from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, state_choices
 from ..simulate import KEEP, RECOMPUTE, SWAP, Simulator
-from ..solvers.common import as_simulator, check_budget
+from ..solvers.common import allowed_strategies, as_simulator, check_budget
 
 __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS"]
 
@@ -97,15 +97,20 @@ def state_model_for(sim: Simulator) -> StateModel | None:
 
 
 class PlanningTask:
-    """A (profile, budget, device, allowed placements) compiled for the environment and the search.
+    """A (profile, budget, device, allowed strategies and placements) compiled for the environment and the search.
 
-    ``offload_state`` and ``step_in_backward`` are read by :func:`memopt_nb.plan.state_choices`; the allowed
-    placements are ``state_ids`` (indices into :data:`~memopt_nb.plan.STATE_CHOICES`, 0 first). Without a state model
-    (:func:`state_model_for` returns ``None``) only 0 is allowed, whatever ``offload_state`` says.
+    ``strategies`` (read by :func:`~memopt_nb.solvers.common.allowed_strategies`) restricts the activation options:
+    ``option_ok`` leaves out the strategies not allowed, and a unit none of the allowed ones fits keeps its
+    activations (as in the MILP's :func:`~memopt_nb.solvers.common.unit_options`). ``offload_state`` and
+    ``step_in_backward`` are read by :func:`memopt_nb.plan.state_choices`; the allowed placements are ``state_ids``
+    (indices into :data:`~memopt_nb.plan.STATE_CHOICES`, 0 first). Without a state model (:func:`state_model_for`
+    returns ``None``) only 0 is allowed, whatever ``offload_state`` says.
     """
 
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-                 offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False) -> None:
+                 offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
+                 strategies: str | Iterable[str] = STRATEGIES) -> None:
+        self.strategies = allowed_strategies(strategies)  # PlanError on a bad value
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
         allowed = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
@@ -119,7 +124,7 @@ class PlanningTask:
         self.state_ids = np.array([STATE_CHOICES.index(c) for c in allowed], dtype=np.int64)
         self._compile_states()
         if self.C == 1:  # activations only: the exact floor (before anything else is computed)
-            self.budget = check_budget(self.sim, budget, offload_state=False)
+            self.budget = check_budget(self.sim, budget, self.strategies, offload_state=False)
         keep = np.zeros((1, n), dtype=np.int64)
         base = self.sim.evaluate(keep, keep + 1, keep + 1, details=True)
         self.base_peaks = base["peaks"][0]
@@ -139,6 +144,12 @@ class PlanningTask:
                 if key in seen:
                     self.option_ok[u, 2 + j] = False
                 seen.add(key)
+        if "recompute" not in self.strategies:
+            self.option_ok[:, RECOMPUTE] = False
+        if "swap" not in self.strategies:
+            self.option_ok[:, 2:] = False
+        if "keep" not in self.strategies:  # kept only where nothing allowed fits the unit
+            self.option_ok[:, KEEP] = ~self.option_ok[:, 1:].any(axis=1)
         # marginal model: unit u alone on option o
         codes, windows, dists = [], [], []
         for u in range(n):
@@ -272,10 +283,10 @@ class PlanningTask:
         placements allowed) for the simulator's own state table; for another table (tests, what-if studies), below the
         activation-only floor the marginal model's floor over the enlarged space decides."""
         if self.state_model is not None and self.state_model.native:
-            return check_budget(self.sim, budget, offload_state=self.offload_state,
+            return check_budget(self.sim, budget, self.strategies, offload_state=self.offload_state,
                                 step_in_backward=self.step_in_backward)
         try:
-            return check_budget(self.sim, budget, offload_state=False)
+            return check_budget(self.sim, budget, self.strategies, offload_state=False)
         except BudgetError:
             if self.C == 1:
                 raise
@@ -290,7 +301,8 @@ class PlanningTask:
                     "the activations and the state that stays resident at the peak segment")
             raise BudgetError(
                 f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak the planner's model finds "
-                f"for this profile on {self.sim.device.name} even with state offload ({self._allowed_text()}): about "
+                f"for this profile on {self.sim.device.name}{self._strategies_text()} even with state offload "
+                f"({self._allowed_text()}): about "
                 f"{format_bytes(int(lowest))} ({int(lowest)} bytes), bounded by {part}. Ask for at least that much"
                 + ("" if self.C == len(STATE_CHOICES) else ", or allow more of the state to move (offload_state=True"
                    + (", step_in_backward=True" if not self.step_in_backward else "") + ")") + ".")
@@ -311,6 +323,14 @@ class PlanningTask:
                 f"{self.sim.device.name} with the placements allowed ({self._allowed_text()}): at least "
                 f"{format_bytes(int(step))} ({int(step)} bytes), whatever the plan does with activations. Ask for at "
                 f"least that much.{more}")
+
+    def _strategies_text(self) -> str:
+        return "" if self.strategies == STRATEGIES else f" using only {', '.join(self.strategies)}"
+
+    def plain_options(self) -> np.ndarray:
+        """Per unit the plainest allowed option (an index into the options: keep, else recompute, else the first
+        allowed swap timing): keep-all in the default space, where a search or polish starts from "change nothing"."""
+        return self.option_ok.argmax(axis=1).astype(np.int64)
 
     def _allowed_text(self) -> str:
         return "; ".join("/".join(STATE_CHOICES[int(i)]) for i in self.state_ids[1:]) or "none"

@@ -32,16 +32,17 @@ from .baselines import (
     swap_all,
 )
 from .brute import brute_force
-from .common import as_simulator, cached_min_peak
+from .common import allowed_strategies, as_simulator, cached_min_peak
 from .milp import optimal, place_states
 
 
 def min_peak(profile: Any, device: DeviceSpec | str | None = None,
-             strategies: Sequence[str] = ("keep", "recompute", "swap"), *,
+             strategies: str | Sequence[str] = ("keep", "recompute", "swap"), *,
              offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False) -> int:
     """The smallest peak memory (bytes) any plan reaches for ``profile`` on ``device``, using only ``strategies`` for
-    activations and moving only the state ``offload_state`` allows (``False``: activations only)."""
-    return cached_min_peak(as_simulator(profile, device), strategies, offload_state=offload_state,
+    activations (a non-empty set of keep, recompute, swap, else :class:`~memopt_nb.errors.PlanError`) and moving only
+    the state ``offload_state`` allows (``False``: activations only)."""
+    return cached_min_peak(as_simulator(profile, device), allowed_strategies(strategies), offload_state=offload_state,
                            step_in_backward=step_in_backward)
 
 

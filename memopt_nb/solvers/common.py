@@ -11,6 +11,7 @@ from .milp import cached_min_peak, check_budget, place_states
 from .space import (
     Option,
     allowed_states,
+    allowed_strategies,
     as_simulator,
     evaluate_arrays,
     make_plan,
@@ -20,5 +21,6 @@ from .space import (
     unit_states,
 )
 
-__all__ = ["Option", "allowed_states", "as_simulator", "cached_min_peak", "check_budget", "evaluate_arrays",
-           "make_plan", "place_states", "state_table_of", "uniform_arrays", "unit_options", "unit_states"]
+__all__ = ["Option", "allowed_states", "allowed_strategies", "as_simulator", "cached_min_peak", "check_budget",
+           "evaluate_arrays", "make_plan", "place_states", "state_table_of", "uniform_arrays", "unit_options",
+           "unit_states"]

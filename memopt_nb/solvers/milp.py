@@ -54,6 +54,7 @@ from .space import (
     OffloadState,
     Option,
     allowed_states,
+    allowed_strategies,
     as_simulator,
     evaluate_arrays,
     make_plan,
@@ -636,12 +637,14 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
     """The plan with the smallest simulated step time whose simulated peak fits ``budget``.
 
     Solved exactly (to HiGHS tolerances) as a MILP over the simulator's model; ``strategies`` restricts the activation
-    options (e.g. ``("keep", "recompute")`` for checkpointing only). ``offload_state`` says which state may leave the
+    options (e.g. ``("keep", "recompute")`` for checkpointing only; a bad value raises
+    :class:`~memopt_nb.errors.PlanError`). ``offload_state`` says which state may leave the
     device: ``True`` (optimizer state, gradients, parameters), ``False`` (activations only) or a set of
     ``"optimizer"``, ``"grads"``, ``"params"``; ``step_in_backward=True`` also allows stepping units inside backward
     (the plan then forbids gradient accumulation and clipping). ``plan.meta`` has the solver status, the MILP
     objective, the simulated time of the plan, the solve time and whether optimality was proven within ``time_limit``.
     """
+    strategies = allowed_strategies(strategies)  # PlanError on a bad value
     sim = as_simulator(profile, device)
     space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
     b = check_budget(sim, budget, strategies, **space)

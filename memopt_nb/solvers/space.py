@@ -20,16 +20,38 @@ from typing import Any
 import numpy as np
 
 from ..device import DeviceSpec
-from ..errors import BudgetError, MemoptError
+from ..errors import BudgetError, MemoptError, PlanError
 from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan, decisions_from, state_choices
 from ..simulate import KEEP, NAMES, RECOMPUTE, SWAP, Simulator
 
-__all__ = ["Option", "allowed_states", "as_simulator", "evaluate_arrays", "make_plan", "state_table_of",
-           "uniform_arrays", "unit_options", "unit_states"]
+__all__ = ["Option", "allowed_states", "allowed_strategies", "as_simulator", "evaluate_arrays", "make_plan",
+           "state_table_of", "uniform_arrays", "unit_options", "unit_states"]
 
 Option = tuple[int, int, int]  # (strategy code, offload window, prefetch distance)
 OffloadState = bool | str | Iterable[str]
 _FETCH: Any = object()  # unit_states: fetch the state table from the simulator
+
+
+def allowed_strategies(strategies: str | Iterable[str] = STRATEGIES) -> tuple[str, ...]:
+    """The activation strategies ``strategies=`` allows, in the canonical order of :data:`~memopt_nb.plan.STRATEGIES`,
+    ``("keep", "recompute", "swap")`` (order and duplicates of the argument do not matter).
+
+    ``strategies``: a non-empty set of ``"keep"``, ``"recompute"``, ``"swap"``, or the same as a comma-separated
+    string (``"keep,recompute"``). A unit none of them fits (say only ``"swap"`` allowed and the unit cannot be swapped)
+    keeps its activations. Anything else raises :class:`~memopt_nb.errors.PlanError` naming the allowed strategies.
+    """
+    if isinstance(strategies, str):
+        strategies = strategies.split(",")
+    try:
+        names = [s.strip().lower() if isinstance(s, str) else s for s in strategies]
+    except TypeError:
+        raise PlanError(f"strategies must be a set of {', '.join(STRATEGIES)}; got {strategies!r}") from None
+    unknown = [repr(s) for s in names if s not in STRATEGIES]
+    if unknown or not names:
+        what = f"unknown {', '.join(unknown)}" if unknown else "none given"
+        raise PlanError(f"strategies: {what}; give a non-empty set of {', '.join(STRATEGIES)} (e.g. "
+                        f"strategies=(\"keep\", \"recompute\") for checkpointing only)")
+    return tuple(s for s in STRATEGIES if s in names)
 
 
 def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = STRATEGIES) -> list[Option]:
