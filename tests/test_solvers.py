@@ -685,3 +685,29 @@ def test_the_bench_runs_the_state_baselines_when_asked():
         plans = ev.methods[name].plans
         assert [p.method for p in plans] == [name, name]
         assert all(p.step_in_backward is name.startswith("step_in_backward") for p in plans)
+
+
+def test_selective_layer_takes_the_fastest_frequency_that_fits(small_zoo):
+    """torchtitan's selective layer checkpointing: units 0, k, 2k, … recomputed, with the best k for the budget."""
+    prof = small_zoo["gpt"]
+    sim = Simulator(prof)
+    n = prof.n_units
+    by_k = {}
+    for k in range(1, n + 1):
+        codes = [1 if u % k == 0 else 0 for u in range(n)]
+        peak, t = sim.evaluate(np.array([codes]), np.ones((1, n), int), np.ones((1, n), int))
+        by_k[k] = (codes, float(peak[0]), float(t[0]))
+    lo = solvers.min_peak(prof, offload_state=False)
+    for frac in (0.1, 0.5, 0.9):
+        budget = int(lo + frac * (prof.peak_bytes - lo))
+        plan = solvers.selective_layer(prof, budget)
+        fits = {k: v for k, v in by_k.items() if v[1] <= budget}
+        if fits:
+            best = min(fits, key=lambda k: (fits[k][2], k))
+            assert plan.feasible and plan.meta["k"] == best
+            assert [s == "recompute" for s in plan.strategies] == [c == 1 for c in by_k[best][0]]
+        else:
+            assert not plan.feasible and plan.meta["k"] == min(by_k, key=lambda k: by_k[k][1])
+    assert solvers.selective_layer(prof).meta["k"] == 2  # no budget: torchtitan's usual every-other-layer
+    assert solvers.selective_layer(prof, "100%").predicted_step_time <= solvers.recompute_all(prof, "100%") \
+        .predicted_step_time

@@ -24,6 +24,7 @@ from .baselines import (
     capuchin,
     none,
     recompute_all,
+    selective_layer,
     sqrt_n,
     state_offload,
     state_offload_recompute,
@@ -47,5 +48,5 @@ def min_peak(profile: Any, device: DeviceSpec | str | None = None,
 
 
 __all__ = ["BASELINES", "CLASSIC_BASELINES", "STATE_BASELINES", "brute_force", "capuchin", "min_peak", "none",
-           "optimal", "place_states", "recompute_all", "sqrt_n", "state_offload", "state_offload_recompute",
-           "step_in_backward", "step_in_backward_recompute", "swap_all"]
+           "optimal", "place_states", "recompute_all", "selective_layer", "sqrt_n", "state_offload",
+           "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]
