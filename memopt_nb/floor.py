@@ -133,9 +133,10 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
     n = sim.n
     allowed_choices = [STATE_CHOICES.index(c) for c in state_choices(offload_state, step_in_backward=step_in_backward)]
     codes = [CODES[s] for s in strategies]
-    ok_s = np.ones((n, 3), dtype=bool)
+    ok_s = np.ones((n, 4), dtype=bool)
     ok_s[:, 1] = sim.recomputable
     ok_s[:, 2] = sim.swappable
+    ok_s[:, 3] = sim.recomputable & sim.swappable  # recompute_offload
     opts = [[(s, c) for s in codes if ok_s[u, s] for c in allowed_choices if tab.allowed[u, c]] for u in range(n)]
     ones = np.ones((1, n), dtype=np.int64)
 
