@@ -238,7 +238,7 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     activations = work + kept
     advice: list[str] = []
     every = ("keep", "recompute", "swap")
-    if set(strategies) != set(every):  # a restricted activation space: what the whole one reaches
+    if not set(every) <= set(strategies):  # a restricted activation space: what the whole default one reaches
         from .solvers import min_peak
 
         wider = min_peak(profile, device, every, offload_state=offload_state, step_in_backward=step_in_backward)
@@ -268,6 +268,9 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
         advice.append("a smaller batch")
     else:
         advice.append("a smaller batch (kept activations grow with it)")
+        if "recompute_offload" not in strategies:
+            advice.append("recompute_offload, which offloads the unit inputs recompute keeps (opt-in: "
+                          "strategies=memopt_nb.plan.STRATEGIES)")
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
                  bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
                  state_floor_bytes=state_floor_bytes, plan=plan)

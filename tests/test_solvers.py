@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -8,9 +9,9 @@ import pytest
 import memopt_nb as memopt
 from memopt_nb import solvers
 from memopt_nb.errors import BudgetError, PlanError
-from memopt_nb.plan import STATE_CHOICES, state_choices
+from memopt_nb.plan import DEFAULT_STRATEGIES, STATE_CHOICES, STRATEGIES, state_choices
 from memopt_nb.reference_sim import replay
-from memopt_nb.simulate import Simulator
+from memopt_nb.simulate import RECOMPUTE_OFFLOAD, Simulator
 from memopt_nb.synthetic import chain_profile
 
 CASES = (
@@ -75,7 +76,8 @@ SPACES = {"optimal": {}, **{name: {"offload_state": False} for name in solvers.C
           "state_offload": {"offload_state": {"optimizer", "grads"}},
           "state_offload_recompute": {"offload_state": {"optimizer", "grads"}},
           "step_in_backward": {"offload_state": False, "step_in_backward": True},
-          "step_in_backward_recompute": {"offload_state": False, "step_in_backward": True}}
+          "step_in_backward_recompute": {"offload_state": False, "step_in_backward": True},
+          "recompute_offload_all": {"offload_state": False, "strategies": STRATEGIES}}
 
 
 @pytest.mark.parametrize("name", list(solvers.BASELINES) + ["optimal"])
@@ -313,7 +315,7 @@ def test_planners_leave_default_timings_on_units_they_do_not_swap(name):
     for frac in (0.1, 0.5):
         plan = fn(prof, int(lo + frac * (prof.peak_bytes - lo)))
         for dec in plan.decisions:
-            if dec.strategy != "swap":
+            if dec.strategy not in ("swap", "recompute_offload"):
                 assert (dec.offload_window, dec.prefetch_distance) == (1, 1), (name, plan.decisions)
 
 
@@ -711,3 +713,121 @@ def test_selective_layer_takes_the_fastest_frequency_that_fits(small_zoo):
     assert solvers.selective_layer(prof).meta["k"] == 2  # no budget: torchtitan's usual every-other-layer
     assert solvers.selective_layer(prof, "100%").predicted_step_time <= solvers.recompute_all(prof, "100%") \
         .predicted_step_time
+
+
+# ---------------------------------------------------------------------- recompute_offload (issue 12, item 1)
+CPU_LIKE = memopt.DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9,
+                             d2h_bytes_per_s=5e9, compute_flops=1e11, copy_overlap=False)
+
+
+def inputs_unsaved(prof, seed):
+    """``prof`` with about half of the groups units take as input saved by no unit: only a recompute_offload consumer
+    can own (and offload) those."""
+    rng = np.random.default_rng(seed)
+    groups = [dataclasses.replace(g, savers=()) if g.consumers and rng.random() < 0.5 else g for g in prof.groups]
+    return dataclasses.replace(prof, groups=groups)
+
+
+RO_CASES = [(n, seed, shared, device, variant) for n, seed, shared in ((3, 0, 0.3), (4, 1, 0.8), (4, 2, 0.3))
+            for device in (None, CPU_LIKE) for variant in ("chain", "unsaved")]
+
+
+@pytest.mark.parametrize("n,seed,shared,device,variant", RO_CASES)
+def test_exact_solver_matches_brute_force_with_recompute_offload(n, seed, shared, device, variant):
+    prof = chain_profile(n, seed=seed, shared_boundaries=shared, device=device)
+    if variant == "unsaved":
+        prof = inputs_unsaved(prof, seed)
+    space = {"strategies": STRATEGIES, "offload_state": False}
+    lo = solvers.min_peak(prof, **space)
+    assert lo <= solvers.min_peak(prof, offload_state=False)
+    for frac in (0.0, 0.1, 0.4):
+        budget = int(lo + frac * (prof.peak_bytes - lo))
+        exact = solvers.optimal(prof, budget, **space)
+        oracle = solvers.brute_force(prof, budget, **space)
+        assert exact.feasible and oracle.feasible
+        assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9), frac
+        assert exact.meta["milp_step_time"] == pytest.approx(exact.predicted_step_time, rel=1e-6)
+        assert memopt.simulate(prof, exact, device=device).peak_bytes <= budget
+
+
+def test_recompute_offload_is_chosen_where_it_wins():
+    """One of the cases above whose optimum near the floor uses recompute_offload (so they test it, not only its
+    absence), and is faster than the default space's optimum at the same budget."""
+    prof = chain_profile(4, seed=2, shared_boundaries=0.3, device=CPU_LIKE)
+    lo = solvers.min_peak(prof, offload_state=False)
+    budget = int(lo + 0.1 * (prof.peak_bytes - lo))
+    wide = solvers.optimal(prof, budget, strategies=STRATEGIES, offload_state=False)
+    assert "recompute_offload" in wide.strategies
+    assert wide.predicted_step_time < solvers.optimal(prof, budget, offload_state=False).predicted_step_time
+
+
+@pytest.mark.parametrize("name", ["gpt", "unet"])
+def test_exact_solver_matches_brute_force_with_recompute_offload_on_real_profiles(name, small_zoo):
+    """Real storage groups (residuals read by several units, code between units saving storages): the plan-dependent
+    owner must still give the enumeration's optimum."""
+    prof = fixed_times(small_zoo[name])
+    space = {"strategies": ("keep", "recompute", "recompute_offload"), "offload_state": False}
+    for device in ("a100-40gb", None):
+        lo = solvers.min_peak(prof, device=device, **space)
+        for frac in (0.0, 0.3):
+            budget = int(lo + frac * (prof.peak_bytes - lo))
+            exact = solvers.optimal(prof, budget, device=device, **space)
+            oracle = solvers.brute_force(prof, budget, device=device, **space)
+            assert exact.feasible and oracle.feasible
+            assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9, abs=1e-6)
+            assert memopt.simulate(prof, exact, device=device).peak_bytes <= budget
+
+
+def test_recompute_offload_frees_the_inputs_recompute_keeps():
+    """The floor with recompute_offload is never above the floor without; over checkpointing alone it is strictly
+    lower where the inputs recompute keeps hold the peak up (an 8-unit chain), and on the zoo models it is at most the
+    default space's."""
+    prof = chain_profile(8, seed=4, shared_boundaries=0.0)
+    ckpt = solvers.min_peak(prof, strategies=("keep", "recompute"), offload_state=False)
+    ckpt_ro = solvers.min_peak(prof, strategies=("keep", "recompute", "recompute_offload"), offload_state=False)
+    assert ckpt_ro < ckpt
+    assert solvers.min_peak(prof, strategies=STRATEGIES, offload_state=False) <= min(
+        ckpt_ro, solvers.min_peak(prof, offload_state=False))
+
+
+def test_recompute_offload_is_opt_in():
+    """Every default space stays keep / recompute / swap: no planner offers recompute_offload unless asked."""
+    from memopt_nb.solvers.common import unit_options
+
+    sim = Simulator(chain_profile(4, seed=1))
+    assert allowed_strategies_default() == DEFAULT_STRATEGIES
+    for u in range(sim.n):
+        assert all(o[0] != RECOMPUTE_OFFLOAD for o in unit_options(sim, u))
+        ro = [o for o in unit_options(sim, u, STRATEGIES) if o[0] == RECOMPUTE_OFFLOAD]
+        swaps = [o[1:] for o in unit_options(sim, u, STRATEGIES) if o[0] == 2]
+        assert [o[1:] for o in ro] == swaps  # every swap timing, once
+    no_link = Simulator(chain_profile(4, seed=1), CPU_LIKE.with_changes(h2d_bytes_per_s=0.0, d2h_bytes_per_s=0.0))
+    assert all(o[0] != RECOMPUTE_OFFLOAD for u in range(4) for o in unit_options(no_link, u, STRATEGIES))
+    plan = solvers.optimal(sim, "60%")
+    assert plan.meta["allowed_strategies"] == list(DEFAULT_STRATEGIES)
+
+
+def allowed_strategies_default():
+    from memopt_nb.solvers.common import allowed_strategies
+
+    return allowed_strategies()
+
+
+def test_recompute_offload_all_is_fairscale_offload_to_cpu(small_zoo):
+    """Every recomputable unit recompute_offload, offload window 0 and prefetch distance 0; an ecosystem baseline (not
+    classic); its floor check is the whole space's; the bench accepts it."""
+    from memopt_nb.evaluate import ECOSYSTEM_METHODS, KNOWN_METHODS
+
+    assert "recompute_offload_all" in solvers.BASELINES and "recompute_offload_all" not in solvers.CLASSIC_BASELINES
+    assert "recompute_offload_all" in ECOSYSTEM_METHODS and "recompute_offload_all" in KNOWN_METHODS
+    prof = small_zoo["gpt"]
+    plan = solvers.recompute_offload_all(prof)
+    assert plan.method == "recompute_offload_all"
+    assert plan.strategies == ["recompute_offload"] * prof.n_units
+    assert plan.offload_windows == [0] * prof.n_units and plan.prefetch_distances == [0] * prof.n_units
+    rc = memopt.simulate(prof, solvers.recompute_all(prof))
+    ro = memopt.simulate(prof, plan)
+    assert ro.peak_bytes <= rc.peak_bytes and ro.bytes_offloaded > 0
+    lo = solvers.min_peak(prof, strategies=STRATEGIES, offload_state=False)
+    with pytest.raises(BudgetError, match="using only keep, recompute, swap, recompute_offload"):
+        solvers.recompute_offload_all(prof, lo - 1)

@@ -176,3 +176,15 @@ def test_the_exact_solvers_validate_the_space_alike(chain):
     with pytest.raises(PlanError, match="none given"):
         solvers.min_peak(chain, strategies=())
     assert solvers.min_peak(chain, strategies="recompute,keep") == solvers.min_peak(chain, strategies=CHECKPOINTING)
+
+
+def test_search_does_not_offer_recompute_offload_yet(chain):
+    """recompute_offload is a plan strategy the exact solver plans with; the agents do not have it yet, and say so
+    before any training rather than silently searching without it."""
+    calls = []
+    for value in (STRATEGIES, ("keep", "recompute_offload")):
+        with pytest.raises(PlanError, match="search does not offer recompute_offload yet.*solvers.optimal"):
+            memopt.search(chain, "50%", total_timesteps=100, strategies=value, callback=calls.append)
+    assert calls == []
+    plan = solvers.optimal(chain, "50%", strategies=STRATEGIES, offload_state=False)
+    assert plan.meta["allowed_strategies"] == list(STRATEGIES)

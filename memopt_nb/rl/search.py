@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..device import DeviceSpec
-from ..plan import STATE_CHOICES, STRATEGIES, Plan, decisions_from
+from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan, decisions_from
 from ..simulate import SWAP
 from ..solvers.common import make_plan
 from .env import STRATEGY, TIMING, MemoryPlanningEnv
@@ -251,7 +251,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
            config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None,
            reward_scale: float = 10.0, offload_state: bool | str | Iterable[str] = True,
-           step_in_backward: bool = False, strategies: str | Iterable[str] = STRATEGIES) -> Plan:
+           step_in_backward: bool = False, strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
 
     The plan decides per unit its activation strategy (keep, recompute, swap and the swap's timing) and where the
@@ -283,7 +283,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             ``("keep", "recompute")`` for checkpointing only. The other strategies are masked out of the strategy
             agent's actions, the polish never introduces them, and the budget is checked against the floor of this
             space (``solvers.min_peak(..., strategies)``). A unit none of them fits keeps its activations. A bad
-            value raises :class:`~memopt_nb.errors.PlanError`; the default is all three.
+            value raises :class:`~memopt_nb.errors.PlanError`; the default is all three. ``"recompute_offload"`` is
+            not offered by the search yet (PlanError; :func:`memopt_nb.solvers.optimal` plans with it).
         reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
             are next to PPO's fixed clipping and entropy coefficients.
 

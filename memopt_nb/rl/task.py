@@ -24,7 +24,7 @@ import numpy as np
 from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
 from ..errors import BudgetError, PlanError
-from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, state_choices
+from ..plan import DEFAULT_STRATEGIES, DISTANCES, STATE_CHOICES, WINDOWS, state_choices
 from ..simulate import KEEP, RECOMPUTE, SWAP, Simulator
 from ..solvers.common import allowed_strategies, as_simulator, check_budget
 
@@ -109,8 +109,11 @@ class PlanningTask:
 
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
                  offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
-                 strategies: str | Iterable[str] = STRATEGIES) -> None:
+                 strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> None:
         self.strategies = allowed_strategies(strategies)  # PlanError on a bad value
+        if "recompute_offload" in self.strategies:
+            raise PlanError("search does not offer recompute_offload yet; use memopt_nb.solvers.optimal(profile, "
+                            "budget, strategies=...) for plans with it")
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
         allowed = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
@@ -325,7 +328,7 @@ class PlanningTask:
                 f"least that much.{more}")
 
     def _strategies_text(self) -> str:
-        return "" if self.strategies == STRATEGIES else f" using only {', '.join(self.strategies)}"
+        return "" if self.strategies == DEFAULT_STRATEGIES else f" using only {', '.join(self.strategies)}"
 
     def plain_options(self) -> np.ndarray:
         """Per unit the plainest allowed option (an index into the options: keep, else recompute, else the first

@@ -9,6 +9,11 @@
 * ``selective_layer`` — torchtitan's selective *layer* checkpointing (``ac_freq``): recompute every ``k``-th unit
   (units ``0, k, 2k, …``), keep the others, with the best ``k``: the fastest that fits the budget (without a budget:
   ``k = 2``, torchtitan's common setting; if none fits, the one with the smallest peak, flagged infeasible).
+* ``recompute_offload_all`` — every unit recomputed with its inputs offloaded to the host at once and brought back
+  on demand (offload window 0, prefetch distance 0): what FairScale's ``checkpoint_wrapper(offload_to_cpu=True)`` or
+  ``offload_wrapper(checkpoint_wrapper(m))`` do. Units that cannot be recomputed, or any unit on a device without a host
+  link, keep. Its budget check is against the floor of the whole space, recompute_offload included. It is an
+  ecosystem baseline: in :data:`BASELINES`, not in :data:`CLASSIC_BASELINES`.
 * ``capuchin`` — a Capuchin-style greedy (Peng et al., ASPLOS 2020): until the budget holds, first swap the units whose
   copies the surrounding compute hides (largest first, with the shortest timing that hides them), then recompute in
   order of memory saved per second of recompute.
@@ -44,13 +49,13 @@ from typing import Any
 import numpy as np
 
 from ..device import DeviceSpec
-from ..plan import DISTANCES, STATE_CHOICES, WINDOWS, Plan
-from ..simulate import KEEP, RECOMPUTE, SWAP, Simulator
+from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan
+from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
 from .common import as_simulator, check_budget, make_plan, place_states, uniform_arrays, unit_states
 from .space import OffloadState
 
-__all__ = ["BASELINES", "CLASSIC_BASELINES", "STATE_BASELINES", "capuchin", "none", "recompute_all",
-           "selective_layer", "sqrt_n",
+__all__ = ["BASELINES", "CLASSIC_BASELINES", "ECOSYSTEM_BASELINES", "STATE_BASELINES", "capuchin", "none",
+           "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
            "state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]
 
 
@@ -99,6 +104,16 @@ def swap_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None =
     b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
     return _finish(sim, uniform_arrays(sim, SWAP, window=0, distance=0), budget, b, "swap_all", offload_state,
                    step_in_backward)
+
+
+def recompute_offload_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+                          offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
+    """Recompute every unit and offload its inputs, at once, back on demand (FairScale's
+    ``checkpoint_wrapper(offload_to_cpu=True)``)."""
+    sim = as_simulator(profile, device)
+    b = check_budget(sim, budget, STRATEGIES, offload_state=offload_state, step_in_backward=step_in_backward)
+    return _finish(sim, uniform_arrays(sim, RECOMPUTE_OFFLOAD, window=0, distance=0), budget, b,
+                   "recompute_offload_all", offload_state, step_in_backward)
 
 
 def selective_layer(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
@@ -218,5 +233,7 @@ CLASSIC_BASELINES = {"none": none, "recompute_all": recompute_all, "sqrt_n": sqr
 #: The fixed-state baselines (issue 11).
 STATE_BASELINES = {"state_offload": state_offload, "state_offload_recompute": state_offload_recompute,
                    "step_in_backward": step_in_backward, "step_in_backward_recompute": step_in_backward_recompute}
+#: Baselines from the ecosystem that need a strategy outside the default space (issue 12).
+ECOSYSTEM_BASELINES = {"recompute_offload_all": recompute_offload_all}
 #: Every baseline, ``name(profile, budget, device=None) -> Plan``.
-BASELINES = {**CLASSIC_BASELINES, **STATE_BASELINES}
+BASELINES = {**CLASSIC_BASELINES, **STATE_BASELINES, **ECOSYSTEM_BASELINES}
