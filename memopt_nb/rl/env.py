@@ -4,11 +4,13 @@ Agents: ``"strategy"`` picks keep / recompute / swap for each unit and, where th
 (``offload_state=``), where the unit's optimizer state, gradients and parameters live: its action is
 ``strategy * C + j`` for the task's ``C`` allowed placements (``task.state_ids[j]`` indexes
 :data:`~memopt_nb.plan.STATE_CHOICES`; ``C == 1`` — activations only — leaves today's three actions and observations
-unchanged). ``"timing"`` picks the offload window and prefetch distance of each swapped unit (the timing of state
-transfers is the runtime's). One episode walks the units in forward order, *pipelined*: at step ``t`` the strategy
-agent decides unit ``t`` while the timing agent decides unit ``t − 1``, whose strategy it already sees. So both agents
-act at every step (``n + 1`` steps; at the two ends one agent has only a no-op), which is why this is a ParallelEnv
-rather than a turn-based AEC environment: no agent ever waits, and PPO batches both agents' transitions alike.
+unchanged). With ``"recompute_offload"`` allowed (``strategies=``, opt-in) it is a fourth strategy (actions
+``3 * C + j``), timed like a swap. ``"timing"`` picks the offload window and prefetch distance of each swapped (or
+recompute_offload) unit (the timing of state transfers is the runtime's). One episode walks the units in forward
+order, *pipelined*: at step ``t`` the strategy agent decides unit ``t`` while the timing agent decides unit
+``t − 1``, whose strategy it already sees. So both agents act at every step (``n + 1`` steps; at the two ends one
+agent has only a no-op), which is why this is a ParallelEnv rather than a turn-based AEC environment: no agent ever
+waits, and PPO batches both agents' transitions alike.
 
 Observations (``{"observation": float32 vector, "action_mask": int8 vector}``):
 
@@ -57,7 +59,7 @@ from gymnasium import spaces
 from gymnasium.utils import seeding
 from pettingzoo import ParallelEnv
 
-from ..simulate import KEEP, RECOMPUTE, SWAP
+from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP
 from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
 __all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING"]
@@ -66,6 +68,9 @@ STRATEGY, TIMING = "strategy", "timing"
 _N_COMMON = 8
 _N_UNIT = 9
 _N_LOOK = 7
+
+
+_TIMED = (SWAP, RECOMPUTE_OFFLOAD)  # strategies the timing agent times
 
 
 def _rowmax(x: np.ndarray) -> np.ndarray:
@@ -92,11 +97,12 @@ class MemoryPlanningEnv(ParallelEnv):
         C = task.C
         self._states = C > 1  # placements to choose: a few more features (none when C == 1, as before placements)
         self._n_look = _N_LOOK + (1 if self._states else 0)
+        K = task.n_strategies  # 3, or 4 with recompute_offload
         self._dims = {
-            STRATEGY: _N_COMMON + _N_UNIT + (2 if self._states else 0) + 3 * 3 * C + lookahead * self._n_look,
-            TIMING: _N_COMMON + _N_UNIT + 3 + 3 * len(TIMINGS),
+            STRATEGY: _N_COMMON + _N_UNIT + (2 if self._states else 0) + 3 * K * C + lookahead * self._n_look,
+            TIMING: _N_COMMON + _N_UNIT + K + 3 * len(TIMINGS),
         }
-        self._actions = {STRATEGY: 3 * C, TIMING: len(TIMINGS)}
+        self._actions = {STRATEGY: K * C, TIMING: len(TIMINGS)}
         self.np_random, _ = seeding.np_random(None)
 
     # ------------------------------------------------------------------ spaces (cached: the API test checks identity)
@@ -136,12 +142,13 @@ class MemoryPlanningEnv(ParallelEnv):
         n, t = task.n, self.t
         rewards = {STRATEGY: 0.0, TIMING: 0.0}
         # timing for unit t-1 (its strategy was chosen at the previous step)
-        if t >= 1 and self.codes[t - 1] == SWAP:
+        if t >= 1 and self.codes[t - 1] in _TIMED:
             j = self._allowed(TIMING, actions.get(TIMING, 0))
+            b = task.timed_base[int(self.codes[t - 1])]
             self.windows[t - 1], self.dists[t - 1] = TIMINGS[j]
-            self.level += task.marg_peak[t - 1, 2 + j]
-            cost = task.marg_time[t - 1, 2 + j] - task.marg_time[t - 1, 2 + DEFAULT_TIMING]
-            self.spent += task.marg_time[t - 1, 2 + j]
+            self.level += task.marg_peak[t - 1, b + j]
+            cost = task.marg_time[t - 1, b + j] - task.marg_time[t - 1, b + DEFAULT_TIMING]
+            self.spent += task.marg_time[t - 1, b + j]
             rewards[TIMING] = -cost / task.base_time * self.reward_scale
         # strategy for unit t
         if t < n:
@@ -155,12 +162,13 @@ class MemoryPlanningEnv(ParallelEnv):
                 st_cost = task.st_time[t, j] + (0.0 if self.moved else task.chunk_extra)
                 self.moved = True
                 self.spent += st_cost
-            if s != SWAP:
+            if s not in _TIMED:
                 self.level += task.marg_peak[t, s]
                 self.spent += task.marg_time[t, s]
                 cost = task.marg_time[t, s] + st_cost
             else:  # optimistic: as if the timing agent picks the cheapest allowed timing
-                cost = task.marg_time[t, 2 + np.flatnonzero(task.option_ok[t, 2:])].min() + st_cost
+                b = task.timed_base[s]
+                cost = task.marg_time[t, b + np.flatnonzero(task.option_ok[t, b:b + len(TIMINGS)])].min() + st_cost
             rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
         for a in rewards:
             self.shaped[a] += rewards[a]
@@ -183,8 +191,9 @@ class MemoryPlanningEnv(ParallelEnv):
         task = self.task
         codes = np.stack([self.codes, self.codes])
         dw, dd = TIMINGS[DEFAULT_TIMING]
-        windows = np.stack([self.windows, np.where(self.codes == SWAP, dw, 1)])
-        dists = np.stack([self.dists, np.where(self.codes == SWAP, dd, 1)])
+        timed = np.isin(self.codes, _TIMED)
+        windows = np.stack([self.windows, np.where(timed, dw, 1)])
+        dists = np.stack([self.dists, np.where(timed, dd, 1)])
         states = np.stack([self.states, self.states])
         peak, time = task.evaluate(codes, windows, dists, states)
         j = task.overhead(time) + task.penalty(peak)
@@ -215,9 +224,11 @@ class MemoryPlanningEnv(ParallelEnv):
         # pending unit t-1: a swap whose timing is still open counts with its most frugal timing
         level = self.level
         pending = None
-        if 1 <= t <= n and self.codes[t - 1] == SWAP:
-            opts = np.flatnonzero(task.option_ok[t - 1, 2:])
-            pending = task.marg_peak[t - 1, 2 + opts]
+        T = len(TIMINGS)
+        if 1 <= t <= n and self.codes[t - 1] in _TIMED:
+            b = task.timed_base[int(self.codes[t - 1])]
+            opts = np.flatnonzero(task.option_ok[t - 1, b:b + T])
+            pending = task.marg_peak[t - 1, b + opts]
             level = level + pending.min(axis=0)
         rest = task.suffix_min[min(t + 1, n)]
         rest_step = task.suffix_step[min(t + 1, n)]
@@ -239,15 +250,18 @@ class MemoryPlanningEnv(ParallelEnv):
         masks: dict[str, np.ndarray] = {}
         # strategy agent, unit t
         C = task.C
-        s_mask = np.zeros(3 * C, dtype=np.int8)
+        K = task.n_strategies
+        s_mask = np.zeros(K * C, dtype=np.int8)
         s_feat = np.zeros(self._dims[STRATEGY])
         if t < n:
             choice = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE]]
-            swap_opts = np.flatnonzero(task.option_ok[t, 2:])
-            swap_min = task.marg_peak[t, 2 + swap_opts].min(axis=0) if swap_opts.size else np.zeros(task.S)
-            choice.append(swap_min)
-            ok_s = np.array([bool(task.option_ok[t, KEEP]), bool(task.option_ok[t, RECOMPUTE]),
-                             bool(task.option_ok[t, 2:].any())])
+            ok_s = [bool(task.option_ok[t, KEEP]), bool(task.option_ok[t, RECOMPUTE])]
+            for code in _TIMED[:K - 2]:  # per timed strategy, its most frugal allowed timing
+                b = task.timed_base[code]
+                timed_opts = np.flatnonzero(task.option_ok[t, b:b + T])
+                choice.append(task.marg_peak[t, b + timed_opts].min(axis=0) if timed_opts.size else np.zeros(task.S))
+                ok_s.append(bool(timed_opts.size))
+            ok_s = np.array(ok_s)
             ok = (ok_s[:, None] & task.state_ok[t][None]).ravel()  # action o * C + j
             # every (strategy o, placement j) at once: segments (3, C, S) and the step's points (C, K)
             seg = (level + np.stack(choice))[:, None] + task.st_seg[t][None]
@@ -259,11 +273,11 @@ class MemoryPlanningEnv(ParallelEnv):
                 s_mask[:] = ok
             unit = self._unit_features(t)
             est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (3, C)
-            costs = np.array([task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE],
-                              task.marg_time[t, 2 + DEFAULT_TIMING]])
+            costs = np.array([task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE]]
+                             + [task.marg_time[t, task.timed_base[code] + DEFAULT_TIMING] for code in _TIMED[:K - 2]])
             st_cost = task.st_time[t] + np.where(moved & ~self.moved, task.chunk_extra, 0.0)
             per = np.stack([(cur - est) / need, (costs[:, None] + st_cost[None]) / self._t_unit,
-                            s_mask.reshape(3, C).astype(np.float64)], axis=2).ravel()
+                            s_mask.reshape(K, C).astype(np.float64)], axis=2).ravel()
             if self._states:
                 saving = max(float(-task.st_seg[t, j].min()) for j in range(C) if task.state_ok[t, j])
                 times = [float(task.st_time[t, j]) for j in range(1, C) if task.state_ok[t, j]]
@@ -298,7 +312,7 @@ class MemoryPlanningEnv(ParallelEnv):
             # allowed option (a combination that still misses the budget ends the episode with a penalty)
             if t < n:
                 allowed = [divmod(int(a), C) for a in np.flatnonzero(s_mask)]
-                cand = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE], swap_min]
+                cand = choice
                 frugal = np.min([cand[o] if j == 0 else cand[o] + task.st_seg[t, j] for o, j in allowed], axis=0)
                 frugal_step = np.min([task.st_step[t, j] for _, j in allowed], axis=0)
                 t_move = any(j > 0 for _, j in allowed)
@@ -308,19 +322,20 @@ class MemoryPlanningEnv(ParallelEnv):
                 t_move = False
             base = self.level + frugal + rest
             base_step = self.step_level + frugal_step + rest_step
-            ok = task.option_ok[p, 2:]
-            peaks = task.bounds((base[None] + task.marg_peak[p, 2:]).max(axis=1), _rowmax(base_step[None]),
+            b = task.timed_base[int(self.codes[p])]
+            ok = task.option_ok[p, b:b + T]
+            peaks = task.bounds((base[None] + task.marg_peak[p, b:b + T]).max(axis=1), _rowmax(base_step[None]),
                                 np.array([self.moved]), t_move or rest_move)
             t_mask[:] = ok & (peaks <= tol)
             if not t_mask.any():
                 t_mask[:] = ok
-            default = task.marg_time[p, 2 + DEFAULT_TIMING]
+            default = task.marg_time[p, b + DEFAULT_TIMING]
             per = []
             ref = float(self.level.max())
             for j in range(m):
-                red = (ref - float((self.level + task.marg_peak[p, 2 + j]).max())) / need
-                per += [red, (task.marg_time[p, 2 + j] - default) / self._t_unit, float(t_mask[j])]
-            onehot = np.eye(3)[self.codes[p]]
+                red = (ref - float((self.level + task.marg_peak[p, b + j]).max())) / need
+                per += [red, (task.marg_time[p, b + j] - default) / self._t_unit, float(t_mask[j])]
+            onehot = np.eye(task.n_strategies)[self.codes[p]]
             t_feat = np.concatenate([common, self._unit_features(p), onehot, per])
         else:
             t_mask[0] = 1
@@ -342,7 +357,7 @@ class MemoryPlanningEnv(ParallelEnv):
             unit.interior_bytes / self._b_unit,
             min(float(task.copy_ratio[u]), 10.0),
             float(task.option_ok[u, RECOMPUTE]),
-            float(task.option_ok[u, 2:].any()),
+            float(task.option_ok[u, 2:2 + len(TIMINGS)].any()),
         ])
 
     def render(self) -> None:

@@ -112,9 +112,17 @@ class _Program:
         for j, a in objective.items():
             cost[j] += a
         a = coo_matrix((self.v, (self.r, self.c)), shape=(len(self.lo), n)).tocsr()
-        return milp(cost, constraints=LinearConstraint(a, self.lo, self.hi), integrality=np.array(self.integer),
-                    bounds=Bounds(self.lb, self.ub),
-                    options={"time_limit": float(time_limit), "mip_rel_gap": 0.0, "presolve": True})
+        t0 = time.perf_counter()
+
+        def run(limit: float, presolve: bool) -> Any:
+            return milp(cost, constraints=LinearConstraint(a, self.lo, self.hi), integrality=np.array(self.integer),
+                        bounds=Bounds(self.lb, self.ub),
+                        options={"time_limit": limit, "mip_rel_gap": 0.0, "presolve": presolve})
+
+        res = run(float(time_limit), True)
+        if res.status == 4:  # HiGHS's presolve fails on a few programs ("Solve error"): solve again without it
+            res = run(max(float(time_limit) - (time.perf_counter() - t0), 1.0), False)
+        return res
 
 
 def _add(expr: Expr, other: Expr, scale: float = 1.0) -> None:
@@ -295,10 +303,14 @@ class Formulation:
             if pin:
                 z = p.var(0, 1)
                 p.row({z: 1.0, xi: -1.0}, hi=0.0)
+                low = {z: 1.0, xi: -1.0}
                 for c in pin:
                     row = {z: 1.0}
                     _add(row, self.rc[c])
                     p.row(row, hi=1.0)
+                    _add(low, self.rc[c])
+                # and z >= x_i - (pins): offloaded whenever nothing pins it (else the solver could skip the copy)
+                p.row(low, lo=0.0)
                 ind: Expr = {z: 1.0}
             else:
                 ind = {xi: 1.0}
