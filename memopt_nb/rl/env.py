@@ -98,6 +98,7 @@ class MemoryPlanningEnv(ParallelEnv):
         }
         self._actions = {STRATEGY: 3 * C, TIMING: len(TIMINGS)}
         self.np_random, _ = seeding.np_random(None)
+        self._cache: dict[int, dict[str, Any]] = {}  # per unit: what its observations need that never changes
 
     # ------------------------------------------------------------------ spaces (cached: the API test checks identity)
     @functools.cache  # noqa: B019 - one env, two agents
@@ -160,7 +161,7 @@ class MemoryPlanningEnv(ParallelEnv):
                 self.spent += task.marg_time[t, s]
                 cost = task.marg_time[t, s] + st_cost
             else:  # optimistic: as if the timing agent picks the cheapest allowed timing
-                cost = task.marg_time[t, 2 + np.flatnonzero(task.option_ok[t, 2:])].min() + st_cost
+                cost = self._static(t)["swap_cost"] + st_cost
             rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
         for a in rewards:
             self.shaped[a] += rewards[a]
@@ -206,6 +207,55 @@ class MemoryPlanningEnv(ParallelEnv):
             return a
         return int(np.flatnonzero(mask)[0])
 
+    def _static(self, u: int) -> dict[str, Any]:
+        """What the observations of unit ``u`` need that no decision changes (computed once per unit and env)."""
+        got = self._cache.get(u)
+        if got is not None:
+            return got
+        task = self.task
+        n, C, S = task.n, task.C, task.S
+        swap_opts = np.flatnonzero(task.option_ok[u, 2:])
+        swap_min = task.marg_peak[u, 2 + swap_opts].min(axis=0) if swap_opts.size else np.zeros(S)
+        choice = np.stack([task.marg_peak[u, KEEP], task.marg_peak[u, RECOMPUTE], swap_min])
+        ok_s = np.array([bool(task.option_ok[u, KEEP]), bool(task.option_ok[u, RECOMPUTE]),
+                         bool(task.option_ok[u, 2:].any())])
+        costs = np.array([task.marg_time[u, KEEP], task.marg_time[u, RECOMPUTE],
+                          task.marg_time[u, 2 + DEFAULT_TIMING]])
+        cost_per = {}  # per whether a unit before moved state: (3, C) time of each action, relative
+        for before in (False, True):
+            moved = before | (np.arange(C) > 0)
+            st_cost = task.st_time[u] + np.where(moved & ~before, task.chunk_extra, 0.0)
+            cost_per[before] = (costs[:, None] + st_cost[None]) / self._t_unit
+        unit = self._unit_features(u)
+        if self._states:
+            saving = max(float(-task.st_seg[u, j].min()) for j in range(C) if task.state_ok[u, j])
+            times = [float(task.st_time[u, j]) for j in range(1, C) if task.state_ok[u, j]]
+            unit_s = np.concatenate([unit, [saving / self._b_unit, min(times, default=0.0) / self._t_unit]])
+        else:
+            unit_s = unit
+        # the timing agent's frugal strategy assumption: per action o * C + j, its segments and step points
+        frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(3) for j in range(C)])
+        frugal_step = np.array([task.st_step[u, j] for o in range(3) for j in range(C)]).reshape(3 * C, task.K)
+        look = [v for v in range(u + 1, u + 1 + self.lookahead) if v < n]
+        look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
+                                 task.profile.units[v].interior_bytes / self._b_unit,
+                                 task.marg_time[v, RECOMPUTE] / self._t_unit,
+                                 task.marg_time[v, 2 + DEFAULT_TIMING] / self._t_unit] for v in look]).reshape(-1, 5)
+        default = task.marg_time[u, 2 + DEFAULT_TIMING]
+        got = {
+            "choice": choice, "ok": (ok_s[:, None] & task.state_ok[u][None]).ravel(), "cost_per": cost_per,
+            "unit": unit, "unit_s": unit_s, "frugal": frugal, "frugal_step": frugal_step,
+            "swap_cost": task.marg_time[u, 2 + swap_opts].min() if swap_opts.size else None,
+            "pend_min": task.marg_peak[u, 2 + swap_opts].min(axis=0) if swap_opts.size else None,
+            "look": np.array(look, dtype=np.int64), "look_static": look_static,
+            "look_moved": np.array([bool(task.state_ok[v, 1:].any()) for v in look], dtype=bool),
+            "t_cost": (task.marg_time[u, 2:] - default) / self._t_unit,
+            "t_unit": np.concatenate([unit, np.eye(3)[SWAP]]),
+            "load_den": max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12),
+        }
+        self._cache[u] = got
+        return got
+
     # ------------------------------------------------------------------ observations and masks
     def _observe(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
         task = self.task
@@ -214,11 +264,9 @@ class MemoryPlanningEnv(ParallelEnv):
         tol = budget * (1 + 1e-9)
         # pending unit t-1: a swap whose timing is still open counts with its most frugal timing
         level = self.level
-        pending = None
-        if 1 <= t <= n and self.codes[t - 1] == SWAP:
-            opts = np.flatnonzero(task.option_ok[t - 1, 2:])
-            pending = task.marg_peak[t - 1, 2 + opts]
-            level = level + pending.min(axis=0)
+        pending = 1 <= t <= n and self.codes[t - 1] == SWAP
+        if pending:
+            level = level + self._static(t - 1)["pend_min"]
         rest = task.suffix_min[min(t + 1, n)]
         rest_step = task.suffix_step[min(t + 1, n)]
         rest_move = bool(task.suffix_can_move[min(t + 1, n)])
@@ -228,7 +276,8 @@ class MemoryPlanningEnv(ParallelEnv):
         need_ratio = max(cur - budget, 0.0) / max(float(task.suffix_red[min(t, n)]), 1.0)
         recent = [v for v in range(max(0, t - 3), min(t, n))]
         load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if self.codes[v] == SWAP)
-        load /= max(sum(task.sim.fwd_time[v] for v in range(max(0, t - 3), min(t + 1, n))), 1e-12)
+        load /= (self._static(t)["load_den"] if t < n else
+                 max(sum(task.sim.fwd_time[v] for v in range(max(0, t - 3), min(t + 1, n))), 1e-12))
         tt = min(t, n)
         least = task.bound(level + task.suffix_min[tt], self.step_level + task.suffix_step[tt], self.moved,
                            bool(task.suffix_can_move[tt]))  # the peak if every remaining unit is most frugal
@@ -242,48 +291,35 @@ class MemoryPlanningEnv(ParallelEnv):
         s_mask = np.zeros(3 * C, dtype=np.int8)
         s_feat = np.zeros(self._dims[STRATEGY])
         if t < n:
-            choice = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE]]
-            swap_opts = np.flatnonzero(task.option_ok[t, 2:])
-            swap_min = task.marg_peak[t, 2 + swap_opts].min(axis=0) if swap_opts.size else np.zeros(task.S)
-            choice.append(swap_min)
-            ok_s = np.array([bool(task.option_ok[t, KEEP]), bool(task.option_ok[t, RECOMPUTE]),
-                             bool(task.option_ok[t, 2:].any())])
-            ok = (ok_s[:, None] & task.state_ok[t][None]).ravel()  # action o * C + j
+            st = self._static(t)
+            ok = st["ok"]  # action o * C + j
             # every (strategy o, placement j) at once: segments (3, C, S) and the step's points (C, K)
-            seg = (level + np.stack(choice))[:, None] + task.st_seg[t][None]
+            seg = (level + st["choice"])[:, None] + task.st_seg[t][None]
             step = self.step_level[None] + task.st_step[t]
             moved = self.moved | (np.arange(C) > 0)
             with_rest = task.bounds((seg + rest).max(axis=2), _rowmax(step + rest_step)[None], moved[None], rest_move)
             s_mask[:] = ok & (with_rest.ravel() <= tol)
             if not s_mask.any():
                 s_mask[:] = ok
-            unit = self._unit_features(t)
             est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (3, C)
-            costs = np.array([task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE],
-                              task.marg_time[t, 2 + DEFAULT_TIMING]])
-            st_cost = task.st_time[t] + np.where(moved & ~self.moved, task.chunk_extra, 0.0)
-            per = np.stack([(cur - est) / need, (costs[:, None] + st_cost[None]) / self._t_unit,
+            per = np.stack([(cur - est) / need, st["cost_per"][bool(self.moved)],
                             s_mask.reshape(3, C).astype(np.float64)], axis=2).ravel()
-            if self._states:
-                saving = max(float(-task.st_seg[t, j].min()) for j in range(C) if task.state_ok[t, j])
-                times = [float(task.st_time[t, j]) for j in range(1, C) if task.state_ok[t, j]]
-                unit = np.concatenate([unit, [saving / self._b_unit, min(times, default=0.0) / self._t_unit]])
-            look = []
-            for v in range(t + 1, t + 1 + self.lookahead):
-                if v < n:
-                    rc_red = (cur - float((level + task.marg_peak[v, RECOMPUTE]).max())) / need
-                    sw_red = (cur - float((level + task.min_marg[v]).max())) / need
-                    look += [1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
-                             task.profile.units[v].interior_bytes / self._b_unit,
-                             task.marg_time[v, RECOMPUTE] / self._t_unit,
-                             task.marg_time[v, 2 + DEFAULT_TIMING] / self._t_unit, rc_red, sw_red]
-                    if self._states:
-                        st_est = task.bound(level + task.st_min_seg[v], self.step_level + task.st_min_step[v],
-                                            self.moved or bool(task.state_ok[v, 1:].any()))
-                        look.append((cur - st_est) / need)
-                else:
-                    look += [0.0] * self._n_look
-            s_feat = np.concatenate([common, unit, per, look])
+            vs = st["look"]
+            look = np.zeros((self.lookahead, self._n_look))
+            if vs.size:
+                m = vs.size
+                look[:m, :5] = st["look_static"]
+                look[:m, 5] = (cur - (level[None] + task.marg_peak[vs, RECOMPUTE]).max(axis=1)) / need
+                look[:m, 6] = (cur - (level[None] + task.min_marg[vs]).max(axis=1)) / need
+                if self._states:
+                    st_est = (level[None] + task.st_min_seg[vs]).max(axis=1)
+                    if task.has_step:
+                        chunked = (_rowmax(self.step_level[None] + task.st_min_step[vs]) if task.K else
+                                   np.full(m, -np.inf))
+                        st_est = np.maximum(st_est, np.where(self.moved | st["look_moved"], chunked,
+                                                             task.plain_step))
+                    look[:m, 7] = (cur - st_est) / need
+            s_feat = np.concatenate([common, st["unit_s"], per, look.ravel()])
         else:
             s_mask[KEEP] = 1
         obs[STRATEGY] = {"observation": s_feat.astype(np.float32), "action_mask": s_mask}
@@ -293,15 +329,14 @@ class MemoryPlanningEnv(ParallelEnv):
         t_mask = np.zeros(m, dtype=np.int8)
         t_feat = np.zeros(self._dims[TIMING])
         p = t - 1
-        if pending is not None:
+        if pending:
             # unit t is being decided at the same step: like the strategy mask, assume it takes its most frugal
             # allowed option (a combination that still misses the budget ends the episode with a penalty)
             if t < n:
-                allowed = [divmod(int(a), C) for a in np.flatnonzero(s_mask)]
-                cand = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE], swap_min]
-                frugal = np.min([cand[o] if j == 0 else cand[o] + task.st_seg[t, j] for o, j in allowed], axis=0)
-                frugal_step = np.min([task.st_step[t, j] for _, j in allowed], axis=0)
-                t_move = any(j > 0 for _, j in allowed)
+                allowed = np.flatnonzero(s_mask)
+                frugal = st["frugal"][allowed].min(axis=0)
+                frugal_step = st["frugal_step"][allowed].min(axis=0)
+                t_move = bool((allowed % C > 0).any())
             else:
                 frugal = np.zeros(task.S)
                 frugal_step = np.zeros(task.K)
@@ -314,14 +349,11 @@ class MemoryPlanningEnv(ParallelEnv):
             t_mask[:] = ok & (peaks <= tol)
             if not t_mask.any():
                 t_mask[:] = ok
-            default = task.marg_time[p, 2 + DEFAULT_TIMING]
-            per = []
+            sp = self._static(p)
             ref = float(self.level.max())
-            for j in range(m):
-                red = (ref - float((self.level + task.marg_peak[p, 2 + j]).max())) / need
-                per += [red, (task.marg_time[p, 2 + j] - default) / self._t_unit, float(t_mask[j])]
-            onehot = np.eye(3)[self.codes[p]]
-            t_feat = np.concatenate([common, self._unit_features(p), onehot, per])
+            red = (ref - (self.level[None] + task.marg_peak[p, 2:]).max(axis=1)) / need
+            per = np.stack([red, sp["t_cost"], t_mask.astype(np.float64)], axis=1).ravel()
+            t_feat = np.concatenate([common, sp["t_unit"], per])
         else:
             t_mask[0] = 1
         obs[TIMING] = {"observation": t_feat.astype(np.float32), "action_mask": t_mask}
