@@ -133,6 +133,27 @@ class MemoryPlanningEnv(ParallelEnv):
         return self._obs, {a: {} for a in self.agents}
 
     def step(self, actions: dict[str, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        rewards, done = self._act(actions)
+        return self._conclude(rewards, done, self.task.evaluate(*self._plans()) if done else None)
+
+    @staticmethod
+    def step_many(envs: list[MemoryPlanningEnv], actions: list[dict[str, Any]]) -> list[tuple[dict, ...]]:
+        """``[env.step(a) for env, a in zip(envs, actions)]``, with one exact evaluation for all the episodes that end
+        at this step (per task): PPO's copies of the environment all end their episodes together."""
+        acted = [env._act(a) for env, a in zip(envs, actions, strict=True)]
+        settled: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        ending = [i for i, (_, done) in enumerate(acted) if done]
+        for task in {id(envs[i].task): envs[i].task for i in ending}.values():
+            mine = [i for i in ending if envs[i].task is task]
+            plans = [envs[i]._plans() for i in mine]
+            peak, time = task.evaluate(*(np.concatenate([p[k] for p in plans]) for k in range(4)))
+            for r, i in enumerate(mine):
+                settled[i] = (peak[2 * r: 2 * r + 2], time[2 * r: 2 * r + 2])
+        return [env._conclude(rewards, done, settled.get(i))
+                for i, (env, (rewards, done)) in enumerate(zip(envs, acted))]
+
+    def _act(self, actions: dict[str, Any]) -> tuple[dict[str, float], bool]:
+        """Apply both agents' actions; the dense rewards and whether the episode ends."""
         task = self.task
         n, t = task.n, self.t
         rewards = {STRATEGY: 0.0, TIMING: 0.0}
@@ -166,10 +187,14 @@ class MemoryPlanningEnv(ParallelEnv):
         for a in rewards:
             self.shaped[a] += rewards[a]
         self.t = t + 1
-        done = self.t > n
+        return rewards, self.t > n
+
+    def _conclude(self, rewards: dict[str, float], done: bool,
+                  evaluated: tuple[np.ndarray, np.ndarray] | None) -> tuple[dict, dict, dict, dict, dict]:
+        """The rest of :meth:`step`, given the exact peaks and times of :meth:`_plans` where the episode ends."""
         infos: dict[str, dict] = {a: {} for a in self.agents}
         if done:
-            rewards, result = self._settle(rewards)
+            rewards, result = self._settle(rewards, *evaluated)
             infos = {a: dict(result) for a in self.agents}
         self._obs, self._masks = self._observe()
         terms = {a: done for a in self.agents}
@@ -179,15 +204,18 @@ class MemoryPlanningEnv(ParallelEnv):
             self.agents = []
         return obs, rewards, terms, truncs, infos
 
-    def _settle(self, rewards: dict[str, float]) -> tuple[dict[str, float], dict[str, Any]]:
-        """Exact evaluation of the finished plan and of the same strategies with default timings."""
-        task = self.task
+    def _plans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The finished plan and the same strategies with default timings, as ``(2, n)`` arrays to evaluate."""
         codes = np.stack([self.codes, self.codes])
         dw, dd = TIMINGS[DEFAULT_TIMING]
         windows = np.stack([self.windows, np.where(self.codes == SWAP, dw, 1)])
         dists = np.stack([self.dists, np.where(self.codes == SWAP, dd, 1)])
-        states = np.stack([self.states, self.states])
-        peak, time = task.evaluate(codes, windows, dists, states)
+        return codes, windows, dists, np.stack([self.states, self.states])
+
+    def _settle(self, rewards: dict[str, float], peak: np.ndarray,
+                time: np.ndarray) -> tuple[dict[str, float], dict[str, Any]]:
+        """The last step's rewards and the episode's result from the exact evaluation of :meth:`_plans`."""
+        task = self.task
         j = task.overhead(time) + task.penalty(peak)
         share = {STRATEGY: -min(j[0], j[1]) * self.reward_scale, TIMING: -(j[0] - j[1]) * self.reward_scale}
         for a in rewards:
