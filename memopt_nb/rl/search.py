@@ -56,12 +56,19 @@ def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np
     return idx
 
 
-def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int) -> tuple:
+#: Seconds the polish's exact-placement MILPs (:func:`_polish_exact_placements`) may take together; each solve gets at
+#: most 10 s of it, and a start left with under 1 s is skipped (``meta["polish_placement_skipped"]``).
+PLACEMENT_SECONDS = 15.0
+
+
+def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int,
+                             info: dict[str, Any] | None = None) -> tuple:
     """Where placements may move, two more starts for the polish: the agents' activation decisions and keep-all (where
     keep is not allowed, each unit's plainest allowed option: :meth:`~memopt_nb.rl.task.PlanningTask.plain_options`),
     each with the fastest state placement that fits the budget for those activations (exact: the MILP with activations
     fixed, :func:`~memopt_nb.solvers.place_states`). Returns the fastest feasible of the polished plans (``current``
-    first: ties keep it). Only for the cost model's own state table (a hand-made one is not the MILP's)."""
+    first: ties keep it). Only for the cost model's own state table (a hand-made one is not the MILP's). The MILPs
+    share :data:`PLACEMENT_SECONDS`; ``info`` receives that budget and the number of starts skipped for lack of it."""
     if task.C == 1 or task.state_model is None or not task.state_model.native:
         return (*current, moves)
     from ..solvers.common import place_states
@@ -71,13 +78,22 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
         return float(t[0]) if peak[0] <= task.budget else math.inf
 
     best, best_t = (*current, moves), time_of(*current)
+    spent, skipped = 0.0, 0
     for c, w, d in (agents[:3], _option_arrays(task.plain_options())):
+        left = PLACEMENT_SECONDS - spent
+        if left < 1.0:
+            skipped += 1
+            continue
+        t0 = time.perf_counter()
         st = place_states(task.sim, task.budget, c, w, d, offload_state=task.offload_state,
-                          step_in_backward=task.step_in_backward, time_limit=10.0)
+                          step_in_backward=task.step_in_backward, time_limit=min(10.0, left))
+        spent += time.perf_counter() - t0
         c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
         t = time_of(c2, w2, d2, st2)
         if t < best_t * (1 - 1e-12):
             best, best_t = (c2, w2, d2, st2, moves + m + 1), t
+    if info is not None:
+        info.update(polish_placement_budget_s=PLACEMENT_SECONDS, polish_placement_skipped=skipped)
     return best
 
 
@@ -330,7 +346,9 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds``, ``interrupted`` (Ctrl-C returns the
     best plan so far), ``state_choices`` (the placements the agents could choose from; only all-resident when the
     cost model has no state table), ``allowed_strategies`` (the activation strategies searched, as ``optimal``
-    records them) and ``agents_states`` (the agents' placements before the polish). The plan's own
+    records them), ``agents_states`` (the agents' placements before the polish) and, where the polish started from
+    exact placements, ``polish_placement_budget_s`` (the seconds their MILPs share, :data:`PLACEMENT_SECONDS`) and
+    ``polish_placement_skipped`` (starts left out when it ran out; normally 0). The plan's own
     ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
@@ -454,6 +472,7 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     c, w, d, st = best["plan"]
     agents_time = best["time"]
     moves = 0
+    placement: dict[str, Any] = {}  # what the exact-placement starts of the polish took
     if not polish_plan:
         polish_state = "off"
     elif interrupted:
@@ -461,12 +480,12 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     else:
         c, w, d, st, moves = polish(task, c, w, d, st)
         polish_state = "ran"
-        c, w, d, st, moves = _polish_exact_placements(task, (c, w, d, st), best["plan"], moves)
+        c, w, d, st, moves = _polish_exact_placements(task, (c, w, d, st), best["plan"], moves, placement)
     plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta,
                             agents_step_time=agents_time, agents_peak=best["peak"],
                             agents_decisions=[int(x) for x in _to_options(*best["plan"][:3])],
                             agents_states=[int(x) for x in best["plan"][3]],
-                            polished=moves > 0, polish_moves=moves, polish=polish_state)
+                            polished=moves > 0, polish_moves=moves, polish=polish_state, **placement)
     # Only a polish that ran has a step time of its own; the plan's predictions are the one source of the final numbers.
     plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state == "ran" else None
     plan.meta["search_seconds"] = time.perf_counter() - t0
