@@ -139,7 +139,8 @@ class MemoryPlanningEnv(ParallelEnv):
     @staticmethod
     def step_many(envs: list[MemoryPlanningEnv], actions: list[dict[str, Any]]) -> list[tuple[dict, ...]]:
         """``[env.step(a) for env, a in zip(envs, actions)]``, with one exact evaluation for all the episodes that end
-        at this step (per task): PPO's copies of the environment all end their episodes together."""
+        at this step (per task) and the observations of copies at the same unit computed together: PPO's copies of
+        the environment walk the units in step."""
         acted = [env._act(a) for env, a in zip(envs, actions, strict=True)]
         settled: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         ending = [i for i, (_, done) in enumerate(acted) if done]
@@ -149,7 +150,14 @@ class MemoryPlanningEnv(ParallelEnv):
             peak, time = task.evaluate(*(np.concatenate([p[k] for p in plans]) for k in range(4)))
             for r, i in enumerate(mine):
                 settled[i] = (peak[2 * r: 2 * r + 2], time[2 * r: 2 * r + 2])
-        return [env._conclude(rewards, done, settled.get(i))
+        observed: dict[int, tuple[dict, dict]] = {}
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, env in enumerate(envs):
+            if env.t < env.task.n:
+                groups.setdefault((id(env.task), env.t, env.lookahead), []).append(i)
+        for mine in groups.values():
+            observed.update(zip(mine, MemoryPlanningEnv._observe_many([envs[i] for i in mine])))
+        return [env._conclude(rewards, done, settled.get(i), observed.get(i))
                 for i, (env, (rewards, done)) in enumerate(zip(envs, acted))]
 
     def _act(self, actions: dict[str, Any]) -> tuple[dict[str, float], bool]:
@@ -189,14 +197,15 @@ class MemoryPlanningEnv(ParallelEnv):
         self.t = t + 1
         return rewards, self.t > n
 
-    def _conclude(self, rewards: dict[str, float], done: bool,
-                  evaluated: tuple[np.ndarray, np.ndarray] | None) -> tuple[dict, dict, dict, dict, dict]:
-        """The rest of :meth:`step`, given the exact peaks and times of :meth:`_plans` where the episode ends."""
+    def _conclude(self, rewards: dict[str, float], done: bool, evaluated: tuple[np.ndarray, np.ndarray] | None,
+                  observed: tuple[dict, dict] | None = None) -> tuple[dict, dict, dict, dict, dict]:
+        """The rest of :meth:`step`, given the exact peaks and times of :meth:`_plans` where the episode ends (and the
+        new observations, where they were computed with other copies')."""
         infos: dict[str, dict] = {a: {} for a in self.agents}
         if done:
             rewards, result = self._settle(rewards, *evaluated)
             infos = {a: dict(result) for a in self.agents}
-        self._obs, self._masks = self._observe()
+        self._obs, self._masks = observed if observed is not None else self._observe()
         terms = {a: done for a in self.agents}
         truncs = {a: False for a in self.agents}
         obs = self._obs
@@ -283,6 +292,121 @@ class MemoryPlanningEnv(ParallelEnv):
         }
         self._cache[u] = got
         return got
+
+    @staticmethod
+    def _observe_many(envs: list[MemoryPlanningEnv]) -> list[tuple[dict, dict]]:
+        """``[env._observe() for env in envs]`` for copies at the same unit ``t < n`` of one task, computed together
+        (the same operations on stacked arrays, so the same numbers)."""
+        first = envs[0]
+        task, t = first.task, first.t
+        n, C, E = task.n, task.C, len(envs)
+        budget = task.budget
+        tol = budget * (1 + 1e-9)
+        st = first._static(t)
+        base_level = np.stack([env.level for env in envs])
+        step_level = np.stack([env.step_level for env in envs])
+        was_moved = np.array([env.moved for env in envs])
+        pending = np.array([t >= 1 and env.codes[t - 1] == SWAP for env in envs])
+        level = base_level.copy()
+        if pending.any():
+            level[pending] = base_level[pending] + first._static(t - 1)["pend_min"]
+
+        def bound(seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
+            seg_max = seg.max(axis=-1)
+            if not task.has_step:
+                return seg_max
+            return task.bounds(seg_max, _rowmax(step) if task.K else np.full(seg_max.shape, -np.inf), moved,
+                               can_move)
+
+        rest = task.suffix_min[t + 1]
+        rest_step = task.suffix_step[t + 1]
+        rest_move = bool(task.suffix_can_move[t + 1])
+        cur = bound(level, step_level, was_moved, False)
+        need = np.maximum(cur - budget, 0.01 * budget)
+        need_ratio = np.maximum(cur - budget, 0.0) / max(float(task.suffix_red[t]), 1.0)
+        loads = []
+        for env in envs:
+            load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in range(max(0, t - 3), t)
+                       if env.codes[v] == SWAP)
+            loads.append(min(load / st["load_den"], 10.0))
+        least = bound(level + task.suffix_min[t], step_level + task.suffix_step[t], was_moved,
+                      bool(task.suffix_can_move[t]))
+        common = np.stack([np.full(E, t / n), np.full(E, (n - t) / n), (cur - budget) / budget,
+                           (least - budget) / budget, np.array([env.spent for env in envs]) / task.base_time,
+                           np.full(E, float(task.sim.device.copy_overlap)), np.minimum(need_ratio, 5.0),
+                           np.array(loads)], axis=1)
+        # strategy agent, unit t: every (strategy o, placement j) of every copy, (E, 3, C, S) and (E, C, K)
+        ok = st["ok"]
+        seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[t][None, None]
+        step = step_level[:, None, :] + task.st_step[t][None]
+        moved = was_moved[:, None] | (np.arange(C) > 0)[None]  # (E, C)
+        rest_max = _rowmax(step + rest_step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
+        with_rest = (task.bounds((seg + rest).max(axis=3), rest_max, moved[:, None], rest_move) if task.has_step
+                     else (seg + rest).max(axis=3))
+        s_mask = (ok[None] & (with_rest.reshape(E, -1) <= tol)).astype(np.int8)
+        none = ~s_mask.any(axis=1)
+        s_mask[none] = ok
+        step_max = _rowmax(step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
+        est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
+        cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
+        per = np.stack([(cur[:, None, None] - est) / need[:, None, None], cost,
+                        s_mask.reshape(E, 3, C).astype(np.float64)], axis=3).reshape(E, -1)
+        vs = st["look"]
+        look = np.zeros((E, first.lookahead, first._n_look))
+        if vs.size:
+            m = vs.size
+            c_, n_ = cur[:, None], need[:, None]
+            look[:, :m, :5] = st["look_static"][None]
+            look[:, :m, 5] = (c_ - (level[:, None, :] + task.marg_peak[vs, RECOMPUTE][None]).max(axis=2)) / n_
+            look[:, :m, 6] = (c_ - (level[:, None, :] + task.min_marg[vs][None]).max(axis=2)) / n_
+            if first._states:
+                st_est = (level[:, None, :] + task.st_min_seg[vs][None]).max(axis=2)
+                if task.has_step:
+                    chunked = (_rowmax(step_level[:, None, :] + task.st_min_step[vs][None]) if task.K else
+                               np.full((E, m), -np.inf))
+                    st_est = np.maximum(st_est, np.where(was_moved[:, None] | st["look_moved"][None], chunked,
+                                                         task.plain_step))
+                look[:, :m, 7] = (c_ - st_est) / n_
+        s_feat = np.concatenate([common, np.broadcast_to(st["unit_s"], (E, st["unit_s"].size)), per,
+                                 look.reshape(E, -1)], axis=1).astype(np.float32)
+        # timing agent, unit t-1 (only where it is a swap)
+        m = len(TIMINGS)
+        t_mask = np.zeros((E, m), dtype=np.int8)
+        t_mask[:, 0] = 1
+        t_feat = np.zeros((E, first._dims[TIMING]), dtype=np.float32)
+        if pending.any():
+            p = t - 1
+            sp = first._static(p)
+            k = np.flatnonzero(pending)
+            sel = s_mask[k].astype(bool)
+            frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
+            frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
+            t_move = (sel & (np.arange(3 * C) % C > 0)[None]).any(axis=1)
+            base = base_level[k] + frugal + rest
+            base_step = step_level[k] + frugal_step + rest_step
+            popt = task.option_ok[p, 2:]
+            seg_max = (base[:, None, :] + task.marg_peak[p, 2:][None]).max(axis=2)
+            if task.has_step:
+                bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
+                still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
+                peaks = np.maximum(seg_max, np.where(was_moved[k], bmax, still)[:, None])
+            else:
+                peaks = seg_max
+            tm = (popt[None] & (peaks <= tol)).astype(np.int8)
+            tm[~tm.any(axis=1)] = popt
+            t_mask[k] = tm
+            ref = base_level[k].max(axis=1)
+            red = (ref[:, None] - (base_level[k][:, None, :] + task.marg_peak[p, 2:][None]).max(axis=2)) / need[k, None]
+            per_t = np.stack([red, np.broadcast_to(sp["t_cost"], red.shape), tm.astype(np.float64)],
+                             axis=2).reshape(k.size, -1)
+            t_feat[k] = np.concatenate([common[k], np.broadcast_to(sp["t_unit"], (k.size, sp["t_unit"].size)),
+                                        per_t], axis=1).astype(np.float32)
+        out = []
+        for e in range(E):
+            obs = {STRATEGY: {"observation": s_feat[e], "action_mask": s_mask[e]},
+                   TIMING: {"observation": t_feat[e], "action_mask": t_mask[e]}}
+            out.append((obs, {STRATEGY: s_mask[e], TIMING: t_mask[e]}))
+        return out
 
     # ------------------------------------------------------------------ observations and masks
     def _observe(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
