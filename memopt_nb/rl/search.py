@@ -114,6 +114,7 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     peak, t = task.evaluate(*[a[None] for a in _option_arrays(cur)], cur_st[None])
     best_t = float(t[0]) if peak[0] <= task.budget else math.inf
     moves = 0
+    last: dict = {}  # the option moves' simulation, while the options stay
     for _ in range(max_rounds):
         cand = np.repeat(cur[None], n * N_OPTIONS, axis=0)
         units = np.repeat(np.arange(n), N_OPTIONS)
@@ -122,7 +123,7 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
         ok = task.option_ok[units, opts]
         cand = cand[ok]
         if task.C > 1:
-            cand, cand_st = _best_pairs(task, cur, cur_st, cand)
+            cand, cand_st = _best_pairs(task, cur, cur_st, cand, last=last)
         else:
             cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
         peak, t = task.evaluate(*_option_arrays(cand), cand_st)
@@ -137,13 +138,14 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
 
 
 def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
-                keep: int = 8) -> tuple[np.ndarray, np.ndarray]:
+                keep: int = 8, last: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The ``keep`` fastest moves within budget among (one unit's option changed, or none) x (one unit's placement
     changed, or none), scored by the separable state part; as option and placement arrays for exact evaluation.
 
     Ties go to the earlier option, then the earlier placement. The time of every pair is cheap; the peak is exact only
     for the pairs a bound has not ruled out (:func:`_may_fit`), in order of time until ``keep`` fit
-    (:func:`_first_feasible`).
+    (:func:`_first_feasible`). ``last`` keeps the simulation of the option moves for the next call: after a move that
+    changed only placements, the options and so the option moves are the same.
     """
     n = task.n
     acts = np.concatenate([cur[None], cand])  # row 0: no option changed
@@ -156,7 +158,13 @@ def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: n
     moved = (sts != 0).any(axis=1)
     step_max = task.step_part_many(task.step_base[None] + task.st_step[units, local].sum(axis=1), moved)
     st_time = task.st_time[units, local].sum(axis=1) + np.where(moved, task.chunk_extra, 0.0)
-    det = task.sim.evaluate(*_option_arrays(acts), details=True)
+    key = acts.tobytes()
+    det = last.get(key) if last is not None else None
+    if det is None:
+        det = task.sim.evaluate(*_option_arrays(acts), details=True)
+        if last is not None:
+            last.clear()
+            last[key] = det
     peaks = det["peaks"]
     time = det["time"][:, None] + st_time[None]  # (A, Z)
     may = _may_fit(peaks, seg, task.budget) & (step_max <= task.budget)[None]
@@ -233,6 +241,8 @@ def _best_state_pairs(task: PlanningTask, peaks: np.ndarray, time0: float, cur_s
     time = (time_base + d_time)[:, None] + d_time[None, :] + np.where(moved, task.chunk_extra, 0.0)
     pair = (units[:, None] != units[None, :]) & (np.arange(Z)[:, None] < np.arange(Z)[None, :])
     may = pair & _may_fit(seg0[None] + d_seg, d_seg, task.budget)
+    if task.has_step and task.K:  # the step's points likewise once anything moves; the plain step is exact
+        may &= np.where(moved, _may_fit(step0[None] + d_step, d_step, task.budget), task.plain_step <= task.budget)
 
     def fits(flat: np.ndarray) -> np.ndarray:
         i, j = np.divmod(flat, Z)
