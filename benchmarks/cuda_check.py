@@ -255,7 +255,7 @@ def moved_problems(stats: dict, plan: Plan, steps: int | None) -> list[str]:
             out.append(f"steps_in_backward {sib}, expected {steps * c['step'] if steps else '> 0'}")
     if c["params"] and not stats.get("param_h2d_bytes", 0) > 0:
         out.append("no parameter bytes moved")
-    if "swap" in plan.strategies and not stats.get("offloaded_bytes", 0) > 0:
+    if {"swap", "recompute_offload"} & set(plan.strategies) and not stats.get("offloaded_bytes", 0) > 0:
         out.append("no activation bytes swapped")
     return out
 
@@ -307,6 +307,11 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
         "mixed": Plan.from_strategies(prof, (["swap", "recompute", "keep"] * n)[:n],
                                       offload_window=[i % 3 for i in range(n)],
                                       prefetch_distance=[(2 * i) % 4 for i in range(n)]),
+        # issue 12: recompute with the checkpoint's inputs on the host (pinned, on the copy streams)
+        "recompute_offload": Plan.uniform(prof, "recompute_offload", offload_window=1, prefetch_distance=1),
+        "mixed_ro": Plan.from_strategies(prof, (["recompute_offload", "swap", "keep", "recompute"] * n)[:n],
+                                         offload_window=[i % 3 for i in range(n)],
+                                         prefetch_distance=[(i + 1) % 4 for i in range(n)]),
     }
 
     def search() -> Plan:  # half-way between the activation-only floor and keep-all

@@ -1,4 +1,5 @@
-"""Finer units (issue 12): what ``units="fine"`` does to the floor, the throughput and the max batch.
+"""The wider activation space (issue 12): finer units (``units="fine"``) and ``recompute_offload``, against the old
+space (blocks as units; keep / recompute / swap): floor, a plan below the old floor trained, throughput, max batch.
 
 Models this project did not write, built from configs (random init, no download): Hugging Face GPT-2 with 6 layers of
 width 192 at batch 8 x 128 tokens, and Hugging Face ViT-Tiny (12 layers of width 192, 224 px, patch 16) at batch 32 —
@@ -8,15 +9,18 @@ the two configurations of issue 12. Plain SGD (no optimizer state) unless ``--ad
     python benchmarks/fine_units.py --floor --train
 
 Sections:
-* ``--floor``: the activation-only floor (the smallest peak any keep/recompute/swap plan reaches, exact MILP) with the
-  blocks as units (``units="auto"``, the old space) and with ``units="fine"``, and what bounds each.
-* ``--train``: a plan over the fine units at 0.95x the old floor (the MILP's fastest under that budget) trains
-  bit-identically to no plan (2 SGD steps, dropout on) and its measured peak (the emulated CPU device) is within budget.
-* ``--bench``: simulated step time of the fastest plan (MILP) over blocks and over fine units against the best classic
-  baseline (recompute-all, sqrt(n), swap-all, Capuchin) on blocks, at budgets from the old floor up, on the profiled
-  CPU and an A100-40GB preset.
+Spaces: ``old`` = blocks (``units="auto"``) with keep / recompute / swap; ``fine`` = ``units="fine"`` with the same
+strategies; ``blocks+ro`` and ``fine+ro`` = each with ``recompute_offload`` too (``strategies=STRATEGIES``).
+
+* ``--floor``: the activation-only floor (the smallest peak any plan of the space reaches, exact MILP) and what
+  bounds it.
+* ``--train``: the fastest ``fine+ro`` plan (MILP) at 0.95x the old floor trains bit-identically to no plan (2 SGD
+  steps, dropout on) and its measured peak (the emulated CPU device) is within budget.
+* ``--bench``: simulated step time of the fastest plan (MILP) of each space against the best baseline (recompute-all,
+  sqrt(n), swap-all, Capuchin, selective layer, recompute_offload_all) on blocks, at budgets from the old floor up, on
+  the profiled CPU and an A100-40GB preset.
 * ``--max-batch`` (GPT-2): the largest batch whose plan fits the memory plain training needs at batch 8, for the best
-  classic baseline on blocks and for the exact floor over fine units.
+  baseline on blocks and for the floors of the old and new spaces.
 """
 
 from __future__ import annotations
@@ -35,10 +39,14 @@ import torch  # noqa: E402
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
 from memopt_nb.floor import explain_floor  # noqa: E402
+from memopt_nb.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
 
-CLASSIC = ("recompute_all", "sqrt_n", "swap_all", "capuchin")
+BASELINES = ("recompute_all", "sqrt_n", "swap_all", "capuchin", "selective_layer", "recompute_offload_all")
 DEVICES = (None, "a100-40gb")
-FRACTIONS = (0.0, 0.1, 0.25, 0.5)
+FRACTIONS = (0.0, 0.25, 0.5)
+#: space -> (units, strategies)
+SPACES = {"old": ("auto", DEFAULT_STRATEGIES), "fine": ("fine", DEFAULT_STRATEGIES),
+          "blocks+ro": ("auto", STRATEGIES), "fine+ro": ("fine", STRATEGIES)}
 
 
 def mib(b: float) -> str:
@@ -72,23 +80,24 @@ def optimizer_for(model, adam: bool):
 def profiles(name: str, adam: bool, batch: int | None = None):
     model, kw, loss_fn = build(name, batch)
     opt = optimizer_for(model, adam)
-    out = {units: memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units=units, repeats=1, **kw)
+    out = {units: memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units=units, repeats=3, **kw)
            for units in ("auto", "fine")}
     return model, kw, loss_fn, opt, out
 
 
 def floor_section(names, adam):
-    print("| model | units | count | activation-only floor MiB | ÷ blocks' floor | bound (fixed / largest unit / "
-          "kept) MiB |")
+    print("| model | space | units | activation-only floor MiB | ÷ old floor | bound (fixed / largest unit / kept) "
+          "MiB |")
     print("|---|---|---|---|---|---|")
     ratios = {}
     for name in names:
         *_, profs = profiles(name, adam)
         old = solvers.min_peak(profs["auto"], offload_state=False)
-        for units, prof in profs.items():
-            f = explain_floor(prof, offload_state=False)
-            ratios[(name, units)] = f.floor_bytes / old
-            print(f"| {name} | {units} | {prof.n_units} | {mib(f.floor_bytes)} | {f.floor_bytes / old:.3f} | "
+        for space, (units, strategies) in SPACES.items():
+            prof = profs[units]
+            f = explain_floor(prof, offload_state=False, strategies=strategies)
+            ratios[(name, space)] = f.floor_bytes / old
+            print(f"| {name} | {space} | {prof.n_units} | {mib(f.floor_bytes)} | {f.floor_bytes / old:.3f} | "
                   f"{f.bound} ({mib(f.fixed_bytes)} / {mib(f.largest_unit_bytes)} {f.largest_unit} / "
                   f"{mib(f.kept_bytes)}) |", flush=True)
     return ratios
@@ -117,13 +126,13 @@ def train_steps(model, kw, loss_fn, adam, plan=None, steps=2):
 
 
 def train_section(names, adam):
-    print("| model | budget = 0.95 × blocks' floor, MiB | plan (fine units) | predicted peak MiB | measured peak MiB "
+    print("| model | budget = 0.95 × old floor, MiB | plan (fine+ro) | predicted peak MiB | measured peak MiB "
           "| within budget | bit-identical (2 steps: loss, grads, params) |")
     print("|---|---|---|---|---|---|---|")
     for name in names:
         model, kw, loss_fn, opt, profs = profiles(name, adam)
         budget = int(0.95 * solvers.min_peak(profs["auto"], offload_state=False))
-        plan = solvers.optimal(profs["fine"], budget, offload_state=False, time_limit=60)
+        plan = solvers.optimal(profs["fine"], budget, offload_state=False, strategies=STRATEGIES, time_limit=60)
         m = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1, **kw)
         ref, got = train_steps(model, kw, loss_fn, adam), train_steps(model, kw, loss_fn, adam, plan)
         same = all(torch.equal(a, b) for xs, ys in zip(ref, got) for a, b in zip(xs, ys, strict=True))
@@ -132,11 +141,11 @@ def train_section(names, adam):
               f"| {'yes' if same else 'NO'} |", flush=True)
 
 
-def best_classic(prof, budget, device):
+def best_baseline(prof, budget, device):
     best = None
-    for key in CLASSIC:
+    for key in BASELINES:
         try:
-            p = solvers.CLASSIC_BASELINES[key](prof, budget, device)
+            p = solvers.BASELINES[key](prof, budget, device)
         except memopt.BudgetError:
             continue
         if p.feasible and (best is None or p.predicted_step_time < best[1].predicted_step_time):
@@ -144,10 +153,19 @@ def best_classic(prof, budget, device):
     return best
 
 
+def plain_time(prof, device) -> float:
+    """The simulated step time without a plan: the unit each space's plan times are divided by, so that spaces
+    profiled separately (their timings measured at different moments of a shared machine) compare as overheads."""
+    sim = memopt.Simulator(prof, device)
+    zeros = [[0] * prof.n_units]
+    return float(sim.evaluate(zeros, [[1] * prof.n_units], [[1] * prof.n_units])[1][0])
+
+
 def bench_section(names, adam):
-    print("| model | device | budget MiB | best classic on blocks | fastest on blocks (MILP) | fastest on fine units "
-          "(MILP) | fine ÷ best classic (throughput) | fine ÷ blocks MILP |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("step time ÷ the step without a plan (each space on its own profile), simulated\n")
+    print("| model | device | budget MiB | best baseline (blocks) | " + " | ".join(f"{k} (MILP)" for k in SPACES)
+          + " | fine+ro ÷ best baseline (throughput) | fine+ro ÷ old MILP | best space ÷ best baseline |")
+    print("|---|---|---|---|" + "---|" * len(SPACES) + "---|---|---|")
     rows = []
     for name in names:
         *_, profs = profiles(name, adam)
@@ -156,21 +174,26 @@ def bench_section(names, adam):
             peak = profs["auto"].peak_bytes
             for frac in FRACTIONS:
                 budget = int(old + frac * (peak - old))
-                bc = best_classic(profs["auto"], budget, device)
-                ob = solvers.optimal(profs["auto"], budget, device, offload_state=False, time_limit=30)
-                of = solvers.optimal(profs["fine"], budget, device, offload_state=False, time_limit=60)
-                t = {k: p.predicted_step_time for k, p in (("blocks", ob), ("fine", of)) if p.feasible}
-                vs_bc = bc[1].predicted_step_time / t["fine"] if bc and "fine" in t else float("nan")
-                vs_ob = t["blocks"] / t["fine"] if "blocks" in t and "fine" in t else float("nan")
-                rows.append(vs_bc)
+                bc = best_baseline(profs["auto"], budget, device)
+                t = {}  # step time ÷ the same profile's step without a plan
+                for space, (units, strategies) in SPACES.items():
+                    p = solvers.optimal(profs[units], budget, device, offload_state=False, strategies=strategies,
+                                        time_limit=30)
+                    if p.feasible:
+                        t[space] = p.predicted_step_time / plain_time(profs[units], device)
+                base = bc[1].predicted_step_time / plain_time(profs["auto"], device) if bc else float("nan")
+                new = t.get("fine+ro", float("nan"))
+                best = min(t.values())
+                rows.append((base / new, base / best))
                 dev = memopt.Simulator(profs["auto"], device).device.name
+                cells = " | ".join(f"{t[k]:.3f}" if k in t else "—" for k in SPACES)
                 print(f"| {name} | {dev} | {mib(budget)} | "
-                      f"{f'{bc[0]} {bc[1].predicted_step_time * 1e3:.2f} ms' if bc else 'none fits'} | "
-                      f"{t['blocks'] * 1e3:.2f} ms | {t['fine'] * 1e3:.2f} ms | {vs_bc:.3f} | {vs_ob:.3f} |",
-                      flush=True)
-    ok = [r for r in rows if r == r]
-    print(f"\nfine ÷ best classic: min {min(ok):.3f}, median {statistics.median(ok):.3f} over {len(ok)} budgets "
-          f"({len(rows) - len(ok)} where no classic baseline fits)")
+                      f"{f'{bc[0]} {base:.3f}' if bc else 'none fits'} | {cells} | {base / new:.3f} | "
+                      f"{t.get('old', float('nan')) / new:.3f} | {base / best:.3f} |", flush=True)
+    for i, what in enumerate(("fine+ro", "best space")):
+        ok = [r[i] for r in rows if r[i] == r[i]]
+        print(f"\n{what} ÷ best baseline: min {min(ok):.3f}, median {statistics.median(ok):.3f} over {len(ok)} "
+              f"budgets")
 
 
 def max_batch_section(adam):
@@ -178,28 +201,29 @@ def max_batch_section(adam):
     opt = optimizer_for(model, adam)
     budget = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, steps=1, **kw).peak_bytes
     print(f"budget: plain training's measured peak at batch 8 = {mib(budget)} MiB (GPT-2 6x192, 128 tokens)")
-    print("| batch | best classic on blocks | its peak MiB | fine-unit floor MiB | fits: classic / fine |")
-    print("|---|---|---|---|---|")
-    best = {"classic": 8, "fine": 8}
-    for batch in (12, 16, 20, 24, 28, 32, 40):
+    print("| batch | best baseline (blocks) | its peak MiB | old floor MiB | fine+ro floor MiB | fits: baseline / old "
+          "/ fine+ro |")
+    print("|---|---|---|---|---|---|")
+    best = {"baseline": 8, "old": 8, "new": 8}
+    for batch in (12, 16, 20, 24, 28, 32, 36, 40, 44, 48):
         *_, profs = profiles("gpt2", adam, batch)
         bc = None
-        for key in CLASSIC:
-            p = solvers.CLASSIC_BASELINES[key](profs["auto"], None)
+        for key in BASELINES:
+            p = solvers.BASELINES[key](profs["auto"], None)
             if bc is None or p.predicted_peak_bytes < bc[1].predicted_peak_bytes:
                 bc = (key, p)
-        fine_floor = solvers.min_peak(profs["fine"], offload_state=False)
-        fits = (bc[1].predicted_peak_bytes <= budget, fine_floor <= budget)
-        if fits[0]:
-            best["classic"] = batch
-        if fits[1]:
-            best["fine"] = batch
-        print(f"| {batch} | {bc[0]} | {mib(bc[1].predicted_peak_bytes)} | {mib(fine_floor)} | "
-              f"{'yes' if fits[0] else 'no'} / {'yes' if fits[1] else 'no'} |", flush=True)
-        if not fits[1]:
+        floors = {"old": solvers.min_peak(profs["auto"], offload_state=False),
+                  "new": solvers.min_peak(profs["fine"], offload_state=False, strategies=STRATEGIES)}
+        fits = {"baseline": bc[1].predicted_peak_bytes <= budget, **{k: v <= budget for k, v in floors.items()}}
+        for k, ok in fits.items():
+            if ok:
+                best[k] = batch
+        print(f"| {batch} | {bc[0]} | {mib(bc[1].predicted_peak_bytes)} | {mib(floors['old'])} | "
+              f"{mib(floors['new'])} | {' / '.join('yes' if fits[k] else 'no' for k in fits)} |", flush=True)
+        if not fits["new"]:
             break
-    print(f"\nmax batch: best classic {best['classic']}, fine units {best['fine']} "
-          f"(ratio {best['fine'] / best['classic']:.2f}; batches tried in steps, so a bound)")
+    print(f"\nmax batch: best baseline {best['baseline']}, old space {best['old']}, fine+ro {best['new']} "
+          f"(fine+ro ÷ best baseline {best['new'] / best['baseline']:.2f}; batches tried in steps of 4, so bounds)")
 
 
 def main(argv: list[str]) -> None:

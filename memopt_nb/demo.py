@@ -92,8 +92,8 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
 
 
 def _short(d: object) -> str:
-    s = {"keep": "K", "recompute": "R", "swap": "S"}[d.strategy]
-    return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy == "swap" else "")
+    s = {"keep": "K", "recompute": "R", "swap": "S", "recompute_offload": "O"}[d.strategy]
+    return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy in ("swap", "recompute_offload") else "")
 
 
 def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, seed: int = 0,

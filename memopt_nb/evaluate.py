@@ -42,8 +42,11 @@ from .zoo import build
 DEFAULT_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "optimal", "memopt-ppo", "grad_accum")
 #: The whole-step baselines (issue 11): accepted by ``methods=``, not run by default (the published runs did not).
 STATE_BASELINE_METHODS = ("state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute")
-KNOWN_METHODS = DEFAULT_METHODS + STATE_BASELINE_METHODS
-BASELINE_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin") + STATE_BASELINE_METHODS
+#: Ecosystem baselines (issue 12): accepted by ``methods=``, not run by default.
+ECOSYSTEM_METHODS = ("selective_layer", "recompute_offload_all")
+KNOWN_METHODS = DEFAULT_METHODS + STATE_BASELINE_METHODS + ECOSYSTEM_METHODS
+BASELINE_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin") + STATE_BASELINE_METHODS \
+    + ECOSYSTEM_METHODS
 
 
 @dataclass
@@ -303,7 +306,7 @@ def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn
 
 
 # plans that do not depend on the budget
-_RULES = ("none", "recompute_all", "sqrt_n", "swap_all") + STATE_BASELINE_METHODS
+_RULES = ("none", "recompute_all", "sqrt_n", "swap_all", "recompute_offload_all") + STATE_BASELINE_METHODS
 
 
 def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, search_timesteps: int | None,

@@ -133,9 +133,10 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
     n = sim.n
     allowed_choices = [STATE_CHOICES.index(c) for c in state_choices(offload_state, step_in_backward=step_in_backward)]
     codes = [CODES[s] for s in strategies]
-    ok_s = np.ones((n, 3), dtype=bool)
+    ok_s = np.ones((n, 4), dtype=bool)
     ok_s[:, 1] = sim.recomputable
     ok_s[:, 2] = sim.swappable
+    ok_s[:, 3] = sim.recomputable & sim.swappable  # recompute_offload
     opts = [[(s, c) for s in codes if ok_s[u, s] for c in allowed_choices if tab.allowed[u, c]] for u in range(n)]
     ones = np.ones((1, n), dtype=np.int64)
 
@@ -237,7 +238,7 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     activations = work + kept
     advice: list[str] = []
     every = ("keep", "recompute", "swap")
-    if set(strategies) != set(every):  # a restricted activation space: what the whole one reaches
+    if not set(every) <= set(strategies):  # a restricted activation space: what the whole default one reaches
         from .solvers import min_peak
 
         wider = min_peak(profile, device, every, offload_state=offload_state, step_in_backward=step_in_backward)
@@ -267,6 +268,9 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
         advice.append("a smaller batch")
     else:
         advice.append("a smaller batch (kept activations grow with it)")
+        if "recompute_offload" not in strategies:
+            advice.append("recompute_offload, which offloads the unit inputs recompute keeps (opt-in: "
+                          "strategies=memopt_nb.plan.STRATEGIES)")
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
                  bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
                  state_floor_bytes=state_floor_bytes, plan=plan)

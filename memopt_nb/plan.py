@@ -1,10 +1,16 @@
-"""A plan: for every unit a strategy (keep, recompute, swap), for swaps its timing, and where its state lives.
+"""A plan: for every unit a strategy (keep, recompute, swap, recompute_offload), for swaps its timing, and where its
+state lives.
 
 A :class:`Plan` is plain data. It knows the units it was made for (a fingerprint of names, module types and parameter
 shapes), the budget and device it targets, who made it and what the simulator predicted. It saves to versioned JSON and
 refuses to be applied to a model it was not made for.
 
-Timing of a swapped unit ``i`` (both are counted in units):
+``recompute_offload`` recomputes the unit like ``recompute`` and, instead of keeping the unit's inputs on the device
+for the recomputation, offloads them to the host like ``swap`` offloads saved tensors (a storage something else still
+holds, the caller's batch say, stays). It is opt-in: planners search :data:`DEFAULT_STRATEGIES` unless given
+``strategies=``.
+
+Timing of a swapped (or ``recompute_offload``) unit ``i`` (both are counted in units):
 
 * ``offload_window`` ``w`` — the copy of unit ``i``'s saved tensors to host starts as soon as they are no longer needed
   on the device by anything else (for a unit's internal tensors: right after its forward) and may overlap the next
@@ -46,7 +52,12 @@ from .errors import PlanError
 
 SCHEMA_VERSION = 2
 FORMAT = "memopt_nb.plan"
-STRATEGIES = ("keep", "recompute", "swap")
+#: Every activation strategy a plan may use.
+STRATEGIES = ("keep", "recompute", "swap", "recompute_offload")
+#: The strategies planners search unless given ``strategies=`` (``recompute_offload`` is opt-in).
+DEFAULT_STRATEGIES = ("keep", "recompute", "swap")
+#: The strategies that offload to the host and take the timing knobs (``offload_window``, ``prefetch_distance``).
+OFFLOADING = ("swap", "recompute_offload")
 #: Where a unit's optimizer state may live.
 OPTIMIZER_PLACES = ("resident", "offload")
 #: Where a unit's gradients may live (``"step"``: stepped in backward, then freed).
@@ -71,10 +82,13 @@ class Decision:
 
     Attributes:
         unit: qualified module name (as in ``model.named_modules()``).
-        strategy: ``"keep"`` (default autograd), ``"recompute"`` (activation checkpointing) or ``"swap"`` (offload the
-            unit's saved tensors to host memory, bring them back in backward).
-        offload_window: for swap, how many following unit forwards the offload may overlap (see module docs).
-        prefetch_distance: for swap, how many units ahead in backward the copy back starts (0 = on demand).
+        strategy: ``"keep"`` (default autograd), ``"recompute"`` (activation checkpointing), ``"swap"`` (offload the
+            unit's saved tensors to host memory, bring them back in backward) or ``"recompute_offload"`` (recompute,
+            with the inputs the recomputation needs offloaded to host memory and brought back in backward).
+        offload_window: for swap and recompute_offload, how many following unit forwards the offload may overlap (see
+            module docs).
+        prefetch_distance: for swap and recompute_offload, how many units ahead in backward the copy back starts (0 =
+            on demand).
         optimizer: where the unit's optimizer state lives: ``"resident"`` or ``"offload"`` (see module docs).
         grads: where its gradients live: ``"resident"``, ``"offload"`` or ``"step"`` (stepped in backward).
         params: where its parameters live: ``"resident"`` or ``"offload"``.
@@ -169,13 +183,13 @@ def effective_triggers(strategies: Sequence[str], distances: Sequence[int]) -> l
     """Index of the unit whose backward starts each swapped unit's prefetch (``None`` for other units).
 
     Unit ``i``'s prefetch starts when backward reaches unit ``min(i + d_i, n - 1)``, but never before the prefetch of
-    the next swapped unit after it (backward needs that one first).
+    the next swapped unit after it (backward needs that one first). A ``recompute_offload`` unit counts as swapped.
     """
     n = len(strategies)
     out: list[int | None] = [None] * n
     later = n - 1
     for i in range(n - 1, -1, -1):
-        if strategies[i] == "swap":
+        if strategies[i] in OFFLOADING:
             out[i] = min(i + int(distances[i]), n - 1, later)
             later = out[i]
     return out
@@ -533,7 +547,7 @@ class Plan:
         for a, b in zip(self.decisions, other.decisions, strict=True):
             if a.strategy != b.strategy or a.placement != b.placement:
                 return False
-            if a.strategy == "swap" and (a.offload_window, a.prefetch_distance) != (
+            if a.strategy in OFFLOADING and (a.offload_window, a.prefetch_distance) != (
                 b.offload_window, b.prefetch_distance
             ):
                 return False
@@ -715,7 +729,8 @@ class Plan:
         name = (self.device or {}).get("name")
         device = f" for {name}" if name else ""
         parts = [f"Plan[{self.method}]{device}: {len(self.decisions)} units: keep {c['keep']}, recompute "
-                 f"{c['recompute']}, swap {c['swap']}"]
+                 f"{c['recompute']}, swap {c['swap']}"
+                 + (f", recompute_offload {c['recompute_offload']}" if c["recompute_offload"] else "")]
         sc = self.state_counts()
         moved = [f"{k} {v}" for k, v in (("optimizer offloaded", sc["optimizer"]),
                                          ("grads offloaded", sc["grads"]), ("stepped in backward", sc["step"]),
@@ -741,7 +756,7 @@ class Plan:
         rows = []
         for d in self.decisions:
             timing = ""
-            if d.strategy == "swap":
+            if d.strategy in OFFLOADING:
                 w, k = d.offload_window, d.prefetch_distance
                 out = ("copy to host done before the next forward" if w == 0 else
                        f"copy to host may overlap the next {w} forward{'s' if w > 1 else ''}")

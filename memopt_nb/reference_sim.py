@@ -22,19 +22,23 @@ or the one measured with the unit recomputed, for that unit's forward and backwa
   done with, and the Hugging Face KV cache in it), else through the segment after the last unit's forward. A group
   that no unit saves and that is still referenced all step belongs to the caller (the batch) and no plan moves it;
   neither does one that code outside units saves and never lets go of.
+* *recomputed* units are those with ``recompute`` or ``recompute_offload``; *offloading* units those with ``swap``
+  or ``recompute_offload``.
 * *holders*: every unit that saves it holds it until its own backward, except its producer when the producer is
   recomputed (recomputation recreates it); a recomputed unit that takes it as input holds it until its backward
   (checkpointing keeps inputs; a tensor of a cache passed in is an input: the recomputation keeps a copy of the cache
   as it was); code outside units that saves it holds it until ``outside_release``. The group is freed
   after the later of its forward liveness and its last holder. The profiled run is the plan that keeps every unit.
-* *offload*: a group some unit saves, that code outside units does not save and whose forward liveness ends in the
-  forward, is offloaded when its *owner* (the last unit, in forward order, that saves it) is swapped and no recomputed
-  unit takes it as input. At boundary ``free_pos`` its copy to host is issued; with ``j`` the next unit there and ``w``
-  the owner's offload window, the device copy is dropped at the unit boundary before unit ``j + w`` (or at the end of
-  the forward if there is no such unit) and allocated again at the start of the backward of the owner's *trigger*.
-* the *trigger* of a swapped unit ``i`` with prefetch distance ``d`` is the unit ``min(i + d, n - 1)``, moved down to
-  the trigger of any later swapped unit when that one is smaller (prefetches are issued in the order backward needs
-  them).
+* *offload*: the group's *owner* is the last unit, in forward order, that hands it to the swap engine: a unit that
+  saves it (not its producer when the producer is recomputed) or a ``recompute_offload`` unit that takes it as input.
+  A group with an owner, that code outside units does not save and whose forward liveness ends in the forward, is
+  offloaded when its owner is an offloading unit and no unit with plain ``recompute`` takes it as input. At boundary
+  ``free_pos`` its copy to host is issued; with ``j`` the next unit there and ``w`` the owner's offload window, the
+  device copy is dropped at the unit boundary before unit ``j + w`` (or at the end of the forward if there is no such
+  unit) and allocated again at the start of the backward of the owner's *trigger*.
+* the *trigger* of an offloading unit ``i`` with prefetch distance ``d`` is the unit ``min(i + d, n - 1)``, moved
+  down to the trigger of any later offloading unit when that one is smaller (prefetches are issued in the order
+  backward needs them).
 
 **Time**: every segment's profiled duration times the device's time factor, plus a recomputed unit's forward in its
 backward. Each copy *job* takes :func:`copy_seconds`. Copy jobs to host are formed per (issue boundary, drop boundary),
@@ -118,7 +122,8 @@ class Replay:
             part spent re-running forwards; copy_time: total duration of all copy jobs.
         fwd_stall_time / bwd_stall_time: waiting for offloads at drop boundaries / for prefetches in backward.
         bytes_offloaded / bytes_prefetched: bytes of the offload jobs / of the prefetch jobs the backward issued.
-        triggers: per unit, the unit whose backward starts its prefetch (``None`` unless swapped).
+        triggers: per unit, the unit whose backward starts its prefetch (``None`` unless it offloads: ``swap`` or
+            ``recompute_offload``).
         copies: every copy job in issue order. rows: the timeline ``{"time", "bytes", "phase", "unit", "event"}``,
             two rows per segment (its start level, then its peak at mid-segment); with a plan that moves state, the
             plain step's rows are replaced by one per part of the parted step.
@@ -166,14 +171,15 @@ def thread_seconds(device: DeviceSpec, storages: int) -> float:
 
 
 def prefetch_triggers(strategies: Sequence[str], distances: Sequence[int]) -> list[int | None]:
-    """Per unit, the unit whose backward starts its prefetch (``None`` unless swapped), from the definition.
+    """Per unit, the unit whose backward starts its prefetch (``None`` unless it offloads), from the definition.
 
-    Swapped unit ``i`` asks for ``min(i + d_i, n - 1)``; backward needs later units first, so the prefetch of ``i`` is
-    also started no later than that of any later swapped unit: its trigger is the smallest request among swapped
-    units ``j >= i``.
+    Offloading unit ``i`` (``swap`` or ``recompute_offload``) asks for ``min(i + d_i, n - 1)``; backward needs later
+    units first, so the prefetch of ``i`` is also started no later than that of any later offloading unit: its trigger
+    is the smallest request among offloading units ``j >= i``.
     """
     n = len(strategies)
-    wanted = {j: min(j + int(distances[j]), n - 1) for j in range(n) if strategies[j] == "swap"}
+    wanted = {j: min(j + int(distances[j]), n - 1) for j in range(n)
+              if strategies[j] in ("swap", "recompute_offload")}
     return [min(t for j, t in wanted.items() if j >= i) if i in wanted else None for i in range(n)]
 
 
@@ -193,7 +199,8 @@ def _decode(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | N
         else:
             code = int(s)
             if not 0 <= code < len(STRATEGIES):
-                raise PlanError(f"strategy code {code} is not one of 0 (keep), 1 (recompute), 2 (swap)")
+                raise PlanError(f"strategy code {code} is not one of 0 (keep), 1 (recompute), 2 (swap), "
+                                "3 (recompute_offload)")
             name = STRATEGIES[code]
         if name not in STRATEGIES:
             raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
@@ -363,9 +370,9 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     """Replay one training step of ``profile`` under a plan on ``device`` (default: the profiled device).
 
     ``plan`` is a :class:`~memopt_nb.plan.Plan` (its placements count), or a list of strategies (names, or codes
-    0 keep / 1 recompute / 2 swap) given with ``windows`` and ``distances``, and optionally ``states``: per unit an
-    ``(optimizer, grads, params)`` placement or an index into :data:`~memopt_nb.plan.STATE_CHOICES`. See the module
-    docstring for the rules.
+    0 keep / 1 recompute / 2 swap / 3 recompute_offload) given with ``windows`` and ``distances``, and optionally
+    ``states``: per unit an ``(optimizer, grads, params)`` placement or an index into
+    :data:`~memopt_nb.plan.STATE_CHOICES`. See the module docstring for the rules.
     """
     dev = DeviceSpec.resolve(device, profile.device)
     strategies, windows_, distances_ = _decode(profile, plan, windows, distances)
@@ -379,9 +386,14 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
         raise PlanError(f"expected {len(profile.units)} placements (one per unit), got {len(placements)}")
     units, segments = profile.units, profile.segments
     n = len(units)
-    rc = [s == "recompute" for s in strategies]
-    if any(s == "swap" for s in strategies) and not dev.has_host_link:
-        raise PlanError(f"the plan swaps units, but {dev.name} has no host link to swap over; recompute or keep them")
+    rc = [s in ("recompute", "recompute_offload") for s in strategies]  # recomputed
+    ro = [s == "recompute_offload" for s in strategies]  # recomputed, inputs offloaded
+    plain_rc = [s == "recompute" for s in strategies]  # recomputed, inputs kept
+    offloading = [s in ("swap", "recompute_offload") for s in strategies]
+    if any(offloading) and not dev.has_host_link:
+        used = ", ".join(sorted(set(strategies) & {"swap", "recompute_offload"}))
+        raise PlanError(f"the plan offloads units ({used}), but {dev.name} has no host link to copy over; recompute or "
+                        "keep them")
 
     # ---- the step's structure, read from the segments
     fwd_at: dict[int, int] = {}
@@ -416,6 +428,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
 
     offloads: dict[int, dict[int, list[Any]]] = {}  # issue boundary -> drop boundary -> groups
     returns: dict[int, list[Any]] = {}  # owner -> its offloaded groups
+    owner_of: dict[int, int] = {}  # id(group) -> its owner, for offloaded groups
     for g in profile.groups:
         if g.outside_saver and g.outside_release is None:
             continue  # code outside units holds it all step
@@ -429,10 +442,11 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
                         + [bwd_at[c] for c in g.consumers if rc[c]] + outside)
         change(max(kept_holders + [last_fwd]) + 1, g.nbytes)  # the profiled level drops here ...
         change(max(plan_holders + [last_fwd]) + 1, -g.nbytes)  # ... the plan's here
-        if not g.savers or g.outside_saver or g.free_pos is None:
+        handed = [s for s in g.savers if not (s == g.producer and rc[s])] + [c for c in g.consumers if ro[c]]
+        if not handed or g.outside_saver or g.free_pos is None:
             continue
-        owner = max(g.savers)
-        if strategies[owner] != "swap" or any(rc[c] for c in g.consumers):
+        owner = max(handed)
+        if not offloading[owner] or any(plain_rc[c] for c in g.consumers):
             continue
         issue = min((b for b in unit_boundaries if b >= g.free_pos), default=None)  # engines look at unit boundaries
         if issue is None:
@@ -443,6 +457,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
         change(back, g.nbytes)
         offloads.setdefault(issue, {}).setdefault(drop, []).append(g)
         returns.setdefault(owner, []).append(g)
+        owner_of[id(g)] = owner
 
     # ---- walk the step
     factor = dev.time_factor(profile.device)
@@ -486,7 +501,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
             gs = offloads[k][drop]
             nbytes = sum(g.nbytes for g in gs)
             storages = sum(g.count for g in gs)
-            job = CopyJob("d2h", k, drop, tuple(sorted({max(g.savers) for g in gs})), nbytes, storages,
+            job = CopyJob("d2h", k, drop, tuple(sorted({owner_of[id(g)] for g in gs})), nbytes, storages,
                           copy_seconds(dev, "d2h", nbytes, storages))
             d2h_free = run_copy(job, d2h_free)
             held_at[drop] = max(held_at.get(drop, 0.0), job.end)

@@ -8,12 +8,14 @@ every storage group (see :class:`~memopt_nb.profile.StorageGroup`), plus the seg
 (measured with the unit kept, or with the unit recomputed). For a group saved by units:
 
 * it stays until the backward of the last holder in time: a unit that saves it (unless that unit is its producer and
-  recomputes it — then the recomputation recreates it), or a recomputed unit that takes it as input (checkpointing
-  keeps inputs);
-* if its owner (the last unit to save it) swaps and no recomputed unit holds it, it becomes eligible at the boundary
-  where nothing else refers to it; the copy to host starts there, its memory is gone from the boundary before unit
-  ``j + w`` (``j`` the next unit to run, ``w`` the owner's window; or the end of the forward) until the backward of the
-  owner's trigger unit, where the copy back allocates it again.
+  recomputes it — then the recomputation recreates it), or a recomputed unit (``recompute`` or ``recompute_offload``)
+  that takes it as input (checkpointing keeps inputs);
+* if its owner (the last unit to hand it to the swap engine: a unit that saves it, not a recomputing producer, or a
+  ``recompute_offload`` unit that takes it as input) swaps or recomputes-and-offloads, and no plain ``recompute`` unit
+  takes it as input, it becomes eligible at the boundary where nothing else refers to it; the copy to host starts
+  there, its memory is gone from the boundary before unit ``j + w`` (``j`` the next unit to run, ``w`` the owner's
+  window; or the end of the forward) until the backward of the owner's trigger unit, where the copy back allocates it
+  again. Without ``recompute_offload`` in a plan the owner is simply the last unit that saves it.
 
 These rules are exactly what the runtime does, so memory is predicted from structure, not from timing.
 
@@ -71,8 +73,8 @@ from .errors import PlanError
 from .plan import STATE_CHOICES, Plan
 from .reference_sim import Replay, replay
 
-KEEP, RECOMPUTE, SWAP = 0, 1, 2
-CODES = {"keep": KEEP, "recompute": RECOMPUTE, "swap": SWAP}
+KEEP, RECOMPUTE, SWAP, RECOMPUTE_OFFLOAD = 0, 1, 2, 3
+CODES = {"keep": KEEP, "recompute": RECOMPUTE, "swap": SWAP, "recompute_offload": RECOMPUTE_OFFLOAD}
 NAMES = {v: k for k, v in CODES.items()}
 
 
@@ -169,7 +171,8 @@ class Simulator:
     """A profile compiled for fast, vectorized plan evaluation (the planners' inner loop).
 
     ``Simulator(profile, device).evaluate(strategies, windows, distances)`` takes ``(B, n)`` integer arrays (strategy
-    codes 0 keep, 1 recompute, 2 swap) and returns peak bytes and step seconds, each shape ``(B,)``.
+    codes 0 keep, 1 recompute, 2 swap, 3 recompute_offload) and returns peak bytes and step seconds, each shape
+    ``(B,)``.
     """
 
     def __init__(self, profile: Any, device: DeviceSpec | str | None = None) -> None:
@@ -373,11 +376,14 @@ class Simulator:
         self.g_base_end = np.maximum(base, fallback)
         outside = np.array([g.outside_saver for g in gs], dtype=bool)
         self.g_eligible = self.g_has_sav & (self.g_free >= 0) & ~outside
+        # what a recompute_offload consumer may offload too: its liveness ends in the forward, no code outside units
+        # saves it
+        self.g_ro_eligible = (self.g_free >= 0) & ~outside & (self.g_con[:, 0] >= 0)
         self.g_next = np.where(self.g_free >= 0, self.next_unit[np.maximum(self.g_free, 0)], 0)
         self.g_owner_onehot = np.zeros((G, self.n))
         self.g_owner_onehot[np.arange(G), self.g_owner] = 1.0
-        self.groups_at = {b: np.nonzero(self.g_eligible & (self.g_free == b))[0] for b in set(self.g_free.tolist())
-                          if b >= 0}
+        self.groups_at = {b: np.nonzero((self.g_eligible | self.g_ro_eligible) & (self.g_free == b))[0]
+                          for b in set(self.g_free.tolist()) if b >= 0}
 
     # ------------------------------------------------------------------ batched evaluation
     def evaluate(self, strategies: np.ndarray, windows: np.ndarray, distances: np.ndarray,
@@ -395,8 +401,10 @@ class Simulator:
         if s.shape[1] != n or w.shape != s.shape or d.shape != s.shape:
             raise PlanError(f"expected (B, {n}) arrays of strategies, windows and distances, got {s.shape}, "
                             f"{w.shape}, {d.shape}")
-        rc = s == RECOMPUTE
-        sw = s == SWAP
+        ro = s == RECOMPUTE_OFFLOAD
+        any_ro = bool(ro.any())
+        rc = (s == RECOMPUTE) | ro  # recomputed (plain or with its inputs offloaded)
+        sw = (s == SWAP) | ro  # offloads to the host, with the swap timing
         rows = np.arange(B)[:, None]
         # effective prefetch triggers (descending scan)
         trig = np.full((B, n), -1)
@@ -418,11 +426,25 @@ class Simulator:
         end_con = np.where(con_rc, self.g_con_bwd[None], -1).max(axis=2)
         plan_end = np.maximum(np.maximum(end_sav, end_con), self.g_out_rel[None])
         plan_end = np.maximum(plan_end, self.g_fallback[None])
-        owner_sw = sw[:, self.g_owner]
-        off = self.g_eligible[None] & owner_sw & ~con_rc.any(axis=2)
-        r_unit = self.g_next[None] + w[:, self.g_owner]
+        if any_ro:
+            # the owner is the last unit that hands the storage to the swap engine: a saver (not a recomputing
+            # producer, whose saved tensors the recomputation recreates) or a recompute_offload unit taking it as input
+            con_ro = np.where(con_ok, ro[rows[:, :, None], np.maximum(con, 0)], False)
+            owner = np.maximum(np.where(hold_sav, sav, -1).max(axis=2), np.where(con_ro, con, -1).max(axis=2))
+            has_owner = owner >= 0
+            owner = np.maximum(owner, 0)
+            owner_sw = np.take_along_axis(sw, owner, axis=1)
+            # only a plain recompute consumer keeps it on the device (its checkpoint holds its inputs)
+            con_plain = con_rc & ~con_ro
+            off = (self.g_eligible | self.g_ro_eligible)[None] & has_owner & owner_sw & ~con_plain.any(axis=2)
+            r_unit = self.g_next[None] + np.take_along_axis(w, owner, axis=1)
+            trig_g = np.take_along_axis(trig, owner, axis=1)
+        else:
+            owner_sw = sw[:, self.g_owner]
+            off = self.g_eligible[None] & owner_sw & ~con_rc.any(axis=2)
+            r_unit = self.g_next[None] + w[:, self.g_owner]
+            trig_g = trig[:, self.g_owner]
         r_pos = np.where(r_unit < n, self.fwd_seg[np.minimum(r_unit, n - 1)], self.end)
-        trig_g = trig[:, self.g_owner]
         t_pos = self.bwd_seg[np.maximum(trig_g, 0)]
         nb = self.g_nb[None]
         # difference array over segment index
@@ -440,7 +462,10 @@ class Simulator:
         # ---- time
         off_nb = nb * off
         off_count = (self.g_cnt[None] * off).sum(axis=1)  # storages offloaded (and brought back)
-        pf_bytes = off_nb @ self.g_owner_onehot  # (B, n) bytes each owner brings back
+        if any_ro:  # (B, n) bytes each owner brings back
+            pf_bytes = np.bincount((rows * n + owner).ravel(), weights=off_nb.ravel(), minlength=B * n).reshape(B, n)
+        else:
+            pf_bytes = off_nb @ self.g_owner_onehot
         recompute = (rc * self.fwd_time[None]).sum(axis=1)
         dev = self.device
         copy_time = dev.copy_seconds(off_nb.sum(axis=1), off_count, "both")

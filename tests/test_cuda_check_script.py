@@ -56,8 +56,11 @@ def test_dry_run_checks_every_whole_step_plan_and_passes(cc, tmp_path: Path) -> 
     (s,) = result["search"]
     assert s["budget_MiB"] < s["floor_activation_only_MiB"] and mem["search"]["within_budget"]
     assert result["streams"] == [{"skipped": "needs CUDA (a profiler trace of the side streams)"}]
-    assert {r["plan"] for r in result["activation"]} == {"keep", "recompute", "swap", "mixed", "search"}
+    assert {r["plan"] for r in result["activation"]} == {"keep", "recompute", "swap", "mixed", "recompute_offload",
+                                                         "mixed_ro", "search"}
     assert all(r["grads_equal"] for r in result["activation"] if r["plan"] != "search")
+    ro = {r["plan"]: r for r in result["activation"] if r["plan"] in ("recompute_offload", "mixed_ro")}
+    assert all(r["swap_stats"]["offloaded_bytes"] > 0 for r in ro.values())  # the inputs did leave
     text = (tmp_path / "cuda_check.md").read_text()
     assert "| mlp | adam (single) |" in text and "all checks passed" in text
 

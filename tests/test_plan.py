@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import memopt_nb as memopt
 from memopt_nb.errors import PlanError
-from memopt_nb.plan import Decision, Plan, effective_triggers
+from memopt_nb.plan import DEFAULT_STRATEGIES, STRATEGIES, Decision, Plan, effective_triggers
 
 
 def small_plan(profile):
@@ -68,6 +68,28 @@ def test_effective_triggers_are_monotone():
     s = ["swap", "swap", "keep", "swap"]
     assert effective_triggers(s, [3, 0, 1, 2]) == [1, 1, None, 3]
     assert effective_triggers(["swap"] * 3, [0, 0, 0]) == [0, 1, 2]
+
+
+def test_recompute_offload_is_a_strategy_timed_like_swap(tmp_path):
+    """recompute_offload is a plan strategy (not in the planners' default space), takes the swap timing knobs, counts
+    as swapped for prefetch triggers and round-trips through JSON; a timing outside the range is refused for it too."""
+    assert "recompute_offload" in STRATEGIES
+    assert "recompute_offload" not in DEFAULT_STRATEGIES
+    s = ["recompute_offload", "swap", "keep", "recompute_offload"]
+    assert effective_triggers(s, [3, 0, 1, 2]) == [1, 1, None, 3]
+    assert effective_triggers(["recompute_offload", "recompute"], [0, 0]) == [0, None]
+    with pytest.raises(PlanError, match="offload_window"):
+        Decision("a", "recompute_offload", offload_window=-1)
+    plan = Plan(decisions=(Decision("a", "recompute_offload", 2, 3), Decision("b", "recompute")))
+    q = Plan.load(plan.save(tmp_path / "ro.json"))
+    assert q == plan and q.strategies == ["recompute_offload", "recompute"] and q.offload_windows[0] == 2
+    assert q.counts()["recompute_offload"] == 1 and "recompute_offload 1" in q.summary()
+    assert "recompute_offload 0" not in Plan(decisions=(Decision("a", "swap"),)).summary()
+    # timings count for it as for swap, not for recompute
+    other = Plan(decisions=(Decision("a", "recompute_offload", 0, 3), Decision("b", "recompute", 0, 0)))
+    assert not plan.same_decisions(other)
+    assert Plan(decisions=(Decision("a", "recompute_offload", 2, 3), Decision("b", "recompute", 0, 0))).same_decisions(
+        plan)
 
 
 # ---------------------------------------------------------------------- plan identity: the whole model (issue 10.7)

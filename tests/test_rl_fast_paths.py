@@ -12,18 +12,24 @@ import numpy as np
 import pytest
 
 from memopt_nb import solvers
+from memopt_nb.plan import STRATEGIES
 from memopt_nb.rl.env import MemoryPlanningEnv
-from memopt_nb.rl.task import N_OPTIONS, PlanningTask
+from memopt_nb.rl.task import PlanningTask
 from memopt_nb.synthetic import chain_profile
 
 search_mod = importlib.import_module("memopt_nb.rl.search")
 
 
-@pytest.fixture(scope="module", params=[0.25, 0.6])
+@pytest.fixture(scope="module", params=[(0.25, None), (0.6, None), (0.25, STRATEGIES)],
+                ids=["tight", "loose", "tight-recompute_offload"])
 def task(request):
+    """Chains with state at two budgets; with recompute_offload the copies of ``step_many`` differ in which timed
+    strategy (swap or recompute_offload) the timing agent is timing at the same step."""
+    share, strategies = request.param
     prof = chain_profile(10, seed=4, state_bytes=16 * 2**20)
     lo = solvers.min_peak(prof, "a100-40gb", offload_state=True)
-    return PlanningTask(prof, int(lo + request.param * (prof.peak_bytes - lo)), "a100-40gb", offload_state=True)
+    kw = {} if strategies is None else {"strategies": strategies}
+    return PlanningTask(prof, int(lo + share * (prof.peak_bytes - lo)), "a100-40gb", offload_state=True, **kw)
 
 
 def _same(x, y):
@@ -116,10 +122,11 @@ def test_polish_moves_are_those_of_scoring_every_pair(task):
         cur = np.array([rng.choice(np.flatnonzero(task.option_ok[u])) for u in range(n)])
         cur_st = np.array([task.state_ids[rng.choice(np.flatnonzero(task.state_ok[u]))] for u in range(n)])
         cur_st[rng.random(n) < 0.5] = 0
-        units = np.repeat(np.arange(n), N_OPTIONS)
-        opts = np.tile(np.arange(N_OPTIONS), n)
-        cand = np.repeat(cur[None], n * N_OPTIONS, axis=0)
-        cand[np.arange(n * N_OPTIONS), units] = opts
+        N = task.n_options
+        units = np.repeat(np.arange(n), N)
+        opts = np.tile(np.arange(N), n)
+        cand = np.repeat(cur[None], n * N, axis=0)
+        cand[np.arange(n * N), units] = opts
         cand = cand[task.option_ok[units, opts]]
         got = search_mod._best_pairs(task, cur, cur_st, cand)
         want = _best_pairs_by_scoring_all(task, cur, cur_st, cand)

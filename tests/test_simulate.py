@@ -4,6 +4,8 @@
 arrays), so a slip in compiling them shows up here as a difference on some plan.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ import memopt_nb as memopt
 from memopt_nb.device import DeviceSpec
 from memopt_nb.plan import DISTANCES, WINDOWS, Plan, effective_triggers
 from memopt_nb.reference_sim import prefetch_triggers, replay
-from memopt_nb.simulate import SWAP, Simulator, simulate_reference
+from memopt_nb.simulate import RECOMPUTE_OFFLOAD, SWAP, Simulator, simulate_reference
 from memopt_nb.synthetic import chain_profile
 
 CPU_LIKE = DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
@@ -42,20 +44,25 @@ def small_real():
     return out
 
 
-def random_arrays(n, count, seed):
-    """``count`` random plans, then swap-all at every (window, distance): every timing appears."""
+def random_arrays(n, count, seed, codes=3, every=SWAP):
+    """``count`` random plans (strategy codes below ``codes``), then ``every`` unit at every (window, distance)."""
     rng = np.random.default_rng(seed)
-    s, w, d = rng.integers(0, 3, (count, n)), rng.integers(0, 3, (count, n)), rng.integers(0, 4, (count, n))
+    s, w, d = rng.integers(0, codes, (count, n)), rng.integers(0, 3, (count, n)), rng.integers(0, 4, (count, n))
     grid = [(wi, di) for wi in WINDOWS for di in DISTANCES]
-    s = np.concatenate([s, np.full((len(grid), n), SWAP)])
+    s = np.concatenate([s, np.full((len(grid), n), every)])
     w = np.concatenate([w, np.array([[wi] * n for wi, _ in grid])])
     d = np.concatenate([d, np.array([[di] * n for _, di in grid])])
     return s, w, d
 
 
-def assert_fast_equals_reference(prof, device, count=40, seed=0):
+def assert_fast_equals_reference(prof, device, count=40, seed=0, ro=False):
+    """The fast simulator equals the reference on random plans (``ro``: with recompute_offload among them)."""
     sim = Simulator(prof, device)
-    s, w, d = random_arrays(prof.n_units, count, seed)
+    if ro:
+        s, w, d = random_arrays(prof.n_units, count, seed, codes=4, every=RECOMPUTE_OFFLOAD)
+        assert (s == RECOMPUTE_OFFLOAD).any(axis=1).mean() > 0.5
+    else:
+        s, w, d = random_arrays(prof.n_units, count, seed)
     det = sim.evaluate(s, w, d, details=True)
     stalls = [0, 0]
     for b in range(len(s)):
@@ -107,11 +114,91 @@ def test_fast_simulator_equals_reference_on_the_zoo(name, zoo_profiles):
             assert min(stalls) > 0
 
 
+def without_savers(prof, seed):
+    """``prof`` with some groups that units take as input saved by no unit (only a recompute_offload consumer can
+    offload those)."""
+    rng = np.random.default_rng(seed)
+    groups = [dataclasses.replace(g, savers=()) if g.consumers and not g.outside_saver and rng.random() < 0.5 else g
+              for g in prof.groups]
+    assert any(not g.savers and g.consumers and g.free_pos is not None for g in groups)
+    return dataclasses.replace(prof, groups=groups)
+
+
+@pytest.mark.parametrize("n,seed,shared", CHAINS)
+def test_fast_simulator_equals_reference_with_recompute_offload_on_chains(n, seed, shared):
+    prof = chain_profile(n, seed=seed, shared_boundaries=shared)
+    assert any(len(g.savers) > 1 for g in prof.groups) or shared < 0.5  # storages shared by two units' saves
+    for p in (prof, without_savers(prof, seed)):
+        for device in (CPU_LIKE, None, SLOW_LINK):
+            stalls = assert_fast_equals_reference(p, device, seed=seed, ro=True)
+            if device is SLOW_LINK:
+                assert min(stalls) > 0
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_fast_simulator_equals_reference_with_recompute_offload_on_small_real_profiles(name, small_real):
+    prof = small_real[name][2]
+    for device in (None, SLOW_LINK):
+        assert_fast_equals_reference(prof, device, count=60, ro=True)
+
+
+@pytest.mark.parametrize("name", memopt.zoo.MODELS)
+def test_fast_simulator_equals_reference_with_recompute_offload_on_the_zoo(name, zoo_profiles):
+    prof = zoo_profiles[name][2]
+    for device in (None, SLOW_LINK):
+        assert_fast_equals_reference(prof, device, ro=True)
+
+
+def test_fast_simulator_equals_reference_with_recompute_offload_on_hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    prof = memopt.profile(model, ids, loss_fn=lambda out: out.logits.float().pow(2).mean(), repeats=1)
+    assert prof.n_units == 3
+    for device in (None, SLOW_LINK):
+        assert_fast_equals_reference(prof, device, ro=True)
+
+
+def test_recompute_offload_offloads_inputs_recompute_keeps():
+    """Recompute-all keeps every unit's input to the end of its backward; recompute_offload-all sends them to the host
+    (all but the last unit's: the model's output is still referenced when the forward ends), so its peak is lower by
+    exactly what the host holds at the peak, and the same units are recomputed."""
+    prof = chain_profile(6, seed=1, shared_boundaries=0.0)
+    sim = Simulator(prof, SLOW_LINK)
+    n = prof.n_units
+    ones = np.ones((1, n), dtype=np.int64)
+    rc = sim.evaluate(ones, ones, 0 * ones, details=True)
+    ro = sim.evaluate(np.full((1, n), RECOMPUTE_OFFLOAD), 0 * ones, 0 * ones, details=True)
+    inputs = [g for g in prof.groups if g.consumers and g.free_pos is not None]
+    assert len(inputs) == n - 1
+    assert ro["offloaded"][0] == sum(g.nbytes for g in inputs)
+    assert ro["peak"][0] < rc["peak"][0]
+    assert ro["recompute"][0] == rc["recompute"][0]
+    assert ro["time"][0] > rc["time"][0]  # the copies cost time
+
+
+def test_plans_without_recompute_offload_evaluate_as_before():
+    """A batch holding a recompute_offload plan takes the plan-dependent owner path; plans without one get exactly
+    what they get alone (the path without recompute_offload is the cost model as it was)."""
+    for prof in (chain_profile(7, seed=2, shared_boundaries=0.6), without_savers(chain_profile(5, seed=3), 3)):
+        for device in (None, SLOW_LINK, CPU_LIKE):
+            sim = Simulator(prof, device)
+            s, w, d = random_arrays(prof.n_units, 30, seed=4)
+            alone = sim.evaluate(s, w, d, details=True)
+            mixed = sim.evaluate(np.vstack([s, np.full((1, prof.n_units), RECOMPUTE_OFFLOAD)]),
+                                 np.vstack([w, w[:1]]), np.vstack([d, d[:1]]), details=True)
+            for key in ("peak", "time", "peaks", "offloaded", "fwd_stall", "bwd_stall"):
+                assert np.array_equal(alone[key], mixed[key][:-1]), (key, device)
+
+
 def test_reference_triggers_follow_the_plan_definition():
     rng = np.random.default_rng(5)
     for _ in range(200):
         n = int(rng.integers(1, 10))
-        strategies = [str(x) for x in rng.choice(["keep", "recompute", "swap"], n)]
+        strategies = [str(x) for x in rng.choice(["keep", "recompute", "swap", "recompute_offload"], n)]
         distances = [int(x) for x in rng.integers(0, 5, n)]
         assert prefetch_triggers(strategies, distances) == effective_triggers(strategies, distances)
 

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from pettingzoo.test import parallel_api_test
 
 import memopt_nb as memopt
 from memopt_nb import solvers
@@ -176,3 +177,84 @@ def test_the_exact_solvers_validate_the_space_alike(chain):
     with pytest.raises(PlanError, match="none given"):
         solvers.min_peak(chain, strategies=())
     assert solvers.min_peak(chain, strategies="recompute,keep") == solvers.min_peak(chain, strategies=CHECKPOINTING)
+
+
+def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
+    """With recompute_offload allowed the strategy agent has four strategies (timed by the timing agent like swap),
+    random allowed episodes use it, and the option tables map it to its code and timings both ways."""
+    from memopt_nb.rl.search import _option_arrays, _to_options
+    from memopt_nb.rl.task import TIMINGS
+    from memopt_nb.simulate import RECOMPUTE_OFFLOAD
+
+    task = PlanningTask(chain, "60%", strategies=STRATEGIES)
+    assert task.n_strategies == 4 and task.n_options == 2 + 2 * len(TIMINGS)
+    env = MemoryPlanningEnv(task)
+    assert env.action_space("strategy").n == 4 * task.C
+    parallel_api_test(MemoryPlanningEnv(task), num_cycles=50)
+    seen, timing = set(), False
+    for seed in range(30):
+        codes, choice = random_codes(task, seed)
+        seen |= set(codes.tolist())
+        timing |= choice
+    assert seen == {KEEP, RECOMPUTE, SWAP, RECOMPUTE_OFFLOAD} and timing
+    only = PlanningTask(chain, "60%", strategies=("keep", "recompute_offload"))
+    seen = set()
+    for seed in range(10):
+        seen |= set(random_codes(only, seed)[0].tolist())
+    assert seen == {KEEP, RECOMPUTE_OFFLOAD}
+    opts = np.arange(task.n_options)
+    codes, w, d = _option_arrays(opts)
+    assert list(codes[:2]) == [KEEP, RECOMPUTE] and set(codes[2:2 + len(TIMINGS)]) == {SWAP}
+    assert set(codes[2 + len(TIMINGS):]) == {RECOMPUTE_OFFLOAD}
+    assert [(int(a), int(b)) for a, b in zip(w[2 + len(TIMINGS):], d[2 + len(TIMINGS):])] == list(TIMINGS)
+    assert list(_to_options(codes, w, d)) == list(opts)
+    # the marginal model is the simulator, option by option
+    n = task.n
+    for u in range(n):
+        for o in np.flatnonzero(task.option_ok[u]):
+            c, ww, dd = (np.where(np.arange(n) == u, x[o], y) for x, y in zip((codes, w, d), (KEEP, 1, 1)))
+            peak, t = task.sim.evaluate(c[None], ww[None], dd[None])
+            assert t[0] - task.base_time == pytest.approx(task.marg_time[u, o], rel=1e-9, abs=1e-15)
+
+
+def test_masks_keep_the_recompute_offload_optimum_reachable():
+    """Played through the environment, the enumeration's optimum with recompute_offload allowed is reachable: every
+    action it takes is allowed by the masks (the marginal model is exact for memory where every group depends on one
+    unit: no shared boundaries), and the episode's exact time is the optimum's."""
+    from memopt_nb.rl.task import TIMINGS
+
+    used = set()
+    for seed, frac in ((1, 0.0), (2, 0.1), (4, 0.05)):
+        prof = chain_profile(4, seed=seed, shared_boundaries=0.0)
+        space = {"strategies": STRATEGIES, "offload_state": False}
+        lo = solvers.min_peak(prof, **space)
+        budget = int(lo + frac * (prof.peak_bytes - lo))
+        best = solvers.brute_force(prof, budget, **space)
+        used |= set(best.strategies)
+        env = MemoryPlanningEnv(PlanningTask(prof, budget, offload_state=False, strategies=STRATEGIES))
+        obs, _ = env.reset(seed=0)
+        codes = [STRATEGIES.index(s) for s in best.strategies]
+        for t in range(env.task.n + 1):
+            a = {}
+            if t < env.task.n:
+                a["strategy"] = codes[t]
+                assert obs["strategy"]["action_mask"][a["strategy"]], (seed, t)
+            if t >= 1 and best.strategies[t - 1] in ("swap", "recompute_offload"):
+                a["timing"] = TIMINGS.index((best.offload_windows[t - 1], best.prefetch_distances[t - 1]))
+                assert obs["timing"]["action_mask"][a["timing"]], (seed, t)
+            obs, rew, term, trunc, info = env.step(a)
+        assert info["strategy"]["feasible"]
+        assert info["strategy"]["time"] == pytest.approx(best.predicted_step_time, rel=1e-12)
+    assert "recompute_offload" in used
+
+
+def test_search_with_recompute_offload_stays_in_its_space(chain):
+    plan = memopt.search(chain, "50%", total_timesteps=400, seed=0, strategies=("keep", "recompute_offload"))
+    assert plan.feasible and set(plan.strategies) <= {"keep", "recompute_offload"}
+    assert "recompute_offload" in plan.strategies
+    assert plan.meta["allowed_strategies"] == ["keep", "recompute_offload"]
+    assert memopt.simulate(chain, plan).peak_bytes <= plan.budget_bytes
+    wide = memopt.search(chain, "50%", total_timesteps=400, seed=0, strategies=STRATEGIES)
+    assert wide.feasible and wide.meta["allowed_strategies"] == list(STRATEGIES)
+    again = memopt.search(chain, "50%", total_timesteps=400, seed=0, strategies=STRATEGIES[::-1])
+    assert comparable(again) == comparable(wide)  # same seed, same plan

@@ -45,6 +45,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 import memopt_nb as memopt
 
 from ..floor import explain_floor
+from ..plan import DEFAULT_STRATEGIES
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
 from .plots import figure_png, unit_chart
 
@@ -125,7 +126,7 @@ def _parse_strategies(text: str) -> tuple[str, ...]:
         unknown = [repr(p.strip()) for p in value.split(",") if p.strip().lower() not in STRATEGIES]
         what = f"unknown {', '.join(unknown)}" if value else "empty"
         raise UsageError(f"--strategies {text!r}: {what}; give a comma-separated list of {', '.join(STRATEGIES)} "
-                         f"(default: all of them), e.g. --strategies keep,recompute") from None
+                         f"(default: {','.join(DEFAULT_STRATEGIES)}), e.g. --strategies keep,recompute") from None
 
 
 def _parse_units(text: str | None) -> Any:
@@ -360,7 +361,7 @@ class MemoptMagics(Magics):
                       "then no longer accumulate gradients over several backwards or clip their global norm")
     @ma.argument("--strategies", metavar="LIST", default="keep,recompute,swap",
                  help="the activation strategies the plan may use, comma-separated (default: keep,recompute,swap); "
-                      "e.g. keep,recompute for checkpointing only")
+                      "e.g. keep,recompute for checkpointing only, or add recompute_offload (opt-in)")
     @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
                  help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
     @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
@@ -427,7 +428,7 @@ class MemoptMagics(Magics):
         self.shell.user_ns[args.output] = plan
         if silenced or args.quiet:
             return None
-        space = "" if len(strategies) == 3 else f" (activation strategies: {', '.join(strategies)})"
+        space = "" if strategies == DEFAULT_STRATEGIES else f" (activation strategies: {', '.join(strategies)})"
         print(f"memopt: plan stored as `{args.output}`{space}; apply it with `with memopt.plan({args.output}): ...`")
         return plan
 

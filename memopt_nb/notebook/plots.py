@@ -39,8 +39,8 @@ __all__ = [
 ]
 
 _PALETTE = sns.color_palette("deep")
-#: Colours of the three strategies in every chart.
-STRATEGY_COLORS = {"keep": _PALETTE[0], "recompute": _PALETTE[1], "swap": _PALETTE[2]}
+#: Colours of the strategies in every chart.
+STRATEGY_COLORS = {"keep": _PALETTE[0], "recompute": _PALETTE[1], "swap": _PALETTE[2], "recompute_offload": _PALETTE[8]}
 AGENT_COLORS = {"strategy": _PALETTE[4], "timing": _PALETTE[9]}
 #: The same three roles have the same colour in every figure: the budget line, the unoptimized step, the plan.
 BUDGET_COLOR = "#c0392b"
@@ -285,10 +285,11 @@ def unit_chart(profile: Any, plan: Any = None, *, title: str | None = None) -> F
         handles = [mpl.patches.Patch(facecolor="0.6", hatch="///", edgecolor="white", label="freed by recompute")]
         if plan is not None:
             for i, d in enumerate(plan.decisions):
-                if d.strategy == "swap":
+                if d.strategy in ("swap", "recompute_offload"):
                     ax_m.text(i, saved[i] / div, f"w{d.offload_window} d{d.prefetch_distance}", ha="center",
                               va="bottom", fontsize=7)
-            handles = [mpl.patches.Patch(color=c, label=s) for s, c in STRATEGY_COLORS.items()] + handles
+            used = set(plan.strategies) | {"keep", "recompute", "swap"}
+            handles = [mpl.patches.Patch(color=c, label=s) for s, c in STRATEGY_COLORS.items() if s in used] + handles
             name = (plan.device or {}).get("name")
             ax_m.set_title(title or f"plan per unit ({plan.method}{' for ' + name if name else ''})\nswapped units: "
                            "w = forwards the copy to host may overlap, d = units ahead the copy back starts",

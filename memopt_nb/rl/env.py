@@ -4,11 +4,13 @@ Agents: ``"strategy"`` picks keep / recompute / swap for each unit and, where th
 (``offload_state=``), where the unit's optimizer state, gradients and parameters live: its action is
 ``strategy * C + j`` for the task's ``C`` allowed placements (``task.state_ids[j]`` indexes
 :data:`~memopt_nb.plan.STATE_CHOICES`; ``C == 1`` — activations only — leaves today's three actions and observations
-unchanged). ``"timing"`` picks the offload window and prefetch distance of each swapped unit (the timing of state
-transfers is the runtime's). One episode walks the units in forward order, *pipelined*: at step ``t`` the strategy
-agent decides unit ``t`` while the timing agent decides unit ``t − 1``, whose strategy it already sees. So both agents
-act at every step (``n + 1`` steps; at the two ends one agent has only a no-op), which is why this is a ParallelEnv
-rather than a turn-based AEC environment: no agent ever waits, and PPO batches both agents' transitions alike.
+unchanged). With ``"recompute_offload"`` allowed (``strategies=``, opt-in) it is a fourth strategy (actions
+``3 * C + j``), timed like a swap. ``"timing"`` picks the offload window and prefetch distance of each swapped (or
+recompute_offload) unit (the timing of state transfers is the runtime's). One episode walks the units in forward
+order, *pipelined*: at step ``t`` the strategy agent decides unit ``t`` while the timing agent decides unit
+``t − 1``, whose strategy it already sees. So both agents act at every step (``n + 1`` steps; at the two ends one
+agent has only a no-op), which is why this is a ParallelEnv rather than a turn-based AEC environment: no agent ever
+waits, and PPO batches both agents' transitions alike.
 
 Observations (``{"observation": float32 vector, "action_mask": int8 vector}``):
 
@@ -57,7 +59,7 @@ from gymnasium import spaces
 from gymnasium.utils import seeding
 from pettingzoo import ParallelEnv
 
-from ..simulate import KEEP, RECOMPUTE, SWAP
+from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP
 from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
 __all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING"]
@@ -66,6 +68,9 @@ STRATEGY, TIMING = "strategy", "timing"
 _N_COMMON = 8
 _N_UNIT = 9
 _N_LOOK = 7
+
+
+_TIMED = (SWAP, RECOMPUTE_OFFLOAD)  # strategies the timing agent times
 
 
 def _rowmax(x: np.ndarray) -> np.ndarray:
@@ -92,11 +97,12 @@ class MemoryPlanningEnv(ParallelEnv):
         C = task.C
         self._states = C > 1  # placements to choose: a few more features (none when C == 1, as before placements)
         self._n_look = _N_LOOK + (1 if self._states else 0)
+        K = task.n_strategies  # 3, or 4 with recompute_offload
         self._dims = {
-            STRATEGY: _N_COMMON + _N_UNIT + (2 if self._states else 0) + 3 * 3 * C + lookahead * self._n_look,
-            TIMING: _N_COMMON + _N_UNIT + 3 + 3 * len(TIMINGS),
+            STRATEGY: _N_COMMON + _N_UNIT + (2 if self._states else 0) + 3 * K * C + lookahead * self._n_look,
+            TIMING: _N_COMMON + _N_UNIT + K + 3 * len(TIMINGS),
         }
-        self._actions = {STRATEGY: 3 * C, TIMING: len(TIMINGS)}
+        self._actions = {STRATEGY: K * C, TIMING: len(TIMINGS)}
         self.np_random, _ = seeding.np_random(None)
         self._cache: dict[int, dict[str, Any]] = {}  # per unit: what its observations need that never changes
 
@@ -166,12 +172,13 @@ class MemoryPlanningEnv(ParallelEnv):
         n, t = task.n, self.t
         rewards = {STRATEGY: 0.0, TIMING: 0.0}
         # timing for unit t-1 (its strategy was chosen at the previous step)
-        if t >= 1 and self.codes[t - 1] == SWAP:
+        if t >= 1 and self.codes[t - 1] in _TIMED:
             j = self._allowed(TIMING, actions.get(TIMING, 0))
+            b = task.timed_base[int(self.codes[t - 1])]
             self.windows[t - 1], self.dists[t - 1] = TIMINGS[j]
-            self.level += task.marg_peak[t - 1, 2 + j]
-            cost = task.marg_time[t - 1, 2 + j] - task.marg_time[t - 1, 2 + DEFAULT_TIMING]
-            self.spent += task.marg_time[t - 1, 2 + j]
+            self.level += task.marg_peak[t - 1, b + j]
+            cost = task.marg_time[t - 1, b + j] - task.marg_time[t - 1, b + DEFAULT_TIMING]
+            self.spent += task.marg_time[t - 1, b + j]
             rewards[TIMING] = -cost / task.base_time * self.reward_scale
         # strategy for unit t
         if t < n:
@@ -185,12 +192,12 @@ class MemoryPlanningEnv(ParallelEnv):
                 st_cost = task.st_time[t, j] + (0.0 if self.moved else task.chunk_extra)
                 self.moved = True
                 self.spent += st_cost
-            if s != SWAP:
+            if s not in _TIMED:
                 self.level += task.marg_peak[t, s]
                 self.spent += task.marg_time[t, s]
                 cost = task.marg_time[t, s] + st_cost
             else:  # optimistic: as if the timing agent picks the cheapest allowed timing
-                cost = self._static(t)["swap_cost"] + st_cost
+                cost = self._static(t)["timed_cost"][s] + st_cost
             rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
         for a in rewards:
             self.shaped[a] += rewards[a]
@@ -217,8 +224,9 @@ class MemoryPlanningEnv(ParallelEnv):
         """The finished plan and the same strategies with default timings, as ``(2, n)`` arrays to evaluate."""
         codes = np.stack([self.codes, self.codes])
         dw, dd = TIMINGS[DEFAULT_TIMING]
-        windows = np.stack([self.windows, np.where(self.codes == SWAP, dw, 1)])
-        dists = np.stack([self.dists, np.where(self.codes == SWAP, dd, 1)])
+        timed = np.isin(self.codes, _TIMED)
+        windows = np.stack([self.windows, np.where(timed, dw, 1)])
+        dists = np.stack([self.dists, np.where(timed, dd, 1)])
         return codes, windows, dists, np.stack([self.states, self.states])
 
     def _settle(self, rewards: dict[str, float], peak: np.ndarray,
@@ -251,19 +259,33 @@ class MemoryPlanningEnv(ParallelEnv):
             return got
         task = self.task
         n, C, S = task.n, task.C, task.S
-        swap_opts = np.flatnonzero(task.option_ok[u, 2:])
-        swap_min = task.marg_peak[u, 2 + swap_opts].min(axis=0) if swap_opts.size else np.zeros(S)
-        choice = np.stack([task.marg_peak[u, KEEP], task.marg_peak[u, RECOMPUTE], swap_min])
-        ok_s = np.array([bool(task.option_ok[u, KEEP]), bool(task.option_ok[u, RECOMPUTE]),
-                         bool(task.option_ok[u, 2:].any())])
-        costs = np.array([task.marg_time[u, KEEP], task.marg_time[u, RECOMPUTE],
-                          task.marg_time[u, 2 + DEFAULT_TIMING]])
-        cost_per = {}  # per whether a unit before moved state: (3, C) time of each action, relative
+        K, T = task.n_strategies, len(TIMINGS)
+        unit = self._unit_features(u)
+        choice = [task.marg_peak[u, KEEP], task.marg_peak[u, RECOMPUTE]]
+        ok_s = [bool(task.option_ok[u, KEEP]), bool(task.option_ok[u, RECOMPUTE])]
+        costs = [task.marg_time[u, KEEP], task.marg_time[u, RECOMPUTE]]
+        # per timed strategy (keyed by its code): its most frugal allowed timing, what the timing agent sees
+        timed_cost, pend_min, t_cost, t_unit = {}, {}, {}, {}
+        for code in _TIMED[:K - 2]:
+            b = task.timed_base[code]
+            opts = np.flatnonzero(task.option_ok[u, b:b + T])
+            frugal_c = task.marg_peak[u, b + opts].min(axis=0) if opts.size else None
+            choice.append(frugal_c if opts.size else np.zeros(S))
+            ok_s.append(bool(opts.size))
+            default = task.marg_time[u, b + DEFAULT_TIMING]
+            costs.append(default)
+            timed_cost[code] = task.marg_time[u, b + opts].min() if opts.size else None
+            pend_min[code] = frugal_c
+            t_cost[code] = (task.marg_time[u, b:b + T] - default) / self._t_unit
+            t_unit[code] = np.concatenate([unit, np.eye(K)[code]])
+        choice = np.stack(choice)
+        ok_s = np.array(ok_s)
+        costs = np.array(costs)
+        cost_per = {}  # per whether a unit before moved state: (K, C) time of each action, relative
         for before in (False, True):
             moved = before | (np.arange(C) > 0)
             st_cost = task.st_time[u] + np.where(moved & ~before, task.chunk_extra, 0.0)
             cost_per[before] = (costs[:, None] + st_cost[None]) / self._t_unit
-        unit = self._unit_features(u)
         if self._states:
             saving = max(float(-task.st_seg[u, j].min()) for j in range(C) if task.state_ok[u, j])
             times = [float(task.st_time[u, j]) for j in range(1, C) if task.state_ok[u, j]]
@@ -271,23 +293,19 @@ class MemoryPlanningEnv(ParallelEnv):
         else:
             unit_s = unit
         # the timing agent's frugal strategy assumption: per action o * C + j, its segments and step points
-        frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(3) for j in range(C)])
-        frugal_step = np.array([task.st_step[u, j] for o in range(3) for j in range(C)]).reshape(3 * C, task.K)
+        frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(K) for j in range(C)])
+        frugal_step = np.array([task.st_step[u, j] for o in range(K) for j in range(C)]).reshape(K * C, task.K)
         look = [v for v in range(u + 1, u + 1 + self.lookahead) if v < n]
         look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
                                  task.profile.units[v].interior_bytes / self._b_unit,
                                  task.marg_time[v, RECOMPUTE] / self._t_unit,
                                  task.marg_time[v, 2 + DEFAULT_TIMING] / self._t_unit] for v in look]).reshape(-1, 5)
-        default = task.marg_time[u, 2 + DEFAULT_TIMING]
         got = {
             "choice": choice, "ok": (ok_s[:, None] & task.state_ok[u][None]).ravel(), "cost_per": cost_per,
             "unit": unit, "unit_s": unit_s, "frugal": frugal, "frugal_step": frugal_step,
-            "swap_cost": task.marg_time[u, 2 + swap_opts].min() if swap_opts.size else None,
-            "pend_min": task.marg_peak[u, 2 + swap_opts].min(axis=0) if swap_opts.size else None,
+            "timed_cost": timed_cost, "pend_min": pend_min, "t_cost": t_cost, "t_unit": t_unit,
             "look": np.array(look, dtype=np.int64), "look_static": look_static,
             "look_moved": np.array([bool(task.state_ok[v, 1:].any()) for v in look], dtype=bool),
-            "t_cost": (task.marg_time[u, 2:] - default) / self._t_unit,
-            "t_unit": np.concatenate([unit, np.eye(3)[SWAP]]),
             "load_den": max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12),
         }
         self._cache[u] = got
@@ -306,10 +324,12 @@ class MemoryPlanningEnv(ParallelEnv):
         base_level = np.stack([env.level for env in envs])
         step_level = np.stack([env.step_level for env in envs])
         was_moved = np.array([env.moved for env in envs])
-        pending = np.array([t >= 1 and env.codes[t - 1] == SWAP for env in envs])
+        pcode = np.array([env.codes[t - 1] if t >= 1 else -1 for env in envs])  # timed: its timing still open
+        pending = np.isin(pcode, _TIMED)
         level = base_level.copy()
-        if pending.any():
-            level[pending] = base_level[pending] + first._static(t - 1)["pend_min"]
+        for code in np.unique(pcode[pending]):
+            sel = pcode == code
+            level[sel] = base_level[sel] + first._static(t - 1)["pend_min"][int(code)]
 
         def bound(seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
             seg_max = seg.max(axis=-1)
@@ -335,7 +355,7 @@ class MemoryPlanningEnv(ParallelEnv):
                            (least - budget) / budget, np.array([env.spent for env in envs]) / task.base_time,
                            np.full(E, float(task.sim.device.copy_overlap)), np.minimum(need_ratio, 5.0),
                            np.array(loads)], axis=1)
-        # strategy agent, unit t: every (strategy o, placement j) of every copy, (E, 3, C, S) and (E, C, K)
+        # strategy agent, unit t: every (strategy o, placement j) of every copy, (E, K, C, S) and (E, C, K)
         ok = st["ok"]
         seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[t][None, None]
         step = step_level[:, None, :] + task.st_step[t][None]
@@ -350,7 +370,7 @@ class MemoryPlanningEnv(ParallelEnv):
         est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
         cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
         per = np.stack([(cur[:, None, None] - est) / need[:, None, None], cost,
-                        s_mask.reshape(E, 3, C).astype(np.float64)], axis=3).reshape(E, -1)
+                        s_mask.reshape(E, task.n_strategies, C).astype(np.float64)], axis=3).reshape(E, -1)
         vs = st["look"]
         look = np.zeros((E, first.lookahead, first._n_look))
         if vs.size:
@@ -369,23 +389,25 @@ class MemoryPlanningEnv(ParallelEnv):
                 look[:, :m, 7] = (c_ - st_est) / n_
         s_feat = np.concatenate([common, np.broadcast_to(st["unit_s"], (E, st["unit_s"].size)), per,
                                  look.reshape(E, -1)], axis=1).astype(np.float32)
-        # timing agent, unit t-1 (only where it is a swap)
-        m = len(TIMINGS)
-        t_mask = np.zeros((E, m), dtype=np.int8)
+        # timing agent, unit t-1 (only where it is timed: per timed strategy, the copies that chose it)
+        T = len(TIMINGS)
+        t_mask = np.zeros((E, T), dtype=np.int8)
         t_mask[:, 0] = 1
         t_feat = np.zeros((E, first._dims[TIMING]), dtype=np.float32)
-        if pending.any():
-            p = t - 1
+        p = t - 1
+        for code in (int(c) for c in np.unique(pcode[pending])):
             sp = first._static(p)
-            k = np.flatnonzero(pending)
+            k = np.flatnonzero(pcode == code)
+            bo = task.timed_base[code]
             sel = s_mask[k].astype(bool)
             frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
             frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
-            t_move = (sel & (np.arange(3 * C) % C > 0)[None]).any(axis=1)
+            t_move = (sel & (np.arange(sel.shape[1]) % C > 0)[None]).any(axis=1)
             base = base_level[k] + frugal + rest
             base_step = step_level[k] + frugal_step + rest_step
-            popt = task.option_ok[p, 2:]
-            seg_max = (base[:, None, :] + task.marg_peak[p, 2:][None]).max(axis=2)
+            popt = task.option_ok[p, bo:bo + T]
+            marg = task.marg_peak[p, bo:bo + T]
+            seg_max = (base[:, None, :] + marg[None]).max(axis=2)
             if task.has_step:
                 bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
                 still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
@@ -396,11 +418,12 @@ class MemoryPlanningEnv(ParallelEnv):
             tm[~tm.any(axis=1)] = popt
             t_mask[k] = tm
             ref = base_level[k].max(axis=1)
-            red = (ref[:, None] - (base_level[k][:, None, :] + task.marg_peak[p, 2:][None]).max(axis=2)) / need[k, None]
-            per_t = np.stack([red, np.broadcast_to(sp["t_cost"], red.shape), tm.astype(np.float64)],
+            red = (ref[:, None] - (base_level[k][:, None, :] + marg[None]).max(axis=2)) / need[k, None]
+            per_t = np.stack([red, np.broadcast_to(sp["t_cost"][code], red.shape), tm.astype(np.float64)],
                              axis=2).reshape(k.size, -1)
-            t_feat[k] = np.concatenate([common[k], np.broadcast_to(sp["t_unit"], (k.size, sp["t_unit"].size)),
-                                        per_t], axis=1).astype(np.float32)
+            t_unit = sp["t_unit"][code]
+            t_feat[k] = np.concatenate([common[k], np.broadcast_to(t_unit, (k.size, t_unit.size)), per_t],
+                                       axis=1).astype(np.float32)
         out = []
         for e in range(E):
             obs = {STRATEGY: {"observation": s_feat[e], "action_mask": s_mask[e]},
@@ -414,11 +437,13 @@ class MemoryPlanningEnv(ParallelEnv):
         n, t = task.n, self.t
         budget = task.budget
         tol = budget * (1 + 1e-9)
-        # pending unit t-1: a swap whose timing is still open counts with its most frugal timing
+        # pending unit t-1: a swap (or recompute_offload) whose timing is still open counts with its most frugal timing
         level = self.level
-        pending = 1 <= t <= n and self.codes[t - 1] == SWAP
+        T = len(TIMINGS)
+        pcode = int(self.codes[t - 1]) if 1 <= t <= n else -1
+        pending = pcode in _TIMED
         if pending:
-            level = level + self._static(t - 1)["pend_min"]
+            level = level + self._static(t - 1)["pend_min"][pcode]
         rest = task.suffix_min[min(t + 1, n)]
         rest_step = task.suffix_step[min(t + 1, n)]
         rest_move = bool(task.suffix_can_move[min(t + 1, n)])
@@ -440,12 +465,13 @@ class MemoryPlanningEnv(ParallelEnv):
         masks: dict[str, np.ndarray] = {}
         # strategy agent, unit t
         C = task.C
-        s_mask = np.zeros(3 * C, dtype=np.int8)
+        K = task.n_strategies
+        s_mask = np.zeros(K * C, dtype=np.int8)
         s_feat = np.zeros(self._dims[STRATEGY])
         if t < n:
             st = self._static(t)
             ok = st["ok"]  # action o * C + j
-            # every (strategy o, placement j) at once: segments (3, C, S) and the step's points (C, K)
+            # every (strategy o, placement j) at once: segments (K, C, S) and the step's points (C, K)
             seg = (level + st["choice"])[:, None] + task.st_seg[t][None]
             step = self.step_level[None] + task.st_step[t]
             moved = self.moved | (np.arange(C) > 0)
@@ -453,9 +479,9 @@ class MemoryPlanningEnv(ParallelEnv):
             s_mask[:] = ok & (with_rest.ravel() <= tol)
             if not s_mask.any():
                 s_mask[:] = ok
-            est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (3, C)
+            est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (K, C)
             per = np.stack([(cur - est) / need, st["cost_per"][bool(self.moved)],
-                            s_mask.reshape(3, C).astype(np.float64)], axis=2).ravel()
+                            s_mask.reshape(K, C).astype(np.float64)], axis=2).ravel()
             vs = st["look"]
             look = np.zeros((self.lookahead, self._n_look))
             if vs.size:
@@ -495,17 +521,18 @@ class MemoryPlanningEnv(ParallelEnv):
                 t_move = False
             base = self.level + frugal + rest
             base_step = self.step_level + frugal_step + rest_step
-            ok = task.option_ok[p, 2:]
-            peaks = task.bounds((base[None] + task.marg_peak[p, 2:]).max(axis=1), _rowmax(base_step[None]),
+            b = task.timed_base[pcode]
+            ok = task.option_ok[p, b:b + T]
+            peaks = task.bounds((base[None] + task.marg_peak[p, b:b + T]).max(axis=1), _rowmax(base_step[None]),
                                 np.array([self.moved]), t_move or rest_move)
             t_mask[:] = ok & (peaks <= tol)
             if not t_mask.any():
                 t_mask[:] = ok
             sp = self._static(p)
             ref = float(self.level.max())
-            red = (ref - (self.level[None] + task.marg_peak[p, 2:]).max(axis=1)) / need
-            per = np.stack([red, sp["t_cost"], t_mask.astype(np.float64)], axis=1).ravel()
-            t_feat = np.concatenate([common, sp["t_unit"], per])
+            red = (ref - (self.level[None] + task.marg_peak[p, b:b + T]).max(axis=1)) / need
+            per = np.stack([red, sp["t_cost"][pcode], t_mask.astype(np.float64)], axis=1).ravel()
+            t_feat = np.concatenate([common, sp["t_unit"][pcode], per])
         else:
             t_mask[0] = 1
         obs[TIMING] = {"observation": t_feat.astype(np.float32), "action_mask": t_mask}
@@ -526,7 +553,7 @@ class MemoryPlanningEnv(ParallelEnv):
             unit.interior_bytes / self._b_unit,
             min(float(task.copy_ratio[u]), 10.0),
             float(task.option_ok[u, RECOMPUTE]),
-            float(task.option_ok[u, 2:].any()),
+            float(task.option_ok[u, 2:2 + len(TIMINGS)].any()),
         ])
 
     def render(self) -> None:

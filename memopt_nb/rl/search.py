@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from ..device import DeviceSpec
-from ..plan import STATE_CHOICES, STRATEGIES, Plan, decisions_from
-from ..simulate import SWAP
+from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan, decisions_from
+from ..simulate import RECOMPUTE_OFFLOAD, SWAP
 from ..solvers.common import make_plan
 from .env import STRATEGY, TIMING, MemoryPlanningEnv
 from .ppo import PPOConfig, train
-from .task import N_OPTIONS, TIMINGS, PlanningTask
+from .task import TIMINGS, PlanningTask
 
 __all__ = ["search", "polish", "plan_from_arrays", "SearchTracker", "default_timesteps", "default_restarts", "METHOD"]
 
@@ -38,21 +38,24 @@ def default_restarts(n_units: int) -> int:
 
 
 def _option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    codes = np.minimum(opt_idx, 2)
+    """Option indices (see :class:`~memopt_nb.rl.task.PlanningTask`) as strategy codes, windows and distances."""
+    T = len(TIMINGS)
+    codes = np.where(opt_idx < 2 + T, np.minimum(opt_idx, 2), RECOMPUTE_OFFLOAD)
     w = np.ones_like(opt_idx)
     d = np.ones_like(opt_idx)
     swap = opt_idx >= 2
     tw = np.array([t[0] for t in TIMINGS])
     td = np.array([t[1] for t in TIMINGS])
-    w[swap] = tw[opt_idx[swap] - 2]
-    d[swap] = td[opt_idx[swap] - 2]
+    w[swap] = tw[(opt_idx[swap] - 2) % T]
+    d[swap] = td[(opt_idx[swap] - 2) % T]
     return codes, w, d
 
 
 def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.ndarray:
     idx = codes.copy()
-    for u in np.flatnonzero(codes == SWAP):
-        idx[u] = 2 + TIMINGS.index((int(windows[u]), int(dists[u])))
+    for u in np.flatnonzero((codes == SWAP) | (codes == RECOMPUTE_OFFLOAD)):
+        base = 2 if codes[u] == SWAP else 2 + len(TIMINGS)
+        idx[u] = base + TIMINGS.index((int(windows[u]), int(dists[u])))
     return idx
 
 
@@ -116,10 +119,11 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     moves = 0
     last: dict = {}  # the option moves' simulation, while the options stay
     for _ in range(max_rounds):
-        cand = np.repeat(cur[None], n * N_OPTIONS, axis=0)
-        units = np.repeat(np.arange(n), N_OPTIONS)
-        opts = np.tile(np.arange(N_OPTIONS), n)
-        cand[np.arange(n * N_OPTIONS), units] = opts
+        N = task.n_options
+        cand = np.repeat(cur[None], n * N, axis=0)
+        units = np.repeat(np.arange(n), N)
+        opts = np.tile(np.arange(N), n)
+        cand[np.arange(n * N), units] = opts
         ok = task.option_ok[units, opts]
         cand = cand[ok]
         if task.C > 1:
@@ -313,7 +317,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
            config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None,
            reward_scale: float = 10.0, offload_state: bool | str | Iterable[str] = True,
-           step_in_backward: bool = False, strategies: str | Iterable[str] = STRATEGIES) -> Plan:
+           step_in_backward: bool = False, strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
 
     The plan decides per unit its activation strategy (keep, recompute, swap and the swap's timing) and where the
@@ -345,7 +349,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             ``("keep", "recompute")`` for checkpointing only. The other strategies are masked out of the strategy
             agent's actions, the polish never introduces them, and the budget is checked against the floor of this
             space (``solvers.min_peak(..., strategies)``). A unit none of them fits keeps its activations. A bad
-            value raises :class:`~memopt_nb.errors.PlanError`; the default is all three.
+            value raises :class:`~memopt_nb.errors.PlanError`; the default is all three. ``"recompute_offload"`` is
+            opt-in: with it the strategy agent has a fourth strategy, timed by the timing agent like swap.
         reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
             are next to PPO's fixed clipping and entropy coefficients.
 

@@ -24,8 +24,8 @@ import numpy as np
 from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
 from ..errors import BudgetError, PlanError
-from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, state_choices
-from ..simulate import KEEP, RECOMPUTE, SWAP, Simulator
+from ..plan import DEFAULT_STRATEGIES, DISTANCES, STATE_CHOICES, WINDOWS, state_choices
+from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
 from ..solvers.common import allowed_strategies, as_simulator, check_budget
 
 __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS"]
@@ -34,7 +34,7 @@ __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_
 TIMINGS: tuple[tuple[int, int], ...] = tuple((w, d) for w in WINDOWS for d in DISTANCES)
 #: The timing a swap gets when nobody chooses one (the timing agent's difference reward is measured against it).
 DEFAULT_TIMING = TIMINGS.index((1, 1))
-N_OPTIONS = 2 + len(TIMINGS)  # keep, recompute, swap × timings
+N_OPTIONS = 2 + len(TIMINGS)  # keep, recompute, swap × timings (a task with recompute_offload: task.n_options)
 
 
 class StateModel:
@@ -105,12 +105,23 @@ class PlanningTask:
     ``step_in_backward`` are read by :func:`memopt_nb.plan.state_choices`; the allowed placements are ``state_ids``
     (indices into :data:`~memopt_nb.plan.STATE_CHOICES`, 0 first). Without a state model (:func:`state_model_for`
     returns ``None``) only 0 is allowed, whatever ``offload_state`` says.
+
+    Options (the columns of ``option_ok``, ``marg_peak``, ``marg_time``): 0 keep, 1 recompute, ``2 + j`` swap with
+    ``TIMINGS[j]`` and, only when ``strategies`` has it, ``2 + len(TIMINGS) + j`` recompute_offload with ``TIMINGS[j]``
+    (``n_options`` in all; ``timed_base`` maps a timed strategy's code to its first option).
     """
 
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
                  offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
-                 strategies: str | Iterable[str] = STRATEGIES) -> None:
+                 strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> None:
         self.strategies = allowed_strategies(strategies)  # PlanError on a bad value
+        # options: keep, recompute, swap × TIMINGS and, only when allowed, recompute_offload × TIMINGS (so that the
+        # default space's tables, actions and observations stay what they were)
+        T = len(TIMINGS)
+        self.n_strategies = 4 if "recompute_offload" in self.strategies else 3
+        self.n_options = 2 + T * (self.n_strategies - 2)
+        #: first option index of each timed strategy (its timing j is option ``timed_base[code] + j``)
+        self.timed_base = {SWAP: 2, RECOMPUTE_OFFLOAD: 2 + T}
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
         allowed = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
@@ -133,41 +144,44 @@ class PlanningTask:
             self.base_peak = max(self.base_peak, self.plain_step)
         self.base_time = float(self.evaluate(keep, keep + 1, keep + 1, keep)[1][0])
         # which options exist for each unit
-        self.option_ok = np.zeros((n, N_OPTIONS), dtype=bool)
+        N = self.n_options
+        self.option_ok = np.zeros((n, N), dtype=bool)
         self.option_ok[:, KEEP] = True
         self.option_ok[:, RECOMPUTE] = self.sim.recomputable
-        self.option_ok[:, 2:] = self.sim.swappable[:, None]
+        self.option_ok[:, 2:2 + T] = self.sim.swappable[:, None]
+        if N > 2 + T:
+            self.option_ok[:, 2 + T:] = (self.sim.swappable & self.sim.recomputable)[:, None]
         for u in range(n):  # timings with no distinct effect are disabled, keeping the first of each class
             seen = set()
             for j, (w, d) in enumerate(TIMINGS):
                 key = (min(u + 1 + w, n), min(u + d, n - 1))
                 if key in seen:
-                    self.option_ok[u, 2 + j] = False
+                    self.option_ok[u, 2 + j::T] = False
                 seen.add(key)
         if "recompute" not in self.strategies:
             self.option_ok[:, RECOMPUTE] = False
         if "swap" not in self.strategies:
-            self.option_ok[:, 2:] = False
+            self.option_ok[:, 2:2 + T] = False
         if "keep" not in self.strategies:  # kept only where nothing allowed fits the unit
             self.option_ok[:, KEEP] = ~self.option_ok[:, 1:].any(axis=1)
         # marginal model: unit u alone on option o
         codes, windows, dists = [], [], []
         for u in range(n):
-            for o in range(N_OPTIONS):
+            for o in range(N):
                 c = np.zeros(n, dtype=np.int64)
                 w = np.ones(n, dtype=np.int64)
                 d = np.ones(n, dtype=np.int64)
                 if o == RECOMPUTE:
                     c[u] = RECOMPUTE
                 elif o >= 2:
-                    c[u] = SWAP
-                    w[u], d[u] = TIMINGS[o - 2]
+                    c[u] = SWAP if o < 2 + T else RECOMPUTE_OFFLOAD
+                    w[u], d[u] = TIMINGS[(o - 2) % T]
                 codes.append(c)
                 windows.append(w)
                 dists.append(d)
         det = self.sim.evaluate(np.array(codes), np.array(windows), np.array(dists), details=True)
-        self.marg_peak = (det["peaks"] - self.base_peaks[None]).reshape(n, N_OPTIONS, self.S)
-        self.marg_time = (det["time"] - self.base_time).reshape(n, N_OPTIONS)
+        self.marg_peak = (det["peaks"] - self.base_peaks[None]).reshape(n, N, self.S)
+        self.marg_time = (det["time"] - self.base_time).reshape(n, N)
         self.marg_peak[~self.option_ok] = 0.0
         self.marg_time[~self.option_ok] = 0.0
         big = np.where(self.option_ok[:, :, None], self.marg_peak, np.inf)
@@ -186,7 +200,7 @@ class PlanningTask:
             eff = np.where(self.option_ok & (red > 0), np.maximum(self.marg_time, 0.0) / red, np.inf)
         self.best_eff = eff.min(axis=1)  # (n,)
         self.rc_eff = eff[:, RECOMPUTE]
-        self.swap_eff = eff[:, 2:].min(axis=1)
+        self.swap_eff = eff[:, 2:2 + T].min(axis=1)
         self.max_red = red.max(axis=1)  # (n,)
         if self.C > 1:  # the most a placement takes off a segment adds to it
             self.max_red = self.max_red + np.maximum(-self.st_seg.min(axis=2), 0.0).max(axis=1)
@@ -325,7 +339,7 @@ class PlanningTask:
                 f"least that much.{more}")
 
     def _strategies_text(self) -> str:
-        return "" if self.strategies == STRATEGIES else f" using only {', '.join(self.strategies)}"
+        return "" if self.strategies == DEFAULT_STRATEGIES else f" using only {', '.join(self.strategies)}"
 
     def plain_options(self) -> np.ndarray:
         """Per unit the plainest allowed option (an index into the options: keep, else recompute, else the first

@@ -19,10 +19,13 @@ import torch.nn as nn
 from ..distributed import check_state_placements, order_guard, unwrap
 from ..errors import PlanError
 from ..plan import Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
-from .recompute import ReplayGuard, checkpointed_call
+from .recompute import ReplayGuard, checkpointed, checkpointed_call
 from .state import Placement, StateManager
 from .storages import plain_storage_ptrs
-from .swap import SwapEngine
+from .swap import OFFLOADING, SwapEngine
+
+#: strategies whose units run under checkpointing (``recompute_offload`` also sends the inputs it keeps to the host)
+RECOMPUTING = ("recompute", "recompute_offload")
 
 __all__ = ["EXACT_BACKENDS", "AppliedPlan", "PlannedForward", "plan"]
 
@@ -133,7 +136,11 @@ class PlannedForward:
             return checkpointed_call(self.guard, inner, *args, **kwargs)
         index = self.index
         p = engine.begin_unit(index)
-        if self.guard is not None:
+        if self.guard is not None and self.strategy == "recompute_offload":  # the inputs it keeps go to the host
+            ptrs = self.model_ptrs | plain_storage_ptrs(self.module.parameters())
+            out = checkpointed(self.guard, inner, args, kwargs, hold=lambda t: engine.pack(p, index, ptrs, t),
+                               fetch=engine.unpack)
+        elif self.guard is not None:
             out = checkpointed_call(self.guard, inner, *args, **kwargs)
         else:
             ptrs = self.model_ptrs | plain_storage_ptrs(self.module.parameters())
@@ -159,7 +166,7 @@ def _check_recomputable(plan: Plan, model: nn.Module) -> None:
     """Refuse a plan that recomputes a unit its profile marks not recomputable, or a model that checkpoints itself."""
     for i, d in enumerate(plan.decisions):
         reason = plan.fingerprint[i].get("not_recomputable") if plan.fingerprint else None
-        if d.strategy == "recompute" and reason:
+        if d.strategy in RECOMPUTING and reason:
             raise PlanError(f"the plan recomputes unit {d.unit!r}, which its profile marks not recomputable: {reason}. "
                             "Keep or swap this unit (the planners never recompute it)")
     # Hugging Face layers set `gradient_checkpointing`, timm models `grad_checkpointing`
@@ -283,7 +290,7 @@ class AppliedPlan:
         state = self._state_manager(modules)  # every check before anything changes
         self._stats = {}
         strategies = plan.strategies
-        has_swap = "swap" in strategies
+        has_swap = any(s in OFFLOADING for s in strategies)
         if has_swap:
             self.engine = SwapEngine(strategies, plan.offload_windows,
                                      effective_triggers(strategies, plan.prefetch_distances))
@@ -311,7 +318,7 @@ class AppliedPlan:
     def _wrap(self, index: int, module: nn.Module, strategy: str, model_ptrs: set[int]) -> None:
         had_own = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
-        guard = ReplayGuard(module, self.plan.units[index]) if strategy == "recompute" else None  # once, not per call
+        guard = ReplayGuard(module, self.plan.units[index]) if strategy in RECOMPUTING else None  # once, not per call
         module.forward = PlannedForward(self, index, module, strategy, previous, guard, model_ptrs)
         self._installed.append((module, had_own, previous))
 

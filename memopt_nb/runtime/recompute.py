@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import PlanError
 
-__all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "cache_tensors", "checkpointed_call",
+__all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "cache_tensors", "checkpointed", "checkpointed_call",
            "forward_side_effects", "is_cache", "running_stat_modules"]
 
 def running_stat_modules(module: nn.Module) -> list[nn.Module]:
@@ -322,6 +323,31 @@ def checkpointed_call(guard: ReplayGuard | nn.Module, forward: Callable[..., Any
     nothing is refused: what the profiler uses to measure). ``args`` and ``kwargs`` all go to ``forward``; none of
     them is read by ``torch.utils.checkpoint``.
     """
+    return checkpointed(guard, forward, args, kwargs)
+
+
+class _Held:
+    """An input a ``recompute_offload`` unit's checkpoint keeps as a swap-engine handle, not as the tensor."""
+
+    __slots__ = ("handle", "requires_grad")
+
+    def __init__(self, handle: Any, requires_grad: bool) -> None:
+        self.handle, self.requires_grad = handle, requires_grad
+
+
+def _fetched(fetch: Callable[[Any], torch.Tensor], held: _Held) -> torch.Tensor:
+    if isinstance(held.handle, torch.Tensor):  # kept as it was (a parameter, an unmanaged tensor)
+        return held.handle
+    t = fetch(held.handle)  # a new tensor on the storage brought back
+    return t.requires_grad_() if held.requires_grad else t
+
+
+def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict, *,
+                 hold: Callable[[torch.Tensor], Any] | None = None,
+                 fetch: Callable[[Any], torch.Tensor] | None = None) -> Any:
+    """:func:`checkpointed_call` with the arguments as a tuple and a dict; with ``hold`` and ``fetch``, the tensors
+    among them (pytree leaves) are kept for the recomputation as ``hold(t)`` — a swap-engine handle, so the storage can
+    go to the host — and ``fetch(handle)`` gives them back when the recomputation starts (``recompute_offload``)."""
     if not isinstance(guard, ReplayGuard):
         guard = ReplayGuard(guard, strict=False)
     memo: list[Any] = []
@@ -336,12 +362,19 @@ def checkpointed_call(guard: ReplayGuard | nn.Module, forward: Callable[..., Any
             memo.append(state)
             if state[1]:
                 held[:] = _without_caches(held[0], held[1])
+            if hold is not None:
+                held[:] = tree_map(lambda v: _Held(hold(v), v.requires_grad) if isinstance(v, torch.Tensor) else v,
+                                   (held[0], held[1]))
             return out
-        return guard.again(forward, held[0], held[1], memo[0])
+        a, k = held
+        if fetch is not None:  # a fetched tensor needs grad as the input did: ops save the same tensors again
+            a, k = tree_map(lambda v: _fetched(fetch, v) if isinstance(v, _Held) else v, (a, k))
+        return guard.again(forward, a, k, memo[0])
 
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    del args, kwargs
+    leaves = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+    # with ``hold``, checkpoint must not keep the inputs themselves: an empty tensor per device tells it the devices
+    tensors = leaves if hold is None else [torch.empty(0, device=d) for d in dict.fromkeys(t.device for t in leaves)]
+    del args, kwargs, leaves
     return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
 
 

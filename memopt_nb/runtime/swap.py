@@ -137,6 +137,10 @@ class _Handle:
                 "of place (y = y * 2, not y.mul_(2)), or clone it before changing it.")
 
 
+#: strategies whose units' records go to the host (``recompute_offload``: the inputs its checkpoint keeps)
+OFFLOADING = ("swap", "recompute_offload")
+
+
 def _manageable(t: torch.Tensor) -> bool:
     return is_plain(t) and t.device.type in ("cpu", "cuda")
 
@@ -375,7 +379,7 @@ class SwapEngine:
             p.pending = [weakref.ref(r) for r in still]
             issue = []
             for rec in ready:
-                if self.strategies[rec.owner] == "swap":
+                if self.strategies[rec.owner] in OFFLOADING:
                     rel = next_unit + self.windows[rec.owner]
                     rec.release_at = rel if rel < self.n else self.n
                     issue.append(rec)
@@ -444,26 +448,32 @@ class SwapEngine:
     # ------------------------------------------------------------------ saved tensor hooks
     def hooks(self, p: _Pass, index: int, param_ptrs: set[int]) -> torch.autograd.graph.saved_tensors_hooks:
         """``saved_tensors_hooks`` for unit ``index`` in pass ``p``."""
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(p, index, param_ptrs, t), self._unpack)
 
-        def pack(t: torch.Tensor) -> Any:
-            if not _manageable(t):
-                return t
-            st = t.untyped_storage()
-            # a view of a parameter stays, even one the caller could not list: FSDP2's unsharded parameters (views of
-            # its all-gather buffers) all-gathered by a module sharded inside the unit, after param_ptrs was taken
-            if st.nbytes() == 0 or st.data_ptr() in param_ptrs or isinstance(t._base, torch.nn.Parameter):
-                return t
-            rec = p.records.get(id(st))
-            if rec is None or rec.storage is not st:
-                rec = _Record(st, index, p.seq)
-                p.seq += 1
-                p.records[id(st)] = rec
-                p.pending.append(weakref.ref(rec))
-            elif index > rec.owner:
-                rec.owner = index
-            return _Handle(rec, t)
+    def pack(self, p: _Pass, index: int, param_ptrs: set[int], t: torch.Tensor) -> Any:
+        """What unit ``index`` keeps of ``t`` for its backward: ``t`` itself (a parameter, an empty or unmanaged
+        tensor), or a handle to the storage's record, owned by the highest unit that packed it. Used for the tensors
+        autograd saves inside a unit and for the inputs a ``recompute_offload`` unit's checkpoint keeps."""
+        if not _manageable(t):
+            return t
+        st = t.untyped_storage()
+        # a view of a parameter stays, even one the caller could not list: FSDP2's unsharded parameters (views of
+        # its all-gather buffers) all-gathered by a module sharded inside the unit, after param_ptrs was taken
+        if st.nbytes() == 0 or st.data_ptr() in param_ptrs or isinstance(t._base, torch.nn.Parameter):
+            return t
+        rec = p.records.get(id(st))
+        if rec is None or rec.storage is not st:
+            rec = _Record(st, index, p.seq)
+            p.seq += 1
+            p.records[id(st)] = rec
+            p.pending.append(weakref.ref(rec))
+        elif index > rec.owner:
+            rec.owner = index
+        return _Handle(rec, t)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+    def unpack(self, h: Any) -> torch.Tensor:
+        """The tensor a handle from :meth:`pack` stands for (waiting for, or starting, its copy back)."""
+        return self._unpack(h)
 
     def _unpack(self, h: Any) -> torch.Tensor:
         if isinstance(h, torch.Tensor):

@@ -6,6 +6,14 @@
   segments; the last unit of each segment is kept, the others recomputed. It ignores the budget.
 * ``swap_all`` — offload every unit and bring it back on demand, synchronously both ways: what
   ``torch.autograd.graph.save_on_cpu`` does (offload window 0, prefetch distance 0).
+* ``selective_layer`` — torchtitan's selective *layer* checkpointing (``ac_freq``): recompute every ``k``-th unit
+  (units ``0, k, 2k, …``), keep the others, with the best ``k``: the fastest that fits the budget (without a budget:
+  ``k = 2``, torchtitan's common setting; if none fits, the one with the smallest peak, flagged infeasible).
+* ``recompute_offload_all`` — every unit recomputed with its inputs offloaded to the host at once and brought back
+  on demand (offload window 0, prefetch distance 0): what FairScale's ``checkpoint_wrapper(offload_to_cpu=True)`` or
+  ``offload_wrapper(checkpoint_wrapper(m))`` do. Units that cannot be recomputed, or any unit on a device without a host
+  link, keep. Its budget check is against the floor of the whole space, recompute_offload included. It is an
+  ecosystem baseline: in :data:`BASELINES`, not in :data:`CLASSIC_BASELINES`.
 * ``capuchin`` — a Capuchin-style greedy (Peng et al., ASPLOS 2020): until the budget holds, first swap the units whose
   copies the surrounding compute hides (largest first, with the shortest timing that hides them), then recompute in
   order of memory saved per second of recompute.
@@ -41,12 +49,13 @@ from typing import Any
 import numpy as np
 
 from ..device import DeviceSpec
-from ..plan import DISTANCES, STATE_CHOICES, WINDOWS, Plan
-from ..simulate import KEEP, RECOMPUTE, SWAP, Simulator
+from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan
+from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
 from .common import as_simulator, check_budget, make_plan, place_states, uniform_arrays, unit_states
 from .space import OffloadState
 
-__all__ = ["BASELINES", "CLASSIC_BASELINES", "STATE_BASELINES", "capuchin", "none", "recompute_all", "sqrt_n",
+__all__ = ["BASELINES", "CLASSIC_BASELINES", "ECOSYSTEM_BASELINES", "STATE_BASELINES", "capuchin", "none",
+           "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
            "state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]
 
 
@@ -95,6 +104,40 @@ def swap_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None =
     b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
     return _finish(sim, uniform_arrays(sim, SWAP, window=0, distance=0), budget, b, "swap_all", offload_state,
                    step_in_backward)
+
+
+def recompute_offload_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+                          offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
+    """Recompute every unit and offload its inputs, at once, back on demand (FairScale's
+    ``checkpoint_wrapper(offload_to_cpu=True)``)."""
+    sim = as_simulator(profile, device)
+    b = check_budget(sim, budget, STRATEGIES, offload_state=offload_state, step_in_backward=step_in_backward)
+    return _finish(sim, uniform_arrays(sim, RECOMPUTE_OFFLOAD, window=0, distance=0), budget, b,
+                   "recompute_offload_all", offload_state, step_in_backward)
+
+
+def selective_layer(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+                    offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
+    """Recompute every ``k``-th unit (torchtitan's selective layer checkpointing), the best ``k`` for the budget.
+
+    ``plan.meta["k"]`` is the chosen frequency (1: every unit recomputed)."""
+    sim = as_simulator(profile, device)
+    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
+    n = sim.n
+    ks = list(range(1, n + 1))
+    codes = np.array([[RECOMPUTE if u % k == 0 and sim.recomputable[u] else KEEP for u in range(n)] for k in ks])
+    ones = np.ones_like(codes)
+    peak, t = sim.evaluate(codes, ones, ones)
+    if budget is None:
+        i = ks.index(min(2, n))
+    elif (peak <= b).any():
+        i = int(np.argmin(np.where(peak <= b, t, np.inf)))
+    else:
+        i = int(np.argmin(peak))
+    plan = _finish(sim, (codes[i].tolist(), [1] * n, [1] * n), budget, b, "selective_layer", offload_state,
+                   step_in_backward)
+    plan.meta["k"] = ks[i]
+    return plan
 
 
 def capuchin(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
@@ -186,9 +229,11 @@ def step_in_backward_recompute(profile: Any, budget: Any = None, device: DeviceS
 
 #: The activation heuristics (they take ``offload_state=``, default ``False``).
 CLASSIC_BASELINES = {"none": none, "recompute_all": recompute_all, "sqrt_n": sqrt_n, "swap_all": swap_all,
-                     "capuchin": capuchin}
+                     "capuchin": capuchin, "selective_layer": selective_layer}
 #: The fixed-state baselines (issue 11).
 STATE_BASELINES = {"state_offload": state_offload, "state_offload_recompute": state_offload_recompute,
                    "step_in_backward": step_in_backward, "step_in_backward_recompute": step_in_backward_recompute}
+#: Baselines from the ecosystem that need a strategy outside the default space (issue 12).
+ECOSYSTEM_BASELINES = {"recompute_offload_all": recompute_offload_all}
 #: Every baseline, ``name(profile, budget, device=None) -> Plan``.
-BASELINES = {**CLASSIC_BASELINES, **STATE_BASELINES}
+BASELINES = {**CLASSIC_BASELINES, **STATE_BASELINES, **ECOSYSTEM_BASELINES}

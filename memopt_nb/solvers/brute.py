@@ -10,7 +10,7 @@ import numpy as np
 
 from ..device import DeviceSpec
 from ..errors import MemoptError
-from ..plan import STRATEGIES, Plan
+from ..plan import DEFAULT_STRATEGIES, Plan
 from .common import as_simulator, check_budget, evaluate_arrays, make_plan, unit_options, unit_states
 from .space import OffloadState
 
@@ -21,8 +21,8 @@ MAX_PLANS = 5_000_000
 
 
 def brute_force(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
-                strategies: Sequence[str] = STRATEGIES, batch: int = 20000, *, offload_state: OffloadState = True,
-                step_in_backward: bool = False) -> Plan:
+                strategies: Sequence[str] = DEFAULT_STRATEGIES, batch: int = 20000, *,
+                offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
     """Simulate every combination of unit options (activation option × state placement) and return the fastest plan
     that fits ``budget``; the space is the one :func:`~memopt_nb.solvers.optimal` searches for the same arguments."""
     sim = as_simulator(profile, device)

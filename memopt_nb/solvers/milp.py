@@ -4,8 +4,8 @@ The simulator's memory is *structural* (when a storage leaves and returns to the
 timing) and its time is a max-plus system with fixed queue orders, so both can be written exactly as linear
 constraints:
 
-* a binary per (unit, option) — keep, recompute, or swap with an offload window and a prefetch distance —,
-  exactly one per unit;
+* a binary per (unit, option) — keep, recompute, or swap (or recompute_offload, when allowed) with an offload window
+  and a prefetch distance —, exactly one per unit;
 * memory at every segment: the profiled level, plus each storage group's change (residency as an OR over the units that
   may hold it, offload intervals per owner option), plus the segment's own peak (kept or recomputed) ≤ budget;
 * time: segment ready/start times, the device-to-host queue (jobs per eligibility boundary and release point, first in
@@ -13,6 +13,12 @@ constraints:
   waits for a release or a backward for its prefetch;
 * prefetch triggers are constrained to be monotone (a unit's prefetch never before that of a later swapped unit), which
   loses nothing: the runtime issues them in that order anyway.
+
+With ``recompute_offload`` allowed the owner of a storage group depends on the plan (the last unit that hands it to the
+swap engine: a saver, not a recomputing producer, or a recompute_offload unit taking it as input). For such a group
+there is one offload indicator per (candidate owner, offloading option): the option is chosen, no later candidate hands
+the group over, and no plain-recompute consumer pins it — a conjunction of binaries, written with its lower bound too,
+so the indicator is exactly the simulator's. Groups no recompute_offload option can touch keep the static owner.
 
 Where the optimizer state, gradients and parameters live (issue 11) is separable in the simulator's cost model (its
 ``StateTable``, see ``STATE_CONTRACT.md``), so it enters exactly as well:
@@ -48,8 +54,8 @@ from scipy.sparse import coo_matrix
 from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
 from ..errors import BudgetError
-from ..plan import STATE_CHOICES, STRATEGIES, Plan, effective_triggers
-from ..simulate import NAMES, RECOMPUTE, SWAP, Simulator
+from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan, effective_triggers
+from ..simulate import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
 from .space import (
     OffloadState,
     Option,
@@ -66,6 +72,8 @@ from .space import (
 __all__ = ["Formulation", "cached_min_peak", "check_budget", "optimal", "place_states", "solve_min_peak"]
 
 Expr = dict[int, float]
+_RC_LIKE = (RECOMPUTE, RECOMPUTE_OFFLOAD)  # recomputed in backward
+_OFFLOADING = (SWAP, RECOMPUTE_OFFLOAD)  # offload to the host, with the swap timing
 _CUT_REACH = 8  # issue boundaries (4 units) a link-time cut looks back
 
 
@@ -98,15 +106,23 @@ class _Program:
         self.lo.append(lo)
         self.hi.append(hi)
 
-    def solve(self, objective: Expr, time_limit: float) -> Any:
+    def solve(self, objective: Expr, time_limit: float, presolve: bool = True) -> Any:
         n = len(self.lb)
         cost = np.zeros(n)
         for j, a in objective.items():
             cost[j] += a
         a = coo_matrix((self.v, (self.r, self.c)), shape=(len(self.lo), n)).tocsr()
-        return milp(cost, constraints=LinearConstraint(a, self.lo, self.hi), integrality=np.array(self.integer),
-                    bounds=Bounds(self.lb, self.ub),
-                    options={"time_limit": float(time_limit), "mip_rel_gap": 0.0, "presolve": True})
+        t0 = time.perf_counter()
+
+        def run(limit: float, presolve: bool) -> Any:
+            return milp(cost, constraints=LinearConstraint(a, self.lo, self.hi), integrality=np.array(self.integer),
+                        bounds=Bounds(self.lb, self.ub),
+                        options={"time_limit": limit, "mip_rel_gap": 0.0, "presolve": presolve})
+
+        res = run(float(time_limit), presolve)
+        if res.status == 4 and presolve:  # HiGHS's presolve fails on a few programs ("Solve error"): again without
+            res = run(max(float(time_limit) - (time.perf_counter() - t0), 1.0), False)
+        return res
 
 
 def _add(expr: Expr, other: Expr, scale: float = 1.0) -> None:
@@ -129,7 +145,7 @@ class Formulation:
             unit fixes the activations (:func:`place_states`).
     """
 
-    def __init__(self, sim: Simulator, strategies: Sequence[str] = STRATEGIES, *,
+    def __init__(self, sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
                  offload_state: OffloadState = False, step_in_backward: bool = False,
                  options: Sequence[Sequence[Option]] | None = None) -> None:
         self.sim = sim
@@ -153,12 +169,16 @@ class Formulation:
             xs = [p.var(0, 1, True) for _ in self.opts[u]]
             self.x.append(xs)
             p.row({j: 1.0 for j in xs}, 1.0, 1.0)
-        self.rc: list[Expr] = []
-        self.sw: list[Expr] = []
+        self.rc: list[Expr] = []  # recomputed: recompute or recompute_offload
+        self.sw: list[Expr] = []  # offloading: swap or recompute_offload
+        self.ro: list[Expr] = []  # recompute_offload
+        self.plain_rc: list[Expr] = []  # recompute
         for u in range(n):
-            self.rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == RECOMPUTE})
-            self.sw.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == SWAP})
-        dmax = max((o[2] for u in range(n) for o in self.opts[u] if o[0] == SWAP), default=0)
+            self.rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] in _RC_LIKE})
+            self.sw.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] in _OFFLOADING})
+            self.ro.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == RECOMPUTE_OFFLOAD})
+            self.plain_rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == RECOMPUTE})
+        dmax = max((o[2] for u in range(n) for o in self.opts[u] if o[0] in _OFFLOADING), default=0)
         for u in range(n):
             for v in range(u + 1, min(n, u + dmax + 1)):
                 if not self.sw[u] or not self.sw[v]:
@@ -166,15 +186,15 @@ class Formulation:
                 big = float(n)
                 expr: Expr = {}
                 for i, o in enumerate(self.opts[u]):
-                    if o[0] == SWAP:
+                    if o[0] in _OFFLOADING:
                         expr[self.x[u][i]] = expr.get(self.x[u][i], 0.0) + self.trig_of(u, o) + big
                 for i, o in enumerate(self.opts[v]):
-                    if o[0] == SWAP:
+                    if o[0] in _OFFLOADING:
                         expr[self.x[v][i]] = expr.get(self.x[v][i], 0.0) - self.trig_of(v, o) + big
                 p.row(expr, hi=2 * big)
 
     def trig_of(self, u: int, o: Option) -> int:
-        """The unit whose backward starts unit ``u``'s prefetch under swap option ``o``."""
+        """The unit whose backward starts unit ``u``'s prefetch under swap (or recompute_offload) option ``o``."""
         return min(u + o[2], self.sim.n - 1)
 
     def _state_variables(self) -> None:
@@ -218,7 +238,7 @@ class Formulation:
             if u >= 0 and self.rc[u]:
                 _add(self.mem_expr[k], self.rc[u], float(sim.rc_rel[k] - sim.rel[k]))
         # per (group, owner option) offload indicator, and the copy jobs they form
-        self.off: dict[tuple[int, int], Expr] = {}
+        self.off: dict[tuple[int, int, int], Expr] = {}  # (group, owner, option) -> offload indicator
         self.d2h_jobs: dict[tuple[int, int], Expr] = defaultdict(dict)  # (eligibility boundary, release) -> bytes
         self.h2d_bytes: list[Expr] = [dict() for _ in range(n)]
         self.h2d_count: list[Expr] = [dict() for _ in range(n)]  # storages each owner offloads (per-copy cost)
@@ -269,11 +289,13 @@ class Formulation:
             const = change.pop(-1, 0.0)
             self.mem_const[k] += nb * const
             _add(self.mem_expr[k], change, nb)
+        if any(self.ro[c] for c in set(savers) | set(consumers)):
+            self._offload_by_plan(g, savers, consumers, producer)
+            return
         if not sim.g_eligible[g]:
             return
         owner = int(sim.g_owner[g])
         pin = [c for c in consumers if c != owner and self.rc[c]]
-        e = int(sim.g_free[g])
         for i, o in enumerate(self.opts[owner]):
             if o[0] != SWAP:
                 continue
@@ -281,21 +303,75 @@ class Formulation:
             if pin:
                 z = p.var(0, 1)
                 p.row({z: 1.0, xi: -1.0}, hi=0.0)
+                low = {z: 1.0, xi: -1.0}
                 for c in pin:
                     row = {z: 1.0}
                     _add(row, self.rc[c])
                     p.row(row, hi=1.0)
+                    _add(low, self.rc[c])
+                # and z >= x_i - (pins): offloaded whenever nothing pins it (else the solver could skip the copy)
+                p.row(low, lo=0.0)
                 ind: Expr = {z: 1.0}
             else:
                 ind = {xi: 1.0}
-            self.off[(g, i)] = ind
-            r = self._release(g, o[1])
-            t = int(sim.bwd_seg[self.trig_of(owner, o)])
-            for k in range(r, t):
-                _add(self.mem_expr[k], ind, -nb)
-            _add(self.d2h_jobs[(e, r)], ind, nb)
-            _add(self.h2d_bytes[owner], ind, nb)
-            _add(self.h2d_count[owner], ind, float(sim.g_cnt[g]))
+            self._offload(g, owner, i, ind)
+
+    def _offload(self, g: int, owner: int, i: int, ind: Expr) -> None:
+        """Group ``g`` offloaded by ``owner``'s option ``i`` when ``ind`` is 1: its memory off the device from the
+        release point to the trigger's backward, its bytes on both copy queues."""
+        sim = self.sim
+        nb = float(sim.g_nb[g])
+        o = self.opts[owner][i]
+        self.off[(g, owner, i)] = ind
+        r = self._release(g, o[1])
+        t = int(sim.bwd_seg[self.trig_of(owner, o)])
+        for k in range(r, t):
+            _add(self.mem_expr[k], ind, -nb)
+        _add(self.d2h_jobs[(int(sim.g_free[g]), r)], ind, nb)
+        _add(self.h2d_bytes[owner], ind, nb)
+        _add(self.h2d_count[owner], ind, float(sim.g_cnt[g]))
+
+    def _offload_by_plan(self, g: int, savers: list[int], consumers: list[int], producer: int) -> None:
+        """Offload of a group whose owner depends on the plan (some saver or consumer may take recompute_offload).
+
+        Candidate ``c`` hands the group to the swap engine under option ``o`` when it saves it (and is not its producer
+        recomputing it) or takes it as input under recompute_offload. The group is offloaded by ``c``'s option ``i``
+        iff ``i`` is chosen, offloads and hands it over, no later candidate hands it over, and no consumer recomputes
+        plainly (its checkpoint would hold the group): an indicator pinned to that conjunction from both sides.
+        """
+        sim, p = self.sim, self.p
+        if not (sim.g_eligible[g] or sim.g_ro_eligible[g]):
+            return
+
+        def hands(c: int, o: Option) -> bool:
+            return ((c in savers and not (c == producer and o[0] in _RC_LIKE))
+                    or (c in consumers and o[0] == RECOMPUTE_OFFLOAD))
+
+        members = sorted(set(savers) | set(consumers))
+        role = {c: [i for i, o in enumerate(self.opts[c]) if hands(c, o)] for c in members}
+        for c in members:
+            later = [v for v in members if v > c and role[v]]
+            if any(len(role[v]) == len(self.opts[v]) for v in later):
+                continue  # a later unit hands it over under every option: c never owns it
+            blockers = [{self.x[v][i]: 1.0 for i in role[v]} for v in later]
+            blockers += [self.plain_rc[q] for q in consumers if q != c and self.plain_rc[q]]
+            for i in role[c]:
+                if self.opts[c][i][0] not in _OFFLOADING:
+                    continue
+                xi = self.x[c][i]
+                if not blockers:
+                    self._offload(g, c, i, {xi: 1.0})
+                    continue
+                z = p.var(0, 1)
+                p.row({z: 1.0, xi: -1.0}, hi=0.0)  # z <= x_i
+                low = {z: 1.0, xi: -1.0}  # z >= x_i - sum(blockers)
+                for b in blockers:
+                    row = {z: 1.0}
+                    _add(row, b)
+                    p.row(row, hi=1.0)  # z <= 1 - blocker
+                    _add(low, b)
+                p.row(low, lo=0.0)
+                self._offload(g, c, i, {z: 1.0})
 
     def _step_points(self) -> list[tuple[float, Expr]]:
         """Per point of the unit-by-unit optimizer step: its peak with every unit resident, and the chosen change."""
@@ -449,7 +525,7 @@ class Formulation:
                 _add(row, self.h2d_bytes[u], -inv_h2d)
                 p.row(row, lo=0.0)
             for i, o in enumerate(self.opts[u]):
-                if o[0] != SWAP:
+                if o[0] not in _OFFLOADING:
                     continue
                 t = int(sim.bwd_seg[self.trig_of(u, o)])
                 row = {h: 1.0, rho[t]: -1.0, self.x[u][i]: -big}
@@ -491,8 +567,9 @@ class Formulation:
         self.p.row(dict(objective), hi=hi)
 
     def solve(self, objective: Expr, time_limit: float) -> Any:
-        """HiGHS on the program (SciPy's ``milp`` result)."""
-        return self.p.solve(objective, time_limit)
+        """HiGHS on the program (SciPy's ``milp`` result). Programs with recompute_offload options are solved without
+        HiGHS's presolve, which returned a suboptimal solution as optimal on some of them (zoo GPT, A100 preset)."""
+        return self.p.solve(objective, time_limit, presolve=not any(self.ro))
 
     def read_back(self, xval: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
         """The solution as plan arrays: strategy codes, windows, distances and state placements."""
@@ -509,7 +586,7 @@ class Formulation:
 
 
 # ---------------------------------------------------------------------- the floor and budget checks
-def solve_min_peak(sim: Simulator, strategies: Sequence[str] = STRATEGIES, time_limit: float = 60.0, *,
+def solve_min_peak(sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 60.0, *,
                    offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
     """The smallest peak any plan reaches (bytes), by MILP, checked with the simulator."""
     form = Formulation(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
@@ -527,8 +604,8 @@ def solve_min_peak(sim: Simulator, strategies: Sequence[str] = STRATEGIES, time_
 _MIN_PEAK: dict[tuple[Any, ...], tuple[weakref.ref, int]] = {}
 
 
-def cached_min_peak(sim: Simulator, strategies: Sequence[str] = STRATEGIES, *, offload_state: OffloadState = True,
-                    step_in_backward: bool = False) -> int:
+def cached_min_peak(sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
+                    offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
     """:func:`memopt_nb.solvers.min_peak` for a compiled simulator, cached per profile, device, simulator class,
     strategies and allowed state placements."""
     allowed = allowed_states(offload_state, step_in_backward)
@@ -545,7 +622,7 @@ def _space_text(sim: Simulator, strategies: Sequence[str], offload_state: Offloa
                 step_in_backward: bool) -> str:
     """How a refused budget's space was restricted, for the message ('' for the whole default space)."""
     parts = []
-    if set(strategies) != set(STRATEGIES):
+    if set(strategies) != set(DEFAULT_STRATEGIES):
         parts.append(f"using only {', '.join(strategies)}")
     allowed = allowed_states(offload_state, step_in_backward)
     if state_table_of(sim) is not None:
@@ -557,7 +634,7 @@ def _space_text(sim: Simulator, strategies: Sequence[str], offload_state: Offloa
     return (" " + " ".join(parts)) if parts else ""
 
 
-def check_budget(sim: Simulator, budget: Any, strategies: Sequence[str] = STRATEGIES, *,
+def check_budget(sim: Simulator, budget: Any, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
                  offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
     """Parse ``budget`` (bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak; ``None``: the device's capacity) and
     refuse one no plan in the given space (``strategies``, ``offload_state``, ``step_in_backward``) can meet."""
@@ -622,7 +699,7 @@ def _fallback(sim: Simulator, b: int, strategies: Sequence[str], time_limit: flo
         except BudgetError:
             pass
     if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
-        rc_only = tuple(x for x in strategies if x != "swap")
+        rc_only = tuple(x for x in strategies if x not in ("swap", "recompute_offload"))
         try:
             return (optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space),
                     "no plan with swaps beat the checkpointing-only optimum")
@@ -632,7 +709,7 @@ def _fallback(sim: Simulator, b: int, strategies: Sequence[str], time_limit: flo
 
 
 def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
-            strategies: Sequence[str] = STRATEGIES, time_limit: float = 120.0, *,
+            strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 120.0, *,
             offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
     """The plan with the smallest simulated step time whose simulated peak fits ``budget``.
 

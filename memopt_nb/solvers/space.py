@@ -21,8 +21,17 @@ import numpy as np
 
 from ..device import DeviceSpec
 from ..errors import BudgetError, MemoptError, PlanError
-from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan, decisions_from, state_choices
-from ..simulate import KEEP, NAMES, RECOMPUTE, SWAP, Simulator
+from ..plan import (
+    DEFAULT_STRATEGIES,
+    DISTANCES,
+    STATE_CHOICES,
+    STRATEGIES,
+    WINDOWS,
+    Plan,
+    decisions_from,
+    state_choices,
+)
+from ..simulate import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
 
 __all__ = ["Option", "allowed_states", "allowed_strategies", "as_simulator", "evaluate_arrays", "make_plan",
            "state_table_of", "uniform_arrays", "unit_options", "unit_states"]
@@ -32,13 +41,15 @@ OffloadState = bool | str | Iterable[str]
 _FETCH: Any = object()  # unit_states: fetch the state table from the simulator
 
 
-def allowed_strategies(strategies: str | Iterable[str] = STRATEGIES) -> tuple[str, ...]:
+def allowed_strategies(strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> tuple[str, ...]:
     """The activation strategies ``strategies=`` allows, in the canonical order of :data:`~memopt_nb.plan.STRATEGIES`,
-    ``("keep", "recompute", "swap")`` (order and duplicates of the argument do not matter).
+    ``("keep", "recompute", "swap", "recompute_offload")`` (order and duplicates of the argument do not matter).
 
-    ``strategies``: a non-empty set of ``"keep"``, ``"recompute"``, ``"swap"``, or the same as a comma-separated
-    string (``"keep,recompute"``). A unit none of them fits (say only ``"swap"`` allowed and the unit cannot be swapped)
-    keeps its activations. Anything else raises :class:`~memopt_nb.errors.PlanError` naming the allowed strategies.
+    ``strategies``: a non-empty set of ``"keep"``, ``"recompute"``, ``"swap"``, ``"recompute_offload"``, or the same
+    as a comma-separated string (``"keep,recompute"``). The planners' default is
+    :data:`~memopt_nb.plan.DEFAULT_STRATEGIES` (all but ``"recompute_offload"``, which is opt-in). A unit none of them
+    fits (say only ``"swap"`` allowed and the unit cannot be swapped) keeps its activations. Anything else raises
+    :class:`~memopt_nb.errors.PlanError` naming the allowed strategies.
     """
     if isinstance(strategies, str):
         strategies = strategies.split(",")
@@ -54,9 +65,11 @@ def allowed_strategies(strategies: str | Iterable[str] = STRATEGIES) -> tuple[st
     return tuple(s for s in STRATEGIES if s in names)
 
 
-def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = STRATEGIES) -> list[Option]:
-    """The distinct choices for unit ``u``: keep, recompute, and swap with each window and prefetch distance.
+def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = DEFAULT_STRATEGIES) -> list[Option]:
+    """The distinct choices for unit ``u``: keep, recompute, and swap with each window and prefetch distance, then
+    (only when ``strategies`` has it) recompute_offload with each of the same timings.
 
+    Recompute needs a recomputable unit; swap a swappable one on a device with a host link; recompute_offload both.
     Timings that cannot differ in effect are collapsed (a prefetch distance past the last unit, a window that already
     reaches the end of the forward), so every option listed leads to a different plan.
     """
@@ -69,7 +82,9 @@ def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = STRATEGIES)
         out.append((KEEP, 1, 1))
     if "recompute" in strategies and sim.recomputable[u]:
         out.append((RECOMPUTE, 1, 1))
-    if "swap" in strategies and sim.swappable[u]:
+    timed = "swap" in strategies and sim.swappable[u]
+    timed_ro = "recompute_offload" in strategies and sim.swappable[u] and sim.recomputable[u]
+    if timed or timed_ro:
         seen_w, seen_d = set(), set()
         ws = []
         for w in WINDOWS:
@@ -83,7 +98,10 @@ def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = STRATEGIES)
             if key not in seen_d:
                 seen_d.add(key)
                 ds.append(d)
-        out.extend((SWAP, w, d) for w in ws for d in ds)
+        if timed:
+            out.extend((SWAP, w, d) for w in ws for d in ds)
+        if timed_ro:
+            out.extend((RECOMPUTE_OFFLOAD, w, d) for w in ws for d in ds)
     if not out:
         out.append((KEEP, 1, 1))
     return out
@@ -205,7 +223,8 @@ def uniform_arrays(sim: Simulator, code: int, window: int = 1, distance: int = 1
     n = sim.n
     codes = []
     for u in range(n):
-        if code == RECOMPUTE and not sim.recomputable[u] or code == SWAP and not sim.swappable[u]:
+        if (code in (RECOMPUTE, RECOMPUTE_OFFLOAD) and not sim.recomputable[u]
+                or code in (SWAP, RECOMPUTE_OFFLOAD) and not sim.swappable[u]):
             codes.append(KEEP)
         else:
             codes.append(code)

@@ -1,0 +1,143 @@
+"""``recompute_offload`` (issue 12): recompute a unit and send the inputs its checkpoint keeps to the host.
+
+What must hold: training is bit-identical to no plan (dropout, BatchNorm, Hugging Face GPT-2 with its KV cache, ViT);
+the inputs really leave (the swap engine offloads them and brings all back, none on demand); the measured peak on the
+emulated device is the simulator's prediction for every offload window and prefetch distance; and the strategy lowers
+the floor below what keep / recompute / swap reach where kept inputs bound it.
+"""
+
+import pytest
+import test_third_party as third
+import torch
+from test_runtime_small import SMALL, assert_same, measured, train  # noqa: I001 - the small models' helpers
+
+import memopt_nb as memopt
+from memopt_nb import solvers
+from memopt_nb.plan import DISTANCES, STRATEGIES, WINDOWS, Decision, Plan
+
+RO = "recompute_offload"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small():
+    out = {}
+    for name, kw in SMALL.items():
+        zm = memopt.zoo.build(name, **kw)
+        opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+        out[name] = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
+    return out
+
+
+def check(name, prof, plan, ref, *what):
+    m = measured(name, plan)
+    assert m.losses == ref.losses, what
+    assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes, what
+    stats = m.swap_stats
+    assert stats["offloaded_bytes"] > 0, what  # the inputs left
+    assert stats["prefetched_bytes"] == stats["offloaded_bytes"], what  # and all came back
+    assert stats.get("on_demand", 0) == 0, what  # started by their trigger, not by the recomputation asking
+
+
+def test_every_timing_is_bit_equal_at_the_predicted_peak(small):
+    name = "gpt"
+    prof = small[name]
+    n = prof.n_units
+    ref = measured(name, None)
+    mixed = [RO, "keep", "swap", RO, "recompute", RO]
+    for w in WINDOWS:
+        for d in DISTANCES:
+            for label, strategies in (("all", [RO] * n), ("mixed", (mixed * 2)[:n])):
+                plan = Plan.from_strategies(prof, strategies, offload_window=w, prefetch_distance=d)
+                check(name, prof, plan, ref, label, w, d)
+
+
+def test_results_exact_with_batchnorm_and_dropout(small):
+    for name in ("resnet", "gpt"):
+        prof = small[name]
+        n = prof.n_units
+        ref, _ = train(name, None)
+        ref_m = measured(name, None)
+        for strategies in ([RO] * n, ([RO, "swap", "keep"] * n)[:n]):
+            plan = Plan.from_strategies(prof, strategies, offload_window=1, prefetch_distance=1)
+            got, stats = train(name, plan)
+            assert_same(ref, got, name, strategies)
+            check(name, prof, plan, ref_m, name, strategies)
+
+
+@pytest.mark.parametrize("units", ["auto", "fine"])
+def test_hf_gpt2_with_its_cache(units):
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def step(model):
+        out = model(input_ids=ids, labels=ids)
+        cache = out.past_key_values
+        return out.loss, lambda: [layer.keys.shape[-2] for layer in cache.layers]
+
+    prof = memopt.profile(third.gpt2(transformers), loss_fn=lambda o: o.loss, units=units, repeats=1, input_ids=ids,
+                          labels=ids)
+    names = [u.name for u in prof.units]
+    ref = third.train(lambda: third.gpt2(transformers), step)
+    for cycle in ([RO], [RO, "swap", "keep", "recompute"]):
+        plan = Plan(decisions=tuple(Decision(u, cycle[i % len(cycle)]) for i, u in enumerate(names)), method="ro")
+        got = third.train(lambda: third.gpt2(transformers), step, lambda m, p=plan: p)
+        third.assert_same(ref, got, (units, cycle))
+        assert got["extras"] == ref["extras"]  # the returned cache is not extended twice
+
+
+def test_recompute_offload_lowers_the_floor_where_kept_inputs_bound_it(small):
+    prof = small["gpt"]
+    old = solvers.min_peak(prof, strategies=("keep", "recompute", "swap"), offload_state=False)
+    new = solvers.min_peak(prof, strategies=STRATEGIES, offload_state=False)
+    assert new <= old
+    everything = solvers.recompute_offload_all(prof)
+    assert everything.strategies == [RO] * prof.n_units
+    assert everything.predicted_peak_bytes <= solvers.recompute_all(prof).predicted_peak_bytes
+
+
+def test_recompute_offload_lowers_a_third_party_floor():
+    """Transformers GPT-2 split into fine units: recompute keeps every small unit's input, which bounds the floor;
+    recompute_offload sends them to the host (issue 12, Must show 1)."""
+    transformers = pytest.importorskip("transformers")
+    import test_fine_units as fine
+
+    prof = memopt.profile(third.gpt2(transformers), loss_fn=lambda o: o.loss, units="fine", repeats=1,
+                          input_ids=fine.IDS, labels=fine.IDS)
+    old = solvers.min_peak(prof, strategies=("keep", "recompute", "swap"), offload_state=False)
+    new = solvers.min_peak(prof, strategies=STRATEGIES, offload_state=False)
+    assert new < old
+
+
+@pytest.mark.parametrize("model", ["gpt2", "vit"])
+def test_third_party_fine_units_measured_as_predicted(model):
+    """Hugging Face GPT-2 (KV cache, dropout) and ViT profiled with units='fine': a plan mixing recompute_offload with
+    the other strategies trains bit-identically and its measured peak is the simulator's."""
+    transformers = pytest.importorskip("transformers")
+    import test_fine_units as fine
+
+    if model == "gpt2":
+        build, step, inputs = (lambda: third.gpt2(transformers)), fine.gpt2_step, dict(input_ids=fine.IDS,
+                                                                                         labels=fine.IDS)
+    else:
+        build, step, inputs = (lambda: fine.vit(transformers)), fine.vit_step, dict(pixel_values=fine.PIXELS,
+                                                                                      labels=fine.LABELS)
+    torch.manual_seed(0)
+    net = build()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    prof = memopt.profile(net, loss_fn=lambda o: o.loss, optimizer=opt, units="fine", repeats=1, **inputs)
+    cycle = [RO, "keep", RO, "swap", "recompute"]
+    plan = Plan.from_strategies(prof, [cycle[i % len(cycle)] for i in range(prof.n_units)], offload_window=1,
+                                prefetch_distance=1)
+    ref = third.train(build, step)
+    third.assert_same(ref, third.train(build, step, lambda m: plan), (model, "fine", "ro"))
+    m = memopt.measure(net, loss_fn=lambda o: o.loss, optimizer=opt, plan=plan, steps=1, **inputs)
+    assert m.swap_stats["offloaded_bytes"] > 0
+    assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes
