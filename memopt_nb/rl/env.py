@@ -104,6 +104,7 @@ class MemoryPlanningEnv(ParallelEnv):
         }
         self._actions = {STRATEGY: K * C, TIMING: len(TIMINGS)}
         self.np_random, _ = seeding.np_random(None)
+        self._cache: dict[int, dict[str, Any]] = {}  # per unit: what its observations need that never changes
 
     # ------------------------------------------------------------------ spaces (cached: the API test checks identity)
     @functools.cache  # noqa: B019 - one env, two agents
@@ -138,6 +139,35 @@ class MemoryPlanningEnv(ParallelEnv):
         return self._obs, {a: {} for a in self.agents}
 
     def step(self, actions: dict[str, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        rewards, done = self._act(actions)
+        return self._conclude(rewards, done, self.task.evaluate(*self._plans()) if done else None)
+
+    @staticmethod
+    def step_many(envs: list[MemoryPlanningEnv], actions: list[dict[str, Any]]) -> list[tuple[dict, ...]]:
+        """``[env.step(a) for env, a in zip(envs, actions)]``, with one exact evaluation for all the episodes that end
+        at this step (per task) and the observations of copies at the same unit computed together: PPO's copies of
+        the environment walk the units in step."""
+        acted = [env._act(a) for env, a in zip(envs, actions, strict=True)]
+        settled: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        ending = [i for i, (_, done) in enumerate(acted) if done]
+        for task in {id(envs[i].task): envs[i].task for i in ending}.values():
+            mine = [i for i in ending if envs[i].task is task]
+            plans = [envs[i]._plans() for i in mine]
+            peak, time = task.evaluate(*(np.concatenate([p[k] for p in plans]) for k in range(4)))
+            for r, i in enumerate(mine):
+                settled[i] = (peak[2 * r: 2 * r + 2], time[2 * r: 2 * r + 2])
+        observed: dict[int, tuple[dict, dict]] = {}
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, env in enumerate(envs):
+            if env.t < env.task.n:
+                groups.setdefault((id(env.task), env.t, env.lookahead), []).append(i)
+        for mine in groups.values():
+            observed.update(zip(mine, MemoryPlanningEnv._observe_many([envs[i] for i in mine])))
+        return [env._conclude(rewards, done, settled.get(i), observed.get(i))
+                for i, (env, (rewards, done)) in enumerate(zip(envs, acted))]
+
+    def _act(self, actions: dict[str, Any]) -> tuple[dict[str, float], bool]:
+        """Apply both agents' actions; the dense rewards and whether the episode ends."""
         task = self.task
         n, t = task.n, self.t
         rewards = {STRATEGY: 0.0, TIMING: 0.0}
@@ -167,18 +197,22 @@ class MemoryPlanningEnv(ParallelEnv):
                 self.spent += task.marg_time[t, s]
                 cost = task.marg_time[t, s] + st_cost
             else:  # optimistic: as if the timing agent picks the cheapest allowed timing
-                b = task.timed_base[s]
-                cost = task.marg_time[t, b + np.flatnonzero(task.option_ok[t, b:b + len(TIMINGS)])].min() + st_cost
+                cost = self._static(t)["timed_cost"][s] + st_cost
             rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
         for a in rewards:
             self.shaped[a] += rewards[a]
         self.t = t + 1
-        done = self.t > n
+        return rewards, self.t > n
+
+    def _conclude(self, rewards: dict[str, float], done: bool, evaluated: tuple[np.ndarray, np.ndarray] | None,
+                  observed: tuple[dict, dict] | None = None) -> tuple[dict, dict, dict, dict, dict]:
+        """The rest of :meth:`step`, given the exact peaks and times of :meth:`_plans` where the episode ends (and the
+        new observations, where they were computed with other copies')."""
         infos: dict[str, dict] = {a: {} for a in self.agents}
         if done:
-            rewards, result = self._settle(rewards)
+            rewards, result = self._settle(rewards, *evaluated)
             infos = {a: dict(result) for a in self.agents}
-        self._obs, self._masks = self._observe()
+        self._obs, self._masks = observed if observed is not None else self._observe()
         terms = {a: done for a in self.agents}
         truncs = {a: False for a in self.agents}
         obs = self._obs
@@ -186,16 +220,19 @@ class MemoryPlanningEnv(ParallelEnv):
             self.agents = []
         return obs, rewards, terms, truncs, infos
 
-    def _settle(self, rewards: dict[str, float]) -> tuple[dict[str, float], dict[str, Any]]:
-        """Exact evaluation of the finished plan and of the same strategies with default timings."""
-        task = self.task
+    def _plans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The finished plan and the same strategies with default timings, as ``(2, n)`` arrays to evaluate."""
         codes = np.stack([self.codes, self.codes])
         dw, dd = TIMINGS[DEFAULT_TIMING]
         timed = np.isin(self.codes, _TIMED)
         windows = np.stack([self.windows, np.where(timed, dw, 1)])
         dists = np.stack([self.dists, np.where(timed, dd, 1)])
-        states = np.stack([self.states, self.states])
-        peak, time = task.evaluate(codes, windows, dists, states)
+        return codes, windows, dists, np.stack([self.states, self.states])
+
+    def _settle(self, rewards: dict[str, float], peak: np.ndarray,
+                time: np.ndarray) -> tuple[dict[str, float], dict[str, Any]]:
+        """The last step's rewards and the episode's result from the exact evaluation of :meth:`_plans`."""
+        task = self.task
         j = task.overhead(time) + task.penalty(peak)
         share = {STRATEGY: -min(j[0], j[1]) * self.reward_scale, TIMING: -(j[0] - j[1]) * self.reward_scale}
         for a in rewards:
@@ -215,21 +252,198 @@ class MemoryPlanningEnv(ParallelEnv):
             return a
         return int(np.flatnonzero(mask)[0])
 
+    def _static(self, u: int) -> dict[str, Any]:
+        """What the observations of unit ``u`` need that no decision changes (computed once per unit and env)."""
+        got = self._cache.get(u)
+        if got is not None:
+            return got
+        task = self.task
+        n, C, S = task.n, task.C, task.S
+        K, T = task.n_strategies, len(TIMINGS)
+        unit = self._unit_features(u)
+        choice = [task.marg_peak[u, KEEP], task.marg_peak[u, RECOMPUTE]]
+        ok_s = [bool(task.option_ok[u, KEEP]), bool(task.option_ok[u, RECOMPUTE])]
+        costs = [task.marg_time[u, KEEP], task.marg_time[u, RECOMPUTE]]
+        # per timed strategy (keyed by its code): its most frugal allowed timing, what the timing agent sees
+        timed_cost, pend_min, t_cost, t_unit = {}, {}, {}, {}
+        for code in _TIMED[:K - 2]:
+            b = task.timed_base[code]
+            opts = np.flatnonzero(task.option_ok[u, b:b + T])
+            frugal_c = task.marg_peak[u, b + opts].min(axis=0) if opts.size else None
+            choice.append(frugal_c if opts.size else np.zeros(S))
+            ok_s.append(bool(opts.size))
+            default = task.marg_time[u, b + DEFAULT_TIMING]
+            costs.append(default)
+            timed_cost[code] = task.marg_time[u, b + opts].min() if opts.size else None
+            pend_min[code] = frugal_c
+            t_cost[code] = (task.marg_time[u, b:b + T] - default) / self._t_unit
+            t_unit[code] = np.concatenate([unit, np.eye(K)[code]])
+        choice = np.stack(choice)
+        ok_s = np.array(ok_s)
+        costs = np.array(costs)
+        cost_per = {}  # per whether a unit before moved state: (K, C) time of each action, relative
+        for before in (False, True):
+            moved = before | (np.arange(C) > 0)
+            st_cost = task.st_time[u] + np.where(moved & ~before, task.chunk_extra, 0.0)
+            cost_per[before] = (costs[:, None] + st_cost[None]) / self._t_unit
+        if self._states:
+            saving = max(float(-task.st_seg[u, j].min()) for j in range(C) if task.state_ok[u, j])
+            times = [float(task.st_time[u, j]) for j in range(1, C) if task.state_ok[u, j]]
+            unit_s = np.concatenate([unit, [saving / self._b_unit, min(times, default=0.0) / self._t_unit]])
+        else:
+            unit_s = unit
+        # the timing agent's frugal strategy assumption: per action o * C + j, its segments and step points
+        frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(K) for j in range(C)])
+        frugal_step = np.array([task.st_step[u, j] for o in range(K) for j in range(C)]).reshape(K * C, task.K)
+        look = [v for v in range(u + 1, u + 1 + self.lookahead) if v < n]
+        look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
+                                 task.profile.units[v].interior_bytes / self._b_unit,
+                                 task.marg_time[v, RECOMPUTE] / self._t_unit,
+                                 task.marg_time[v, 2 + DEFAULT_TIMING] / self._t_unit] for v in look]).reshape(-1, 5)
+        got = {
+            "choice": choice, "ok": (ok_s[:, None] & task.state_ok[u][None]).ravel(), "cost_per": cost_per,
+            "unit": unit, "unit_s": unit_s, "frugal": frugal, "frugal_step": frugal_step,
+            "timed_cost": timed_cost, "pend_min": pend_min, "t_cost": t_cost, "t_unit": t_unit,
+            "look": np.array(look, dtype=np.int64), "look_static": look_static,
+            "look_moved": np.array([bool(task.state_ok[v, 1:].any()) for v in look], dtype=bool),
+            "load_den": max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12),
+        }
+        self._cache[u] = got
+        return got
+
+    @staticmethod
+    def _observe_many(envs: list[MemoryPlanningEnv]) -> list[tuple[dict, dict]]:
+        """``[env._observe() for env in envs]`` for copies at the same unit ``t < n`` of one task, computed together
+        (the same operations on stacked arrays, so the same numbers)."""
+        first = envs[0]
+        task, t = first.task, first.t
+        n, C, E = task.n, task.C, len(envs)
+        budget = task.budget
+        tol = budget * (1 + 1e-9)
+        st = first._static(t)
+        base_level = np.stack([env.level for env in envs])
+        step_level = np.stack([env.step_level for env in envs])
+        was_moved = np.array([env.moved for env in envs])
+        pcode = np.array([env.codes[t - 1] if t >= 1 else -1 for env in envs])  # timed: its timing still open
+        pending = np.isin(pcode, _TIMED)
+        level = base_level.copy()
+        for code in np.unique(pcode[pending]):
+            sel = pcode == code
+            level[sel] = base_level[sel] + first._static(t - 1)["pend_min"][int(code)]
+
+        def bound(seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
+            seg_max = seg.max(axis=-1)
+            if not task.has_step:
+                return seg_max
+            return task.bounds(seg_max, _rowmax(step) if task.K else np.full(seg_max.shape, -np.inf), moved,
+                               can_move)
+
+        rest = task.suffix_min[t + 1]
+        rest_step = task.suffix_step[t + 1]
+        rest_move = bool(task.suffix_can_move[t + 1])
+        cur = bound(level, step_level, was_moved, False)
+        need = np.maximum(cur - budget, 0.01 * budget)
+        need_ratio = np.maximum(cur - budget, 0.0) / max(float(task.suffix_red[t]), 1.0)
+        loads = []
+        for env in envs:
+            load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in range(max(0, t - 3), t)
+                       if env.codes[v] == SWAP)
+            loads.append(min(load / st["load_den"], 10.0))
+        least = bound(level + task.suffix_min[t], step_level + task.suffix_step[t], was_moved,
+                      bool(task.suffix_can_move[t]))
+        common = np.stack([np.full(E, t / n), np.full(E, (n - t) / n), (cur - budget) / budget,
+                           (least - budget) / budget, np.array([env.spent for env in envs]) / task.base_time,
+                           np.full(E, float(task.sim.device.copy_overlap)), np.minimum(need_ratio, 5.0),
+                           np.array(loads)], axis=1)
+        # strategy agent, unit t: every (strategy o, placement j) of every copy, (E, K, C, S) and (E, C, K)
+        ok = st["ok"]
+        seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[t][None, None]
+        step = step_level[:, None, :] + task.st_step[t][None]
+        moved = was_moved[:, None] | (np.arange(C) > 0)[None]  # (E, C)
+        rest_max = _rowmax(step + rest_step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
+        with_rest = (task.bounds((seg + rest).max(axis=3), rest_max, moved[:, None], rest_move) if task.has_step
+                     else (seg + rest).max(axis=3))
+        s_mask = (ok[None] & (with_rest.reshape(E, -1) <= tol)).astype(np.int8)
+        none = ~s_mask.any(axis=1)
+        s_mask[none] = ok
+        step_max = _rowmax(step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
+        est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
+        cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
+        per = np.stack([(cur[:, None, None] - est) / need[:, None, None], cost,
+                        s_mask.reshape(E, task.n_strategies, C).astype(np.float64)], axis=3).reshape(E, -1)
+        vs = st["look"]
+        look = np.zeros((E, first.lookahead, first._n_look))
+        if vs.size:
+            m = vs.size
+            c_, n_ = cur[:, None], need[:, None]
+            look[:, :m, :5] = st["look_static"][None]
+            look[:, :m, 5] = (c_ - (level[:, None, :] + task.marg_peak[vs, RECOMPUTE][None]).max(axis=2)) / n_
+            look[:, :m, 6] = (c_ - (level[:, None, :] + task.min_marg[vs][None]).max(axis=2)) / n_
+            if first._states:
+                st_est = (level[:, None, :] + task.st_min_seg[vs][None]).max(axis=2)
+                if task.has_step:
+                    chunked = (_rowmax(step_level[:, None, :] + task.st_min_step[vs][None]) if task.K else
+                               np.full((E, m), -np.inf))
+                    st_est = np.maximum(st_est, np.where(was_moved[:, None] | st["look_moved"][None], chunked,
+                                                         task.plain_step))
+                look[:, :m, 7] = (c_ - st_est) / n_
+        s_feat = np.concatenate([common, np.broadcast_to(st["unit_s"], (E, st["unit_s"].size)), per,
+                                 look.reshape(E, -1)], axis=1).astype(np.float32)
+        # timing agent, unit t-1 (only where it is timed: per timed strategy, the copies that chose it)
+        T = len(TIMINGS)
+        t_mask = np.zeros((E, T), dtype=np.int8)
+        t_mask[:, 0] = 1
+        t_feat = np.zeros((E, first._dims[TIMING]), dtype=np.float32)
+        p = t - 1
+        for code in (int(c) for c in np.unique(pcode[pending])):
+            sp = first._static(p)
+            k = np.flatnonzero(pcode == code)
+            bo = task.timed_base[code]
+            sel = s_mask[k].astype(bool)
+            frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
+            frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
+            t_move = (sel & (np.arange(sel.shape[1]) % C > 0)[None]).any(axis=1)
+            base = base_level[k] + frugal + rest
+            base_step = step_level[k] + frugal_step + rest_step
+            popt = task.option_ok[p, bo:bo + T]
+            marg = task.marg_peak[p, bo:bo + T]
+            seg_max = (base[:, None, :] + marg[None]).max(axis=2)
+            if task.has_step:
+                bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
+                still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
+                peaks = np.maximum(seg_max, np.where(was_moved[k], bmax, still)[:, None])
+            else:
+                peaks = seg_max
+            tm = (popt[None] & (peaks <= tol)).astype(np.int8)
+            tm[~tm.any(axis=1)] = popt
+            t_mask[k] = tm
+            ref = base_level[k].max(axis=1)
+            red = (ref[:, None] - (base_level[k][:, None, :] + marg[None]).max(axis=2)) / need[k, None]
+            per_t = np.stack([red, np.broadcast_to(sp["t_cost"][code], red.shape), tm.astype(np.float64)],
+                             axis=2).reshape(k.size, -1)
+            t_unit = sp["t_unit"][code]
+            t_feat[k] = np.concatenate([common[k], np.broadcast_to(t_unit, (k.size, t_unit.size)), per_t],
+                                       axis=1).astype(np.float32)
+        out = []
+        for e in range(E):
+            obs = {STRATEGY: {"observation": s_feat[e], "action_mask": s_mask[e]},
+                   TIMING: {"observation": t_feat[e], "action_mask": t_mask[e]}}
+            out.append((obs, {STRATEGY: s_mask[e], TIMING: t_mask[e]}))
+        return out
+
     # ------------------------------------------------------------------ observations and masks
     def _observe(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
         task = self.task
         n, t = task.n, self.t
         budget = task.budget
         tol = budget * (1 + 1e-9)
-        # pending unit t-1: a swap whose timing is still open counts with its most frugal timing
+        # pending unit t-1: a swap (or recompute_offload) whose timing is still open counts with its most frugal timing
         level = self.level
-        pending = None
         T = len(TIMINGS)
-        if 1 <= t <= n and self.codes[t - 1] in _TIMED:
-            b = task.timed_base[int(self.codes[t - 1])]
-            opts = np.flatnonzero(task.option_ok[t - 1, b:b + T])
-            pending = task.marg_peak[t - 1, b + opts]
-            level = level + pending.min(axis=0)
+        pcode = int(self.codes[t - 1]) if 1 <= t <= n else -1
+        pending = pcode in _TIMED
+        if pending:
+            level = level + self._static(t - 1)["pend_min"][pcode]
         rest = task.suffix_min[min(t + 1, n)]
         rest_step = task.suffix_step[min(t + 1, n)]
         rest_move = bool(task.suffix_can_move[min(t + 1, n)])
@@ -239,7 +453,8 @@ class MemoryPlanningEnv(ParallelEnv):
         need_ratio = max(cur - budget, 0.0) / max(float(task.suffix_red[min(t, n)]), 1.0)
         recent = [v for v in range(max(0, t - 3), min(t, n))]
         load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if self.codes[v] == SWAP)
-        load /= max(sum(task.sim.fwd_time[v] for v in range(max(0, t - 3), min(t + 1, n))), 1e-12)
+        load /= (self._static(t)["load_den"] if t < n else
+                 max(sum(task.sim.fwd_time[v] for v in range(max(0, t - 3), min(t + 1, n))), 1e-12))
         tt = min(t, n)
         least = task.bound(level + task.suffix_min[tt], self.step_level + task.suffix_step[tt], self.moved,
                            bool(task.suffix_can_move[tt]))  # the peak if every remaining unit is most frugal
@@ -254,50 +469,35 @@ class MemoryPlanningEnv(ParallelEnv):
         s_mask = np.zeros(K * C, dtype=np.int8)
         s_feat = np.zeros(self._dims[STRATEGY])
         if t < n:
-            choice = [task.marg_peak[t, KEEP], task.marg_peak[t, RECOMPUTE]]
-            ok_s = [bool(task.option_ok[t, KEEP]), bool(task.option_ok[t, RECOMPUTE])]
-            for code in _TIMED[:K - 2]:  # per timed strategy, its most frugal allowed timing
-                b = task.timed_base[code]
-                timed_opts = np.flatnonzero(task.option_ok[t, b:b + T])
-                choice.append(task.marg_peak[t, b + timed_opts].min(axis=0) if timed_opts.size else np.zeros(task.S))
-                ok_s.append(bool(timed_opts.size))
-            ok_s = np.array(ok_s)
-            ok = (ok_s[:, None] & task.state_ok[t][None]).ravel()  # action o * C + j
-            # every (strategy o, placement j) at once: segments (3, C, S) and the step's points (C, K)
-            seg = (level + np.stack(choice))[:, None] + task.st_seg[t][None]
+            st = self._static(t)
+            ok = st["ok"]  # action o * C + j
+            # every (strategy o, placement j) at once: segments (K, C, S) and the step's points (C, K)
+            seg = (level + st["choice"])[:, None] + task.st_seg[t][None]
             step = self.step_level[None] + task.st_step[t]
             moved = self.moved | (np.arange(C) > 0)
             with_rest = task.bounds((seg + rest).max(axis=2), _rowmax(step + rest_step)[None], moved[None], rest_move)
             s_mask[:] = ok & (with_rest.ravel() <= tol)
             if not s_mask.any():
                 s_mask[:] = ok
-            unit = self._unit_features(t)
-            est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (3, C)
-            costs = np.array([task.marg_time[t, KEEP], task.marg_time[t, RECOMPUTE]]
-                             + [task.marg_time[t, task.timed_base[code] + DEFAULT_TIMING] for code in _TIMED[:K - 2]])
-            st_cost = task.st_time[t] + np.where(moved & ~self.moved, task.chunk_extra, 0.0)
-            per = np.stack([(cur - est) / need, (costs[:, None] + st_cost[None]) / self._t_unit,
+            est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (K, C)
+            per = np.stack([(cur - est) / need, st["cost_per"][bool(self.moved)],
                             s_mask.reshape(K, C).astype(np.float64)], axis=2).ravel()
-            if self._states:
-                saving = max(float(-task.st_seg[t, j].min()) for j in range(C) if task.state_ok[t, j])
-                times = [float(task.st_time[t, j]) for j in range(1, C) if task.state_ok[t, j]]
-                unit = np.concatenate([unit, [saving / self._b_unit, min(times, default=0.0) / self._t_unit]])
-            look = []
-            for v in range(t + 1, t + 1 + self.lookahead):
-                if v < n:
-                    rc_red = (cur - float((level + task.marg_peak[v, RECOMPUTE]).max())) / need
-                    sw_red = (cur - float((level + task.min_marg[v]).max())) / need
-                    look += [1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
-                             task.profile.units[v].interior_bytes / self._b_unit,
-                             task.marg_time[v, RECOMPUTE] / self._t_unit,
-                             task.marg_time[v, 2 + DEFAULT_TIMING] / self._t_unit, rc_red, sw_red]
-                    if self._states:
-                        st_est = task.bound(level + task.st_min_seg[v], self.step_level + task.st_min_step[v],
-                                            self.moved or bool(task.state_ok[v, 1:].any()))
-                        look.append((cur - st_est) / need)
-                else:
-                    look += [0.0] * self._n_look
-            s_feat = np.concatenate([common, unit, per, look])
+            vs = st["look"]
+            look = np.zeros((self.lookahead, self._n_look))
+            if vs.size:
+                m = vs.size
+                look[:m, :5] = st["look_static"]
+                look[:m, 5] = (cur - (level[None] + task.marg_peak[vs, RECOMPUTE]).max(axis=1)) / need
+                look[:m, 6] = (cur - (level[None] + task.min_marg[vs]).max(axis=1)) / need
+                if self._states:
+                    st_est = (level[None] + task.st_min_seg[vs]).max(axis=1)
+                    if task.has_step:
+                        chunked = (_rowmax(self.step_level[None] + task.st_min_step[vs]) if task.K else
+                                   np.full(m, -np.inf))
+                        st_est = np.maximum(st_est, np.where(self.moved | st["look_moved"], chunked,
+                                                             task.plain_step))
+                    look[:m, 7] = (cur - st_est) / need
+            s_feat = np.concatenate([common, st["unit_s"], per, look.ravel()])
         else:
             s_mask[KEEP] = 1
         obs[STRATEGY] = {"observation": s_feat.astype(np.float32), "action_mask": s_mask}
@@ -307,36 +507,32 @@ class MemoryPlanningEnv(ParallelEnv):
         t_mask = np.zeros(m, dtype=np.int8)
         t_feat = np.zeros(self._dims[TIMING])
         p = t - 1
-        if pending is not None:
+        if pending:
             # unit t is being decided at the same step: like the strategy mask, assume it takes its most frugal
             # allowed option (a combination that still misses the budget ends the episode with a penalty)
             if t < n:
-                allowed = [divmod(int(a), C) for a in np.flatnonzero(s_mask)]
-                cand = choice
-                frugal = np.min([cand[o] if j == 0 else cand[o] + task.st_seg[t, j] for o, j in allowed], axis=0)
-                frugal_step = np.min([task.st_step[t, j] for _, j in allowed], axis=0)
-                t_move = any(j > 0 for _, j in allowed)
+                allowed = np.flatnonzero(s_mask)
+                frugal = st["frugal"][allowed].min(axis=0)
+                frugal_step = st["frugal_step"][allowed].min(axis=0)
+                t_move = bool((allowed % C > 0).any())
             else:
                 frugal = np.zeros(task.S)
                 frugal_step = np.zeros(task.K)
                 t_move = False
             base = self.level + frugal + rest
             base_step = self.step_level + frugal_step + rest_step
-            b = task.timed_base[int(self.codes[p])]
+            b = task.timed_base[pcode]
             ok = task.option_ok[p, b:b + T]
             peaks = task.bounds((base[None] + task.marg_peak[p, b:b + T]).max(axis=1), _rowmax(base_step[None]),
                                 np.array([self.moved]), t_move or rest_move)
             t_mask[:] = ok & (peaks <= tol)
             if not t_mask.any():
                 t_mask[:] = ok
-            default = task.marg_time[p, b + DEFAULT_TIMING]
-            per = []
+            sp = self._static(p)
             ref = float(self.level.max())
-            for j in range(m):
-                red = (ref - float((self.level + task.marg_peak[p, b + j]).max())) / need
-                per += [red, (task.marg_time[p, b + j] - default) / self._t_unit, float(t_mask[j])]
-            onehot = np.eye(task.n_strategies)[self.codes[p]]
-            t_feat = np.concatenate([common, self._unit_features(p), onehot, per])
+            red = (ref - (self.level[None] + task.marg_peak[p, b:b + T]).max(axis=1)) / need
+            per = np.stack([red, sp["t_cost"][pcode], t_mask.astype(np.float64)], axis=1).ravel()
+            t_feat = np.concatenate([common, sp["t_unit"][pcode], per])
         else:
             t_mask[0] = 1
         obs[TIMING] = {"observation": t_feat.astype(np.float32), "action_mask": t_mask}

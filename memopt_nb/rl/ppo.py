@@ -198,6 +198,7 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
 
     # ---- env setup
     envs = [make_env() for _ in range(config.num_envs)]
+    step_many = getattr(type(envs[0]), "step_many", None)
     names = list(envs[0].possible_agents)
     first = names[0]
     num_steps = config.num_steps or (envs[0].task.n + 1)
@@ -254,8 +255,12 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
                 b["actions"][step], b["logprobs"][step], b["values"][step] = action, logprob, value
                 acts[a] = action.numpy()
             dones = np.zeros(E)
+            step_acts = [{a: int(acts[a][i]) for a in names} for i in range(E)]
+            # an environment may step all its copies at once (MemoryPlanningEnv.step_many: one exact evaluation)
+            results = (step_many(envs, step_acts) if step_many is not None else
+                       [env.step(x) for env, x in zip(envs, step_acts)])
             for i, env in enumerate(envs):
-                obs_i, rew_i, term_i, trunc_i, info_i = env.step({a: int(acts[a][i]) for a in names})
+                obs_i, rew_i, term_i, trunc_i, info_i = results[i]
                 for a in names:
                     buf[a]["rewards"][step, i] = float(rew_i[a])
                     ep_return[a][i] += float(rew_i[a])

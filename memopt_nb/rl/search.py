@@ -59,12 +59,19 @@ def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np
     return idx
 
 
-def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int) -> tuple:
+#: Seconds the polish's exact-placement MILPs (:func:`_polish_exact_placements`) may take together; each solve gets at
+#: most 10 s of it, and a start left with under 1 s is skipped (``meta["polish_placement_skipped"]``).
+PLACEMENT_SECONDS = 15.0
+
+
+def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int,
+                             info: dict[str, Any] | None = None) -> tuple:
     """Where placements may move, two more starts for the polish: the agents' activation decisions and keep-all (where
     keep is not allowed, each unit's plainest allowed option: :meth:`~memopt_nb.rl.task.PlanningTask.plain_options`),
     each with the fastest state placement that fits the budget for those activations (exact: the MILP with activations
     fixed, :func:`~memopt_nb.solvers.place_states`). Returns the fastest feasible of the polished plans (``current``
-    first: ties keep it). Only for the cost model's own state table (a hand-made one is not the MILP's)."""
+    first: ties keep it). Only for the cost model's own state table (a hand-made one is not the MILP's). The MILPs
+    share :data:`PLACEMENT_SECONDS`; ``info`` receives that budget and the number of starts skipped for lack of it."""
     if task.C == 1 or task.state_model is None or not task.state_model.native:
         return (*current, moves)
     from ..solvers.common import place_states
@@ -74,13 +81,22 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
         return float(t[0]) if peak[0] <= task.budget else math.inf
 
     best, best_t = (*current, moves), time_of(*current)
+    spent, skipped = 0.0, 0
     for c, w, d in (agents[:3], _option_arrays(task.plain_options())):
+        left = PLACEMENT_SECONDS - spent
+        if left < 1.0:
+            skipped += 1
+            continue
+        t0 = time.perf_counter()
         st = place_states(task.sim, task.budget, c, w, d, offload_state=task.offload_state,
-                          step_in_backward=task.step_in_backward, time_limit=10.0)
+                          step_in_backward=task.step_in_backward, time_limit=min(10.0, left))
+        spent += time.perf_counter() - t0
         c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
         t = time_of(c2, w2, d2, st2)
         if t < best_t * (1 - 1e-12):
             best, best_t = (c2, w2, d2, st2, moves + m + 1), t
+    if info is not None:
+        info.update(polish_placement_budget_s=PLACEMENT_SECONDS, polish_placement_skipped=skipped)
     return best
 
 
@@ -101,6 +117,7 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     peak, t = task.evaluate(*[a[None] for a in _option_arrays(cur)], cur_st[None])
     best_t = float(t[0]) if peak[0] <= task.budget else math.inf
     moves = 0
+    last: dict = {}  # the option moves' simulation, while the options stay
     for _ in range(max_rounds):
         N = task.n_options
         cand = np.repeat(cur[None], n * N, axis=0)
@@ -110,7 +127,7 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
         ok = task.option_ok[units, opts]
         cand = cand[ok]
         if task.C > 1:
-            cand, cand_st = _best_pairs(task, cur, cur_st, cand)
+            cand, cand_st = _best_pairs(task, cur, cur_st, cand, last=last)
         else:
             cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
         peak, t = task.evaluate(*_option_arrays(cand), cand_st)
@@ -125,9 +142,15 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
 
 
 def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
-                keep: int = 8, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+                keep: int = 8, last: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The ``keep`` fastest moves within budget among (one unit's option changed, or none) x (one unit's placement
-    changed, or none), scored by the separable state part; as option and placement arrays for exact evaluation."""
+    changed, or none), scored by the separable state part; as option and placement arrays for exact evaluation.
+
+    Ties go to the earlier option, then the earlier placement. The time of every pair is cheap; the peak is exact only
+    for the pairs a bound has not ruled out (:func:`_may_fit`), in order of time until ``keep`` fit
+    (:func:`_first_feasible`). ``last`` keeps the simulation of the option moves for the next call: after a move that
+    changed only placements, the options and so the option moves are the same.
+    """
     n = task.n
     acts = np.concatenate([cur[None], cand])  # row 0: no option changed
     st_units, st_local = np.nonzero(task.state_ok)
@@ -139,20 +162,28 @@ def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: n
     moved = (sts != 0).any(axis=1)
     step_max = task.step_part_many(task.step_base[None] + task.st_step[units, local].sum(axis=1), moved)
     st_time = task.st_time[units, local].sum(axis=1) + np.where(moved, task.chunk_extra, 0.0)
-    det = task.sim.evaluate(*_option_arrays(acts), details=True)
-    best = []  # (time, a, z)
-    for lo in range(0, acts.shape[0], chunk):
-        peaks = det["peaks"][lo: lo + chunk]
-        peak = np.maximum((peaks[:, None, :] + seg[None]).max(axis=2), step_max[None])  # (a, Z)
-        time = np.where(peak <= task.budget, det["time"][lo: lo + chunk, None] + st_time[None], np.inf)
-        flat = np.argsort(time, axis=None, kind="stable")[:keep]
-        a, z = np.unravel_index(flat, time.shape)
-        best += [(float(time[i, j]), lo + int(i), int(j)) for i, j in zip(a, z) if np.isfinite(time[i, j])]
-    best.sort()
-    best = best[:keep] or [(0.0, 0, 0)]
-    out_a, out_s = acts[[a for _, a, _ in best]], sts[[z for _, _, z in best]]
+    key = acts.tobytes()
+    det = last.get(key) if last is not None else None
+    if det is None:
+        det = task.sim.evaluate(*_option_arrays(acts), details=True)
+        if last is not None:
+            last.clear()
+            last[key] = det
+    peaks = det["peaks"]
+    time = det["time"][:, None] + st_time[None]  # (A, Z)
+    may = _may_fit(peaks, seg, task.budget) & (step_max <= task.budget)[None]
+
+    def fits(flat: np.ndarray) -> np.ndarray:
+        a, z = np.divmod(flat, time.shape[1])
+        return np.maximum((peaks[a] + seg[z]).max(axis=1), step_max[z]) <= task.budget
+
+    flat = _first_feasible(time.ravel(), np.flatnonzero(may), fits, keep)
+    a, z = np.divmod(flat, time.shape[1])
+    if not flat.size:
+        a, z = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    out_a, out_s = acts[a], sts[z]
     # two units' placements changed at once, options unchanged (e.g. two units trading what they offload)
-    pairs = _best_state_pairs(task, det["peaks"][0], float(det["time"][0]), cur_st, st_units, task.state_ids[st_local],
+    pairs = _best_state_pairs(task, peaks[0], float(det["time"][0]), cur_st, st_units, task.state_ids[st_local],
                               keep)
     if pairs.size:
         out_a = np.concatenate([out_a, np.repeat(cur[None], pairs.shape[0], axis=0)])
@@ -160,10 +191,43 @@ def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: n
     return out_a, out_s
 
 
+def _may_fit(rows: np.ndarray, cols: np.ndarray, budget: float) -> np.ndarray:
+    """``(A, Z)``: False where ``max_s (rows[a, s] + cols[z, s])`` certainly exceeds ``budget``, judged by two of its
+    own terms (never False where it does not). Rounding is monotone, so a row plus every column's smallest entry bounds
+    that row's terms from below; the segment where this bound peaks is tried with every column, likewise per column."""
+    A, Z = rows.shape[0], cols.shape[0]
+    if not A or not Z:
+        return np.zeros((A, Z), dtype=bool)
+    s_a = (rows + cols.min(axis=0)[None]).argmax(axis=1)
+    s_z = (rows.min(axis=0)[None] + cols).argmax(axis=1)
+    by_row = rows[np.arange(A), s_a][:, None] + cols[:, s_a].T
+    by_col = rows[:, s_z] + cols[np.arange(Z), s_z][None]
+    return (by_row <= budget) & (by_col <= budget)
+
+
+def _first_feasible(time: np.ndarray, cand: np.ndarray, fits: Callable[[np.ndarray], np.ndarray], keep: int,
+                    block: int = 256) -> np.ndarray:
+    """Of the flat indices ``cand`` (ascending), the ``keep`` with the smallest finite ``time`` (ties: the lower index)
+    that ``fits``, checking them in that order a block at a time (blocks growing 4x), so most are never checked."""
+    cand = cand[np.isfinite(time[cand])]
+    order = cand[np.argsort(time[cand], kind="stable")]
+    found: list[np.ndarray] = []
+    count, lo = 0, 0
+    while count < keep and lo < order.size:
+        idx = order[lo: lo + block]
+        ok = idx[fits(idx)][: keep - count]
+        found.append(ok)
+        count += ok.size
+        lo += block
+        block *= 4
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
+
 def _best_state_pairs(task: PlanningTask, peaks: np.ndarray, time0: float, cur_st: np.ndarray, units: np.ndarray,
                       ids: np.ndarray, keep: int) -> np.ndarray:
     """The ``keep`` fastest placements within budget that change two units' placements of ``cur_st`` (options fixed,
-    their per-segment peaks ``peaks`` and time ``time0``), scored by the separable state part."""
+    their per-segment peaks ``peaks`` and time ``time0``), scored by the separable state part (ties: the earlier
+    pair)."""
     n = task.n
     loc = np.searchsorted(task.state_ids, cur_st)
     new_loc = np.searchsorted(task.state_ids, ids)
@@ -176,26 +240,24 @@ def _best_state_pairs(task: PlanningTask, peaks: np.ndarray, time0: float, cur_s
     time_base = time0 + task.st_time[r, loc].sum()
     nonzero = int((cur_st != 0).sum())
     d_nz = (ids != 0).astype(int) - (cur_st[units] != 0).astype(int)
-    best = []
     Z = units.size
-    for i in range(Z):
-        j = np.arange(i + 1, Z)
-        j = j[units[j] != units[i]]
-        if not j.size:
-            continue
-        seg = (seg0 + d_seg[i])[None] + d_seg[j]
-        moved = nonzero + d_nz[i] + d_nz[j] > 0
-        step = task.step_part_many((step0 + d_step[i])[None] + d_step[j], moved)
-        peak = np.maximum(seg.max(axis=1), step)
-        time = time_base + d_time[i] + d_time[j] + np.where(moved, task.chunk_extra, 0.0)
-        time = np.where(peak <= task.budget, time, np.inf)
-        for k in np.argsort(time, kind="stable")[:keep]:
-            if np.isfinite(time[k]):
-                best.append((float(time[k]), i, int(j[k])))
-    best.sort()
-    out = np.repeat(cur_st[None], min(keep, len(best)), axis=0)
-    for row, (_, i, j) in enumerate(best[:keep]):
-        out[row, units[i]], out[row, units[j]] = ids[i], ids[j]
+    moved = nonzero + d_nz[:, None] + d_nz[None, :] > 0  # (Z, Z): pair (i, j)
+    time = (time_base + d_time)[:, None] + d_time[None, :] + np.where(moved, task.chunk_extra, 0.0)
+    pair = (units[:, None] != units[None, :]) & (np.arange(Z)[:, None] < np.arange(Z)[None, :])
+    may = pair & _may_fit(seg0[None] + d_seg, d_seg, task.budget)
+    if task.has_step and task.K:  # the step's points likewise once anything moves; the plain step is exact
+        may &= np.where(moved, _may_fit(step0[None] + d_step, d_step, task.budget), task.plain_step <= task.budget)
+
+    def fits(flat: np.ndarray) -> np.ndarray:
+        i, j = np.divmod(flat, Z)
+        seg = (seg0[None] + d_seg[i]) + d_seg[j]
+        step = task.step_part_many((step0[None] + d_step[i]) + d_step[j], moved[i, j])
+        return np.maximum(seg.max(axis=1), step) <= task.budget
+
+    i, j = np.divmod(_first_feasible(time.ravel(), np.flatnonzero(may), fits, keep), Z)
+    out = np.repeat(cur_st[None], i.size, axis=0)
+    out[np.arange(i.size), units[i]] = ids[i]
+    out[np.arange(i.size), units[j]] = ids[j]
     return out
 
 
@@ -299,7 +361,9 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds``, ``interrupted`` (Ctrl-C returns the
     best plan so far), ``state_choices`` (the placements the agents could choose from; only all-resident when the
     cost model has no state table), ``allowed_strategies`` (the activation strategies searched, as ``optimal``
-    records them) and ``agents_states`` (the agents' placements before the polish). The plan's own
+    records them), ``agents_states`` (the agents' placements before the polish) and, where the polish started from
+    exact placements, ``polish_placement_budget_s`` (the seconds their MILPs share, :data:`PLACEMENT_SECONDS`) and
+    ``polish_placement_skipped`` (starts left out when it ran out; normally 0). The plan's own
     ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
@@ -423,6 +487,7 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     c, w, d, st = best["plan"]
     agents_time = best["time"]
     moves = 0
+    placement: dict[str, Any] = {}  # what the exact-placement starts of the polish took
     if not polish_plan:
         polish_state = "off"
     elif interrupted:
@@ -430,12 +495,12 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     else:
         c, w, d, st, moves = polish(task, c, w, d, st)
         polish_state = "ran"
-        c, w, d, st, moves = _polish_exact_placements(task, (c, w, d, st), best["plan"], moves)
+        c, w, d, st, moves = _polish_exact_placements(task, (c, w, d, st), best["plan"], moves, placement)
     plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta,
                             agents_step_time=agents_time, agents_peak=best["peak"],
                             agents_decisions=[int(x) for x in _to_options(*best["plan"][:3])],
                             agents_states=[int(x) for x in best["plan"][3]],
-                            polished=moves > 0, polish_moves=moves, polish=polish_state)
+                            polished=moves > 0, polish_moves=moves, polish=polish_state, **placement)
     # Only a polish that ran has a step time of its own; the plan's predictions are the one source of the final numbers.
     plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state == "ran" else None
     plan.meta["search_seconds"] = time.perf_counter() - t0
