@@ -9,67 +9,13 @@ the floor below what keep / recompute / swap reach where kept inputs bound it.
 import pytest
 import test_third_party as third
 import torch
-from test_runtime_small import SMALL, assert_same, measured, train  # noqa: I001 - the small models' helpers
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.plan import DISTANCES, STRATEGIES, WINDOWS, Decision, Plan
+from memopt_nb.plan import STRATEGIES, Decision, Plan
 
 RO = "recompute_offload"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def small():
-    out = {}
-    for name, kw in SMALL.items():
-        zm = memopt.zoo.build(name, **kw)
-        opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
-        out[name] = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
-    return out
-
-
-def check(name, prof, plan, ref, *what):
-    m = measured(name, plan)
-    assert m.losses == ref.losses, what
-    assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes, what
-    stats = m.swap_stats
-    assert stats["offloaded_bytes"] > 0, what  # the inputs left
-    assert stats["prefetched_bytes"] == stats["offloaded_bytes"], what  # and all came back
-    assert stats.get("on_demand", 0) == 0, what  # started by their trigger, not by the recomputation asking
-
-
-def test_every_timing_is_bit_equal_at_the_predicted_peak(small):
-    name = "gpt"
-    prof = small[name]
-    n = prof.n_units
-    ref = measured(name, None)
-    mixed = [RO, "keep", "swap", RO, "recompute", RO]
-    for w in WINDOWS:
-        for d in DISTANCES:
-            for label, strategies in (("all", [RO] * n), ("mixed", (mixed * 2)[:n])):
-                plan = Plan.from_strategies(prof, strategies, offload_window=w, prefetch_distance=d)
-                check(name, prof, plan, ref, label, w, d)
-
-
-def test_results_exact_with_batchnorm_and_dropout(small):
-    for name in ("resnet", "gpt"):
-        prof = small[name]
-        n = prof.n_units
-        ref, _ = train(name, None)
-        ref_m = measured(name, None)
-        for strategies in ([RO] * n, ([RO, "swap", "keep"] * n)[:n]):
-            plan = Plan.from_strategies(prof, strategies, offload_window=1, prefetch_distance=1)
-            got, stats = train(name, plan)
-            assert_same(ref, got, name, strategies)
-            check(name, prof, plan, ref_m, name, strategies)
+# the small zoo models' checks (every timing, BatchNorm, dropout, the floor) are in test_runtime_small.py
 
 
 @pytest.mark.parametrize("units", ["auto", "fine"])
@@ -91,16 +37,6 @@ def test_hf_gpt2_with_its_cache(units):
         got = third.train(lambda: third.gpt2(transformers), step, lambda m, p=plan: p)
         third.assert_same(ref, got, (units, cycle))
         assert got["extras"] == ref["extras"]  # the returned cache is not extended twice
-
-
-def test_recompute_offload_lowers_the_floor_where_kept_inputs_bound_it(small):
-    prof = small["gpt"]
-    old = solvers.min_peak(prof, strategies=("keep", "recompute", "swap"), offload_state=False)
-    new = solvers.min_peak(prof, strategies=STRATEGIES, offload_state=False)
-    assert new <= old
-    everything = solvers.recompute_offload_all(prof)
-    assert everything.strategies == [RO] * prof.n_units
-    assert everything.predicted_peak_bytes <= solvers.recompute_all(prof).predicted_peak_bytes
 
 
 def test_recompute_offload_lowers_a_third_party_floor():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import memopt_nb as memopt
-from memopt_nb.plan import DISTANCES, WINDOWS, Plan
+from memopt_nb import solvers
+from memopt_nb.plan import DISTANCES, STRATEGIES, WINDOWS, Plan
 
 SMALL = {"gpt": dict(n_layers=4, batch_size=2, seq_len=16, d_model=32, n_heads=2),  # dropout in every unit
          "resnet": dict(batch_size=4, widths=(8, 16, 32), blocks_per_stage=1)}  # BatchNorm
@@ -291,3 +292,51 @@ def test_a_unit_that_sets_an_attribute_of_an_argument_is_not_recomputed():
     with memopt.plan(Plan.uniform(prof, "swap"), net):  # swap runs each forward once: fine
         net(x, box).backward()
     assert box.count == 2
+
+
+# ====================================================================== recompute_offload (issue 12)
+def check_ro(name, prof, plan, ref, *what):
+    """A recompute_offload plan: bit-equal losses, the predicted peak, and its inputs really left and came back."""
+    m = measured(name, plan)
+    assert m.losses == ref.losses, what
+    assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes, what
+    stats = m.swap_stats
+    assert stats["offloaded_bytes"] > 0, what  # the inputs left
+    assert stats["prefetched_bytes"] == stats["offloaded_bytes"], what  # and all came back
+    assert stats.get("on_demand", 0) == 0, what  # started by their trigger, not by the recomputation asking
+
+
+def test_recompute_offload_every_timing_at_the_predicted_peak(small):
+    name = "gpt"
+    prof = small[name]
+    n = prof.n_units
+    ref = measured(name, None)
+    mixed = ["recompute_offload", "keep", "swap", "recompute_offload", "recompute", "recompute_offload"]
+    for w in WINDOWS:
+        for d in DISTANCES:
+            for label, strategies in (("all", ["recompute_offload"] * n), ("mixed", (mixed * 2)[:n])):
+                plan = Plan.from_strategies(prof, strategies, offload_window=w, prefetch_distance=d)
+                check_ro(name, prof, plan, ref, label, w, d)
+
+
+def test_recompute_offload_exact_with_batchnorm_and_dropout(small):
+    for name in ("resnet", "gpt"):
+        prof = small[name]
+        n = prof.n_units
+        ref, _ = train(name, None)
+        ref_m = measured(name, None)
+        for strategies in (["recompute_offload"] * n, (["recompute_offload", "swap", "keep"] * n)[:n]):
+            plan = Plan.from_strategies(prof, strategies, offload_window=1, prefetch_distance=1)
+            got, stats = train(name, plan)
+            assert_same(ref, got, name, strategies)
+            check_ro(name, prof, plan, ref_m, name, strategies)
+
+
+def test_recompute_offload_never_raises_the_floor(small):
+    prof = small["gpt"]
+    old = solvers.min_peak(prof, strategies=("keep", "recompute", "swap"), offload_state=False)
+    new = solvers.min_peak(prof, strategies=STRATEGIES, offload_state=False)
+    assert new <= old
+    everything = solvers.recompute_offload_all(prof)
+    assert everything.strategies == ["recompute_offload"] * prof.n_units
+    assert everything.predicted_peak_bytes <= solvers.recompute_all(prof).predicted_peak_bytes
