@@ -104,3 +104,22 @@ def test_depth_units():
     prof = memopt.profile(memopt.zoo.build("mlp").model, torch.randn(8, 128), units=2, repeats=1)
     assert all(n.count(".") == 1 for n in prof.unit_names)
     assert "blocks.0" in prof.unit_names
+
+
+def test_profiling_keeps_nothing_of_the_model_alive():
+    """After profile() returns and the caller drops the model, nothing of it stays in memory (a saved-tensor hook that
+    returned the tensor itself once kept every profiled model's autograd graph and parameters alive through a cycle
+    the garbage collector cannot see: +0.36 GB per profile of a small GPT-2)."""
+    import gc
+    import weakref
+
+    def profiled():
+        zm = memopt.zoo.build("gpt", batch_size=2, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+        opt = torch.optim.SGD(zm.model.parameters(), lr=0.1)
+        memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
+        return weakref.ref(zm.model), [weakref.ref(p) for p in zm.model.parameters()]
+
+    model_ref, param_refs = profiled()
+    gc.collect()
+    assert model_ref() is None
+    assert all(r() is None for r in param_refs)
