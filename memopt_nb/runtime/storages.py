@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["byte_view", "exclusive", "is_plain", "plain_storage_ptrs", "tensor_on", "use_count"]
+__all__ = ["byte_view", "exclusive", "is_plain", "plain_storage_ptrs", "storageless_alias", "tensor_on", "use_count"]
 
 
 def use_count(storage: torch.UntypedStorage) -> int:
@@ -47,3 +47,12 @@ def tensor_on(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, si
 def byte_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     """The first ``nbytes`` of ``storage`` as a flat ``uint8`` tensor (for copies between storages)."""
     return tensor_on(storage, torch.uint8, 0, (nbytes,), (1,))
+
+
+def storageless_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter but not its storage (for autograd's in-place check without
+    keeping the memory). Made by assigning ``.data``, which never touches the shared counter: ``set_()`` would bump it
+    for a moment, and another thread saving ``t`` in that moment would record the wrong version."""
+    alias = t.detach()
+    alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias

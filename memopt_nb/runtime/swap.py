@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .memory import note_device_storage
-from .storages import byte_view, is_plain, tensor_on, use_count
+from .storages import byte_view, is_plain, storageless_alias, tensor_on, use_count
 
 __all__ = ["CudaCopyEngine", "HostPool", "SwapEngine", "ThreadCopyEngine"]
 
@@ -119,13 +119,9 @@ class _Handle:
         self.stride = t.stride()
         self.dtype = t.dtype
         # to check at unpack, as autograd does, that nobody changed the tensor in place in between: an alias that
-        # shares its version counter but not its storage (which must stay free to be offloaded). Assigning ``.data``
-        # never touches the shared counter; ``set_()`` would bump it for a moment, and another thread saving the same
-        # tensor (an input shared by two training threads) in that moment would record the wrong version.
+        # shares its version counter but not its storage (which must stay free to be offloaded)
         self.version = t._version
-        alias = t.detach()
-        alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        self.ref = alias
+        self.ref = storageless_alias(t)
 
     def check_version(self) -> None:
         now = self.ref._version
