@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .budget import format_bytes
-from .plan import Plan
+from .plan import OFFLOADING, Plan
 from .profile import profile
 from .runtime.apply import AppliedPlan
 from .runtime.measure import measure
@@ -93,7 +93,7 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
 
 def _short(d: object) -> str:
     s = {"keep": "K", "recompute": "R", "swap": "S", "recompute_offload": "O"}[d.strategy]
-    return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy in ("swap", "recompute_offload") else "")
+    return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy in OFFLOADING else "")
 
 
 def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, seed: int = 0,

@@ -237,7 +237,8 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     bound = max(parts, key=lambda k: parts[k])
     activations = work + kept
     advice: list[str] = []
-    every = ("keep", "recompute", "swap")
+    from .plan import DEFAULT_STRATEGIES as every
+
     if not set(every) <= set(strategies):  # a restricted activation space: what the whole default one reaches
         from .solvers import min_peak
 

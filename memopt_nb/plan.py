@@ -58,6 +58,8 @@ STRATEGIES = ("keep", "recompute", "swap", "recompute_offload")
 DEFAULT_STRATEGIES = ("keep", "recompute", "swap")
 #: The strategies that offload to the host and take the timing knobs (``offload_window``, ``prefetch_distance``).
 OFFLOADING = ("swap", "recompute_offload")
+#: The strategies whose units run under checkpointing and are recomputed in backward.
+RECOMPUTING = ("recompute", "recompute_offload")
 #: Where a unit's optimizer state may live.
 OPTIMIZER_PLACES = ("resident", "offload")
 #: Where a unit's gradients may live (``"step"``: stepped in backward, then freed).

@@ -747,23 +747,17 @@ class _Run:
             return
         events: list[tuple[str, int]] = [(kind, unit)]
         self.hook_events[key] = (events, weakref.ref(t))
-        # the hook lives on the tensor's autograd node (C++), out of the garbage collector's sight: a strong reference
-        # to the tracker from it would keep the tracker, and every tensor it refers to, alive after profiling
-        tracker = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
-            me = tracker()
-            if me is None:
-                return
             for k, u in sorted(events, key=lambda e: (e[0] != "end", -e[1])):
                 if k == "end":
-                    left = me.pending_inputs.get(u, 0) - 1
-                    me.pending_inputs[u] = left
+                    left = self.pending_inputs.get(u, 0) - 1
+                    self.pending_inputs[u] = left
                     if left == 0:
-                        me._mark(("bwd_end", u))
-                elif u not in me.bwd_started:
-                    me.bwd_started.add(u)
-                    me._mark(("bwd_start", u))
+                        self._mark(("bwd_end", u))
+                elif u not in self.bwd_started:
+                    self.bwd_started.add(u)
+                    self._mark(("bwd_start", u))
 
         t.register_hook(hook)
 

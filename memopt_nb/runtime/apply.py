@@ -18,14 +18,11 @@ import torch.nn as nn
 
 from ..distributed import check_state_placements, order_guard, unwrap
 from ..errors import PlanError
-from ..plan import Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
+from ..plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
 from .recompute import ReplayGuard, checkpointed, checkpointed_call
 from .state import Placement, StateManager
 from .storages import plain_storage_ptrs
-from .swap import OFFLOADING, SwapEngine
-
-#: strategies whose units run under checkpointing (``recompute_offload`` also sends the inputs it keeps to the host)
-RECOMPUTING = ("recompute", "recompute_offload")
+from .swap import SwapEngine
 
 __all__ = ["EXACT_BACKENDS", "AppliedPlan", "PlannedForward", "plan"]
 
@@ -136,16 +133,16 @@ class PlannedForward:
             return checkpointed_call(self.guard, inner, *args, **kwargs)
         index = self.index
         p = engine.begin_unit(index)
-        if self.guard is not None and self.strategy == "recompute_offload":  # the inputs it keeps go to the host
-            ptrs = self.model_ptrs | plain_storage_ptrs(self.module.parameters())
-            out = checkpointed(self.guard, inner, args, kwargs, hold=lambda t: engine.pack(p, index, ptrs, t),
-                               fetch=engine.unpack)
-        elif self.guard is not None:
+        if self.guard is not None and self.strategy != "recompute_offload":
             out = checkpointed_call(self.guard, inner, *args, **kwargs)
         else:
             ptrs = self.model_ptrs | plain_storage_ptrs(self.module.parameters())
-            with engine.hooks(p, index, ptrs):
-                out = inner(*args, **kwargs)
+            if self.guard is not None:  # recompute_offload: the inputs its checkpoint keeps go to the host
+                out = checkpointed(self.guard, inner, args, kwargs, hold=lambda t: engine.pack(p, index, ptrs, t),
+                                   fetch=engine.unpack)
+            else:
+                with engine.hooks(p, index, ptrs):
+                    out = inner(*args, **kwargs)
         engine.end_unit(p, index, out)
         return out
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..plan import OFFLOADING
 from .memory import note_device_storage
 from .storages import byte_view, is_plain, storageless_alias, tensor_on, use_count
 
@@ -131,10 +132,6 @@ class _Handle:
                 f"[{self.ref.type()} {list(self.size)}] is at version {now}; expected version {self.version} "
                 "instead. Hint: the tensor was saved for backward inside a unit of a memopt swap plan; change it out "
                 "of place (y = y * 2, not y.mul_(2)), or clone it before changing it.")
-
-
-#: strategies whose units' records go to the host (``recompute_offload``: the inputs its checkpoint keeps)
-OFFLOADING = ("swap", "recompute_offload")
 
 
 def _manageable(t: torch.Tensor) -> bool:

@@ -54,7 +54,7 @@ from scipy.sparse import coo_matrix
 from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
 from ..errors import BudgetError
-from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan, effective_triggers
+from ..plan import DEFAULT_STRATEGIES, OFFLOADING, STATE_CHOICES, Plan, effective_triggers
 from ..simulate import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
 from .space import (
     OffloadState,
@@ -699,7 +699,7 @@ def _fallback(sim: Simulator, b: int, strategies: Sequence[str], time_limit: flo
         except BudgetError:
             pass
     if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
-        rc_only = tuple(x for x in strategies if x not in ("swap", "recompute_offload"))
+        rc_only = tuple(x for x in strategies if x not in OFFLOADING)
         try:
             return (optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space),
                     "no plan with swaps beat the checkpointing-only optimum")
