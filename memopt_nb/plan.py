@@ -53,13 +53,17 @@ from .errors import PlanError
 SCHEMA_VERSION = 2
 FORMAT = "memopt_nb.plan"
 #: Every activation strategy a plan may use.
-STRATEGIES = ("keep", "recompute", "swap", "recompute_offload")
+STRATEGIES = ("keep", "recompute", "swap", "recompute_offload", "selective")
 #: The strategies planners search unless given ``strategies=`` (``recompute_offload`` is opt-in).
 DEFAULT_STRATEGIES = ("keep", "recompute", "swap")
 #: The strategies that offload to the host and take the timing knobs (``offload_window``, ``prefetch_distance``).
 OFFLOADING = ("swap", "recompute_offload")
 #: The strategies whose units run under checkpointing and are recomputed in backward.
-RECOMPUTING = ("recompute", "recompute_offload")
+RECOMPUTING = ("recompute", "recompute_offload", "selective")
+#: The save-sets a ``selective`` unit may use (which ops' outputs it keeps; the rest is recomputed in backward): every
+#: matmul, convolution and attention kernel; torchtitan's op-SAC rule (attention and every other matmul); attention
+#: kernels only. A profile made with ``selective=True`` says which of them each unit offers and what each costs.
+SAVE_SETS = ("matmuls", "alternate", "attention")
 #: Where a unit's optimizer state may live.
 OPTIMIZER_PLACES = ("resident", "offload")
 #: Where a unit's gradients may live (``"step"``: stepped in backward, then freed).
@@ -85,8 +89,9 @@ class Decision:
     Attributes:
         unit: qualified module name (as in ``model.named_modules()``).
         strategy: ``"keep"`` (default autograd), ``"recompute"`` (activation checkpointing), ``"swap"`` (offload the
-            unit's saved tensors to host memory, bring them back in backward) or ``"recompute_offload"`` (recompute,
-            with the inputs the recomputation needs offloaded to host memory and brought back in backward).
+            unit's saved tensors to host memory, bring them back in backward), ``"recompute_offload"`` (recompute,
+            with the inputs the recomputation needs offloaded to host memory and brought back in backward) or
+            ``"selective"`` (recompute, but keep the outputs of the ops in ``save_ops``: selective checkpointing).
         offload_window: for swap and recompute_offload, how many following unit forwards the offload may overlap (see
             module docs).
         prefetch_distance: for swap and recompute_offload, how many units ahead in backward the copy back starts (0 =
@@ -94,6 +99,9 @@ class Decision:
         optimizer: where the unit's optimizer state lives: ``"resident"`` or ``"offload"`` (see module docs).
         grads: where its gradients live: ``"resident"``, ``"offload"`` or ``"step"`` (stepped in backward).
         params: where its parameters live: ``"resident"`` or ``"offload"``.
+        save_set: for selective, the name of its save-set (one of :data:`SAVE_SETS`); ``""`` otherwise.
+        save_ops: for selective, the op calls whose outputs its forward keeps, as ``(op name, call index)`` pairs
+            counted in the unit's forward (``("aten.mm.default", 0)`` is its first ``mm``); ``()`` otherwise.
     """
 
     unit: str
@@ -103,6 +111,8 @@ class Decision:
     optimizer: str = "resident"
     grads: str = "resident"
     params: str = "resident"
+    save_set: str = ""
+    save_ops: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.unit, str):
@@ -120,6 +130,27 @@ class Decision:
             if getattr(self, name) not in places:
                 raise PlanError(f"unit {self.unit!r}: {name} must be one of {', '.join(map(repr, places))}, "
                                 f"got {getattr(self, name)!r}")
+        self._check_save_set()
+
+    def _check_save_set(self) -> None:
+        if self.strategy != "selective":
+            if self.save_set or self.save_ops:
+                raise PlanError(f"unit {self.unit!r}: save_set and save_ops are for strategy 'selective' only, "
+                                f"not {self.strategy!r}")
+            return
+        if self.save_set not in SAVE_SETS:
+            raise PlanError(f"unit {self.unit!r}: a selective unit needs save_set, one of {', '.join(SAVE_SETS)}; "
+                            f"got {self.save_set!r}")
+        try:
+            ops = tuple((str(op), int(i)) for op, i in self.save_ops)
+            ok = bool(ops) and all(isinstance(op, str) and isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                   for (op, i) in self.save_ops)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise PlanError(f"unit {self.unit!r}: save_ops must be a non-empty list of [op name, call index] pairs "
+                            f"(as the profile's save_sets give them), got {self.save_ops!r}")
+        object.__setattr__(self, "save_ops", ops)
 
     @property
     def placement(self) -> tuple[str, str, str]:
@@ -137,7 +168,12 @@ class Decision:
         return self.placement != STATE_CHOICES[0]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.strategy != "selective":  # plans without selective units read as before
+            del d["save_set"], d["save_ops"]
+        else:
+            d["save_ops"] = [list(x) for x in self.save_ops]
+        return d
 
 
 def state_choices(offload_state: bool | str | Iterable[str] = True, *,

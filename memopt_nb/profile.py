@@ -84,6 +84,12 @@ class UnitProfile:
         step_time, step_rel_peak: the optimizer step over this unit's parameters alone, as the unit-by-unit step of
             :class:`~memopt_nb.runtime.state.StateManager` runs it: seconds, and peak above the level before it.
         params_offloadable: every parameter is a whole, resizable storage used by no module outside the unit.
+        save_sets: (``profile(..., selective=True)``) per save-set name of :data:`~memopt_nb.plan.SAVE_SETS` the unit
+            offers: ``"ops"`` (the ``[op name, call index]`` pairs whose outputs it keeps), ``"held_bytes"`` (what the
+            kept outputs hold from its forward to its backward, measured), ``"recompute_time"`` (seconds its backward
+            spends recomputing the rest), ``"fwd_rel_peak"`` / ``"bwd_rel_peak"`` (its segments' peaks above their
+            start when it runs selective) and ``"pareto"`` (not dominated by another set: the planners' options).
+            Empty without ``selective=True``.
     """
 
     name: str
@@ -116,6 +122,7 @@ class UnitProfile:
     step_time: float = 0.0
     step_rel_peak: int = 0
     params_offloadable: bool = False
+    save_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
