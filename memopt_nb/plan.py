@@ -511,7 +511,11 @@ class Plan:
     def from_strategies(cls, profile: Any, strategies: Sequence[str] | Mapping[str, str], *,
                         offload_window: int | Sequence[int] = 1, prefetch_distance: int | Sequence[int] = 1,
                         method: str = "manual", **kwargs: Any) -> Plan:
-        """A plan from a list of strategies (one per unit) or a ``{unit name: strategy}`` mapping (others keep)."""
+        """A plan from a list of strategies (one per unit) or a ``{unit name: strategy}`` mapping (others keep).
+
+        ``"selective"`` uses the unit's first Pareto save-set of its profile (``profile(..., selective=True)``);
+        ``"selective:alternate"`` names one (see :data:`SAVE_SETS`).
+        """
         names = [u.name for u in profile.units]
         if isinstance(strategies, Mapping):
             unknown = sorted(set(strategies) - set(names))
@@ -524,7 +528,8 @@ class Plan:
         windows = [offload_window] * len(names) if isinstance(offload_window, int) else list(offload_window)
         dists = [prefetch_distance] * len(names) if isinstance(prefetch_distance, int) else list(prefetch_distance)
         decisions = tuple(
-            Decision(n, s, int(w), int(d)) for n, s, w, d in zip(names, strategies, windows, dists, strict=True)
+            _decision(unit, s, int(w), int(d))
+            for unit, s, w, d in zip(profile.units, strategies, windows, dists, strict=True)
         )
         kwargs.setdefault("model_fingerprint", (getattr(profile, "meta", None) or {}).get("model_fingerprint"))
         kwargs.setdefault("optimizer_fingerprint",
@@ -827,6 +832,22 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+def _decision(unit: Any, strategy: str, window: int, distance: int) -> Decision:
+    """One unit's decision for :meth:`Plan.from_strategies` (``"selective[:save-set]"`` read from its profile)."""
+    if not isinstance(strategy, str) or not strategy.startswith("selective"):
+        return Decision(unit.name, strategy, window, distance)
+    sets = getattr(unit, "save_sets", None) or {}
+    wanted = strategy.partition(":")[2]
+    if not wanted:
+        wanted = next((k for k in SAVE_SETS if sets.get(k, {}).get("pareto")), "")
+    if wanted not in sets:
+        offered = ", ".join(sets) if sets else "none (profile the model with memopt.profile(..., selective=True))"
+        raise PlanError(f"unit {unit.name!r}: no save-set {wanted or 'at all'!r} for selective; it offers {offered}. "
+                        f"Use recompute for this unit, or another save-set of {', '.join(SAVE_SETS)}")
+    return Decision(unit.name, "selective", window, distance, save_set=wanted,
+                    save_ops=tuple((op, i) for op, i in sets[wanted]["ops"]))
 
 
 def decisions_from(strategies: Iterable[str], units: Sequence[str], windows: Sequence[int],

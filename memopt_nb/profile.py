@@ -41,12 +41,14 @@ from torch.utils._pytree import tree_leaves
 from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import ProfileError
-from .plan import model_fingerprint, optimizer_fingerprint, unit_fingerprint
+from .opsets import OpCall, OpRecorder, mark_pareto, propose_save_sets
+from .plan import SAVE_SETS, model_fingerprint, optimizer_fingerprint, unit_fingerprint
 from .runtime.measure import model_device
 from .runtime.memory import meter_for
 from .runtime.recompute import (
     ForwardEffects,
     cache_tensors,
+    checkpointed,
     checkpointed_call,
     forward_side_effects,
     is_cache,
@@ -664,8 +666,9 @@ class _Run:
     """Instrumentation for one profiled step: marks at unit boundaries and, in observe mode, storage bookkeeping."""
 
     def __init__(self, model: nn.Module, unit_names: list[str], mark: Callable[[Any], None], *, observe: bool,
-                 recompute: bool) -> None:
+                 recompute: bool, save_ops: Mapping[int, Any] | None = None) -> None:
         self.model = model
+        self.save_ops = dict(save_ops or {})  # with recompute: units run selective with these op outputs kept
         self.names = unit_names
         self.modules = [model.get_submodule(n) for n in unit_names]
         self.mark = mark
@@ -804,7 +807,7 @@ class _Run:
             if self.observe:
                 self._scan(pos)
             if self.recompute:
-                out = checkpointed_call(module, inner, *args, **kwargs)
+                out = checkpointed(module, inner, args, kwargs, save_ops=self.save_ops.get(index))
             elif self.observe:
                 ptrs = self.param_ptrs
 
@@ -858,11 +861,12 @@ def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],
                   device: torch.device, *, observe: bool, recompute: bool,
-                  kwargs: Mapping[str, Any] | None = None) -> tuple[list, _Run, int]:
+                  kwargs: Mapping[str, Any] | None = None,
+                  save_ops: Mapping[int, Any] | None = None) -> tuple[list, _Run, int]:
     meter = meter_for(device)
     meter.track(model, optimizer, list(inputs), kwargs)
     meter.reset_peak()
-    run = _Run(model, names, meter.mark, observe=observe, recompute=recompute)
+    run = _Run(model, names, meter.mark, observe=observe, recompute=recompute, save_ops=save_ops)
     run.install()
     try:
         with meter:
@@ -936,13 +940,77 @@ def _segments_from(marks: list[tuple[Any, int, int]], n_units: int) -> tuple[lis
 
 
 #: profile()'s own keyword options; every other keyword goes to the model.
-PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs")
+def _op_pass(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any],
+             names: list[str]) -> dict[int, list[OpCall]]:
+    """One forward with every unit under plain checkpointing, recording each unit's op calls (``selective=True``)."""
+    recorder = OpRecorder()
+    installed: list[tuple[nn.Module, Any]] = []
+
+    def wrap(index: int, module: nn.Module, inner: Callable) -> Callable:
+        def forward(*args: Any, **kw: Any) -> Any:
+            recorder.begin(index)
+            out = checkpointed_call(module, inner, *args, **kw)
+            recorder.end()  # while its output is alive: what is still referenced now has escaped the unit
+            return out
+
+        return forward
+
+    try:
+        for index, name in enumerate(names):
+            module = model.get_submodule(name)
+            previous = module.__dict__.get("forward")
+            module.forward = wrap(index, module, previous or type(module).forward.__get__(module, type(module)))
+            installed.append((module, previous))
+        with recorder:
+            out = model(*inputs, **kwargs)
+        del out
+    finally:
+        for module, previous in reversed(installed):
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+    return recorder.calls
+
+
+def _save_sets(proposed: dict[int, dict[str, dict[str, Any]]], sac_marks: dict[str, list], rc_marks: list,
+               labels_ref: list, segs: list[Segment], fwd_seg: dict, bwd_seg: dict) -> tuple[dict[int, dict], list]:
+    """Each unit's measured save-sets from the selective steps' marks against the all-recompute step's, and what
+    could not be measured (as notes)."""
+    out: dict[int, dict[str, dict[str, Any]]] = {i: {} for i in proposed}
+    notes = []
+    for name, marks in sac_marks.items():
+        if [m[0] for m in marks] != labels_ref or [m[0] for m in rc_marks] != labels_ref:
+            notes.append(f"{name}: the step ran differently under selective checkpointing; not offered")
+            continue
+        diff = [m[1] - r[1] for m, r in zip(marks, rc_marks, strict=True)]  # kept bytes at each mark
+        for i, sets in proposed.items():
+            if name not in sets:
+                continue
+            f, b = fwd_seg[i], bwd_seg[i]
+            held = diff[f + 1] - diff[f]
+            if held < 0 or diff[b + 1] - diff[b] != -held:  # not held from its forward to its backward alone
+                notes.append(f"{name} of unit {i}: kept bytes not released at its backward; not offered")
+                continue
+            out[i][name] = {
+                "ops": sets[name]["ops"],
+                "held_bytes": int(held),
+                "recompute_time": (1.0 - sets[name]["fraction"]) * segs[f].time,
+                "fwd_rel_peak": int(max(0, marks[f + 1][2] - marks[f][1])),
+                "bwd_rel_peak": int(max(0, marks[b + 1][2] - marks[b][1])),
+            }
+    for sets in out.values():
+        mark_pareto(sets)
+    return out, notes
+
+
+PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective")
 
 
 def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
             device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
-            **example_kwargs: Any) -> ModelProfile:
+            selective: bool = False, **example_kwargs: Any) -> ModelProfile:
     """Profile one training step of ``model`` on ``example_inputs``.
 
     The model is called as ``model(*example_inputs, **example_kwargs)``, as you call it in training:
@@ -964,6 +1032,9 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             names (units must not contain each other), or an int depth in the module tree.
         repeats: timed steps; times are medians.
         device: the DeviceSpec of the device measured (detected by default).
+        selective: also measure, per unit, the save-sets selective checkpointing may keep (``UnitProfile.save_sets``,
+            see :mod:`memopt_nb.opsets`): what planners need for ``strategies=`` with ``"selective"``. Costs one
+            forward and up to three more profiled steps.
 
     The model, optimizer and RNG state are restored afterwards. Modules that run more than once per forward, not at
     all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
@@ -1007,6 +1078,16 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
                                        kwargs=kwargs)
         timings: list[list[float]] = []
         labels_ref = [m[0] for m in keep_marks]
+        proposed: dict[int, dict[str, dict[str, Any]]] = {}
+        sac_marks: dict[str, list] = {}
+        if selective:
+            calls = _op_pass(model, inputs, kwargs, names)
+            proposed = {i: propose_save_sets(calls.get(i, [])) for i in range(n)}
+            for set_name in SAVE_SETS:
+                ops = {i: p[set_name]["ops"] for i, p in proposed.items() if set_name in p}
+                if ops:
+                    sac_marks[set_name] = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False,
+                                                        recompute=True, kwargs=kwargs, save_ops=ops)[0]
         # untimed: the tracked steps leave caches cold
         _timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
         for _ in range(repeats):
@@ -1028,6 +1109,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         for i in range(len(rc_marks) - 1):
             rc_rel[i] = max(0, rc_marks[i + 1][2] - rc_marks[i][1])
     groups = _groups_from(run)
+    save_sets, sac_notes = _save_sets(proposed, sac_marks, rc_marks, labels_ref, segs, fwd_seg, bwd_seg)
     spec_link = spec.has_host_link
     unit_list = []
     for i, name in enumerate(names):
@@ -1045,6 +1127,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             rc_bwd_rel_peak=rc_rel.get(bwd_seg[i], segs[bwd_seg[i]].rel_peak + 0),
             input_shapes=in_shapes, output_shapes=out_shapes, **state_bytes[i],
             step_time=chunked[0][i + 1] if chunked else 0.0, step_rel_peak=chunked[1][i + 1] if chunked else 0,
+            save_sets=save_sets.get(i, {}),
         ))
     unit_saved = sum(g.nbytes for g in groups if g.savers)
     batch = None  # the first dimension of the first batched input tensor, positional first, then keyword
@@ -1073,6 +1156,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "optimizer_fingerprint": optimizer_fingerprint(optimizer) if optimizer is not None else None,
             "units_rule": units if units in ("auto", "fine") else "depth" if isinstance(units, int) else "names",
             "split": split,  # units="fine": module split into its children -> its class (the table's hierarchy)
+            "selective": ({"measured": True, "notes": sac_notes} if selective else None),
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,

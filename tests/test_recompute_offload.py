@@ -22,11 +22,7 @@ RO = "recompute_offload"
 def test_hf_gpt2_with_its_cache(units):
     transformers = pytest.importorskip("transformers")
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-
-    def step(model):
-        out = model(input_ids=ids, labels=ids)
-        cache = out.past_key_values
-        return out.loss, lambda: [layer.keys.shape[-2] for layer in cache.layers]
+    step = third.gpt2_cache_step(ids)
 
     prof = memopt.profile(third.gpt2(transformers), loss_fn=lambda o: o.loss, units=units, repeats=1, input_ids=ids,
                           labels=ids)

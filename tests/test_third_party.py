@@ -84,6 +84,17 @@ def gpt2(transformers):
 GPT2_BLOCKS = ["transformer.h.0", "transformer.h.1"]
 
 
+def gpt2_cache_step(ids):
+    """A GPT-2 training step whose extra is the returned cache's lengths after backward (extended once, not twice)."""
+
+    def step(model):
+        out = model(input_ids=ids, labels=ids)
+        cache = out.past_key_values
+        return out.loss, lambda: [layer.keys.shape[-2] for layer in cache.layers]
+
+    return step
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("strategy", ["recompute", "swap"])
 def test_hf_gpt2_cache_and_padding_mask(transformers, strategy, masked):

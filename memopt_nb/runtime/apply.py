@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..distributed import check_state_placements, order_guard, unwrap
 from ..errors import PlanError
 from ..plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
-from .recompute import ReplayGuard, checkpointed, checkpointed_call
+from .recompute import ReplayGuard, checkpointed
 from .state import Placement, StateManager
 from .storages import plain_storage_ptrs
 from .swap import SwapEngine
@@ -108,13 +108,14 @@ class PlannedForward:
     copy made inside the block is an independent model without the plan.
     """
 
-    __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "inner")
+    __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "inner", "save_ops")
 
     def __init__(self, applied: AppliedPlan, index: int, module: nn.Module, strategy: str, previous: Any,
                  guard: ReplayGuard | None, model_ptrs: set[int]) -> None:
         self.applied, self.index, self.module, self.strategy = applied, index, module, strategy
         self.previous, self.guard, self.model_ptrs = previous, guard, model_ptrs
         self.inner = _unplanned_forward(module, previous)
+        self.save_ops = applied.plan.decisions[index].save_ops or None  # selective: the op outputs it keeps
 
     @property
     def __memopt__(self) -> tuple[AppliedPlan, int]:
@@ -130,11 +131,11 @@ class PlannedForward:
         if engine is None or engine.closed:
             if self.guard is None:  # a keep unit of a plan removed while another thread still runs
                 return inner(*args, **kwargs)
-            return checkpointed_call(self.guard, inner, *args, **kwargs)
+            return checkpointed(self.guard, inner, args, kwargs, save_ops=self.save_ops)
         index = self.index
         p = engine.begin_unit(index)
         if self.guard is not None and self.strategy != "recompute_offload":
-            out = checkpointed_call(self.guard, inner, *args, **kwargs)
+            out = checkpointed(self.guard, inner, args, kwargs, save_ops=self.save_ops)
         else:
             ptrs = self.model_ptrs | plain_storage_ptrs(self.module.parameters())
             if self.guard is not None:  # recompute_offload: the inputs its checkpoint keeps go to the host

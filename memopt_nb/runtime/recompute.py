@@ -30,12 +30,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import PlanError
 
 __all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "cache_tensors", "checkpointed", "checkpointed_call",
-           "forward_side_effects", "is_cache", "running_stat_modules"]
+           "forward_side_effects", "is_cache", "running_stat_modules", "save_policy", "sac_counts_op"]
 
 def running_stat_modules(module: nn.Module) -> list[nn.Module]:
     """Submodules whose training-mode forward updates running statistics (BatchNorm and friends)."""
@@ -342,12 +342,48 @@ def _fetched(fetch: Callable[[Any], torch.Tensor], held: _Held) -> torch.Tensor:
     return t.requires_grad_() if held.requires_grad else t
 
 
+def sac_counts_op(func: Any) -> bool:
+    """Whether selective checkpointing counts calls of ``func`` (it skips a few bookkeeping ops such as ``detach``):
+    the call indices of a save-set are counted the same way."""
+    return func not in SAC_IGNORED_OPS
+
+
+def save_policy(save_ops: Any) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint`` that keeps the outputs of the listed op calls (its two modes
+    are what :func:`checkpointed` enters around the unit's first forward and its recomputation).
+
+    ``save_ops``: ``(op name, call index)`` pairs, the index counted per op over the unit's forward
+    (``("aten.mm.default", 1)`` is its second ``mm``), as :func:`memopt_nb.profile` lists them in a unit's
+    ``save_sets``. Every other op is recomputed in backward. Torch's selective checkpointing
+    (``create_selective_checkpoint_contexts``) does the caching; the policy only picks the calls.
+    """
+    wanted = frozenset((str(op), int(i)) for op, i in save_ops)
+
+    def context_fn() -> tuple[Any, Any]:
+        counts: collections.Counter[str] = collections.Counter()
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if ctx.is_recompute:  # torch replays the first forward's decisions; asked only in the forward here
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            name = str(func)
+            index = counts[name]
+            counts[name] += 1
+            return CheckpointPolicy.MUST_SAVE if (name, index) in wanted else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
 def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict, *,
                  hold: Callable[[torch.Tensor], Any] | None = None,
-                 fetch: Callable[[Any], torch.Tensor] | None = None) -> Any:
+                 fetch: Callable[[Any], torch.Tensor] | None = None,
+                 save_ops: Any = None) -> Any:
     """:func:`checkpointed_call` with the arguments as a tuple and a dict; with ``hold`` and ``fetch``, the tensors
     among them (pytree leaves) are kept for the recomputation as ``hold(t)`` — a swap-engine handle, so the storage can
-    go to the host — and ``fetch(handle)`` gives them back when the recomputation starts (``recompute_offload``)."""
+    go to the host — and ``fetch(handle)`` gives them back when the recomputation starts (``recompute_offload``).
+    With ``save_ops`` (``selective``), the outputs of those op calls are kept and not recomputed (see
+    :func:`save_policy`)."""
     if not isinstance(guard, ReplayGuard):
         guard = ReplayGuard(guard, strict=False)
     memo: list[Any] = []
@@ -356,9 +392,15 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
     # later units extend, is not held until this unit's backward (what a profile's storage groups assume)
     held: list[Any] = [args, kwargs]
 
+    first_fwd, again_fwd = forward, forward
+    if save_ops:  # the selective modes around the unit's forward only, not around the guard's own bookkeeping
+        caching, cached = save_policy(save_ops)()
+        first_fwd = _under(caching, forward)
+        again_fwd = _under(cached, forward)
+
     def run(*_devices: Any) -> Any:  # the tensors passed only tell checkpoint which devices' RNG to keep
         if not memo:
-            out, state = guard.first(forward, held[0], held[1])
+            out, state = guard.first(first_fwd, held[0], held[1])
             memo.append(state)
             if state[1]:
                 held[:] = _without_caches(held[0], held[1])
@@ -369,13 +411,21 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
         a, k = held
         if fetch is not None:  # a fetched tensor needs grad as the input did: ops save the same tensors again
             a, k = tree_map(lambda v: _fetched(fetch, v) if isinstance(v, _Held) else v, (a, k))
-        return guard.again(forward, a, k, memo[0])
+        return guard.again(again_fwd, a, k, memo[0])
 
     leaves = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
     # with ``hold``, checkpoint must not keep the inputs themselves: an empty tensor per device tells it the devices
     tensors = leaves if hold is None else [torch.empty(0, device=d) for d in dict.fromkeys(t.device for t in leaves)]
     del args, kwargs, leaves
     return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
+
+
+def _under(mode: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return forward(*args, **kwargs)
+
+    return call
 
 
 # ====================================================================== what a profile needs to know
