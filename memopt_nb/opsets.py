@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .plan import SAVE_SETS
-from .runtime.recompute import sac_counts_op
+from .runtime.recompute import checkpointed_call, sac_counts_op
 
-__all__ = ["OpCall", "OpRecorder", "op_kind", "propose_save_sets", "mark_pareto"]
+__all__ = ["OpCall", "OpRecorder", "mark_pareto", "op_kind", "propose_save_sets", "record_ops"]
 
 _MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "_scaled_mm", "cudnn_convolution",
                "mkldnn_convolution", "_int_mm")
@@ -140,6 +142,40 @@ class OpRecorder(TorchDispatchMode):
         calls.append(OpCall(name, index, sum(st.nbytes() for st in new.values()), seconds,
                             refs=[StorageWeakRef(st) for st in new.values()], ptrs=set(new)))
         return out
+
+
+def record_ops(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any],
+             names: list[str]) -> dict[int, list[OpCall]]:
+    """Each unit's op calls (by unit index), from one forward of ``model(*inputs, **kwargs)`` with every unit (a
+    qualified module name) under plain checkpointing, as the profile's ``selective=True`` records them."""
+    recorder = OpRecorder()
+    installed: list[tuple[nn.Module, Any]] = []
+
+    def wrap(index: int, module: nn.Module, inner: Callable) -> Callable:
+        def forward(*args: Any, **kw: Any) -> Any:
+            recorder.begin(index)
+            out = checkpointed_call(module, inner, *args, **kw)
+            recorder.end()  # while its output is alive: what is still referenced now has escaped the unit
+            return out
+
+        return forward
+
+    try:
+        for index, name in enumerate(names):
+            module = model.get_submodule(name)
+            previous = module.__dict__.get("forward")
+            module.forward = wrap(index, module, previous or type(module).forward.__get__(module, type(module)))
+            installed.append((module, previous))
+        with recorder:
+            out = model(*inputs, **kwargs)
+        del out
+    finally:
+        for module, previous in reversed(installed):
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+    return recorder.calls
 
 
 def propose_save_sets(calls: list[OpCall]) -> dict[str, dict[str, Any]]:

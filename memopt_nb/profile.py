@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_leaves
 from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import ProfileError
-from .opsets import OpCall, OpRecorder, mark_pareto, propose_save_sets
+from .opsets import mark_pareto, propose_save_sets, record_ops
 from .plan import SAVE_SETS, model_fingerprint, optimizer_fingerprint, unit_fingerprint
 from .runtime.measure import model_device
 from .runtime.memory import meter_for
@@ -49,7 +49,6 @@ from .runtime.recompute import (
     ForwardEffects,
     cache_tensors,
     checkpointed,
-    checkpointed_call,
     forward_side_effects,
     is_cache,
     running_stat_modules,
@@ -940,39 +939,6 @@ def _segments_from(marks: list[tuple[Any, int, int]], n_units: int) -> tuple[lis
 
 
 #: profile()'s own keyword options; every other keyword goes to the model.
-def _op_pass(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any],
-             names: list[str]) -> dict[int, list[OpCall]]:
-    """One forward with every unit under plain checkpointing, recording each unit's op calls (``selective=True``)."""
-    recorder = OpRecorder()
-    installed: list[tuple[nn.Module, Any]] = []
-
-    def wrap(index: int, module: nn.Module, inner: Callable) -> Callable:
-        def forward(*args: Any, **kw: Any) -> Any:
-            recorder.begin(index)
-            out = checkpointed_call(module, inner, *args, **kw)
-            recorder.end()  # while its output is alive: what is still referenced now has escaped the unit
-            return out
-
-        return forward
-
-    try:
-        for index, name in enumerate(names):
-            module = model.get_submodule(name)
-            previous = module.__dict__.get("forward")
-            module.forward = wrap(index, module, previous or type(module).forward.__get__(module, type(module)))
-            installed.append((module, previous))
-        with recorder:
-            out = model(*inputs, **kwargs)
-        del out
-    finally:
-        for module, previous in reversed(installed):
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-    return recorder.calls
-
-
 def _save_sets(proposed: dict[int, dict[str, dict[str, Any]]], sac_marks: dict[str, list], rc_marks: list,
                labels_ref: list, segs: list[Segment], fwd_seg: dict, bwd_seg: dict) -> tuple[dict[int, dict], list]:
     """Each unit's measured save-sets from the selective steps' marks against the all-recompute step's, and what
@@ -1081,7 +1047,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         proposed: dict[int, dict[str, dict[str, Any]]] = {}
         sac_marks: dict[str, list] = {}
         if selective:
-            calls = _op_pass(model, inputs, kwargs, names)
+            calls = record_ops(model, inputs, kwargs, names)
             proposed = {i: propose_save_sets(calls.get(i, [])) for i in range(n)}
             for set_name in SAVE_SETS:
                 ops = {i: p[set_name]["ops"] for i, p in proposed.items() if set_name in p}

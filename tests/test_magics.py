@@ -53,7 +53,7 @@ def test_help_comes_from_magic_arguments(ip):
     assert "--budget" in doc and "--device" in doc and "--no-widget" in doc and "60%" in doc
     assert f"default: {magics.DEFAULT_PLAN_NAME}" in doc
     doc = ip.find_line_magic("memopt_profile").__doc__
-    for opt in ("--loss", "--optimizer", "--units", "-o", "-q", "--model", "--inputs"):
+    for opt in ("--loss", "--optimizer", "--units", "--selective", "-o", "-q", "--model", "--inputs"):
         assert opt in doc
 
 
@@ -73,6 +73,14 @@ def test_star_inputs_optimizer_class_units_and_quiet(ip):
     assert out is None
     p1 = ip.user_ns["p1"]
     assert p1.unit_names == ["blocks.1"] and p1.optimizer_state_bytes > 0
+    assert p1.meta["selective"] is None
+
+
+def test_selective_flag_measures_save_sets(ip):
+    ip.run_line_magic("memopt_profile", "model x --loss loss_fn --repeats 1 --selective -q -o psel")
+    psel = ip.user_ns["psel"]
+    assert psel.meta["selective"]["measured"] is True
+    assert any("matmuls" in u.save_sets for u in psel.units)
 
 
 def test_trailing_semicolon_silences(ip):

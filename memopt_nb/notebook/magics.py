@@ -278,6 +278,9 @@ class MemoptMagics(Magics):
                       "into their submodules where that lowers the largest unit), a depth in the module tree, or "
                       "comma-separated module names")
     @ma.argument("--repeats", type=int, default=3, help="timed steps; times are medians (default 3)")
+    @ma.argument("--selective", action="store_true",
+                 help="also measure each unit's save-sets for selective checkpointing (then %%memopt_plan "
+                      "--strategies may include selective)")
     @ma.argument("-o", "--output", metavar="NAME", help="store the ModelProfile in the notebook as NAME")
     @ma.argument("-q", "--quiet", action="store_true", help="do not display the profile")
     @output_can_be_silenced
@@ -285,7 +288,8 @@ class MemoptMagics(Magics):
     def memopt_profile(self, line: str, cell: str | None = None) -> Any:
         """Profile one training step of a model per unit: forward/backward time and saved activations, and its peak.
 
-        Line magic: ``%memopt_profile MODEL INPUT... [--loss EXPR] [--optimizer NAME] [--units U] [-o NAME] [-q]``
+        Line magic: ``%memopt_profile MODEL INPUT... [--loss EXPR] [--optimizer NAME] [--units U] [--selective]
+        [-o NAME] [-q]``
         profiles objects already in the notebook. Cell magic: ``%%memopt_profile --model NAME --inputs NAME...``
         runs the cell first (its names stay defined; its last expression is not displayed), then profiles the model
         it defines. Returns the ``ModelProfile`` (shown as a table with a
@@ -315,7 +319,7 @@ class MemoptMagics(Magics):
             raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
         try:
             prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=optimizer, units=units,
-                                  repeats=args.repeats, model_kwargs=input_kwargs)
+                                  repeats=args.repeats, model_kwargs=input_kwargs, selective=args.selective)
         except memopt.MemoptError as exc:
             raise UsageError(f"memopt.profile: {exc}") from None
         if args.output:
