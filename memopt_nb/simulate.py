@@ -51,8 +51,8 @@ copies to host the runtime waits for (gradients at the end of their unit's backw
 step) show in full. The unit-by-unit step costs ``chunked_step_extra`` over the plain one whenever any unit moves.
 
 **Time**: segment durations (scaled to the target device, see :meth:`DeviceSpec.time_factor`), plus a recomputed
-unit's forward in its backward (a selective unit's ``recompute_time``), plus the copies, priced by :meth:`DeviceSpec.copy_seconds` (bytes over the link plus
-``copy_overhead_s`` per storage, each direction):
+unit's forward in its backward (a selective unit's ``recompute_time``), plus the copies, priced by
+:meth:`DeviceSpec.copy_seconds` (bytes over the link plus ``copy_overhead_s`` per storage, each direction):
 
 * with ``copy_overlap`` (GPU copy engines; the CPU when the copy threads have a spare core) the bytes term runs on two
   first-in-first-out copy queues beside compute and costs only stalls: the forward waits at a release point for its
