@@ -45,7 +45,8 @@ or the one measured with the unit recomputed, for that unit's forward and backwa
 
 **Time**: every segment's profiled duration times the device's time factor, plus a recomputed unit's forward in its
 backward (for a selective unit, its save-set's ``recompute_time``). Each copy *job* takes :func:`copy_seconds`.
-Copy jobs to host are formed per (issue boundary, drop boundary), issued earliest drop first; copies back per owner, issued at the start of the trigger's backward, highest owner first.
+Copy jobs to host are formed per (issue boundary, drop boundary), issued earliest drop first; copies back per owner,
+issued at the start of the trigger's backward, highest owner first.
 With ``copy_overlap`` (GPUs; the CPU when the copy threads have a spare core) each direction is one first-in-first-out
 engine beside the compute stream that carries the bytes: the forward waits at a drop boundary until every copy due
 there has finished, and a unit's backward waits until its own copy back has finished; the per-storage part
