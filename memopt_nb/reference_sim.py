@@ -22,8 +22,11 @@ or the one measured with the unit recomputed, for that unit's forward and backwa
   done with, and the Hugging Face KV cache in it), else through the segment after the last unit's forward. A group
   that no unit saves and that is still referenced all step belongs to the caller (the batch) and no plan moves it;
   neither does one that code outside units saves and never lets go of.
-* *recomputed* units are those with ``recompute`` or ``recompute_offload``; *offloading* units those with ``swap``
-  or ``recompute_offload``.
+* *recomputed* units are those with ``recompute``, ``recompute_offload`` or ``selective``; *offloading* units those
+  with ``swap`` or ``recompute_offload``. A ``selective`` unit counts as plain ``recompute`` below (its checkpoint
+  keeps its inputs on the device); besides, the outputs its save-set keeps (the profile's ``held_bytes`` for that
+  save-set) are on the device from the boundary after its forward to the boundary after its backward, and its
+  forward and backward segments peak by the save-set's ``fwd_rel_peak`` / ``bwd_rel_peak``.
 * *holders*: every unit that saves it holds it until its own backward, except its producer when the producer is
   recomputed (recomputation recreates it); a recomputed unit that takes it as input holds it until its backward
   (checkpointing keeps inputs; a tensor of a cache passed in is an input: the recomputation keeps a copy of the cache
@@ -41,8 +44,9 @@ or the one measured with the unit recomputed, for that unit's forward and backwa
   backward needs them).
 
 **Time**: every segment's profiled duration times the device's time factor, plus a recomputed unit's forward in its
-backward. Each copy *job* takes :func:`copy_seconds`. Copy jobs to host are formed per (issue boundary, drop boundary),
-issued earliest drop first; copies back per owner, issued at the start of the trigger's backward, highest owner first.
+backward (for a selective unit, its save-set's ``recompute_time``). Each copy *job* takes :func:`copy_seconds`.
+Copy jobs to host are formed per (issue boundary, drop boundary), issued earliest drop first; copies back per owner,
+issued at the start of the trigger's backward, highest owner first.
 With ``copy_overlap`` (GPUs; the CPU when the copy threads have a spare core) each direction is one first-in-first-out
 engine beside the compute stream that carries the bytes: the forward waits at a drop boundary until every copy due
 there has finished, and a unit's backward waits until its own copy back has finished; the per-storage part
@@ -81,7 +85,7 @@ from typing import Any
 
 from .device import DeviceSpec
 from .errors import PlanError, ProfileError
-from .plan import STATE_CHOICES, STRATEGIES, Plan
+from .plan import SAVE_SETS, STATE_CHOICES, STRATEGIES, Plan
 
 __all__ = ["CopyJob", "Replay", "copy_seconds", "prefetch_triggers", "replay", "thread_seconds"]
 
@@ -183,33 +187,63 @@ def prefetch_triggers(strategies: Sequence[str], distances: Sequence[int]) -> li
     return [min(t for j, t in wanted.items() if j >= i) if i in wanted else None for i in range(n)]
 
 
+_SELECTIVE_CODE = STRATEGIES.index("selective")  # codes _SELECTIVE_CODE + j: selective with SAVE_SETS[j]
+
+
 def _decode(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None,
-            distances: Sequence[int] | None) -> tuple[list[str], list[int], list[int]]:
+            distances: Sequence[int] | None) -> tuple[list[str], list[int], list[int], list[str]]:
+    """Strategies, windows, distances and save-sets (``""`` for units that are not selective), from a Plan or from
+    lists; a strategy is a name (``"selective:<save-set>"`` for selective) or a code."""
     n = len(profile.units)
     if isinstance(plan, Plan):
         plan.validate(profile)
-        return plan.strategies, plan.offload_windows, plan.prefetch_distances
+        return plan.strategies, plan.offload_windows, plan.prefetch_distances, [d.save_set for d in plan.decisions]
     if windows is None or distances is None:
         raise PlanError("replay(profile, strategies, windows, distances): give windows and distances with a list of "
                         "strategies, or pass a Plan")
-    strategies = []
+    strategies, save_sets = [], []
     for s in plan:
+        save_set = ""
         if isinstance(s, str):
-            name = s
+            name, _, save_set = s.partition(":")
+            if name == "selective" and save_set not in SAVE_SETS:
+                raise PlanError(f"a selective unit is given as 'selective:<save-set>' with a save-set among "
+                                f"{', '.join(SAVE_SETS)}; got {s!r}")
         else:
             code = int(s)
-            if not 0 <= code < len(STRATEGIES):
+            if not 0 <= code < _SELECTIVE_CODE + len(SAVE_SETS):
                 raise PlanError(f"strategy code {code} is not one of 0 (keep), 1 (recompute), 2 (swap), "
-                                "3 (recompute_offload)")
-            name = STRATEGIES[code]
-        if name not in STRATEGIES:
-            raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
+                                f"3 (recompute_offload), {_SELECTIVE_CODE}.."
+                                f"{_SELECTIVE_CODE + len(SAVE_SETS) - 1} (selective: {', '.join(SAVE_SETS)})")
+            name = STRATEGIES[min(code, _SELECTIVE_CODE)]
+            if code >= _SELECTIVE_CODE:
+                save_set = SAVE_SETS[code - _SELECTIVE_CODE]
+        if name not in STRATEGIES or (save_set and name != "selective"):
+            raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, got {s!r}")
         strategies.append(name)
+        save_sets.append(save_set)
     ws, ds = [int(x) for x in windows], [int(x) for x in distances]
     if not len(strategies) == len(ws) == len(ds) == n:
         raise PlanError(f"expected {n} strategies, windows and distances (one per unit), got {len(strategies)}, "
                         f"{len(ws)}, {len(ds)}")
-    return strategies, ws, ds
+    return strategies, ws, ds, save_sets
+
+
+def _save_set_costs(units: Sequence[Any], save_sets: Sequence[str]) -> list[dict[str, Any] | None]:
+    """Per unit the profile's entry for the save-set the plan gives it (``None`` when it is not selective)."""
+    out: list[dict[str, Any] | None] = []
+    for up, name in zip(units, save_sets, strict=True):
+        if not name:
+            out.append(None)
+            continue
+        entry = (getattr(up, "save_sets", None) or {}).get(name)
+        if entry is None:
+            offered = ", ".join(getattr(up, "save_sets", None) or {}) or "none"
+            raise PlanError(f"unit {up.index} ({up.name}): selective with save-set {name!r}, which its profile does "
+                            f"not offer (it offers: {offered}); profile the model with memopt.profile(..., "
+                            "selective=True) or choose another strategy")
+        out.append(entry)
+    return out
 
 
 class _StateReplay:
@@ -369,13 +403,14 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
            states: Sequence[Any] | None = None) -> Replay:
     """Replay one training step of ``profile`` under a plan on ``device`` (default: the profiled device).
 
-    ``plan`` is a :class:`~memopt_nb.plan.Plan` (its placements count), or a list of strategies (names, or codes
-    0 keep / 1 recompute / 2 swap / 3 recompute_offload) given with ``windows`` and ``distances``, and optionally
+    ``plan`` is a :class:`~memopt_nb.plan.Plan` (its placements count), or a list of strategies (names, with
+    ``"selective:<save-set>"`` for selective, or codes 0 keep / 1 recompute / 2 swap / 3 recompute_offload /
+    ``4 + j`` selective with ``SAVE_SETS[j]``) given with ``windows`` and ``distances``, and optionally
     ``states``: per unit an ``(optimizer, grads, params)`` placement or an index into
     :data:`~memopt_nb.plan.STATE_CHOICES`. See the module docstring for the rules.
     """
     dev = DeviceSpec.resolve(device, profile.device)
-    strategies, windows_, distances_ = _decode(profile, plan, windows, distances)
+    strategies, windows_, distances_, save_sets = _decode(profile, plan, windows, distances)
     if isinstance(plan, Plan):
         placements = plan.placements
     elif states is None:
@@ -386,9 +421,10 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
         raise PlanError(f"expected {len(profile.units)} placements (one per unit), got {len(placements)}")
     units, segments = profile.units, profile.segments
     n = len(units)
-    rc = [s in ("recompute", "recompute_offload") for s in strategies]  # recomputed
+    rc = [s in ("recompute", "recompute_offload", "selective") for s in strategies]  # recomputed
     ro = [s == "recompute_offload" for s in strategies]  # recomputed, inputs offloaded
-    plain_rc = [s == "recompute" for s in strategies]  # recomputed, inputs kept
+    plain_rc = [s in ("recompute", "selective") for s in strategies]  # recomputed, inputs kept
+    chosen = _save_set_costs(profile.units, save_sets)  # a selective unit's save-set costs
     offloading = [s in ("swap", "recompute_offload") for s in strategies]
     if any(offloading) and not dev.has_host_link:
         used = ", ".join(sorted(set(strategies) & {"swap", "recompute_offload"}))
@@ -426,6 +462,10 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     def change(boundary: int, nbytes: int) -> None:
         ledger[boundary] = ledger.get(boundary, 0) + nbytes
 
+    for u, entry in enumerate(chosen):  # a selective unit's save-set: held after its forward, through its backward
+        if entry is not None:
+            change(fwd_at[u] + 1, int(entry["held_bytes"]))
+            change(bwd_at[u] + 1, -int(entry["held_bytes"]))
     offloads: dict[int, dict[int, list[Any]]] = {}  # issue boundary -> drop boundary -> groups
     returns: dict[int, list[Any]] = {}  # owner -> its offloaded groups
     owner_of: dict[int, int] = {}  # id(group) -> its owner, for offloaded groups
@@ -526,13 +566,16 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
                 bwd_stall += wait
                 t += wait
             if rc[u]:
-                redo = units[u].fwd_time * factor
+                redo = (units[u].fwd_time if chosen[u] is None else float(chosen[u]["recompute_time"])) * factor
                 recompute += redo
                 dur += redo
         level = seg.start_level + extra + state.extra(k)
         own = seg.rel_peak
         if seg.kind in ("fwd", "bwd") and rc[seg.unit]:
             own = units[seg.unit].rc_fwd_rel_peak if seg.kind == "fwd" else units[seg.unit].rc_bwd_rel_peak
+            entry = chosen[seg.unit]
+            if entry is not None:
+                own = int(entry["fwd_rel_peak"] if seg.kind == "fwd" else entry["bwd_rel_peak"])
         peak = level + own
         peak += state.backward_step_gap(k)
         phase = "forward" if k < forward_end else "backward"

@@ -17,6 +17,13 @@ every storage group (see :class:`~memopt_nb.profile.StorageGroup`), plus the seg
   window; or the end of the forward) until the backward of the owner's trigger unit, where the copy back allocates it
   again. Without ``recompute_offload`` in a plan the owner is simply the last unit that saves it.
 
+A ``selective`` unit (selective checkpointing with one of its profiled save-sets, see
+:data:`~memopt_nb.plan.SAVE_SETS`) is recomputed for every rule above, like plain ``recompute`` (it does not hold
+what it produced, its checkpoint holds its inputs, which are therefore never offloaded); in addition the outputs its
+save-set keeps, ``held_bytes``, are on the device in every segment after its forward up to and including its
+backward, its forward and backward segments peak by the save-set's ``fwd_rel_peak`` / ``bwd_rel_peak``, and its
+backward recomputes for the save-set's ``recompute_time`` instead of the whole forward.
+
 These rules are exactly what the runtime does, so memory is predicted from structure, not from timing.
 
 **Optimizer state, gradients and parameters** (plan schema 2; :class:`StateTable`). Each unit's placement
@@ -44,8 +51,8 @@ copies to host the runtime waits for (gradients at the end of their unit's backw
 step) show in full. The unit-by-unit step costs ``chunked_step_extra`` over the plain one whenever any unit moves.
 
 **Time**: segment durations (scaled to the target device, see :meth:`DeviceSpec.time_factor`), plus a recomputed
-unit's forward in its backward, plus the copies, priced by :meth:`DeviceSpec.copy_seconds` (bytes over the link plus
-``copy_overhead_s`` per storage, each direction):
+unit's forward in its backward (a selective unit's ``recompute_time``), plus the copies, priced by
+:meth:`DeviceSpec.copy_seconds` (bytes over the link plus ``copy_overhead_s`` per storage, each direction):
 
 * with ``copy_overlap`` (GPU copy engines; the CPU when the copy threads have a spare core) the bytes term runs on two
   first-in-first-out copy queues beside compute and costs only stalls: the forward waits at a release point for its
@@ -70,12 +77,38 @@ import numpy as np
 from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import PlanError
-from .plan import STATE_CHOICES, Plan
+from .plan import SAVE_SETS, STATE_CHOICES, Plan
 from .reference_sim import Replay, replay
 
-KEEP, RECOMPUTE, SWAP, RECOMPUTE_OFFLOAD = 0, 1, 2, 3
-CODES = {"keep": KEEP, "recompute": RECOMPUTE, "swap": SWAP, "recompute_offload": RECOMPUTE_OFFLOAD}
-NAMES = {v: k for k, v in CODES.items()}
+KEEP, RECOMPUTE, SWAP, RECOMPUTE_OFFLOAD, SELECTIVE = 0, 1, 2, 3, 4
+#: Strategy name -> its code (``"selective"``: the base code; save-set ``j`` of :data:`~memopt_nb.plan.SAVE_SETS` is
+#: ``SELECTIVE + j``, see :func:`code_of`).
+CODES = {"keep": KEEP, "recompute": RECOMPUTE, "swap": SWAP, "recompute_offload": RECOMPUTE_OFFLOAD,
+         "selective": SELECTIVE}
+#: Code -> strategy name; every selective code (``SELECTIVE + j``) names ``"selective"``.
+NAMES = {**{v: k for k, v in CODES.items()}, **{SELECTIVE + j: "selective" for j in range(len(SAVE_SETS))}}
+
+
+def code_of(strategy: str, save_set: str = "") -> int:
+    """The code of ``strategy`` (with its save-set for ``"selective"``: ``SELECTIVE + SAVE_SETS.index(save_set)``)."""
+    if strategy == "selective":
+        if save_set not in SAVE_SETS:
+            raise PlanError(f"a selective unit needs a save-set, one of {', '.join(SAVE_SETS)}; got {save_set!r}")
+        return SELECTIVE + SAVE_SETS.index(save_set)
+    if strategy not in CODES:
+        raise PlanError(f"strategy must be one of {', '.join(CODES)}, got {strategy!r}")
+    return CODES[strategy]
+
+
+def save_set_of(code: int) -> str:
+    """The save-set a strategy code stands for (``""`` for the codes below :data:`SELECTIVE`)."""
+    code = int(code)
+    if code < SELECTIVE:
+        return ""
+    if code - SELECTIVE >= len(SAVE_SETS):
+        raise PlanError(f"strategy code {code} is not a strategy: selective codes are {SELECTIVE}.."
+                        f"{SELECTIVE + len(SAVE_SETS) - 1} ({', '.join(SAVE_SETS)})")
+    return SAVE_SETS[code - SELECTIVE]
 
 
 @dataclass(frozen=True)
@@ -171,8 +204,10 @@ class Simulator:
     """A profile compiled for fast, vectorized plan evaluation (the planners' inner loop).
 
     ``Simulator(profile, device).evaluate(strategies, windows, distances)`` takes ``(B, n)`` integer arrays (strategy
-    codes 0 keep, 1 recompute, 2 swap, 3 recompute_offload) and returns peak bytes and step seconds, each shape
-    ``(B,)``.
+    codes 0 keep, 1 recompute, 2 swap, 3 recompute_offload, ``SELECTIVE + j`` selective with save-set ``j`` of
+    :data:`~memopt_nb.plan.SAVE_SETS`, see :func:`code_of`) and returns peak bytes and step seconds, each shape
+    ``(B,)``. A selective code for a save-set the unit's profile does not have raises
+    :class:`~memopt_nb.errors.PlanError`.
     """
 
     def __init__(self, profile: Any, device: DeviceSpec | str | None = None) -> None:
@@ -200,6 +235,7 @@ class Simulator:
         for u in range(n):
             self.next_unit[self.fwd_seg[u]] = u
             self.next_unit[self.fwd_seg[u] + 1] = u + 1
+        self._compile_save_sets(profile.units)
         self.swappable = np.array([u.swappable for u in profile.units]) & self.device.has_host_link
         self.recomputable = np.array([u.recomputable for u in profile.units])
         self.bw_d2h = self.device.d2h_bytes_per_s or 1.0
@@ -207,6 +243,48 @@ class Simulator:
         self._compile_groups(profile.groups)
         self.step_segment = int(getattr(profile, "step_segment", -1))
         self._state: StateTable | None = None
+
+    def _compile_save_sets(self, units: Sequence[Any]) -> None:
+        """Per unit and save-set (``(n, len(SAVE_SETS))``): whether the profile has it and whether it is Pareto, and
+        what it costs when the unit runs selective with it (bytes held from the end of its forward to its backward,
+        seconds of recompute on this device, its forward and backward segments' peaks above their start)."""
+        n, K = self.n, len(SAVE_SETS)
+        self.sel_has = np.zeros((n, K), dtype=bool)
+        self.sel_pareto = np.zeros((n, K), dtype=bool)
+        self.sel_held = np.zeros((n, K))
+        self.sel_time = np.zeros((n, K))
+        self.sel_fwd_rel = np.zeros((n, K))
+        self.sel_bwd_rel = np.zeros((n, K))
+        for u, up in enumerate(units):
+            for name, entry in (getattr(up, "save_sets", None) or {}).items():
+                if name not in SAVE_SETS:
+                    continue
+                j = SAVE_SETS.index(name)
+                self.sel_has[u, j] = True
+                self.sel_pareto[u, j] = bool(entry.get("pareto", False))
+                self.sel_held[u, j] = int(entry["held_bytes"])
+                self.sel_time[u, j] = float(entry["recompute_time"]) * self.factor
+                self.sel_fwd_rel[u, j] = int(entry["fwd_rel_peak"])
+                self.sel_bwd_rel[u, j] = int(entry["bwd_rel_peak"])
+
+    def _selective_of(self, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For ``(B, n)`` codes: which units run selective, and the index of their save-set (0 elsewhere); a code
+        that names a save-set the profile does not have for its unit raises :class:`PlanError`."""
+        sel = s >= SELECTIVE
+        j = np.where(sel, s - SELECTIVE, 0)
+        if sel.any():
+            K = len(SAVE_SETS)
+            bad = sel & ((j >= K) | ~self.sel_has[np.arange(self.n)[None], np.minimum(j, K - 1)])
+            if bad.any():
+                b, u = (int(x[0]) for x in np.nonzero(bad))
+                code = int(s[b, u])
+                what = (f"save-set {SAVE_SETS[code - SELECTIVE]!r}" if code - SELECTIVE < len(SAVE_SETS)
+                        else f"code {code}")
+                raise PlanError(f"unit {u} ({self.profile.units[u].name}): selective with {what}, which its profile "
+                                f"does not offer (it offers: {', '.join(self.profile.units[u].save_sets) or 'none'}); "
+                                "profile the model with memopt.profile(..., selective=True) or choose another "
+                                "strategy")
+        return sel, j
 
     # ------------------------------------------------------------------ optimizer state, gradients, parameters
     def state_table(self) -> StateTable:
@@ -403,7 +481,9 @@ class Simulator:
                             f"{w.shape}, {d.shape}")
         ro = s == RECOMPUTE_OFFLOAD
         any_ro = bool(ro.any())
-        rc = (s == RECOMPUTE) | ro  # recomputed (plain or with its inputs offloaded)
+        sel, sel_j = self._selective_of(s)
+        any_sel = bool(sel.any())
+        rc = (s == RECOMPUTE) | ro | sel  # recomputed (plain, with its inputs offloaded, or selectively)
         sw = (s == SWAP) | ro  # offloads to the host, with the swap timing
         rows = np.arange(B)[:, None]
         # effective prefetch triggers (descending scan)
@@ -451,11 +531,20 @@ class Simulator:
         flat = (np.arange(B) * (S + 2))[:, None]
         idx = np.concatenate([plan_end + 1, np.broadcast_to(self.g_base_end + 1, (B, G)), r_pos, t_pos], axis=1)
         val = np.concatenate([-nb * np.ones((B, 1)), nb * np.ones((B, 1)), -nb * off, nb * off], axis=1)
+        units = np.arange(n)[None]
+        if any_sel:  # what a selective unit's save-set keeps: held after its forward, through its backward
+            held = np.where(sel, self.sel_held[units, sel_j], 0.0)
+            idx = np.concatenate([idx, np.broadcast_to(self.fwd_seg + 1, (B, n)),
+                                  np.broadcast_to(self.bwd_seg + 1, (B, n))], axis=1)
+            val = np.concatenate([val, held, -held], axis=1)
         D = np.bincount((flat + np.clip(idx, 0, S + 1)).ravel(), weights=val.ravel(), minlength=B * (S + 2))
         delta = np.cumsum(D.reshape(B, S + 2), axis=1)[:, :S]
         unit_of = np.maximum(self.seg_unit, 0)
         seg_rc = (self.seg_unit >= 0)[None] & rc[:, unit_of]
         rel = np.where(seg_rc, self.rc_rel[None], self.rel[None])
+        if any_sel:
+            rel[:, self.fwd_seg] = np.where(sel, self.sel_fwd_rel[units, sel_j], rel[:, self.fwd_seg])
+            rel[:, self.bwd_seg] = np.where(sel, self.sel_bwd_rel[units, sel_j], rel[:, self.bwd_seg])
         st_seg, st_step, st_time, st_moved = self._state_part(states, B)
         peaks = self.start_level[None] + delta + rel + st_seg
         peak = np.maximum(peaks.max(axis=1), st_step) if states is not None else peaks.max(axis=1)
@@ -466,7 +555,11 @@ class Simulator:
             pf_bytes = np.bincount((rows * n + owner).ravel(), weights=off_nb.ravel(), minlength=B * n).reshape(B, n)
         else:
             pf_bytes = off_nb @ self.g_owner_onehot
-        recompute = (rc * self.fwd_time[None]).sum(axis=1)
+        # seconds each unit's backward spends recomputing (a selective unit: what its save-set leaves to recompute)
+        redo = np.where(rc, self.fwd_time[None], 0.0)
+        if any_sel:
+            redo = np.where(sel, self.sel_time[units, sel_j], redo)
+        recompute = redo.sum(axis=1)
         dev = self.device
         copy_time = dev.copy_seconds(off_nb.sum(axis=1), off_count, "both")
         if not dev.copy_overlap:
@@ -515,7 +608,7 @@ class Simulator:
                 nt = np.where(pf_bytes[:, u] > 0, np.maximum(t, pf_end[:, u]), t)
                 bwd_stall += nt - t
                 t = nt
-                t = t + self.dur[k] + np.where(rc[:, u], self.fwd_time[u], 0.0)
+                t = t + self.dur[k] + redo[:, u]
             else:
                 t = t + self.dur[k]
         t = t + thread_copy + st_time
@@ -531,7 +624,7 @@ class Simulator:
     def encode(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A plan as the ``(1, n)`` arrays :meth:`evaluate` takes (after checking it fits the profile)."""
         plan.validate(self.profile)
-        s = np.array([[CODES[x] for x in plan.strategies]])
+        s = np.array([[code_of(x.strategy, x.save_set) for x in plan.decisions]])
         return s, np.array([plan.offload_windows]), np.array([plan.prefetch_distances])
 
     def _where(self, peaks: np.ndarray, step_peak: float, moved: bool) -> tuple[str, str]:

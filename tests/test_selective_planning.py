@@ -1,0 +1,220 @@
+"""The planning side of ``selective`` (selective activation checkpointing): the cost model and its reference, the
+plan space, the exact MILP against brute force, the op-SAC baseline and the errors.
+
+Profiles made with ``selective=True`` carry measured save-sets; here they are filled synthetically
+(:func:`add_save_sets`) on chains and on the saved zoo GPT profile, with costs chosen so that selective is sometimes
+the best choice (a save-set holds less than the unit's interior saved bytes and recomputes in less than its forward).
+"""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import memopt_nb as memopt
+from memopt_nb.device import DeviceSpec
+from memopt_nb.plan import SAVE_SETS, Decision, Plan
+from memopt_nb.profile import ModelProfile
+from memopt_nb.reference_sim import replay
+from memopt_nb.simulate import (
+    CODES,
+    NAMES,
+    RECOMPUTE,
+    SELECTIVE,
+    SWAP,
+    Simulator,
+    code_of,
+    save_set_of,
+)
+from memopt_nb.synthetic import chain_profile
+
+DATA = Path(__file__).parent / "data"
+CPU_LIKE = DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
+                      compute_flops=1e11, copy_overlap=False)
+SLOW_LINK = DeviceSpec.preset("a100-40gb").with_changes(name="a100-slow-link", h2d_bytes_per_s=2e9,
+                                                        d2h_bytes_per_s=1e9)
+# what each synthetic save-set keeps (share of the unit's interior saved bytes) and leaves to recompute (share of its
+# forward time)
+SHARES = {"matmuls": (0.45, 0.35), "alternate": (0.25, 0.6), "attention": (0.1, 0.85)}
+
+
+def add_save_sets(prof, seed=0, offered=0.8, pareto=0.8):
+    """``prof`` with synthetic save-sets on its recomputable units: each unit offers each set with probability
+    ``offered`` (so some units offer none), each Pareto with probability ``pareto``."""
+    rng = np.random.default_rng(seed)
+    units = []
+    for u in prof.units:
+        sets = {}
+        if u.recomputable:
+            fwd_time = prof.segments[u.fwd_segment].time
+            kept_fwd = prof.segments[u.fwd_segment].rel_peak
+            for name in SAVE_SETS:
+                if rng.random() >= offered:
+                    continue
+                held_share, time_share = SHARES[name]
+                held = int(u.interior_bytes * held_share * (0.8 + 0.4 * rng.random()))
+                sets[name] = {
+                    "ops": [["aten.mm.default", 0], ["aten.mm.default", 2]] if name != "attention"
+                    else [["aten._scaled_dot_product_flash_attention.default", 0]],
+                    "held_bytes": held,
+                    "recompute_time": float(fwd_time * time_share * (0.8 + 0.4 * rng.random())),
+                    "fwd_rel_peak": int(max(u.rc_fwd_rel_peak, min(kept_fwd, u.rc_fwd_rel_peak + held))),
+                    "bwd_rel_peak": int(max(0, u.rc_bwd_rel_peak - held // 2)),
+                    "pareto": bool(rng.random() < pareto),
+                }
+        units.append(dataclasses.replace(u, save_sets=sets))
+    out = dataclasses.replace(prof, units=units)
+    assert any(u.save_sets for u in out.units)
+    return out
+
+
+def zoo_gpt():
+    return ModelProfile.load(DATA / "zoo_gpt_profile.json")
+
+
+def random_selective_arrays(sim, count, seed):
+    """``count`` random plans over every code, selective codes only where the unit has that save-set."""
+    rng = np.random.default_rng(seed)
+    n = sim.n
+    s = rng.integers(0, SELECTIVE + len(SAVE_SETS), (count, n))
+    j = np.clip(s - SELECTIVE, 0, len(SAVE_SETS) - 1)
+    bad = (s >= SELECTIVE) & ~sim.sel_has[np.arange(n)[None], j]
+    s = np.where(bad, RECOMPUTE, s)
+    w, d = rng.integers(0, 3, (count, n)), rng.integers(0, 4, (count, n))
+    return s, w, d
+
+
+def assert_fast_equals_reference(prof, device, count=40, seed=0):
+    sim = Simulator(prof, device)
+    s, w, d = random_selective_arrays(sim, count, seed)
+    assert (s >= SELECTIVE).any(axis=1).mean() > 0.5
+    det = sim.evaluate(s, w, d, details=True)
+    for b in range(len(s)):
+        ref = replay(prof, s[b], w[b], d[b], device=sim.device)
+        where = (sim.device.name, s[b].tolist(), w[b].tolist(), d[b].tolist())
+        assert det["peak"][b] == ref.peak_bytes, where
+        assert det["peaks"][b].tolist() == ref.segment_peaks, where
+        assert det["time"][b] == pytest.approx(ref.step_time, rel=1e-9), where
+        assert det["recompute"][b] == pytest.approx(ref.recompute_time, rel=1e-9, abs=1e-15), where
+        assert det["offloaded"][b] == ref.bytes_offloaded, where
+        assert det["fwd_stall"][b] == pytest.approx(ref.fwd_stall_time, rel=1e-9, abs=1e-15), where
+        assert det["bwd_stall"][b] == pytest.approx(ref.bwd_stall_time, rel=1e-9, abs=1e-15), where
+
+
+# ---------------------------------------------------------------------- codes
+def test_codes_name_every_save_set():
+    assert CODES["selective"] == SELECTIVE == 4
+    for j, name in enumerate(SAVE_SETS):
+        assert code_of("selective", name) == SELECTIVE + j
+        assert NAMES[SELECTIVE + j] == "selective"
+        assert save_set_of(SELECTIVE + j) == name
+    for name in ("keep", "recompute", "swap", "recompute_offload"):
+        assert save_set_of(code_of(name)) == ""
+        assert NAMES[code_of(name)] == name
+    with pytest.raises(memopt.PlanError, match="save-set"):
+        code_of("selective")
+    with pytest.raises(memopt.PlanError, match="not a strategy"):
+        save_set_of(SELECTIVE + len(SAVE_SETS))
+
+
+# ---------------------------------------------------------------------- the cost model
+@pytest.mark.parametrize("n,seed,shared", [(5, 0, 0.8), (7, 2, 0.3), (12, 3, 0.3)])
+def test_fast_simulator_equals_reference_with_selective_on_chains(n, seed, shared):
+    prof = add_save_sets(chain_profile(n, seed=seed, shared_boundaries=shared), seed)
+    for device in (CPU_LIKE, None, SLOW_LINK):
+        assert_fast_equals_reference(prof, device, seed=seed)
+
+
+def test_fast_simulator_equals_reference_with_selective_on_the_zoo_gpt():
+    prof = add_save_sets(zoo_gpt(), 1, offered=0.9)
+    for device in (None, "a100-40gb", SLOW_LINK):
+        assert_fast_equals_reference(prof, device, count=60, seed=2)
+
+
+def test_a_selective_unit_holds_its_save_set_and_recomputes_the_rest():
+    """Against recompute: the segments between its forward and its backward (inclusive) hold exactly the save-set's
+    bytes more, its own segments use the save-set's peaks, and the step recomputes the save-set's time instead of the
+    forward; nothing else changes."""
+    prof = add_save_sets(chain_profile(5, seed=1, shared_boundaries=0.0), 1, offered=1.0)
+    sim = Simulator(prof, SLOW_LINK)
+    n, u = prof.n_units, 2
+    up = prof.units[u]
+    ones = np.ones((1, n), dtype=np.int64)
+    rc = sim.evaluate(ones, ones, ones, details=True)
+    for j, name in enumerate(SAVE_SETS):
+        s = ones.copy()
+        s[0, u] = SELECTIVE + j
+        sel = sim.evaluate(s, ones, ones, details=True)
+        entry = up.save_sets[name]
+        diff = sel["peaks"][0] - rc["peaks"][0]
+        for k in range(sim.S):
+            want = entry["held_bytes"] if up.fwd_segment < k <= up.bwd_segment else 0
+            if k == up.fwd_segment:
+                want = entry["fwd_rel_peak"] - up.rc_fwd_rel_peak
+            elif k == up.bwd_segment:
+                want += entry["bwd_rel_peak"] - up.rc_bwd_rel_peak
+            assert diff[k] == want, (name, k)
+        fwd_time = prof.segments[up.fwd_segment].time
+        want_time = (entry["recompute_time"] - fwd_time) * sim.factor
+        assert sel["recompute"][0] - rc["recompute"][0] == pytest.approx(want_time)
+
+
+def test_plans_without_selective_evaluate_as_before():
+    """A batch with a selective plan in it gives the other plans exactly what they get alone, and a profile with
+    save-sets scores default-space plans exactly as the same profile without them."""
+    bare = chain_profile(7, seed=2, shared_boundaries=0.6)
+    prof = add_save_sets(bare, 2)
+    n = prof.n_units
+    rng = np.random.default_rng(3)
+    s, w, d = rng.integers(0, 4, (30, n)), rng.integers(0, 3, (30, n)), rng.integers(0, 4, (30, n))
+    for device in (None, SLOW_LINK, CPU_LIKE):
+        sim = Simulator(prof, device)
+        alone = sim.evaluate(s, w, d, details=True)
+        before = Simulator(bare, device).evaluate(s, w, d, details=True)
+        sel, _, _ = random_selective_arrays(sim, 1, 0)
+        mixed = sim.evaluate(np.vstack([s, sel]), np.vstack([w, w[:1]]), np.vstack([d, d[:1]]), details=True)
+        for key in ("peak", "time", "peaks", "offloaded", "fwd_stall", "bwd_stall", "recompute"):
+            assert np.array_equal(alone[key], mixed[key][:-1]), (key, device)
+            assert np.array_equal(alone[key], before[key]), (key, device)
+
+
+def test_a_save_set_the_profile_lacks_is_refused():
+    prof = add_save_sets(chain_profile(4, seed=0), 0, offered=1.0)
+    units = list(prof.units)
+    units[1] = dataclasses.replace(units[1], save_sets={k: v for k, v in units[1].save_sets.items() if k != "matmuls"})
+    prof = dataclasses.replace(prof, units=units)
+    sim = Simulator(prof)
+    s = np.zeros((1, 4), dtype=np.int64)
+    s[0, 1] = code_of("selective", "matmuls")
+    with pytest.raises(memopt.PlanError, match="does not offer"):
+        sim.evaluate(s, s, s)
+    with pytest.raises(memopt.PlanError, match="does not offer"):
+        replay(prof, s[0], s[0], s[0])
+    with pytest.raises(memopt.PlanError, match="selective:<save-set>"):
+        replay(prof, ["selective"] * 4, [1] * 4, [1] * 4)
+
+
+def test_a_selective_plan_simulates_from_its_decisions():
+    """simulate() of a Plan with selective decisions (save_set on the Decision) equals the arrays and the reference
+    given names as 'selective:<set>'."""
+    prof = add_save_sets(chain_profile(5, seed=4), 4, offered=1.0)
+    names = [u.name for u in prof.units]
+    decisions = [Decision(names[0], "keep"), Decision(names[1], "selective", save_set="alternate",
+                                                      save_ops=prof.units[1].save_sets["alternate"]["ops"]),
+                 Decision(names[2], "swap", 0, 1), Decision(names[3], "selective", save_set="matmuls",
+                                                            save_ops=[["aten.mm.default", 0]]),
+                 Decision(names[4], "recompute")]
+    plan = Plan(decisions=tuple(decisions), fingerprint=prof.fingerprint)
+    res = memopt.simulate(prof, plan, device=SLOW_LINK)
+    codes = [0, code_of("selective", "alternate"), SWAP, code_of("selective", "matmuls"), RECOMPUTE]
+    peak, t = Simulator(prof, SLOW_LINK).evaluate(np.array([codes]), np.array([[1, 1, 0, 1, 1]]),
+                                                  np.ones((1, 5), dtype=np.int64))
+    assert res.peak_bytes == int(peak[0]) and res.step_time == pytest.approx(float(t[0]), rel=1e-12)
+    ref = replay(prof, ["keep", "selective:alternate", "swap", "selective:matmuls", "recompute"], [1, 1, 0, 1, 1],
+                 [1] * 5, device=SLOW_LINK)
+    assert ref.peak_bytes == res.peak_bytes
+    assert plan.counts()["selective"] == 2
+    assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_json(plan.to_json()).decisions[1].save_ops == tuple(
+        tuple(x) for x in prof.units[1].save_sets["alternate"]["ops"])
