@@ -293,13 +293,16 @@ def activation_section(cfg: Config, failures: list[str], save: Callable[[], None
 
 
 def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
-    """Keep / recompute / swap / mixed / searched activation-only plans on zoo model ``name``."""
+    """Keep / recompute / swap / recompute_offload / selective / mixed / searched activation-only plans on zoo model
+    ``name``."""
     build = builder(name, cfg, whole=False)
     zm = build()
     model, inputs, loss_fn = zm.model, zm.inputs, zm.loss_fn
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1 if cfg.dry_run else 3)
+    prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1 if cfg.dry_run else 3,
+                          selective=True)
     n = prof.n_units
+    sel = ["selective" if any(s["pareto"] for s in u.save_sets.values()) else "recompute" for u in prof.units]
     plans = {
         "keep": Plan.uniform(prof, "keep"),
         "recompute": Plan.uniform(prof, "recompute"),
@@ -312,6 +315,10 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
         "mixed_ro": Plan.from_strategies(prof, (["recompute_offload", "swap", "keep", "recompute"] * n)[:n],
                                          offload_window=[i % 3 for i in range(n)],
                                          prefetch_distance=[(i + 1) % 4 for i in range(n)]),
+        # issue 12: selective checkpointing (torch's SAC modes keep the matmul / attention outputs of the save-set)
+        "selective": Plan.from_strategies(prof, sel),
+        "mixed_sel": Plan.from_strategies(prof, [s if i % 3 == 0 else ("swap", "keep", "recompute")[i % 3 - 1]
+                                                 for i, s in enumerate(sel)], offload_window=1, prefetch_distance=1),
     }
 
     def search() -> Plan:  # half-way between the activation-only floor and keep-all

@@ -57,7 +57,9 @@ def test_dry_run_checks_every_whole_step_plan_and_passes(cc, tmp_path: Path) -> 
     assert s["budget_MiB"] < s["floor_activation_only_MiB"] and mem["search"]["within_budget"]
     assert result["streams"] == [{"skipped": "needs CUDA (a profiler trace of the side streams)"}]
     assert {r["plan"] for r in result["activation"]} == {"keep", "recompute", "swap", "mixed", "recompute_offload",
-                                                         "mixed_ro", "search"}
+                                                         "mixed_ro", "selective", "mixed_sel", "search"}
+    sel = {r["plan"]: r for r in result["activation"] if r["plan"] in ("selective", "mixed_sel")}
+    assert all(abs(r["peak_err_pct"]) < 1e-9 for r in sel.values())  # the emulated device: exactly as predicted
     assert all(r["grads_equal"] for r in result["activation"] if r["plan"] != "search")
     ro = {r["plan"]: r for r in result["activation"] if r["plan"] in ("recompute_offload", "mixed_ro")}
     assert all(r["swap_stats"]["offloaded_bytes"] > 0 for r in ro.values())  # the inputs did leave
