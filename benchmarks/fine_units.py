@@ -10,15 +10,17 @@ the two configurations of issue 12. Plain SGD (no optimizer state) unless ``--ad
 
 Sections:
 Spaces: ``old`` = blocks (``units="auto"``) with keep / recompute / swap; ``fine`` = ``units="fine"`` with the same
-strategies; ``blocks+ro`` and ``fine+ro`` = each with ``recompute_offload`` too (``strategies=STRATEGIES``).
+strategies; ``blocks+ro`` and ``fine+ro`` = each with ``recompute_offload`` too; ``blocks+sel`` = blocks with
+``selective`` too (the profiles are made with ``selective=True``); ``blocks+all`` and ``fine+all`` = every strategy
+(``strategies=STRATEGIES``).
 
 * ``--floor``: the activation-only floor (the smallest peak any plan of the space reaches, exact MILP) and what
   bounds it.
 * ``--train``: the fastest ``fine+ro`` plan (MILP) at 0.95x the old floor trains bit-identically to no plan (2 SGD
   steps, dropout on) and its measured peak (the emulated CPU device) is within budget.
 * ``--bench``: simulated step time of the fastest plan (MILP) of each space against the best baseline (recompute-all,
-  sqrt(n), swap-all, Capuchin, selective layer, recompute_offload_all) on blocks, at budgets from the old floor up, on
-  the profiled CPU and an A100-40GB preset.
+  sqrt(n), swap-all, Capuchin, selective layer, recompute_offload_all, torchtitan's op-level SAC) on blocks, at
+  budgets from the old floor up, on the profiled CPU and an A100-40GB preset.
 * ``--max-batch`` (GPT-2): the largest batch whose plan fits the memory plain training needs at batch 8, for the best
   baseline on blocks and for the floors of the old and new spaces.
 """
@@ -41,12 +43,15 @@ from memopt_nb import solvers  # noqa: E402
 from memopt_nb.floor import explain_floor  # noqa: E402
 from memopt_nb.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
 
-BASELINES = ("recompute_all", "sqrt_n", "swap_all", "capuchin", "selective_layer", "recompute_offload_all")
+BASELINES = ("recompute_all", "sqrt_n", "swap_all", "capuchin", "selective_layer", "recompute_offload_all", "op_sac")
 DEVICES = (None, "a100-40gb")
 FRACTIONS = (0.0, 0.25, 0.5)
+RO = (*DEFAULT_STRATEGIES, "recompute_offload")
+SEL = (*DEFAULT_STRATEGIES, "selective")
 #: space -> (units, strategies)
 SPACES = {"old": ("auto", DEFAULT_STRATEGIES), "fine": ("fine", DEFAULT_STRATEGIES),
-          "blocks+ro": ("auto", STRATEGIES), "fine+ro": ("fine", STRATEGIES)}
+          "blocks+ro": ("auto", RO), "fine+ro": ("fine", RO), "blocks+sel": ("auto", SEL),
+          "blocks+all": ("auto", STRATEGIES), "fine+all": ("fine", STRATEGIES)}
 
 
 def mib(b: float) -> str:
@@ -80,7 +85,7 @@ def optimizer_for(model, adam: bool):
 def profiles(name: str, adam: bool, batch: int | None = None):
     model, kw, loss_fn = build(name, batch)
     opt = optimizer_for(model, adam)
-    out = {units: memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units=units, repeats=3, **kw)
+    out = {units: memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units=units, repeats=3, selective=True, **kw)
            for units in ("auto", "fine")}
     return model, kw, loss_fn, opt, out
 
@@ -132,7 +137,7 @@ def train_section(names, adam):
     for name in names:
         model, kw, loss_fn, opt, profs = profiles(name, adam)
         budget = int(0.95 * solvers.min_peak(profs["auto"], offload_state=False))
-        plan = solvers.optimal(profs["fine"], budget, offload_state=False, strategies=STRATEGIES, time_limit=60)
+        plan = solvers.optimal(profs["fine"], budget, offload_state=False, strategies=RO, time_limit=60)
         m = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1, **kw)
         ref, got = train_steps(model, kw, loss_fn, adam), train_steps(model, kw, loss_fn, adam, plan)
         same = all(torch.equal(a, b) for xs, ys in zip(ref, got) for a, b in zip(xs, ys, strict=True))
@@ -213,7 +218,7 @@ def max_batch_section(adam):
             if bc is None or p.predicted_peak_bytes < bc[1].predicted_peak_bytes:
                 bc = (key, p)
         floors = {"old": solvers.min_peak(profs["auto"], offload_state=False),
-                  "new": solvers.min_peak(profs["fine"], offload_state=False, strategies=STRATEGIES)}
+                  "new": solvers.min_peak(profs["fine"], offload_state=False, strategies=RO)}
         fits = {"baseline": bc[1].predicted_peak_bytes <= budget, **{k: v <= budget for k, v in floors.items()}}
         for k, ok in fits.items():
             if ok:
