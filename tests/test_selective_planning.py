@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import memopt_nb as memopt
+from memopt_nb import solvers
 from memopt_nb.device import DeviceSpec
-from memopt_nb.plan import SAVE_SETS, Decision, Plan
+from memopt_nb.plan import DEFAULT_STRATEGIES, SAVE_SETS, STRATEGIES, Decision, Plan
 from memopt_nb.profile import ModelProfile
 from memopt_nb.reference_sim import replay
 from memopt_nb.simulate import (
@@ -218,3 +219,147 @@ def test_a_selective_plan_simulates_from_its_decisions():
     assert Plan.from_json(plan.to_json()) == plan
     assert Plan.from_json(plan.to_json()).decisions[1].save_ops == tuple(
         tuple(x) for x in prof.units[1].save_sets["alternate"]["ops"])
+
+
+# ---------------------------------------------------------------------- the plan space and the exact MILP
+SEL_CASES = [(n, seed, strategies, device) for n, seed in ((3, 0), (4, 1), (4, 2))
+             for strategies in (("keep", "recompute", "swap", "selective"), STRATEGIES)
+             for device in (None, CPU_LIKE)] + [
+    (6, seed, ("keep", "recompute", "selective"), None) for seed in range(3)]
+
+
+@pytest.mark.parametrize("n,seed,strategies,device", SEL_CASES)
+def test_exact_solver_matches_brute_force_with_selective(n, seed, strategies, device):
+    if len(strategies) == len(STRATEGIES) and n > 3:
+        n = 3  # every option of every strategy: keep brute force small
+    prof = add_save_sets(chain_profile(n, seed=seed, shared_boundaries=0.5, device=device), seed, pareto=0.7)
+    space = {"strategies": strategies, "offload_state": False}
+    lo = solvers.min_peak(prof, **space)
+    without = tuple(s for s in strategies if s != "selective")
+    assert lo <= solvers.min_peak(prof, strategies=without, offload_state=False)
+    for frac in (0.0, 0.15, 0.5):
+        budget = int(lo + frac * (prof.peak_bytes - lo))
+        exact = solvers.optimal(prof, budget, **space)
+        oracle = solvers.brute_force(prof, budget, **space)
+        assert exact.feasible and oracle.feasible
+        assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9), frac
+        assert exact.meta["milp_step_time"] == pytest.approx(exact.predicted_step_time, rel=1e-6)
+        assert memopt.simulate(prof, exact, device=device).peak_bytes <= budget
+
+
+def test_selective_is_chosen_where_it_wins_and_its_plan_carries_the_ops():
+    """Near the floor of the checkpointing space, selective (which holds a part of the interior and recomputes less)
+    gives a faster plan than keep/recompute alone; the plan's selective decisions carry the profile's ops, survive
+    JSON, and simulate to the solver's prediction without the save-sets' profile entries being looked up again."""
+    prof = add_save_sets(chain_profile(6, seed=5, shared_boundaries=0.3), 5, offered=1.0, pareto=1.0)
+    ckpt = ("keep", "recompute")
+    lo = solvers.min_peak(prof, strategies=ckpt, offload_state=False)
+    budget = int(lo + 0.2 * (prof.peak_bytes - lo))
+    wide = solvers.optimal(prof, budget, strategies=ckpt + ("selective",), offload_state=False)
+    narrow = solvers.optimal(prof, budget, strategies=ckpt, offload_state=False)
+    assert "selective" in wide.strategies
+    assert wide.predicted_step_time < narrow.predicted_step_time
+    for u, d in enumerate(wide.decisions):
+        if d.strategy == "selective":
+            assert d.save_set in prof.units[u].save_sets
+            assert [list(x) for x in d.save_ops] == prof.units[u].save_sets[d.save_set]["ops"]
+    again = Plan.from_json(wide.to_json())
+    assert again == wide and again.counts()["selective"] == wide.counts()["selective"] > 0
+    assert memopt.simulate(prof, again).step_time == pytest.approx(wide.predicted_step_time, rel=1e-12)
+
+
+def test_unit_options_offer_the_pareto_save_sets_of_recomputable_units_only_when_asked():
+    from memopt_nb.solvers.common import unit_options
+
+    prof = add_save_sets(chain_profile(5, seed=6), 6, offered=0.7, pareto=0.6)
+    units = list(prof.units)
+    units[0] = dataclasses.replace(units[0], recomputable=False)
+    prof = dataclasses.replace(prof, units=units)
+    sim = Simulator(prof)
+    for u in range(sim.n):
+        assert all(o[0] < SELECTIVE for o in unit_options(sim, u))  # opt-in
+        sel = [o for o in unit_options(sim, u, ("keep", "selective")) if o[0] >= SELECTIVE]
+        want = [] if u == 0 else [SELECTIVE + j for j, name in enumerate(SAVE_SETS)
+                                  if prof.units[u].save_sets.get(name, {}).get("pareto")]
+        assert [o[0] for o in sel] == want
+        assert all(o[1:] == (1, 1) for o in sel)  # the default timing: nothing reads it
+    assert any(not e["pareto"] for up in prof.units for e in up.save_sets.values())
+
+
+def test_selective_without_save_sets_is_refused_by_name():
+    """A profile made without selective=True: asking for selective raises PlanError saying how to profile; the whole
+    of plan.STRATEGIES ("everything") just offers no selective option there."""
+    prof = chain_profile(4, seed=0)
+    for call in (lambda: solvers.optimal(prof, "70%", strategies=("keep", "recompute", "selective")),
+                 lambda: solvers.min_peak(prof, strategies="keep,selective"),
+                 lambda: solvers.brute_force(prof, "70%", strategies=("keep", "selective"), offload_state=False),
+                 lambda: solvers.op_sac(prof)):
+        with pytest.raises(memopt.PlanError, match=r"no save-sets: profile the model with memopt.profile\(\.\.\., "
+                                                   r"selective=True\)"):
+            call()
+    plan = solvers.optimal(prof, "70%", strategies=STRATEGIES, offload_state=False)
+    assert "selective" not in plan.strategies
+    assert plan.meta["allowed_strategies"] == list(STRATEGIES)
+
+
+def test_default_space_plans_are_unchanged_by_save_sets():
+    """Save-sets in a profile change nothing for a planner that is not asked for selective: the same plans, number
+    for number."""
+    bare = chain_profile(6, seed=7, shared_boundaries=0.4)
+    prof = add_save_sets(bare, 7)
+    for strategies in (DEFAULT_STRATEGIES, ("keep", "recompute", "swap", "recompute_offload")):
+        assert solvers.min_peak(prof, strategies=strategies, offload_state=False) == solvers.min_peak(
+            bare, strategies=strategies, offload_state=False)
+        a = solvers.optimal(prof, "60%", strategies=strategies, offload_state=False)
+        b = solvers.optimal(bare, "60%", strategies=strategies, offload_state=False)
+        assert a.decisions == b.decisions and a.predicted_step_time == b.predicted_step_time
+
+
+# ---------------------------------------------------------------------- the op-SAC baseline
+def test_op_sac_is_torchtitans_op_level_sac():
+    """Every recomputable unit selective with 'alternate' where its profile has it (Pareto or not), else 'matmuls',
+    else recompute; a unit that cannot be recomputed keeps. An ecosystem baseline the bench accepts."""
+    from memopt_nb.evaluate import _RULES, ECOSYSTEM_METHODS, KNOWN_METHODS
+
+    assert "op_sac" in solvers.BASELINES and "op_sac" not in solvers.CLASSIC_BASELINES
+    assert "op_sac" in ECOSYSTEM_METHODS and "op_sac" in KNOWN_METHODS and "op_sac" in _RULES
+    prof = add_save_sets(chain_profile(6, seed=8), 8, offered=1.0, pareto=0.5)
+    units = list(prof.units)
+    units[1] = dataclasses.replace(units[1], save_sets={k: v for k, v in units[1].save_sets.items()
+                                                        if k != "alternate"})
+    units[2] = dataclasses.replace(units[2], save_sets={"attention": units[2].save_sets["attention"]})
+    units[3] = dataclasses.replace(units[3], recomputable=False)
+    units[4] = dataclasses.replace(units[4], save_sets={
+        "alternate": {**units[4].save_sets["alternate"], "pareto": False}})
+    prof = dataclasses.replace(prof, units=units)
+    plan = solvers.op_sac(prof)
+    assert plan.method == "op_sac"
+    assert plan.strategies == ["selective", "selective", "recompute", "keep", "selective", "selective"]
+    assert [d.save_set for d in plan.decisions] == ["alternate", "matmuls", "", "", "alternate", "alternate"]
+    assert plan.decisions[1].save_ops == tuple(tuple(x) for x in units[1].save_sets["matmuls"]["ops"])
+    assert memopt.simulate(prof, plan).peak_bytes == plan.predicted_peak_bytes
+    lo = solvers.min_peak(prof, strategies=STRATEGIES, offload_state=False)
+    with pytest.raises(memopt.BudgetError, match="smallest peak"):
+        solvers.op_sac(prof, lo - 1)
+    tight = solvers.op_sac(prof, plan.predicted_peak_bytes - 1)
+    assert tight.feasible is False and tight.decisions == plan.decisions
+
+
+# ---------------------------------------------------------------------- the RL search
+def test_search_refuses_selective_honestly():
+    """The agents do not choose save-sets yet: a search asked for selective on a profile that offers it raises
+    PlanError pointing at solvers.optimal, rather than returning a plan from a smaller space; on a profile without
+    save-sets, naming selective is the planners' error and the whole of STRATEGIES searches as before."""
+    from memopt_nb.rl.task import PlanningTask
+
+    bare = chain_profile(4, seed=0)
+    prof = add_save_sets(bare, 0)
+    for strategies in (("keep", "recompute", "selective"), STRATEGIES):
+        with pytest.raises(memopt.PlanError, match="search does not offer selective yet; use solvers.optimal"):
+            memopt.search(prof, "70%", total_timesteps=64, strategies=strategies)
+    with pytest.raises(memopt.PlanError, match="no save-sets"):
+        memopt.search(bare, "70%", total_timesteps=64, strategies=("keep", "selective"))
+    assert PlanningTask(bare, "70%", strategies=STRATEGIES).n_options == PlanningTask(
+        bare, "70%", strategies=STRATEGIES[:-1]).n_options
+    plan = memopt.search(prof, "70%", total_timesteps=64, seed=0, offload_state=False)  # the default space
+    assert "selective" not in plan.strategies

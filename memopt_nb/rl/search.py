@@ -350,7 +350,10 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             agent's actions, the polish never introduces them, and the budget is checked against the floor of this
             space (``solvers.min_peak(..., strategies)``). A unit none of them fits keeps its activations. A bad
             value raises :class:`~memopt_nb.errors.PlanError`; the default is all three. ``"recompute_offload"`` is
-            opt-in: with it the strategy agent has a fourth strategy, timed by the timing agent like swap.
+            opt-in: with it the strategy agent has a fourth strategy, timed by the timing agent like swap. The search
+            does not offer ``"selective"`` yet: a space where some unit could take it (a profile made with
+            ``selective=True``) raises :class:`~memopt_nb.errors.PlanError`; :func:`memopt_nb.solvers.optimal` plans
+            with it.
         reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
             are next to PPO's fixed clipping and entropy coefficients.
 

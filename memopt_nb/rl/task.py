@@ -27,6 +27,7 @@ from ..errors import BudgetError, PlanError
 from ..plan import DEFAULT_STRATEGIES, DISTANCES, STATE_CHOICES, WINDOWS, state_choices
 from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
 from ..solvers.common import allowed_strategies, as_simulator, check_budget
+from ..solvers.space import check_save_sets
 
 __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS"]
 
@@ -124,6 +125,7 @@ class PlanningTask:
         self.timed_base = {SWAP: 2, RECOMPUTE_OFFLOAD: 2 + T}
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
+        self._refuse_selective()
         allowed = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
         self.offload_state = offload_state
         self.step_in_backward = step_in_backward
@@ -216,6 +218,18 @@ class PlanningTask:
         swap_bytes = np.array([u.interior_bytes + u.input_bytes for u in self.profile.units], dtype=float)
         copy = np.maximum(dev.copy_seconds(swap_bytes, owned, "d2h"), dev.copy_seconds(swap_bytes, owned, "h2d"))
         self.copy_ratio = copy / np.maximum(sim.dur[sim.fwd_seg], 1e-9)
+
+    def _refuse_selective(self) -> None:
+        """The agents do not choose selective (its save-sets) yet: a space where a unit could take it is refused by name
+        rather than searched without it. ``"selective"`` in ``strategies`` is fine where it offers nothing (the whole
+        of ``plan.STRATEGIES`` on a profile without save-sets); asked for by name on such a profile it is the planners'
+        error (:func:`~memopt_nb.solvers.space.check_save_sets`)."""
+        if "selective" not in self.strategies:
+            return
+        check_save_sets(self.sim, self.strategies)
+        if np.any(self.sim.recomputable[:, None] & self.sim.sel_pareto):
+            raise PlanError("search does not offer selective yet; use solvers.optimal(profile, budget, "
+                            "strategies=...) for plans with selective units, or leave 'selective' out of strategies=")
 
     def _compile_states(self) -> None:
         """The allowed placements' rows of the state table, per unit and local choice ``j`` (``state_ids[j]``)."""
