@@ -363,3 +363,31 @@ def test_search_refuses_selective_honestly():
         bare, "70%", strategies=STRATEGIES[:-1]).n_options
     plan = memopt.search(prof, "70%", total_timesteps=64, seed=0, offload_state=False)  # the default space
     assert "selective" not in plan.strategies
+
+
+# ---------------------------------------------------------------------- what shows a plan
+def test_a_selective_plan_shows_its_save_sets():
+    """The unit chart colours selective units with their own colour and names their save-set; the plan's summary
+    and HTML count and name them; the demo's shorthand has a letter for them; the magic's --strategies takes it."""
+    import matplotlib
+
+    from memopt_nb.demo import _short
+    from memopt_nb.notebook import plots
+    from memopt_nb.notebook.magics import _parse_strategies
+
+    prof = add_save_sets(chain_profile(4, seed=9), 9, offered=1.0, pareto=1.0)
+    lo = solvers.min_peak(prof, strategies=("keep", "recompute"), offload_state=False)
+    plan = solvers.optimal(prof, int(lo + 0.2 * (prof.peak_bytes - lo)), strategies=("keep", "recompute", "selective"),
+                           offload_state=False)
+    picked = [i for i, d in enumerate(plan.decisions) if d.strategy == "selective"]
+    assert picked
+    fig = plots.unit_chart(prof, plan)
+    bars = [p for p in fig.axes[0].patches if p.get_fill()][: prof.n_units]
+    for i in picked:
+        assert matplotlib.colors.to_rgb(bars[i].get_facecolor()) == pytest.approx(
+            plots.STRATEGY_COLORS["selective"], abs=1e-6)
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(plan.decisions[i].save_set for i in picked)
+    assert f"selective {len(picked)}" in plan.summary()
+    assert plan.decisions[picked[0]].save_set in plan._repr_html_()
+    assert _short(plan.decisions[picked[0]]) == "P"
+    assert _parse_strategies("keep,selective") == ("keep", "selective")
