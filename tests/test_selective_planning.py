@@ -346,23 +346,93 @@ def test_op_sac_is_torchtitans_op_level_sac():
 
 
 # ---------------------------------------------------------------------- the RL search
-def test_search_refuses_selective_honestly():
-    """The agents do not choose save-sets yet: a search asked for selective on a profile that offers it raises
-    PlanError pointing at solvers.optimal, rather than returning a plan from a smaller space; on a profile without
-    save-sets, naming selective is the planners' error and the whole of STRATEGIES searches as before."""
-    from memopt_nb.rl.task import PlanningTask
+def test_the_agents_offer_selective_when_asked():
+    """With selective allowed the strategy agent has one more strategy per save-set, masked where the unit does not
+    offer it; the option tables map options to codes both ways; the marginal model of each selective option is the
+    simulator's; the env passes PettingZoo's API test. Without it, or on a profile without save-sets under the whole
+    of STRATEGIES, the task is what it was."""
+    from pettingzoo.test import parallel_api_test
 
-    bare = chain_profile(4, seed=0)
-    prof = add_save_sets(bare, 0)
-    for strategies in (("keep", "recompute", "selective"), STRATEGIES):
-        with pytest.raises(memopt.PlanError, match="search does not offer selective yet; use solvers.optimal"):
-            memopt.search(prof, "70%", total_timesteps=64, strategies=strategies)
+    from memopt_nb.rl.env import MemoryPlanningEnv
+    from memopt_nb.rl.task import SELECTIVE_BASE, TIMINGS, PlanningTask, code_options, option_codes
+
+    bare = chain_profile(5, seed=3)
+    prof = add_save_sets(bare, 3, offered=0.7, pareto=0.7)
+    task = PlanningTask(prof, "60%", strategies=("keep", "recompute", "swap", "selective"), offload_state=False)
+    assert task.n_strategies == 3 + len(SAVE_SETS) and task.n_options == SELECTIVE_BASE + len(SAVE_SETS)
+    assert list(task.action_codes) == [0, 1, SWAP] + [SELECTIVE + j for j in range(len(SAVE_SETS))]
+    sim = task.sim
+    assert np.array_equal(task.option_ok[:, SELECTIVE_BASE:], sim.recomputable[:, None] & sim.sel_pareto)
+    assert not task.option_ok[:, 2 + len(TIMINGS):SELECTIVE_BASE].any()  # recompute_offload: not asked for
+    codes, w, d = option_codes(np.arange(task.n_options))
+    assert list(codes[SELECTIVE_BASE:]) == [SELECTIVE + j for j in range(len(SAVE_SETS))]
+    assert list(code_options(codes, w, d)) == list(range(task.n_options))
+    n = task.n
+    for u in range(n):
+        for o in np.flatnonzero(task.option_ok[u, SELECTIVE_BASE:]) + SELECTIVE_BASE:
+            c = np.where(np.arange(n) == u, codes[o], 0)[None]
+            det = sim.evaluate(c, np.ones_like(c), np.ones_like(c), details=True)
+            assert np.array_equal(det["peaks"][0] - task.base_peaks, task.marg_peak[u, o])
+            assert det["time"][0] - task.base_time == pytest.approx(task.marg_time[u, o], rel=1e-9, abs=1e-15)
+    env = MemoryPlanningEnv(task)
+    assert env.action_space("strategy").n == task.n_strategies * task.C
+    parallel_api_test(MemoryPlanningEnv(task), num_cycles=50)
+    default = PlanningTask(prof, "60%")
+    assert default.n_options == 2 + len(TIMINGS) and default.n_strategies == 3
+    every = PlanningTask(bare, "60%", strategies=STRATEGIES)  # no save-sets: selective offers nothing
+    assert every.n_options == 2 + 2 * len(TIMINGS) and every.n_strategies == 4
     with pytest.raises(memopt.PlanError, match="no save-sets"):
         memopt.search(bare, "70%", total_timesteps=64, strategies=("keep", "selective"))
-    assert PlanningTask(bare, "70%", strategies=STRATEGIES).n_options == PlanningTask(
-        bare, "70%", strategies=STRATEGIES[:-1]).n_options
-    plan = memopt.search(prof, "70%", total_timesteps=64, seed=0, offload_state=False)  # the default space
-    assert "selective" not in plan.strategies
+
+
+def test_masks_keep_the_selective_optimum_reachable():
+    """Played through the environment, brute force's optimum with selective allowed is reachable: every action it
+    takes is allowed by the masks (no shared boundaries: the marginal model is exact for memory), and the episode's
+    exact time is the optimum's."""
+    from memopt_nb.rl.env import MemoryPlanningEnv
+    from memopt_nb.rl.task import TIMINGS, PlanningTask
+
+    used = set()
+    space = {"strategies": ("keep", "recompute", "swap", "selective"), "offload_state": False}
+    for seed, frac in ((1, 0.0), (2, 0.1), (4, 0.05), (5, 0.3)):
+        prof = add_save_sets(chain_profile(4, seed=seed, shared_boundaries=0.0), seed, pareto=0.8)
+        lo = solvers.min_peak(prof, **space)
+        budget = int(lo + frac * (prof.peak_bytes - lo))
+        best = solvers.brute_force(prof, budget, **space)
+        used |= set(best.strategies)
+        task = PlanningTask(prof, budget, **space)
+        env = MemoryPlanningEnv(task)
+        obs, _ = env.reset(seed=0)
+        actions = [int(np.flatnonzero(task.action_codes == code_of(d.strategy, d.save_set))[0])
+                   for d in best.decisions]
+        for t in range(task.n + 1):
+            a = {}
+            if t < task.n:
+                a["strategy"] = actions[t]
+                assert obs["strategy"]["action_mask"][a["strategy"]], (seed, t)
+            if t >= 1 and best.strategies[t - 1] == "swap":
+                a["timing"] = TIMINGS.index((best.offload_windows[t - 1], best.prefetch_distances[t - 1]))
+                assert obs["timing"]["action_mask"][a["timing"]], (seed, t)
+            obs, rew, term, trunc, info = env.step(a)
+        assert info["strategy"]["feasible"]
+        assert info["strategy"]["time"] == pytest.approx(best.predicted_step_time, rel=1e-12)
+    assert "selective" in used
+
+
+def test_search_with_selective_stays_in_its_space_and_carries_the_ops():
+    prof = add_save_sets(chain_profile(6, seed=5, shared_boundaries=0.3), 5, offered=1.0, pareto=1.0)
+    lo = solvers.min_peak(prof, strategies=("keep", "recompute"), offload_state=False)
+    budget = int(lo + 0.2 * (prof.peak_bytes - lo))
+    plan = memopt.search(prof, budget, total_timesteps=600, seed=0, strategies=("keep", "recompute", "selective"))
+    assert plan.feasible and set(plan.strategies) <= {"keep", "recompute", "selective"}
+    assert "selective" in plan.strategies
+    assert plan.meta["allowed_strategies"] == ["keep", "recompute", "selective"]
+    for u, d in enumerate(plan.decisions):
+        if d.strategy == "selective":
+            assert [list(x) for x in d.save_ops] == prof.units[u].save_sets[d.save_set]["ops"]
+    assert memopt.simulate(prof, plan).peak_bytes == plan.predicted_peak_bytes <= budget
+    exact = solvers.optimal(prof, budget, strategies=("keep", "recompute", "selective"))
+    assert plan.predicted_step_time >= exact.predicted_step_time * (1 - 1e-9)
 
 
 # ---------------------------------------------------------------------- what shows a plan
