@@ -232,19 +232,13 @@ SEL_CASES = [(n, seed, strategies, device) for n, seed in ((3, 0), (4, 1), (4, 2
 def test_exact_solver_matches_brute_force_with_selective(n, seed, strategies, device):
     if len(strategies) == len(STRATEGIES) and n > 3:
         n = 3  # every option of every strategy: keep brute force small
+    from test_solvers import assert_exact_equals_brute_force
+
     prof = add_save_sets(chain_profile(n, seed=seed, shared_boundaries=0.5, device=device), seed, pareto=0.7)
     space = {"strategies": strategies, "offload_state": False}
-    lo = solvers.min_peak(prof, **space)
     without = tuple(s for s in strategies if s != "selective")
-    assert lo <= solvers.min_peak(prof, strategies=without, offload_state=False)
-    for frac in (0.0, 0.15, 0.5):
-        budget = int(lo + frac * (prof.peak_bytes - lo))
-        exact = solvers.optimal(prof, budget, **space)
-        oracle = solvers.brute_force(prof, budget, **space)
-        assert exact.feasible and oracle.feasible
-        assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9), frac
-        assert exact.meta["milp_step_time"] == pytest.approx(exact.predicted_step_time, rel=1e-6)
-        assert memopt.simulate(prof, exact, device=device).peak_bytes <= budget
+    assert solvers.min_peak(prof, **space) <= solvers.min_peak(prof, strategies=without, offload_state=False)
+    assert_exact_equals_brute_force(prof, space, (0.0, 0.15, 0.5), abs_tol=0.0)
 
 
 def test_selective_is_chosen_where_it_wins_and_its_plan_carries_the_ops():

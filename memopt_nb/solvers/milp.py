@@ -20,6 +20,12 @@ there is one offload indicator per (candidate owner, offloading option): the opt
 the group over, and no plain-recompute consumer pins it — a conjunction of binaries, written with its lower bound too,
 so the indicator is exactly the simulator's. Groups no recompute_offload option can touch keep the static owner.
 
+A ``selective`` option (one per Pareto save-set of a recomputable unit, when allowed) counts as recomputing for every
+group rule above (and pins its inputs like plain recompute); its binary adds the save-set's ``held_bytes`` to every
+segment after its forward through its backward, replaces the segment peaks of its forward and backward by the
+save-set's, and adds the save-set's recompute time (instead of the forward's) to its backward — all linear in that
+binary, so the program stays exact.
+
 Where the optimizer state, gradients and parameters live (issue 11) is separable in the simulator's cost model (its
 ``StateTable``, see ``STATE_CONTRACT.md``), so it enters exactly as well:
 
