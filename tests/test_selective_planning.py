@@ -383,8 +383,10 @@ def test_masks_keep_the_selective_optimum_reachable():
     """Played through the environment, brute force's optimum with selective allowed is reachable: every action it
     takes is allowed by the masks (no shared boundaries: the marginal model is exact for memory), and the episode's
     exact time is the optimum's."""
+    from test_strategies_arg import play
+
     from memopt_nb.rl.env import MemoryPlanningEnv
-    from memopt_nb.rl.task import TIMINGS, PlanningTask
+    from memopt_nb.rl.task import PlanningTask
 
     used = set()
     space = {"strategies": ("keep", "recompute", "swap", "selective"), "offload_state": False}
@@ -395,19 +397,9 @@ def test_masks_keep_the_selective_optimum_reachable():
         best = solvers.brute_force(prof, budget, **space)
         used |= set(best.strategies)
         task = PlanningTask(prof, budget, **space)
-        env = MemoryPlanningEnv(task)
-        obs, _ = env.reset(seed=0)
         actions = [int(np.flatnonzero(task.action_codes == code_of(d.strategy, d.save_set))[0])
                    for d in best.decisions]
-        for t in range(task.n + 1):
-            a = {}
-            if t < task.n:
-                a["strategy"] = actions[t]
-                assert obs["strategy"]["action_mask"][a["strategy"]], (seed, t)
-            if t >= 1 and best.strategies[t - 1] == "swap":
-                a["timing"] = TIMINGS.index((best.offload_windows[t - 1], best.prefetch_distances[t - 1]))
-                assert obs["timing"]["action_mask"][a["timing"]], (seed, t)
-            obs, rew, term, trunc, info = env.step(a)
+        info = play(MemoryPlanningEnv(task), best, actions)
         assert info["strategy"]["feasible"]
         assert info["strategy"]["time"] == pytest.approx(best.predicted_step_time, rel=1e-12)
     assert "selective" in used
