@@ -447,3 +447,22 @@ def test_a_selective_plan_shows_its_save_sets():
     assert plan.decisions[picked[0]].save_set in plan._repr_html_()
     assert _short(plan.decisions[picked[0]]) == "P"
     assert _parse_strategies("keep,selective") == ("keep", "selective")
+
+
+def test_a_refused_budget_names_the_selective_space():
+    """Below the floor of a space with selective (state allowed to move, so the floor's explanation searches the
+    placements with selective among the strategies), the BudgetError names the space and the floor."""
+    prof = add_save_sets(chain_profile(5, seed=2, state_bytes=8 * 2**20), 2, offered=1.0)
+    space = ("keep", "recompute", "selective")
+    lo = solvers.min_peak(prof, strategies=space)
+    assert lo <= solvers.min_peak(prof, strategies=("keep", "recompute"))
+    with pytest.raises(memopt.BudgetError, match="using only keep, recompute, selective") as err:
+        solvers.optimal(prof, lo - 1, strategies=space)
+    assert memopt.format_bytes(lo) in str(err.value)
+    from memopt_nb.floor import state_floor
+
+    found, plan = state_floor(prof, None, space)
+    assert found >= lo and memopt.simulate(prof, plan).peak_bytes == found
+    found, plan = state_floor(prof, None, ("keep", "selective"))  # selective is the only way to save memory
+    assert "selective" in plan.strategies and memopt.simulate(prof, plan).peak_bytes == found
+    assert all(d.save_ops for d in plan.decisions if d.strategy == "selective")
