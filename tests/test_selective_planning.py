@@ -466,3 +466,12 @@ def test_a_refused_budget_names_the_selective_space():
     found, plan = state_floor(prof, None, ("keep", "selective"))  # selective is the only way to save memory
     assert "selective" in plan.strategies and memopt.simulate(prof, plan).peak_bytes == found
     assert all(d.save_ops for d in plan.decisions if d.strategy == "selective")
+
+
+def test_a_save_set_without_its_costs_is_a_profile_error():
+    prof = add_save_sets(chain_profile(3, seed=0), 0, offered=1.0)
+    units = list(prof.units)
+    entry = {k: v for k, v in units[1].save_sets["matmuls"].items() if k != "held_bytes"}
+    units[1] = dataclasses.replace(units[1], save_sets={**units[1].save_sets, "matmuls": entry})
+    with pytest.raises(memopt.ProfileError, match="save-set 'matmuls' lacks held_bytes"):
+        Simulator(dataclasses.replace(prof, units=units))
