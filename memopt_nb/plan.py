@@ -583,7 +583,7 @@ class Plan:
         if self.units != other.units:
             return False
         for a, b in zip(self.decisions, other.decisions, strict=True):
-            if a.strategy != b.strategy or a.placement != b.placement or a.save_ops != b.save_ops:
+            if (a.strategy, a.placement, a.save_set, a.save_ops) != (b.strategy, b.placement, b.save_set, b.save_ops):
                 return False
             if a.strategy in OFFLOADING and (a.offload_window, a.prefetch_distance) != (
                 b.offload_window, b.prefetch_distance

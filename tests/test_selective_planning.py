@@ -219,6 +219,9 @@ def test_a_selective_plan_simulates_from_its_decisions():
     assert Plan.from_json(plan.to_json()) == plan
     assert Plan.from_json(plan.to_json()).decisions[1].save_ops == tuple(
         tuple(x) for x in prof.units[1].save_sets["alternate"]["ops"])
+    other = dataclasses.replace(plan, decisions=(decisions[0], dataclasses.replace(
+        decisions[1], save_set="matmuls", save_ops=prof.units[1].save_sets["matmuls"]["ops"]), *decisions[2:]))
+    assert plan.same_decisions(plan) and not plan.same_decisions(other)
 
 
 # ---------------------------------------------------------------------- the plan space and the exact MILP
