@@ -92,7 +92,7 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
 
 
 def _short(d: object) -> str:
-    s = {"keep": "K", "recompute": "R", "swap": "S", "recompute_offload": "O"}[d.strategy]
+    s = {"keep": "K", "recompute": "R", "swap": "S", "recompute_offload": "O", "selective": "P"}[d.strategy]
     return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy in OFFLOADING else "")
 
 
@@ -120,8 +120,9 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
     ratio = under.step_time / base.step_time
     counts = plan.counts()
     took = plan.meta.get("search_seconds")
+    wider = "".join(f", {s} {counts[s]}" for s in ("recompute_offload", "selective") if counts[s])
     out(f"plan ({plan.method}{f', {took:.0f} s' if took else ''}): keep {counts['keep']}, recompute "
-        f"{counts['recompute']}, swap {counts['swap']}  — {' '.join(_short(d) for d in plan.decisions)}")
+        f"{counts['recompute']}, swap {counts['swap']}{wider}  — {' '.join(_short(d) for d in plan.decisions)}")
     if plan.moves_state:
         sc = plan.state_counts()
         out(f"  state: optimizer offloaded {sc['optimizer']}, gradients offloaded {sc['grads']}, stepped in backward "

@@ -43,7 +43,7 @@ DEFAULT_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "o
 #: The whole-step baselines (issue 11): accepted by ``methods=``, not run by default (the published runs did not).
 STATE_BASELINE_METHODS = ("state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute")
 #: Ecosystem baselines (issue 12): accepted by ``methods=``, not run by default.
-ECOSYSTEM_METHODS = ("selective_layer", "recompute_offload_all")
+ECOSYSTEM_METHODS = ("selective_layer", "recompute_offload_all", "op_sac")
 KNOWN_METHODS = DEFAULT_METHODS + STATE_BASELINE_METHODS + ECOSYSTEM_METHODS
 BASELINE_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin") + STATE_BASELINE_METHODS \
     + ECOSYSTEM_METHODS
@@ -306,7 +306,7 @@ def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn
 
 
 # plans that do not depend on the budget
-_RULES = ("none", "recompute_all", "sqrt_n", "swap_all", "recompute_offload_all") + STATE_BASELINE_METHODS
+_RULES = ("none", "recompute_all", "sqrt_n", "swap_all", "recompute_offload_all", "op_sac") + STATE_BASELINE_METHODS
 
 
 def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, search_timesteps: int | None,
@@ -347,8 +347,9 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
             simulate on it (the model is profiled here).
         budget: bytes, ``"2GiB"``, or a percentage of the unoptimized peak at ``reference_batch`` (default ``"50%"``).
         methods: any of ``none, recompute_all, sqrt_n, swap_all, capuchin, optimal, memopt-ppo, grad_accum``
-            (the default), and the whole-step baselines ``state_offload, state_offload_recompute,
-            step_in_backward, step_in_backward_recompute``.
+            (the default), the whole-step baselines ``state_offload, state_offload_recompute,
+            step_in_backward, step_in_backward_recompute``, and the ecosystem baselines ``selective_layer,
+            recompute_offload_all, op_sac`` (``op_sac`` profiles with ``selective=True``).
         batch_sizes: the batch sizes to try (default: powers of two around ``reference_batch``).
         reference_batch: the batch the budget percentage refers to (default: the builder's default, or 8).
         search_timesteps: PPO budget per memopt-ppo search (default: the search's own default).
@@ -371,6 +372,7 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
     spec = None if device is None else (device if isinstance(device, DeviceSpec) else DeviceSpec.preset(device))
     profiles: dict[int, Any] = {}
     built: dict[int, Any] = {}
+    extra = {"selective": True} if "op_sac" in methods else {}  # op_sac needs the save-sets
 
     def prof_at(b: int) -> Any:
         if b not in profiles:
@@ -378,7 +380,7 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
             model, inputs, loss_fn, opt = _unpack(builder(b))
             built[b] = (model, inputs, loss_fn, opt)
             profiles[b] = profile_model(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt,
-                                        repeats=steps)
+                                        repeats=steps, **extra)
         return profiles[b]
 
     ref_prof = prof_at(ref)

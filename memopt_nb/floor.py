@@ -125,18 +125,21 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
     """
     import numpy as np
 
-    from .plan import STATE_CHOICES, Plan, decisions_from, state_choices
-    from .simulate import CODES, Simulator
+    from .plan import SAVE_SETS, STATE_CHOICES, Plan, state_choices
+    from .simulate import CODES, SELECTIVE, Simulator
+    from .solvers.space import plan_decisions
 
     sim = Simulator(profile, device)
     tab = sim.state_table()
     n = sim.n
     allowed_choices = [STATE_CHOICES.index(c) for c in state_choices(offload_state, step_in_backward=step_in_backward)]
-    codes = [CODES[s] for s in strategies]
-    ok_s = np.ones((n, 4), dtype=bool)
+    codes = [c for s in strategies
+             for c in ([SELECTIVE + j for j in range(len(SAVE_SETS))] if s == "selective" else [CODES[s]])]
+    ok_s = np.ones((n, SELECTIVE + len(SAVE_SETS)), dtype=bool)
     ok_s[:, 1] = sim.recomputable
     ok_s[:, 2] = sim.swappable
     ok_s[:, 3] = sim.recomputable & sim.swappable  # recompute_offload
+    ok_s[:, SELECTIVE:] = sim.recomputable[:, None] & sim.sel_pareto  # selective: the planners' save-sets
     opts = [[(s, c) for s in codes if ok_s[u, s] for c in allowed_choices if tab.allowed[u, c]] for u in range(n)]
     ones = np.ones((1, n), dtype=np.int64)
 
@@ -165,10 +168,8 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
                 S, C, val, improved = trial_S[i:i + 1].copy(), trial_C[i:i + 1].copy(), float(v[i]), True
         if not improved:
             break
-    names = {v: k for k, v in CODES.items()}
-    decisions = decisions_from([names[int(x)] for x in S[0]], [u.name for u in profile.units], [1] * n, [1] * n,
-                               states=[int(x) for x in C[0]])
-    base = Plan.from_strategies(profile, [names[int(x)] for x in S[0]], method="state_floor")
+    decisions = plan_decisions(profile, [int(x) for x in S[0]], [1] * n, [1] * n, [int(x) for x in C[0]])
+    base = Plan.from_strategies(profile, ["keep"] * n, method="state_floor")
     import dataclasses
 
     plan = dataclasses.replace(base, decisions=decisions,

@@ -588,7 +588,7 @@ class Plan:
         if self.units != other.units:
             return False
         for a, b in zip(self.decisions, other.decisions, strict=True):
-            if a.strategy != b.strategy or a.placement != b.placement:
+            if (a.strategy, a.placement, a.save_set, a.save_ops) != (b.strategy, b.placement, b.save_set, b.save_ops):
                 return False
             if a.strategy in OFFLOADING and (a.offload_window, a.prefetch_distance) != (
                 b.offload_window, b.prefetch_distance
@@ -773,7 +773,8 @@ class Plan:
         device = f" for {name}" if name else ""
         parts = [f"Plan[{self.method}]{device}: {len(self.decisions)} units: keep {c['keep']}, recompute "
                  f"{c['recompute']}, swap {c['swap']}"
-                 + (f", recompute_offload {c['recompute_offload']}" if c["recompute_offload"] else "")]
+                 + (f", recompute_offload {c['recompute_offload']}" if c["recompute_offload"] else "")
+                 + (f", selective {c['selective']}" if c["selective"] else "")]
         sc = self.state_counts()
         moved = [f"{k} {v}" for k, v in (("optimizer offloaded", sc["optimizer"]),
                                          ("grads offloaded", sc["grads"]), ("stepped in backward", sc["step"]),
@@ -808,6 +809,8 @@ class Plan:
                 timing = f"{out}; {back} (window {w}, prefetch {k})"
             state = ", ".join(f"{k} {v}" for k, v in zip(("optimizer", "grads", "params"), d.placement, strict=True)
                               if v != "resident") or "resident"
+            if d.strategy == "selective":
+                timing = f"saves {html.escape(d.save_set)} ({len(d.save_ops)} op outputs)"
             rows.append(f"<tr><td>{html.escape(d.unit)}</td><td>{d.strategy}</td><td>{timing}</td>"
                         f"<td>{state}</td></tr>")
         return (

@@ -76,7 +76,7 @@ import numpy as np
 
 from .budget import format_bytes
 from .device import DeviceSpec
-from .errors import PlanError
+from .errors import PlanError, ProfileError
 from .plan import SAVE_SETS, STATE_CHOICES, Plan
 from .reference_sim import Replay, replay
 
@@ -260,6 +260,11 @@ class Simulator:
                 if name not in SAVE_SETS:
                     continue
                 j = SAVE_SETS.index(name)
+                missing = [k for k in ("held_bytes", "recompute_time", "fwd_rel_peak", "bwd_rel_peak")
+                           if not isinstance(entry, dict) or k not in entry]
+                if missing:
+                    raise ProfileError(f"unit {u} ({up.name}): save-set {name!r} lacks {', '.join(missing)}; profile "
+                                       "the model again with memopt.profile(..., selective=True)")
                 self.sel_has[u, j] = True
                 self.sel_pareto[u, j] = bool(entry.get("pareto", False))
                 self.sel_held[u, j] = int(entry["held_bytes"])

@@ -10,6 +10,7 @@ import importlib
 
 import numpy as np
 import pytest
+from test_selective_planning import add_save_sets
 
 from memopt_nb import solvers
 from memopt_nb.plan import STRATEGIES
@@ -20,16 +21,21 @@ from memopt_nb.synthetic import chain_profile
 search_mod = importlib.import_module("memopt_nb.rl.search")
 
 
-@pytest.fixture(scope="module", params=[(0.25, None), (0.6, None), (0.25, STRATEGIES)],
-                ids=["tight", "loose", "tight-recompute_offload"])
+@pytest.fixture(scope="module", params=[(0.25, None), (0.6, None), (0.25, STRATEGIES), (0.25, "selective")],
+                ids=["tight", "loose", "tight-recompute_offload", "tight-selective"])
 def task(request):
     """Chains with state at two budgets; with recompute_offload the copies of ``step_many`` differ in which timed
-    strategy (swap or recompute_offload) the timing agent is timing at the same step."""
+    strategy (swap or recompute_offload) the timing agent is timing at the same step; with every strategy on a
+    profile with save-sets, also in whether their unit takes an untimed selective action."""
     share, strategies = request.param
     prof = chain_profile(10, seed=4, state_bytes=16 * 2**20)
+    if strategies == "selective":
+        prof, strategies = add_save_sets(prof, 4), STRATEGIES
     lo = solvers.min_peak(prof, "a100-40gb", offload_state=True)
     kw = {} if strategies is None else {"strategies": strategies}
-    return PlanningTask(prof, int(lo + share * (prof.peak_bytes - lo)), "a100-40gb", offload_state=True, **kw)
+    task = PlanningTask(prof, int(lo + share * (prof.peak_bytes - lo)), "a100-40gb", offload_state=True, **kw)
+    assert task.selective == (request.param[1] == "selective")
+    return task
 
 
 def _same(x, y):

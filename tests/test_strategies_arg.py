@@ -217,11 +217,28 @@ def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
             assert t[0] - task.base_time == pytest.approx(task.marg_time[u, o], rel=1e-9, abs=1e-15)
 
 
+def play(env, plan, actions):
+    """Play ``plan`` through ``env`` with the strategy agent's ``actions`` (one per unit) and the plan's timings;
+    every action must be allowed by the masks. Returns the last step's infos."""
+    from memopt_nb.rl.task import TIMINGS
+
+    obs, _ = env.reset(seed=0)
+    for t in range(env.task.n + 1):
+        a = {}
+        if t < env.task.n:
+            a["strategy"] = actions[t]
+            assert obs["strategy"]["action_mask"][a["strategy"]], (plan.decisions, t)
+        if t >= 1 and plan.strategies[t - 1] in ("swap", "recompute_offload"):
+            a["timing"] = TIMINGS.index((plan.offload_windows[t - 1], plan.prefetch_distances[t - 1]))
+            assert obs["timing"]["action_mask"][a["timing"]], (plan.decisions, t)
+        obs, rew, term, trunc, info = env.step(a)
+    return info
+
+
 def test_masks_keep_the_recompute_offload_optimum_reachable():
     """Played through the environment, the enumeration's optimum with recompute_offload allowed is reachable: every
     action it takes is allowed by the masks (the marginal model is exact for memory where every group depends on one
     unit: no shared boundaries), and the episode's exact time is the optimum's."""
-    from memopt_nb.rl.task import TIMINGS
 
     used = set()
     for seed, frac in ((1, 0.0), (2, 0.1), (4, 0.05)):
@@ -232,17 +249,7 @@ def test_masks_keep_the_recompute_offload_optimum_reachable():
         best = solvers.brute_force(prof, budget, **space)
         used |= set(best.strategies)
         env = MemoryPlanningEnv(PlanningTask(prof, budget, offload_state=False, strategies=STRATEGIES))
-        obs, _ = env.reset(seed=0)
-        codes = [STRATEGIES.index(s) for s in best.strategies]
-        for t in range(env.task.n + 1):
-            a = {}
-            if t < env.task.n:
-                a["strategy"] = codes[t]
-                assert obs["strategy"]["action_mask"][a["strategy"]], (seed, t)
-            if t >= 1 and best.strategies[t - 1] in ("swap", "recompute_offload"):
-                a["timing"] = TIMINGS.index((best.offload_windows[t - 1], best.prefetch_distances[t - 1]))
-                assert obs["timing"]["action_mask"][a["timing"]], (seed, t)
-            obs, rew, term, trunc, info = env.step(a)
+        info = play(env, best, [STRATEGIES.index(s) for s in best.strategies])
         assert info["strategy"]["feasible"]
         assert info["strategy"]["time"] == pytest.approx(best.predicted_step_time, rel=1e-12)
     assert "recompute_offload" in used

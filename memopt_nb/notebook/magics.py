@@ -365,7 +365,8 @@ class MemoptMagics(Magics):
                       "then no longer accumulate gradients over several backwards or clip their global norm")
     @ma.argument("--strategies", metavar="LIST", default="keep,recompute,swap",
                  help="the activation strategies the plan may use, comma-separated (default: keep,recompute,swap); "
-                      "e.g. keep,recompute for checkpointing only, or add recompute_offload (opt-in)")
+                      "e.g. keep,recompute for checkpointing only, or add recompute_offload or selective (opt-in; "
+                      "selective needs a profile made with selective=True)")
     @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
                  help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
     @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")

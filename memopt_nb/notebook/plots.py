@@ -40,7 +40,8 @@ __all__ = [
 
 _PALETTE = sns.color_palette("deep")
 #: Colours of the strategies in every chart.
-STRATEGY_COLORS = {"keep": _PALETTE[0], "recompute": _PALETTE[1], "swap": _PALETTE[2], "recompute_offload": _PALETTE[8]}
+STRATEGY_COLORS = {"keep": _PALETTE[0], "recompute": _PALETTE[1], "swap": _PALETTE[2], "recompute_offload": _PALETTE[8],
+                   "selective": _PALETTE[6]}
 AGENT_COLORS = {"strategy": _PALETTE[4], "timing": _PALETTE[9]}
 #: The same three roles have the same colour in every figure: the budget line, the unoptimized step, the plan.
 BUDGET_COLOR = "#c0392b"
@@ -255,8 +256,8 @@ def memory_timeline(profile: Any, plans: Any, *, device: Any = None, budget: Any
 
 # ====================================================================== per-unit chart
 def unit_chart(profile: Any, plan: Any = None, *, title: str | None = None) -> Figure:
-    """Per unit: saved bytes and forward/backward time; with a plan, bars are coloured by strategy and swapped units
-    are labelled with their offload window ``w`` and prefetch distance ``d``.
+    """Per unit: saved bytes and forward/backward time; with a plan, bars are coloured by strategy, swapped units
+    are labelled with their offload window ``w`` and prefetch distance ``d``, and selective units with their save-set.
 
     Each memory bar is what the unit saves for backward (``saved_bytes``); its hatched part is what recomputing the unit
     frees (``interior_bytes``).
@@ -288,6 +289,8 @@ def unit_chart(profile: Any, plan: Any = None, *, title: str | None = None) -> F
                 if d.strategy in ("swap", "recompute_offload"):
                     ax_m.text(i, saved[i] / div, f"w{d.offload_window} d{d.prefetch_distance}", ha="center",
                               va="bottom", fontsize=7)
+                elif d.strategy == "selective":  # which save-set it keeps
+                    ax_m.text(i, saved[i] / div, d.save_set, ha="center", va="bottom", fontsize=7)
             used = set(plan.strategies) | {"keep", "recompute", "swap"}
             handles = [mpl.patches.Patch(color=c, label=s) for s, c in STRATEGY_COLORS.items() if s in used] + handles
             name = (plan.device or {}).get("name")

@@ -5,12 +5,14 @@ Agents: ``"strategy"`` picks keep / recompute / swap for each unit and, where th
 ``strategy * C + j`` for the task's ``C`` allowed placements (``task.state_ids[j]`` indexes
 :data:`~memopt_nb.plan.STATE_CHOICES`; ``C == 1`` — activations only — leaves today's three actions and observations
 unchanged). With ``"recompute_offload"`` allowed (``strategies=``, opt-in) it is a fourth strategy (actions
-``3 * C + j``), timed like a swap. ``"timing"`` picks the offload window and prefetch distance of each swapped (or
-recompute_offload) unit (the timing of state transfers is the runtime's). One episode walks the units in forward
-order, *pipelined*: at step ``t`` the strategy agent decides unit ``t`` while the timing agent decides unit
-``t − 1``, whose strategy it already sees. So both agents act at every step (``n + 1`` steps; at the two ends one
-agent has only a no-op), which is why this is a ParallelEnv rather than a turn-based AEC environment: no agent ever
-waits, and PPO batches both agents' transitions alike.
+``3 * C + j``), timed like a swap. With ``"selective"`` allowed (opt-in; a profile made with ``selective=True``) each
+save-set of :data:`~memopt_nb.plan.SAVE_SETS` is one more strategy after those (``task.action_codes`` maps a strategy
+action to its code), untimed, allowed only where the unit offers that save-set as a Pareto one. ``"timing"`` picks the
+offload window and prefetch distance of each swapped (or recompute_offload) unit (the timing of state transfers is the
+runtime's). One episode walks the units in forward order, *pipelined*: at step ``t`` the strategy agent decides unit
+``t`` while the timing agent decides unit ``t − 1``, whose strategy it already sees. So both agents act at every step
+(``n + 1`` steps; at the two ends one agent has only a no-op), which is why this is a ParallelEnv rather than a
+turn-based AEC environment: no agent ever waits, and PPO batches both agents' transitions alike.
 
 Observations (``{"observation": float32 vector, "action_mask": int8 vector}``):
 
@@ -29,12 +31,12 @@ the cost model has a state table — the optimizer step's share of the peak (the
 resident, the unit-by-unit step's points once any unit moves state). The state part is exactly the contract's
 separable form, so for placements the estimate is exact.
 
-Action masks: only the activation strategies the task allows (``strategies=``; keep where none of them fits the
-unit), recompute/swap where the unit allows it, swap only with a host link, a placement only where the state
-table says it changes something (not for units without parameters), timings only for swapped units and only where
-they differ in effect, and any action after which the budget is out of reach even if every remaining unit
-takes its most frugal option (by the marginal model; for the unit decided at the same step by the other agent, its
-most frugal allowed option is assumed). An action outside the mask is replaced by the first allowed one.
+Action masks: only the activation strategies the task allows (``strategies=``; keep where none of them fits the unit),
+recompute/swap where the unit allows it, a save-set where the unit offers it, swap only with a host link, a placement
+only where the state table says it changes something (not for units without parameters), timings only for swapped units
+and only where they differ in effect, and any action after which the budget is out of reach even if every remaining unit
+takes its most frugal option (by the marginal model; for the unit decided at the same step by the other agent, its most
+frugal allowed option is assumed). An action outside the mask is replaced by the first allowed one.
 
 Reward (cooperative, from the exact simulator at the end of the episode): the team objective is
 ``J = overhead + penalty`` with ``overhead = step_time / keep_all_time − 1`` and a penalty that jumps to 1 and grows
@@ -97,7 +99,7 @@ class MemoryPlanningEnv(ParallelEnv):
         C = task.C
         self._states = C > 1  # placements to choose: a few more features (none when C == 1, as before placements)
         self._n_look = _N_LOOK + (1 if self._states else 0)
-        K = task.n_strategies  # 3, or 4 with recompute_offload
+        K = task.n_strategies  # 3, 4 with recompute_offload, + 3 save-sets with selective
         self._dims = {
             STRATEGY: _N_COMMON + _N_UNIT + (2 if self._states else 0) + 3 * K * C + lookahead * self._n_look,
             TIMING: _N_COMMON + _N_UNIT + K + 3 * len(TIMINGS),
@@ -183,7 +185,8 @@ class MemoryPlanningEnv(ParallelEnv):
         # strategy for unit t
         if t < n:
             s, j = divmod(self._allowed(STRATEGY, actions.get(STRATEGY, 0)), task.C)
-            self.codes[t] = s
+            code = int(task.action_codes[s])
+            self.codes[t] = code
             self.states[t] = task.state_ids[j]
             st_cost = 0.0
             if j:  # the placement's exact, separable part
@@ -192,12 +195,13 @@ class MemoryPlanningEnv(ParallelEnv):
                 st_cost = task.st_time[t, j] + (0.0 if self.moved else task.chunk_extra)
                 self.moved = True
                 self.spent += st_cost
-            if s not in _TIMED:
-                self.level += task.marg_peak[t, s]
-                self.spent += task.marg_time[t, s]
-                cost = task.marg_time[t, s] + st_cost
+            if code not in _TIMED:
+                o = int(task.action_option[s])
+                self.level += task.marg_peak[t, o]
+                self.spent += task.marg_time[t, o]
+                cost = task.marg_time[t, o] + st_cost
             else:  # optimistic: as if the timing agent picks the cheapest allowed timing
-                cost = self._static(t)["timed_cost"][s] + st_cost
+                cost = self._static(t)["timed_cost"][code] + st_cost
             rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
         for a in rewards:
             self.shaped[a] += rewards[a]
@@ -266,7 +270,7 @@ class MemoryPlanningEnv(ParallelEnv):
         costs = [task.marg_time[u, KEEP], task.marg_time[u, RECOMPUTE]]
         # per timed strategy (keyed by its code): its most frugal allowed timing, what the timing agent sees
         timed_cost, pend_min, t_cost, t_unit = {}, {}, {}, {}
-        for code in _TIMED[:K - 2]:
+        for code in task.timed_codes:
             b = task.timed_base[code]
             opts = np.flatnonzero(task.option_ok[u, b:b + T])
             frugal_c = task.marg_peak[u, b + opts].min(axis=0) if opts.size else None
@@ -278,6 +282,10 @@ class MemoryPlanningEnv(ParallelEnv):
             pend_min[code] = frugal_c
             t_cost[code] = (task.marg_time[u, b:b + T] - default) / self._t_unit
             t_unit[code] = np.concatenate([unit, np.eye(K)[code]])
+        for o in task.action_option[2 + len(task.timed_codes):]:  # selective, one action per save-set
+            choice.append(task.marg_peak[u, o])
+            ok_s.append(bool(task.option_ok[u, o]))
+            costs.append(task.marg_time[u, o])
         choice = np.stack(choice)
         ok_s = np.array(ok_s)
         costs = np.array(costs)

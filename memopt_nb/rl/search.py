@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from ..device import DeviceSpec
-from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan, decisions_from
-from ..simulate import RECOMPUTE_OFFLOAD, SWAP
+from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
 from ..solvers.common import make_plan
+from ..solvers.space import plan_decisions
 from .env import STRATEGY, TIMING, MemoryPlanningEnv
 from .ppo import PPOConfig, train
-from .task import TIMINGS, PlanningTask
+from .task import PlanningTask, code_options, option_codes
 
 __all__ = ["search", "polish", "plan_from_arrays", "SearchTracker", "default_timesteps", "default_restarts", "METHOD"]
 
@@ -39,24 +39,11 @@ def default_restarts(n_units: int) -> int:
 
 def _option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Option indices (see :class:`~memopt_nb.rl.task.PlanningTask`) as strategy codes, windows and distances."""
-    T = len(TIMINGS)
-    codes = np.where(opt_idx < 2 + T, np.minimum(opt_idx, 2), RECOMPUTE_OFFLOAD)
-    w = np.ones_like(opt_idx)
-    d = np.ones_like(opt_idx)
-    swap = opt_idx >= 2
-    tw = np.array([t[0] for t in TIMINGS])
-    td = np.array([t[1] for t in TIMINGS])
-    w[swap] = tw[(opt_idx[swap] - 2) % T]
-    d[swap] = td[(opt_idx[swap] - 2) % T]
-    return codes, w, d
+    return option_codes(opt_idx)
 
 
 def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.ndarray:
-    idx = codes.copy()
-    for u in np.flatnonzero((codes == SWAP) | (codes == RECOMPUTE_OFFLOAD)):
-        base = 2 if codes[u] == SWAP else 2 + len(TIMINGS)
-        idx[u] = base + TIMINGS.index((int(windows[u]), int(dists[u])))
-    return idx
+    return code_options(codes, windows, dists)
 
 
 #: Seconds the polish's exact-placement MILPs (:func:`_polish_exact_placements`) may take together; each solve gets at
@@ -274,7 +261,7 @@ def plan_from_arrays(task: PlanningTask, codes: np.ndarray, windows: np.ndarray,
         return plan
     st = np.zeros(task.n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64)
     peak, time_ = task.evaluate(np.asarray(codes)[None], np.asarray(windows)[None], np.asarray(dists)[None], st[None])
-    decisions = decisions_from(plan.strategies, plan.units, list(windows), list(dists), states=st.tolist())
+    decisions = plan_decisions(task.profile, [int(x) for x in codes], list(windows), list(dists), st.tolist())
     fingerprint = plan.optimizer_fingerprint or (getattr(task.profile, "meta", None) or {}).get(
         "optimizer_fingerprint")  # the optimizer the placements were made for (the runtime checks it)
     return plan.with_meta(decisions=decisions, predicted_peak_bytes=int(round(float(peak[0]))),
@@ -350,7 +337,9 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             agent's actions, the polish never introduces them, and the budget is checked against the floor of this
             space (``solvers.min_peak(..., strategies)``). A unit none of them fits keeps its activations. A bad
             value raises :class:`~memopt_nb.errors.PlanError`; the default is all three. ``"recompute_offload"`` is
-            opt-in: with it the strategy agent has a fourth strategy, timed by the timing agent like swap.
+            opt-in: with it the strategy agent has a fourth strategy, timed by the timing agent like swap. So is
+            ``"selective"`` (for a profile made with ``selective=True``): the strategy agent then has one more
+            strategy per save-set (masked where the unit does not offer it), and the polish moves between them.
         reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
             are next to PPO's fixed clipping and entropy coefficients.
 

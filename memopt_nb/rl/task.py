@@ -24,17 +24,53 @@ import numpy as np
 from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
 from ..errors import BudgetError, PlanError
-from ..plan import DEFAULT_STRATEGIES, DISTANCES, STATE_CHOICES, WINDOWS, state_choices
-from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
+from ..plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, STATE_CHOICES, WINDOWS, state_choices
+from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
 from ..solvers.common import allowed_strategies, as_simulator, check_budget
+from ..solvers.space import check_save_sets
 
-__all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS"]
+__all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS", "SELECTIVE_BASE",
+           "code_options", "option_codes"]
 
 #: Timing actions: (offload window, prefetch distance) pairs.
 TIMINGS: tuple[tuple[int, int], ...] = tuple((w, d) for w in WINDOWS for d in DISTANCES)
 #: The timing a swap gets when nobody chooses one (the timing agent's difference reward is measured against it).
 DEFAULT_TIMING = TIMINGS.index((1, 1))
 N_OPTIONS = 2 + len(TIMINGS)  # keep, recompute, swap × timings (a task with recompute_offload: task.n_options)
+#: The first option index of the selective options, in a task that offers them (``SELECTIVE_BASE + j``: save-set
+#: ``SAVE_SETS[j]``): after keep, recompute and both timed strategies' timings (recompute_offload's columns are
+#: there, not allowed, when it is not in ``strategies``), so that an option index means the same in every such task.
+SELECTIVE_BASE = 2 + 2 * len(TIMINGS)
+
+
+def option_codes(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Option indices as strategy codes, windows and distances: 0 keep, 1 recompute, ``2 + j`` swap and
+    ``2 + len(TIMINGS) + j`` recompute_offload with ``TIMINGS[j]``, ``SELECTIVE_BASE + j`` selective with
+    ``SAVE_SETS[j]`` (timing ``(1, 1)`` where nothing is timed)."""
+    T = len(TIMINGS)
+    opt_idx = np.asarray(opt_idx)
+    codes = np.where(opt_idx < 2 + T, np.minimum(opt_idx, 2),
+                     np.where(opt_idx < SELECTIVE_BASE, RECOMPUTE_OFFLOAD, SELECTIVE + opt_idx - SELECTIVE_BASE))
+    w = np.ones_like(opt_idx)
+    d = np.ones_like(opt_idx)
+    timed = (opt_idx >= 2) & (opt_idx < SELECTIVE_BASE)
+    tw = np.array([t[0] for t in TIMINGS])
+    td = np.array([t[1] for t in TIMINGS])
+    w[timed] = tw[(opt_idx[timed] - 2) % T]
+    d[timed] = td[(opt_idx[timed] - 2) % T]
+    return codes, w, d
+
+
+def code_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.ndarray:
+    """Strategy codes with their timings as option indices (the inverse of :func:`option_codes`)."""
+    codes = np.asarray(codes)
+    idx = np.array(codes, dtype=np.int64, copy=True)
+    for u in np.flatnonzero((codes == SWAP) | (codes == RECOMPUTE_OFFLOAD)):
+        base = 2 if codes[u] == SWAP else 2 + len(TIMINGS)
+        idx[u] = base + TIMINGS.index((int(windows[u]), int(dists[u])))
+    sel = codes >= SELECTIVE
+    idx[sel] = SELECTIVE_BASE + codes[sel] - SELECTIVE
+    return idx
 
 
 class StateModel:
@@ -108,7 +144,14 @@ class PlanningTask:
 
     Options (the columns of ``option_ok``, ``marg_peak``, ``marg_time``): 0 keep, 1 recompute, ``2 + j`` swap with
     ``TIMINGS[j]`` and, only when ``strategies`` has it, ``2 + len(TIMINGS) + j`` recompute_offload with ``TIMINGS[j]``
-    (``n_options`` in all; ``timed_base`` maps a timed strategy's code to its first option).
+    and, only when ``strategies`` has ``"selective"`` and some unit offers a save-set, ``SELECTIVE_BASE + j``
+    selective with save-set ``SAVE_SETS[j]`` (where the unit is recomputable and the save-set is one of its Pareto
+    ones, as :func:`~memopt_nb.solvers.space.unit_options` offers them); ``n_options`` in all; ``timed_base`` maps a
+    timed strategy's code to its first option; :func:`option_codes` maps options to codes.
+
+    The strategy agent's actions are ``action_codes`` (keep, recompute, the timed strategies ``timed_codes``, then the
+    selective save-sets), ``n_strategies`` of them; ``action_option[s]`` is the option of an untimed action (-1 for
+    a timed one, whose option the timing agent completes).
     """
 
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
@@ -118,12 +161,22 @@ class PlanningTask:
         # options: keep, recompute, swap × TIMINGS and, only when allowed, recompute_offload × TIMINGS (so that the
         # default space's tables, actions and observations stay what they were)
         T = len(TIMINGS)
-        self.n_strategies = 4 if "recompute_offload" in self.strategies else 3
-        self.n_options = 2 + T * (self.n_strategies - 2)
-        #: first option index of each timed strategy (its timing j is option ``timed_base[code] + j``)
-        self.timed_base = {SWAP: 2, RECOMPUTE_OFFLOAD: 2 + T}
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
+        check_save_sets(self.sim, self.strategies)  # selective named for a profile without save-sets: PlanError
+        #: the timed strategies the timing agent times
+        self.timed_codes = (SWAP, RECOMPUTE_OFFLOAD) if "recompute_offload" in self.strategies else (SWAP,)
+        offered = self.sim.recomputable[:, None] & self.sim.sel_pareto  # (n, K): the selective options
+        self.selective = "selective" in self.strategies and bool(offered.any())
+        n_sel = len(SAVE_SETS) if self.selective else 0
+        self.action_codes = np.array([KEEP, RECOMPUTE, *self.timed_codes,
+                                      *(SELECTIVE + j for j in range(n_sel))], dtype=np.int64)
+        self.n_strategies = len(self.action_codes)
+        self.n_options = SELECTIVE_BASE + n_sel if self.selective else 2 + T * len(self.timed_codes)
+        self.action_option = np.array([c if c < SWAP else (SELECTIVE_BASE + c - SELECTIVE if c >= SELECTIVE else -1)
+                                       for c in self.action_codes], dtype=np.int64)
+        #: first option index of each timed strategy (its timing j is option ``timed_base[code] + j``)
+        self.timed_base = {SWAP: 2, RECOMPUTE_OFFLOAD: 2 + T}
         allowed = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
         self.offload_state = offload_state
         self.step_in_backward = step_in_backward
@@ -149,14 +202,16 @@ class PlanningTask:
         self.option_ok[:, KEEP] = True
         self.option_ok[:, RECOMPUTE] = self.sim.recomputable
         self.option_ok[:, 2:2 + T] = self.sim.swappable[:, None]
-        if N > 2 + T:
-            self.option_ok[:, 2 + T:] = (self.sim.swappable & self.sim.recomputable)[:, None]
+        if RECOMPUTE_OFFLOAD in self.timed_codes:
+            self.option_ok[:, 2 + T:2 + 2 * T] = (self.sim.swappable & self.sim.recomputable)[:, None]
+        if self.selective:
+            self.option_ok[:, SELECTIVE_BASE:] = offered
         for u in range(n):  # timings with no distinct effect are disabled, keeping the first of each class
             seen = set()
             for j, (w, d) in enumerate(TIMINGS):
                 key = (min(u + 1 + w, n), min(u + d, n - 1))
                 if key in seen:
-                    self.option_ok[u, 2 + j::T] = False
+                    self.option_ok[u, 2 + j:2 + 2 * T:T] = False
                 seen.add(key)
         if "recompute" not in self.strategies:
             self.option_ok[:, RECOMPUTE] = False
@@ -173,6 +228,8 @@ class PlanningTask:
                 d = np.ones(n, dtype=np.int64)
                 if o == RECOMPUTE:
                     c[u] = RECOMPUTE
+                elif o >= SELECTIVE_BASE:  # a save-set the unit does not have is scored as keep (not allowed)
+                    c[u] = SELECTIVE + o - SELECTIVE_BASE if self.sim.sel_has[u, o - SELECTIVE_BASE] else KEEP
                 elif o >= 2:
                     c[u] = SWAP if o < 2 + T else RECOMPUTE_OFFLOAD
                     w[u], d[u] = TIMINGS[(o - 2) % T]

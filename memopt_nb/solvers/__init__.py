@@ -5,8 +5,8 @@ means the device's capacity. A budget below :func:`min_peak` raises :class:`~mem
 smallest feasible peak.
 
 The space searched: per unit an activation strategy (``strategies=``; default
-:data:`~memopt_nb.plan.DEFAULT_STRATEGIES`, keep / recompute / swap: ``"recompute_offload"`` is opt-in, or
-``plan.STRATEGIES`` for all) and where its optimizer state, gradients and
+:data:`~memopt_nb.plan.DEFAULT_STRATEGIES`, keep / recompute / swap: ``"recompute_offload"`` and ``"selective"`` are
+opt-in, or ``plan.STRATEGIES`` for all) and where its optimizer state, gradients and
 parameters live (``offload_state=``: ``True`` — any of them may be offloaded, the default for :func:`optimal` and
 :func:`min_peak`; ``False`` — activations only; or a set of ``"optimizer"``, ``"grads"``, ``"params"``).
 ``step_in_backward=True`` also lets units step inside backward (opt-in: the loop may then neither accumulate nor clip
@@ -26,6 +26,7 @@ from .baselines import (
     STATE_BASELINES,
     capuchin,
     none,
+    op_sac,
     recompute_all,
     recompute_offload_all,
     selective_layer,
@@ -45,13 +46,13 @@ def min_peak(profile: Any, device: DeviceSpec | str | None = None,
              strategies: str | Sequence[str] = DEFAULT_STRATEGIES, *,
              offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False) -> int:
     """The smallest peak memory (bytes) any plan reaches for ``profile`` on ``device``, using only ``strategies`` for
-    activations (a non-empty set of keep, recompute, swap, recompute_offload, else
-    :class:`~memopt_nb.errors.PlanError`; default keep, recompute, swap) and moving only the state ``offload_state``
-    allows (``False``: activations only)."""
+    activations (a non-empty set of keep, recompute, swap, recompute_offload, selective, else
+    :class:`~memopt_nb.errors.PlanError`; default keep, recompute, swap; selective needs a profile made with
+    ``selective=True``) and moving only the state ``offload_state`` allows (``False``: activations only)."""
     return cached_min_peak(as_simulator(profile, device), allowed_strategies(strategies), offload_state=offload_state,
                            step_in_backward=step_in_backward)
 
 
 __all__ = ["BASELINES", "CLASSIC_BASELINES", "STATE_BASELINES", "brute_force", "capuchin", "min_peak", "none",
-           "optimal", "place_states", "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
+           "op_sac", "optimal", "place_states", "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
            "state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]

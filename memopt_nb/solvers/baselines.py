@@ -14,6 +14,12 @@
   ``offload_wrapper(checkpoint_wrapper(m))`` do. Units that cannot be recomputed, or any unit on a device without a host
   link, keep. Its budget check is against the floor of the whole space, recompute_offload included. It is an
   ecosystem baseline: in :data:`BASELINES`, not in :data:`CLASSIC_BASELINES`.
+* ``op_sac`` — torchtitan's op-level selective activation checkpointing (``ac_mode="selective"``,
+  ``selective_ac_option="op"``): every recomputable unit ``selective`` with the save-set ``"alternate"`` (attention
+  kernels and every other matmul, torchtitan's rule) when its profile has it (Pareto or not), else ``"matmuls"``, else
+  plain ``recompute``; units that cannot be recomputed keep. It needs a profile made with ``selective=True``
+  (:class:`~memopt_nb.errors.PlanError` otherwise). Its budget check is against the floor of the whole space. An
+  ecosystem baseline.
 * ``capuchin`` — a Capuchin-style greedy (Peng et al., ASPLOS 2020): until the budget holds, first swap the units whose
   copies the surrounding compute hides (largest first, with the shortest timing that hides them), then recompute in
   order of memory saved per second of recompute.
@@ -50,12 +56,12 @@ import numpy as np
 
 from ..device import DeviceSpec
 from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan
-from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
+from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator, code_of
 from .common import as_simulator, check_budget, make_plan, place_states, uniform_arrays, unit_states
-from .space import OffloadState
+from .space import OffloadState, check_save_sets
 
 __all__ = ["BASELINES", "CLASSIC_BASELINES", "ECOSYSTEM_BASELINES", "STATE_BASELINES", "capuchin", "none",
-           "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
+           "op_sac", "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
            "state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]
 
 
@@ -114,6 +120,25 @@ def recompute_offload_all(profile: Any, budget: Any = None, device: DeviceSpec |
     b = check_budget(sim, budget, STRATEGIES, offload_state=offload_state, step_in_backward=step_in_backward)
     return _finish(sim, uniform_arrays(sim, RECOMPUTE_OFFLOAD, window=0, distance=0), budget, b,
                    "recompute_offload_all", offload_state, step_in_backward)
+
+
+def op_sac(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+           offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
+    """torchtitan's op-level SAC: every recomputable unit selective with ``"alternate"`` (else ``"matmuls"``, else
+    plain recompute). Needs a profile made with ``memopt.profile(..., selective=True)``."""
+    sim = as_simulator(profile, device)
+    check_save_sets(sim, ("selective",))  # PlanError: this profile has no save-sets
+    b = check_budget(sim, budget, STRATEGIES, offload_state=offload_state, step_in_backward=step_in_backward)
+    codes = []
+    for u, up in enumerate(sim.profile.units):
+        sets = getattr(up, "save_sets", None) or {}
+        name = next((x for x in ("alternate", "matmuls") if x in sets), None)
+        if sim.recomputable[u] and name is not None:
+            codes.append(code_of("selective", name))
+        else:
+            codes.append(RECOMPUTE if sim.recomputable[u] else KEEP)
+    windows = dists = [1] * len(codes)
+    return _finish(sim, (codes, windows, dists), budget, b, "op_sac", offload_state, step_in_backward)
 
 
 def selective_layer(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
@@ -234,6 +259,6 @@ CLASSIC_BASELINES = {"none": none, "recompute_all": recompute_all, "sqrt_n": sqr
 STATE_BASELINES = {"state_offload": state_offload, "state_offload_recompute": state_offload_recompute,
                    "step_in_backward": step_in_backward, "step_in_backward_recompute": step_in_backward_recompute}
 #: Baselines from the ecosystem that need a strategy outside the default space (issue 12).
-ECOSYSTEM_BASELINES = {"recompute_offload_all": recompute_offload_all}
+ECOSYSTEM_BASELINES = {"recompute_offload_all": recompute_offload_all, "op_sac": op_sac}
 #: Every baseline, ``name(profile, budget, device=None) -> Plan``.
 BASELINES = {**CLASSIC_BASELINES, **STATE_BASELINES, **ECOSYSTEM_BASELINES}

@@ -20,6 +20,12 @@ there is one offload indicator per (candidate owner, offloading option): the opt
 the group over, and no plain-recompute consumer pins it — a conjunction of binaries, written with its lower bound too,
 so the indicator is exactly the simulator's. Groups no recompute_offload option can touch keep the static owner.
 
+A ``selective`` option (one per Pareto save-set of a recomputable unit, when allowed) counts as recomputing for every
+group rule above (and pins its inputs like plain recompute); its binary adds the save-set's ``held_bytes`` to every
+segment after its forward through its backward, replaces the segment peaks of its forward and backward by the
+save-set's, and adds the save-set's recompute time (instead of the forward's) to its backward — all linear in that
+binary, so the program stays exact.
+
 Where the optimizer state, gradients and parameters live (issue 11) is separable in the simulator's cost model (its
 ``StateTable``, see ``STATE_CONTRACT.md``), so it enters exactly as well:
 
@@ -55,7 +61,7 @@ from ..budget import format_bytes, resolve_budget
 from ..device import DeviceSpec
 from ..errors import BudgetError
 from ..plan import DEFAULT_STRATEGIES, OFFLOADING, STATE_CHOICES, Plan, effective_triggers
-from ..simulate import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
+from ..simulate import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
 from .space import (
     OffloadState,
     Option,
@@ -72,9 +78,19 @@ from .space import (
 __all__ = ["Formulation", "cached_min_peak", "check_budget", "optimal", "place_states", "solve_min_peak"]
 
 Expr = dict[int, float]
-_RC_LIKE = (RECOMPUTE, RECOMPUTE_OFFLOAD)  # recomputed in backward
+_RC_LIKE = (RECOMPUTE, RECOMPUTE_OFFLOAD)  # recomputed in backward (and every selective code, >= SELECTIVE)
 _OFFLOADING = (SWAP, RECOMPUTE_OFFLOAD)  # offload to the host, with the swap timing
 _CUT_REACH = 8  # issue boundaries (4 units) a link-time cut looks back
+
+
+def _rc_like(code: int) -> bool:
+    """Recomputed in backward: recompute, recompute_offload, or selective with any save-set."""
+    return code in _RC_LIKE or code >= SELECTIVE
+
+
+def _pins(code: int) -> bool:
+    """Recomputed with its inputs kept on the device by its checkpoint: recompute, or selective."""
+    return code == RECOMPUTE or code >= SELECTIVE
 
 
 class _Program:
@@ -169,15 +185,18 @@ class Formulation:
             xs = [p.var(0, 1, True) for _ in self.opts[u]]
             self.x.append(xs)
             p.row({j: 1.0 for j in xs}, 1.0, 1.0)
-        self.rc: list[Expr] = []  # recomputed: recompute or recompute_offload
+        self.rc: list[Expr] = []  # recomputed: recompute, recompute_offload or selective
         self.sw: list[Expr] = []  # offloading: swap or recompute_offload
         self.ro: list[Expr] = []  # recompute_offload
-        self.plain_rc: list[Expr] = []  # recompute
+        self.plain_rc: list[Expr] = []  # recomputed, inputs kept by the checkpoint: recompute or selective
+        self.redo: list[Expr] = []  # seconds (unscaled) the unit's backward spends recomputing, per option
         for u in range(n):
-            self.rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] in _RC_LIKE})
+            self.rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if _rc_like(o[0])})
             self.sw.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] in _OFFLOADING})
             self.ro.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == RECOMPUTE_OFFLOAD})
-            self.plain_rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == RECOMPUTE})
+            self.plain_rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if _pins(o[0])})
+            self.redo.append({self.x[u][i]: self._redo_seconds(u, o[0])
+                              for i, o in enumerate(self.opts[u]) if _rc_like(o[0])})
         dmax = max((o[2] for u in range(n) for o in self.opts[u] if o[0] in _OFFLOADING), default=0)
         for u in range(n):
             for v in range(u + 1, min(n, u + dmax + 1)):
@@ -192,6 +211,11 @@ class Formulation:
                     if o[0] in _OFFLOADING:
                         expr[self.x[v][i]] = expr.get(self.x[v][i], 0.0) - self.trig_of(v, o) + big
                 p.row(expr, hi=2 * big)
+
+    def _redo_seconds(self, u: int, code: int) -> float:
+        """What unit ``u``'s backward spends recomputing under ``code``: its forward, or a save-set's share."""
+        sim = self.sim
+        return float(sim.sel_time[u, code - SELECTIVE]) if code >= SELECTIVE else float(sim.fwd_time[u])
 
     def trig_of(self, u: int, o: Option) -> int:
         """The unit whose backward starts unit ``u``'s prefetch under swap (or recompute_offload) option ``o``."""
@@ -236,7 +260,20 @@ class Formulation:
         for k in range(S):
             u = int(sim.seg_unit[k])
             if u >= 0 and self.rc[u]:
-                _add(self.mem_expr[k], self.rc[u], float(sim.rc_rel[k] - sim.rel[k]))
+                for i, o in enumerate(self.opts[u]):
+                    if o[0] >= SELECTIVE:  # the save-set's own peak above the segment's start
+                        j = o[0] - SELECTIVE
+                        own = sim.sel_fwd_rel[u, j] if k == sim.fwd_seg[u] else sim.sel_bwd_rel[u, j]
+                        _add(self.mem_expr[k], {self.x[u][i]: 1.0}, float(own - sim.rel[k]))
+                    elif o[0] in _RC_LIKE:
+                        _add(self.mem_expr[k], {self.x[u][i]: 1.0}, float(sim.rc_rel[k] - sim.rel[k]))
+        # what a selective unit's save-set holds: after its forward, through its backward
+        for u in range(n):
+            for i, o in enumerate(self.opts[u]):
+                if o[0] >= SELECTIVE:
+                    held = float(sim.sel_held[u, o[0] - SELECTIVE])
+                    for k in range(int(sim.fwd_seg[u]) + 1, int(sim.bwd_seg[u]) + 1):
+                        _add(self.mem_expr[k], {self.x[u][i]: 1.0}, held)
         # per (group, owner option) offload indicator, and the copy jobs they form
         self.off: dict[tuple[int, int, int], Expr] = {}  # (group, owner, option) -> offload indicator
         self.d2h_jobs: dict[tuple[int, int], Expr] = defaultdict(dict)  # (eligibility boundary, release) -> bytes
@@ -344,7 +381,7 @@ class Formulation:
             return
 
         def hands(c: int, o: Option) -> bool:
-            return ((c in savers and not (c == producer and o[0] in _RC_LIKE))
+            return ((c in savers and not (c == producer and _rc_like(o[0])))
                     or (c in consumers and o[0] == RECOMPUTE_OFFLOAD))
 
         members = sorted(set(savers) | set(consumers))
@@ -441,33 +478,37 @@ class Formulation:
         n, S = sim.n, sim.S
         tscale = float(max(sim.dur.sum(), 1e-9))
         dur = sim.dur / tscale
-        fwd = sim.fwd_time / tscale
+        # the most each backward may recompute (a save-set's time, if more than the forward's)
+        most = [max(e.values(), default=0.0) for e in self.redo]
+        fwd = np.maximum(sim.fwd_time, np.array(most, dtype=float)) / tscale
         # DeviceSpec.copy_seconds is linear: its coefficients per byte (each direction) and per storage (round trip)
         dev = sim.device
         inv_d2h = float(dev.copy_seconds(1.0, 0, "d2h")) / tscale
         inv_h2d = float(dev.copy_seconds(1.0, 0, "h2d")) / tscale
         per_storage = float(dev.copy_seconds(0.0, 1, "both")) / tscale
+        redo = [{j: a / tscale for j, a in e.items()} for e in self.redo]  # recompute seconds, scaled
         objective: Expr = {}
         for u in range(n):  # the training thread's per-storage share of every copy adds to the step on every device
             _add(objective, self.h2d_count[u], per_storage)
         if not dev.copy_overlap:
             for u in range(n):
-                _add(objective, self.rc[u], float(fwd[u]))
+                _add(objective, redo[u])
             for u in range(n):
                 _add(objective, self.h2d_bytes[u], inv_d2h + inv_h2d)
             const = float(dur.sum())
         else:
             total_copy = float(sim.g_nb.sum()) * (inv_d2h + inv_h2d)
             big = float(dur.sum() + fwd.sum() + 2 * total_copy + 1.0)
-            rho = self._schedule(dur, fwd, big, inv_d2h, inv_h2d)
+            rho = self._schedule(dur, redo, big, inv_d2h, inv_h2d)
             objective[rho[S]] = 1.0
             const = 0.0
         if self.table is not None:
             self.time_offset = self._state_time(objective, tscale)
         return objective, const, tscale
 
-    def _schedule(self, dur: np.ndarray, fwd: np.ndarray, big: float, inv_d2h: float, inv_h2d: float) -> list[int]:
-        """Segment ready/start times with the two copy queues (copies beside compute); returns the ready times."""
+    def _schedule(self, dur: np.ndarray, redo: list[Expr], big: float, inv_d2h: float, inv_h2d: float) -> list[int]:
+        """Segment ready/start times with the two copy queues (copies beside compute); returns the ready times.
+        ``redo``: per unit its recompute time (scaled) per chosen option."""
         sim, p = self.sim, self.p
         n, S = sim.n, sim.S
         rho = [p.var(0, big) for _ in range(S + 1)]
@@ -478,7 +519,7 @@ class Formulation:
             row = {rho[k + 1]: 1.0, sigma[k]: -1.0}
             u = int(sim.seg_unit[k])
             if sim.kind[k] == 1:
-                _add(row, self.rc[u], -float(fwd[u]))
+                _add(row, redo[u], -1.0)
             p.row(row, lo=float(dur[k]))
         # device-to-host queue: jobs by eligibility boundary, then release point
         q_prev = None
@@ -699,7 +740,8 @@ def _fallback(sim: Simulator, b: int, strategies: Sequence[str], time_limit: flo
         except BudgetError:
             pass
     if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
-        rc_only = tuple(x for x in strategies if x not in OFFLOADING)
+        rc_only = tuple(x for x in strategies if x not in OFFLOADING
+                        and (x != "selective" or bool(np.any(sim.sel_has))))  # no selective it cannot offer
         try:
             return (optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space),
                     "no plan with swaps beat the checkpointing-only optimum")

@@ -27,14 +27,14 @@ from ..plan import (
     STATE_CHOICES,
     STRATEGIES,
     WINDOWS,
+    Decision,
     Plan,
-    decisions_from,
     state_choices,
 )
-from ..simulate import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator
+from ..simulate import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator, save_set_of
 
-__all__ = ["Option", "allowed_states", "allowed_strategies", "as_simulator", "evaluate_arrays", "make_plan",
-           "state_table_of", "uniform_arrays", "unit_options", "unit_states"]
+__all__ = ["Option", "allowed_states", "allowed_strategies", "as_simulator", "check_save_sets", "evaluate_arrays",
+           "make_plan", "plan_decisions", "state_table_of", "uniform_arrays", "unit_options", "unit_states"]
 
 Option = tuple[int, int, int]  # (strategy code, offload window, prefetch distance)
 OffloadState = bool | str | Iterable[str]
@@ -43,11 +43,14 @@ _FETCH: Any = object()  # unit_states: fetch the state table from the simulator
 
 def allowed_strategies(strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> tuple[str, ...]:
     """The activation strategies ``strategies=`` allows, in the canonical order of :data:`~memopt_nb.plan.STRATEGIES`,
-    ``("keep", "recompute", "swap", "recompute_offload")`` (order and duplicates of the argument do not matter).
+    ``("keep", "recompute", "swap", "recompute_offload", "selective")`` (order and duplicates of the argument do not
+    matter).
 
-    ``strategies``: a non-empty set of ``"keep"``, ``"recompute"``, ``"swap"``, ``"recompute_offload"``, or the same
-    as a comma-separated string (``"keep,recompute"``). The planners' default is
-    :data:`~memopt_nb.plan.DEFAULT_STRATEGIES` (all but ``"recompute_offload"``, which is opt-in). A unit none of them
+    ``strategies``: a non-empty set of ``"keep"``, ``"recompute"``, ``"swap"``, ``"recompute_offload"``,
+    ``"selective"``, or the same as a comma-separated string (``"keep,recompute"``). The planners' default is
+    :data:`~memopt_nb.plan.DEFAULT_STRATEGIES` (keep, recompute, swap: ``"recompute_offload"`` and ``"selective"`` are
+    opt-in; ``"selective"`` needs a profile made with ``selective=True``, see :func:`check_save_sets`). A unit none of
+    them
     fits (say only ``"swap"`` allowed and the unit cannot be swapped) keeps its activations. Anything else raises
     :class:`~memopt_nb.errors.PlanError` naming the allowed strategies.
     """
@@ -65,17 +68,39 @@ def allowed_strategies(strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> 
     return tuple(s for s in STRATEGIES if s in names)
 
 
+def check_save_sets(sim: Simulator, strategies: Sequence[str]) -> None:
+    """Refuse ``"selective"`` asked for on a profile without save-sets (every planner's options go through here).
+
+    ``strategies`` asks for selective explicitly when it names it without being the whole of
+    :data:`~memopt_nb.plan.STRATEGIES` (which stands for "everything this profile offers": with a profile made without
+    ``selective=True`` it simply offers no selective option). Raises :class:`~memopt_nb.errors.PlanError` when it
+    does and no unit of the profile has any save-set.
+    """
+    if "selective" not in strategies or set(strategies) >= set(STRATEGIES):
+        return
+    has = getattr(sim, "sel_has", None)
+    if has is not None and np.any(has):
+        return
+    raise PlanError("strategies= asks for 'selective', but this profile has no save-sets: profile the model with "
+                    "memopt.profile(..., selective=True), or leave 'selective' out of strategies=")
+
+
 def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = DEFAULT_STRATEGIES) -> list[Option]:
     """The distinct choices for unit ``u``: keep, recompute, and swap with each window and prefetch distance, then
-    (only when ``strategies`` has it) recompute_offload with each of the same timings.
+    (only when ``strategies`` has them) recompute_offload with each of the same timings, and selective with each of
+    the unit's Pareto save-sets (code ``SELECTIVE + j`` for ``SAVE_SETS[j]``; its timing, which nothing reads, is the
+    default ``(1, 1)`` as for keep and recompute, so that a planner's decision equals a hand-made one).
 
-    Recompute needs a recomputable unit; swap a swappable one on a device with a host link; recompute_offload both.
-    Timings that cannot differ in effect are collapsed (a prefetch distance past the last unit, a window that already
-    reaches the end of the forward), so every option listed leads to a different plan.
+    Recompute needs a recomputable unit; swap a swappable one on a device with a host link; recompute_offload both;
+    selective a recomputable unit whose profile has save-sets (``profile(..., selective=True)``; see
+    :func:`check_save_sets` for the error when none has). Timings that cannot differ in effect are collapsed (a
+    prefetch distance past the last unit, a window that already reaches the end of the forward), so every option
+    listed leads to a different plan.
     """
     for s in strategies:
         if s not in STRATEGIES:
             raise BudgetError(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)}")
+    check_save_sets(sim, strategies)
     n = sim.n
     out: list[Option] = []
     if "keep" in strategies:
@@ -102,6 +127,10 @@ def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = DEFAULT_STR
             out.extend((SWAP, w, d) for w in ws for d in ds)
         if timed_ro:
             out.extend((RECOMPUTE_OFFLOAD, w, d) for w in ws for d in ds)
+    if "selective" in strategies and sim.recomputable[u]:
+        pareto = getattr(sim, "sel_pareto", None)
+        if pareto is not None:
+            out.extend((SELECTIVE + int(j), 1, 1) for j in np.nonzero(pareto[u])[0])
     if not out:
         out.append((KEEP, 1, 1))
     return out
@@ -193,8 +222,7 @@ def make_plan(sim: Simulator, strategies: Sequence[int], windows: Sequence[int],
     c = np.zeros_like(s) if states is None else np.asarray(states, dtype=np.int64)[None]
     peak, time = evaluate_arrays(sim, s, w, d, c)
     profile = sim.profile
-    decisions = decisions_from([NAMES[int(x)] for x in s[0]], profile.unit_names, w[0].tolist(), d[0].tolist(),
-                               c[0].tolist())
+    decisions = plan_decisions(profile, s[0].tolist(), w[0].tolist(), d[0].tolist(), c[0].tolist())
     moves = any(x.moves_state for x in decisions)
     stepped = any(x.grads == "step" for x in decisions)
     profile_meta = getattr(profile, "meta", None) or {}
@@ -218,13 +246,37 @@ def make_plan(sim: Simulator, strategies: Sequence[int], windows: Sequence[int],
     return plan
 
 
+def plan_decisions(profile: Any, codes: Sequence[int], windows: Sequence[int], distances: Sequence[int],
+                   states: Sequence[int] | None = None) -> tuple[Decision, ...]:
+    """Decisions from plan arrays (strategy codes, windows, distances, state indices): a selective code becomes
+    ``Decision(strategy="selective", save_set=..., save_ops=...)`` with the ops the profile's save-set lists, so the
+    plan applies without the profile."""
+    states = [0] * len(codes) if states is None else list(states)
+    names = profile.unit_names
+    out = []
+    for u, (code, w, d, c) in enumerate(zip(codes, windows, distances, states, strict=True)):
+        save_set = save_set_of(int(code))
+        ops: Any = ()
+        if save_set:
+            entry = (getattr(profile.units[u], "save_sets", None) or {}).get(save_set)
+            if entry is None:
+                raise PlanError(f"unit {u} ({names[u]}): selective with save-set {save_set!r}, which its profile does "
+                                "not offer; profile the model with memopt.profile(..., selective=True)")
+            ops = tuple((str(op), int(i)) for op, i in entry["ops"])
+        out.append(Decision(names[u], NAMES[int(code)], int(w), int(d), *STATE_CHOICES[int(c)], save_set=save_set,
+                            save_ops=ops))
+    return tuple(out)
+
+
 def uniform_arrays(sim: Simulator, code: int, window: int = 1, distance: int = 1) -> tuple[list, list, list]:
-    """The arrays of a plan that gives every unit ``code`` (units that cannot take it keep)."""
+    """The arrays of a plan that gives every unit ``code`` (units that cannot take it keep; a selective code needs
+    the unit to offer that save-set)."""
     n = sim.n
     codes = []
     for u in range(n):
         if (code in (RECOMPUTE, RECOMPUTE_OFFLOAD) and not sim.recomputable[u]
-                or code in (SWAP, RECOMPUTE_OFFLOAD) and not sim.swappable[u]):
+                or code in (SWAP, RECOMPUTE_OFFLOAD) and not sim.swappable[u]
+                or code >= SELECTIVE and not (sim.recomputable[u] and sim.sel_has[u, code - SELECTIVE])):
             codes.append(KEEP)
         else:
             codes.append(code)
