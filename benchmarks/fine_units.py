@@ -21,8 +21,8 @@ strategies; ``blocks+ro`` and ``fine+ro`` = each with ``recompute_offload`` too;
 * ``--bench``: simulated step time of the fastest plan (MILP) of each space against the best baseline (recompute-all,
   sqrt(n), swap-all, Capuchin, selective layer, recompute_offload_all, torchtitan's op-level SAC) on blocks, at
   budgets from the old floor up, on the profiled CPU and an A100-40GB preset.
-* ``--max-batch`` (GPT-2): the largest batch whose plan fits the memory plain training needs at batch 8, for the best
-  baseline on blocks and for the floors of the old and new spaces.
+* ``--max-batch``: per model, the largest batch whose plan fits the memory plain training needs at its base batch
+  (GPT-2 8, ViT 32), for the best baseline on blocks and for the floors of the old and new spaces.
 """
 
 from __future__ import annotations
@@ -82,10 +82,11 @@ def optimizer_for(model, adam: bool):
     return torch.optim.AdamW(model.parameters(), lr=1e-4) if adam else torch.optim.SGD(model.parameters(), lr=1e-3)
 
 
-def profiles(name: str, adam: bool, batch: int | None = None):
+def profiles(name: str, adam: bool, batch: int | None = None, selective: bool = True):
     model, kw, loss_fn = build(name, batch)
     opt = optimizer_for(model, adam)
-    out = {units: memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units=units, repeats=3, selective=True, **kw)
+    out = {units: memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units=units, repeats=3, selective=selective,
+                                 **kw)
            for units in ("auto", "fine")}
     return model, kw, loss_fn, opt, out
 
@@ -201,34 +202,51 @@ def bench_section(names, adam):
               f"budgets")
 
 
-def max_batch_section(adam):
-    model, kw, loss_fn = build("gpt2", 8)
-    opt = optimizer_for(model, adam)
-    budget = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, steps=1, **kw).peak_bytes
-    print(f"budget: plain training's measured peak at batch 8 = {mib(budget)} MiB (GPT-2 6x192, 128 tokens)")
-    print("| batch | best baseline (blocks) | its peak MiB | old floor MiB | fine+ro floor MiB | fits: baseline / old "
-          "/ fine+ro |")
-    print("|---|---|---|---|---|---|")
-    best = {"baseline": 8, "old": 8, "new": 8}
-    for batch in (12, 16, 20, 24, 28, 32, 36, 40, 44, 48):
-        *_, profs = profiles("gpt2", adam, batch)
-        bc = None
-        for key in BASELINES:
-            p = solvers.BASELINES[key](profs["auto"], None)
-            if bc is None or p.predicted_peak_bytes < bc[1].predicted_peak_bytes:
-                bc = (key, p)
-        floors = {"old": solvers.min_peak(profs["auto"], offload_state=False),
-                  "new": solvers.min_peak(profs["fine"], offload_state=False, strategies=RO)}
-        fits = {"baseline": bc[1].predicted_peak_bytes <= budget, **{k: v <= budget for k, v in floors.items()}}
-        for k, ok in fits.items():
-            if ok:
-                best[k] = batch
-        print(f"| {batch} | {bc[0]} | {mib(bc[1].predicted_peak_bytes)} | {mib(floors['old'])} | "
-              f"{mib(floors['new'])} | {' / '.join('yes' if fits[k] else 'no' for k in fits)} |", flush=True)
-        if not fits["new"]:
-            break
-    print(f"\nmax batch: best baseline {best['baseline']}, old space {best['old']}, fine+ro {best['new']} "
-          f"(fine+ro ÷ best baseline {best['new'] / best['baseline']:.2f}; batches tried in steps of 4, so bounds)")
+BASE_BATCH = {"gpt2": 8, "vit": 32}
+
+
+def max_batch_section(names, adam):
+    """Per model: the largest batch (in steps of half the base batch) whose plan fits the memory plain
+    training needs at the base batch, for the best baseline on blocks and for the floors of the old and new spaces."""
+    ratios = []
+    for name in names:
+        base = BASE_BATCH[name]
+        model, kw, loss_fn = build(name, base)
+        opt = optimizer_for(model, adam)
+        budget = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, steps=1, **kw).peak_bytes
+        del model, opt
+        print(f"\n{name}: budget = plain training's measured peak at batch {base} = {mib(budget)} MiB")
+        print("| batch | best baseline (blocks) | its peak MiB | old floor MiB | fine+ro floor MiB | fits: baseline / "
+              "old / fine+ro |")
+        print("|---|---|---|---|---|---|")
+        best = {"baseline": base, "old": base, "new": base}
+        step = max(1, base // 2)
+        batch = base
+        while True:
+            batch += step
+            *_, profs = profiles(name, adam, batch, selective=False)
+            bc = None
+            for key in BASELINES:
+                if key == "op_sac":  # needs save-sets; it never reaches below recompute-all's peak
+                    continue
+                p = solvers.BASELINES[key](profs["auto"], None)
+                if bc is None or p.predicted_peak_bytes < bc[1].predicted_peak_bytes:
+                    bc = (key, p)
+            floors = {"old": solvers.min_peak(profs["auto"], offload_state=False),
+                      "new": solvers.min_peak(profs["fine"], offload_state=False, strategies=RO)}
+            fits = {"baseline": bc[1].predicted_peak_bytes <= budget, **{k: v <= budget for k, v in floors.items()}}
+            for k, ok in fits.items():
+                if ok:
+                    best[k] = max(best[k], batch)
+            print(f"| {batch} | {bc[0]} | {mib(bc[1].predicted_peak_bytes)} | {mib(floors['old'])} | "
+                  f"{mib(floors['new'])} | {' / '.join('yes' if fits[k] else 'no' for k in fits)} |", flush=True)
+            del profs
+            if not fits["new"]:
+                break
+        ratios.append(best["new"] / best["baseline"])
+        print(f"\n{name} max batch: best baseline {best['baseline']}, old space {best['old']}, fine+ro {best['new']} "
+              f"(fine+ro ÷ best baseline {ratios[-1]:.2f}; batches tried in steps of {step})")
+    print(f"\nmax batch, fine+ro ÷ best baseline: median {statistics.median(ratios):.3f} over {len(ratios)} models")
 
 
 def main(argv: list[str]) -> None:
@@ -254,7 +272,7 @@ def main(argv: list[str]) -> None:
         bench_section(names, args.adam)
         print()
     if (every or args.max_batch) and "gpt2" in names:
-        max_batch_section(args.adam)
+        max_batch_section(names, args.adam)
     print(f"\n({time.time() - t0:.0f} s)")
 
 
