@@ -88,7 +88,8 @@ def text_of(cell) -> str:
 def test_there_are_tutorials():
     names = [p.name for p in NOTEBOOKS]
     assert {"01_quickstart.ipynb", "02_strategy_and_timing.ipynb", "03_evaluate.ipynb",
-            "04_more_than_one_device.ipynb", "05_when_the_optimizer_state_is_the_problem.ipynb"} <= set(names)
+            "04_more_than_one_device.ipynb", "05_when_the_optimizer_state_is_the_problem.ipynb",
+            "06_when_activations_are_the_problem.ipynb"} <= set(names)
     assert "benchmarks.ipynb" in names
 
 
@@ -174,6 +175,11 @@ def test_notebook_executes(path, notebook_env):
         assert summary["params_equal"] is True  # every rank of both shardings, compared with torch.equal
         errors = [e for per_sharding in summary["prediction_error"] for e in per_sharding]
         assert len(errors) == 4 and all(abs(e) <= PER_RANK_BOUND for e in errors), errors
+    if path.name == "06_when_activations_are_the_problem.ipynb":
+        assert summary["new_floor"] < summary["budget"] < summary["old_floor"]  # below what the old space reaches
+        assert summary["equal"] is True and summary["sel_equal"] is True
+        assert summary["measured_peak"] == summary["predicted_peak"] <= summary["budget"]
+        assert summary["sel_time"] <= summary["old_time"] and summary["sel_uses_selective"] >= 1
     if path.name == "05_when_the_optimizer_state_is_the_problem.ipynb":
         assert summary["state_bytes"] >= 2 * summary["budget"]  # the model's state is over twice the budget
         assert summary["activations_only_floor"] > summary["budget"] >= summary["whole_step_floor"]

@@ -170,7 +170,11 @@ def _check_recomputable(plan: Plan, model: nn.Module) -> None:
     # Hugging Face layers set `gradient_checkpointing`, timm models `grad_checkpointing`
     own = [n for n, m in model.named_modules()
            if getattr(m, "gradient_checkpointing", False) is True or getattr(m, "grad_checkpointing", False) is True]
-    if own or getattr(model, "is_gradient_checkpointing", False) is True:
+    # transformers 5 names it is_activation_checkpointing (the old name still works but warns)
+    flag = getattr(model, "is_activation_checkpointing", None)
+    if flag is None:
+        flag = getattr(model, "is_gradient_checkpointing", False)
+    if own or flag is True:
         shown = ", ".join(repr(n) for n in own[:3]) + (" …" if len(own) > 3 else "")
         raise PlanError(f"the model checkpoints its own blocks ({shown or 'gradient checkpointing is on'}); a plan "
                         "decides recompute itself. Turn that off first: model.gradient_checkpointing_disable() "
