@@ -200,14 +200,15 @@ def propose_save_sets(calls: list[OpCall]) -> dict[str, dict[str, Any]]:
 
 
 def mark_pareto(sets: dict[str, dict[str, Any]]) -> None:
-    """Set ``"pareto"`` on each save-set: False when an earlier set saves the same calls, or another set holds no
-    more bytes and recomputes for no longer, and is better in one of the two."""
+    """Set ``"pareto"`` on each save-set: False when an earlier set saves the same calls, or another set (saving
+    different calls) holds no more bytes and recomputes for no longer, and is better in one of the two. At least one
+    set is always Pareto."""
     names = [n for n in SAVE_SETS if n in sets]
-    for i, a in enumerate(names):
+    distinct = [a for i, a in enumerate(names) if all(sets[b]["ops"] != sets[a]["ops"] for b in names[:i])]
+    for a in names:
         sa = sets[a]
-        same = any(sets[b]["ops"] == sa["ops"] for b in names[:i])
         dominated = any(
             sets[b]["held_bytes"] <= sa["held_bytes"] and sets[b]["recompute_time"] <= sa["recompute_time"]
             and (sets[b]["held_bytes"] < sa["held_bytes"] or sets[b]["recompute_time"] < sa["recompute_time"])
-            for b in names if b != a)
-        sa["pareto"] = not same and not dominated
+            for b in distinct if b != a)
+        sa["pareto"] = a in distinct and not dominated

@@ -901,9 +901,10 @@ class _Clock:
 
 
 def _timed_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],
-                device: torch.device, kwargs: Mapping[str, Any] | None = None) -> tuple[list[Any], list[float]]:
+                device: torch.device, kwargs: Mapping[str, Any] | None = None, *, recompute: bool = False,
+                save_ops: Mapping[int, Any] | None = None) -> tuple[list[Any], list[float]]:
     clock = _Clock(device)
-    run = _Run(model, names, clock.mark, observe=False, recompute=False)
+    run = _Run(model, names, clock.mark, observe=False, recompute=recompute, save_ops=save_ops)
     run.install()
     try:
         if device.type == "cuda":  # pragma: no cover - needs a GPU
@@ -940,9 +941,16 @@ def _segments_from(marks: list[tuple[Any, int, int]], n_units: int) -> tuple[lis
 
 #: profile()'s own keyword options; every other keyword goes to the model.
 def _save_sets(proposed: dict[int, dict[str, dict[str, Any]]], sac_marks: dict[str, list], rc_marks: list,
-               labels_ref: list, segs: list[Segment], fwd_seg: dict, bwd_seg: dict) -> tuple[dict[int, dict], list]:
+               labels_ref: list, segs: list[Segment], fwd_seg: dict, bwd_seg: dict,
+               rc_time: list[float] | None = None,
+               sac_time: dict[str, list[float]] | None = None) -> tuple[dict[int, dict], list]:
     """Each unit's measured save-sets from the selective steps' marks against the all-recompute step's, and what
-    could not be measured (as notes)."""
+    could not be measured (as notes).
+
+    ``recompute_time``: the simulator charges a recomputed unit its forward time; a selective unit is charged that
+    times what selective adds to the unit's forward and backward over keeping, divided by what recompute adds (timed
+    steps, medians; within 0..2), and the op-time estimate (the share of the unit's op time its kept calls do not
+    save) where recompute added nothing measurable."""
     out: dict[int, dict[str, dict[str, Any]]] = {i: {} for i in proposed}
     notes = []
     for name, marks in sac_marks.items():
@@ -961,13 +969,28 @@ def _save_sets(proposed: dict[int, dict[str, dict[str, Any]]], sac_marks: dict[s
             out[i][name] = {
                 "ops": sets[name]["ops"],
                 "held_bytes": int(held),
-                "recompute_time": (1.0 - sets[name]["fraction"]) * segs[f].time,
+                "recompute_time": _selective_time(sets[name]["fraction"], segs, f, b, rc_time,
+                                                  (sac_time or {}).get(name)),
                 "fwd_rel_peak": int(max(0, marks[f + 1][2] - marks[f][1])),
                 "bwd_rel_peak": int(max(0, marks[b + 1][2] - marks[b][1])),
             }
     for sets in out.values():
         mark_pareto(sets)
     return out, notes
+
+
+def _selective_time(fraction: float, segs: list[Segment], f: int, b: int, rc_time: list[float] | None,
+                    sel_time: list[float] | None) -> float:
+    """Seconds a selective unit adds (see :func:`_save_sets`)."""
+    fwd = segs[f].time
+    estimate = (1.0 - fraction) * fwd
+    if rc_time is None or sel_time is None:
+        return estimate
+    keep = segs[f].time + segs[b].time
+    rc_extra = rc_time[f] + rc_time[b] - keep
+    if rc_extra <= 0.02 * keep:  # recompute added nothing measurable: nothing to scale by
+        return estimate
+    return fwd * min(2.0, max(0.0, (sel_time[f] + sel_time[b] - keep) / rc_extra))
 
 
 PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective")
@@ -1061,6 +1084,14 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             if labels != labels_ref:
                 raise ProfileError("the step ran differently between repeats (data-dependent control flow?)")
             timings.append(durations)
+        sac_times: dict[str, list[list[float]]] = {k: [] for k in sac_marks}
+        rc_times: list[list[float]] = []
+        for _ in range(repeats if sac_marks else 0):  # what selective costs, against recompute, measured
+            rc_times.append(_timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, recompute=True)[1])
+            for set_name in sac_marks:
+                ops = {i: p[set_name]["ops"] for i, p in proposed.items() if set_name in p}
+                sac_times[set_name].append(_timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs,
+                                                       recompute=True, save_ops=ops)[1])
         static = _static_bytes(model, optimizer)
         modules = dict(model.named_modules())
         unit_params = [list(modules[nm].parameters()) for nm in names]
@@ -1075,7 +1106,10 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         for i in range(len(rc_marks) - 1):
             rc_rel[i] = max(0, rc_marks[i + 1][2] - rc_marks[i][1])
     groups = _groups_from(run)
-    save_sets, sac_notes = _save_sets(proposed, sac_marks, rc_marks, labels_ref, segs, fwd_seg, bwd_seg)
+    median = lambda runs: [statistics.median(t[i] for t in runs) for i in range(len(segs))]  # noqa: E731
+    save_sets, sac_notes = _save_sets(proposed, sac_marks, rc_marks, labels_ref, segs, fwd_seg, bwd_seg,
+                                      median(rc_times) if rc_times else None,
+                                      {k: median(v) for k, v in sac_times.items() if v})
     spec_link = spec.has_host_link
     unit_list = []
     for i, name in enumerate(names):

@@ -179,7 +179,8 @@ def test_notebook_executes(path, notebook_env):
         assert summary["new_floor"] < summary["budget"] < summary["old_floor"]  # below what the old space reaches
         assert summary["equal"] is True and summary["sel_equal"] is True
         assert summary["measured_peak"] == summary["predicted_peak"] <= summary["budget"]
-        assert summary["sel_time"] <= summary["old_time"] and summary["sel_uses_selective"] >= 1
+        # a wider space is never slower (the MILP is exact here); whether selective pays is measured, so not asserted
+        assert summary["sel_time"] <= summary["old_time"] * (1 + 1e-9)
     if path.name == "05_when_the_optimizer_state_is_the_problem.ipynb":
         assert summary["state_bytes"] >= 2 * summary["budget"]  # the model's state is over twice the budget
         assert summary["activations_only_floor"] > summary["budget"] >= summary["whole_step_floor"]

@@ -70,6 +70,11 @@ def test_op_kinds_and_pareto():
     sets["alternate"]["held_bytes"] = 12  # now worse in both than matmuls
     mark_pareto(sets)
     assert not sets["alternate"]["pareto"] and sets["matmuls"]["pareto"]
+    # the same calls under two names: the copy never hides the original, whatever noise says about their times
+    same = {"matmuls": {"ops": [["a", 0]], "held_bytes": 5, "recompute_time": 2.0},
+            "alternate": {"ops": [["a", 0]], "held_bytes": 5, "recompute_time": 1.9}}
+    mark_pareto(same)
+    assert same["matmuls"]["pareto"] and not same["alternate"]["pareto"]
 
 
 # ====================================================================== the profile
@@ -89,12 +94,11 @@ def test_profile_measures_save_sets(zoo_gpt):
         for name, s in u.save_sets.items():
             assert s["ops"] and all(op_kind(op) for op, _ in s["ops"]), (u.name, name)
             assert 0 < s["held_bytes"] <= u.saved_bytes, (u.name, name)  # only what the unit's own ops made
-            assert 0 <= s["recompute_time"] < u.fwd_time
+            assert 0 <= s["recompute_time"] <= 2 * u.fwd_time  # measured against recompute, bounded
         assert any(s["pareto"] for s in u.save_sets.values())
-        # saving fewer calls keeps fewer bytes and recomputes for longer
+        # saving fewer calls keeps fewer bytes (times are measured: no order asserted on a shared machine)
         if "alternate" in u.save_sets and u.save_sets["alternate"]["ops"] != u.save_sets["matmuls"]["ops"]:
             assert u.save_sets["alternate"]["held_bytes"] < u.save_sets["matmuls"]["held_bytes"]
-            assert u.save_sets["alternate"]["recompute_time"] > u.save_sets["matmuls"]["recompute_time"]
     again = memopt.ModelProfile.from_json(prof.to_json())
     assert [u.save_sets for u in again.units] == [u.save_sets for u in prof.units]
 
@@ -105,6 +109,19 @@ def test_profile_without_selective_has_no_save_sets():
     assert prof.meta["selective"] is None and all(u.save_sets == {} for u in prof.units)
     with pytest.raises(PlanError, match="selective=True"):
         Plan.from_strategies(prof, ["selective"] * prof.n_units)
+
+
+def test_selective_time_is_scaled_by_what_recompute_adds():
+    from memopt_nb.profile import Segment, _selective_time
+
+    segs = [Segment(label="fwd 0", kind="fwd", unit=0, start_level=0, rel_peak=0, time=0.010),
+            Segment(label="bwd 0", kind="bwd", unit=0, start_level=0, rel_peak=0, time=0.020)]
+    rc = [0.010, 0.030]  # recompute adds 10 ms (the forward's time)
+    assert _selective_time(0.5, segs, 0, 1, rc, [0.011, 0.022]) == pytest.approx(0.003)  # adds 3 of 10 ms
+    assert _selective_time(0.5, segs, 0, 1, rc, [0.010, 0.050]) == pytest.approx(0.020)  # at most twice
+    assert _selective_time(0.5, segs, 0, 1, rc, [0.009, 0.020]) == 0.0  # never negative
+    assert _selective_time(0.5, segs, 0, 1, [0.010, 0.020], [0.011, 0.022]) == pytest.approx(0.005)  # estimate
+    assert _selective_time(0.25, segs, 0, 1, None, None) == pytest.approx(0.0075)
 
 
 # ====================================================================== the runtime
