@@ -23,6 +23,10 @@ keep-all the simulator predicts (recompute, host copies) vs the extra time measu
     python benchmarks/simulator_fidelity.py            # all models, 1 random plan per zoo model (~10 min when quiet)
     python benchmarks/simulator_fidelity.py --models hf-gpt2,hf-bert,hf-vit,hf-convnext   # third-party only
     python benchmarks/simulator_fidelity.py --quick    # half the batch sizes, no search (~3 min)
+    python benchmarks/simulator_fidelity.py --selective --models gpt,hf-gpt2,hf-vit   # + selective plans (issue 12)
+
+``--selective`` profiles with ``selective=True`` and adds a plan per save-set (every unit that has it selective with
+it, the others recomputed) and one with each unit's first Pareto save-set.
 
 One torch thread by default (``--threads``; 0 = torch's default): on this shared 2-vCPU machine, 2-thread steps are at
 times 10-50x slower for seconds to minutes, 1-thread steps are not. A model whose run looks disturbed anyway (judged
@@ -42,7 +46,7 @@ import torch
 
 import memopt_nb as memopt
 from memopt_nb import solvers, zoo
-from memopt_nb.plan import DISTANCES, STRATEGIES, WINDOWS
+from memopt_nb.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, WINDOWS
 
 PEAK_TOL = 2.0  # percent
 TIME_TOL = 20.0  # percent
@@ -56,7 +60,7 @@ def random_plans(prof: memopt.ModelProfile, count: int, rng: np.random.Generator
     n = prof.n_units
     out = []
     while len(out) < count:
-        strategies = [STRATEGIES[i] for i in rng.integers(0, len(STRATEGIES), n)]
+        strategies = [DEFAULT_STRATEGIES[i] for i in rng.integers(0, len(DEFAULT_STRATEGIES), n)]
         windows = [int(WINDOWS[i]) for i in rng.integers(0, len(WINDOWS), n)]
         dists = [int(DISTANCES[i]) for i in rng.integers(0, len(DISTANCES), n)]
         if len(set(strategies)) < 2:
@@ -128,7 +132,22 @@ def default_batch(name: str) -> int:
     return THIRD_PARTY[name][1] if name in THIRD_PARTY else int(zoo.build(name).inputs[0].shape[0])
 
 
-def attempt(name: str, batch: int, n_random: int, seed: int, timesteps: int) -> tuple[list[dict[str, Any]], list[str]]:
+def selective_plans(prof: memopt.ModelProfile) -> list[tuple[str, memopt.Plan]]:
+    """A plan per save-set (units without it recomputed) and one with each unit's first Pareto save-set."""
+    out = []
+    for name in SAVE_SETS:
+        if any(name in u.save_sets for u in prof.units):
+            out.append((f"selective:{name}", memopt.Plan.from_strategies(
+                prof, [f"selective:{name}" if name in u.save_sets else "recompute" for u in prof.units])))
+    if any(u.save_sets for u in prof.units):
+        out.append(("selective (pareto)", memopt.Plan.from_strategies(
+            prof, ["selective" if any(s["pareto"] for s in u.save_sets.values()) else "recompute"
+                   for u in prof.units])))
+    return out
+
+
+def attempt(name: str, batch: int, n_random: int, seed: int, timesteps: int,
+            selective: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
     """Profile, then simulate and measure every plan; returns the rows and the reasons the run looks disturbed.
 
     Disturbance is judged from stability alone, never from the targets: a ``measure`` whose slowest timed step is more
@@ -138,7 +157,7 @@ def attempt(name: str, batch: int, n_random: int, seed: int, timesteps: int) -> 
     """
     model, inputs, loss_fn, units = build(name, batch)
     opt = torch.optim.Adam(model.parameters())
-    prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, units=units)
+    prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, units=units, selective=selective)
     plans = [
         ("keep-all", memopt.Plan.uniform(prof, "keep")),
         ("recompute-all", memopt.Plan.uniform(prof, "recompute")),
@@ -155,6 +174,8 @@ def attempt(name: str, batch: int, n_random: int, seed: int, timesteps: int) -> 
         plans.append((f"searched [{desc}]", found))
     if name not in THIRD_PARTY:
         plans += random_plans(prof, n_random, np.random.default_rng(seed))
+    if selective:
+        plans += selective_plans(prof)
     rows = []
     for label, plan in plans:
         sim = memopt.simulate(prof, plan)
@@ -182,9 +203,10 @@ def attempt(name: str, batch: int, n_random: int, seed: int, timesteps: int) -> 
     return rows, reasons
 
 
-def run_model(name: str, batch: int, n_random: int, seed: int, retries: int, timesteps: int) -> list[dict[str, Any]]:
+def run_model(name: str, batch: int, n_random: int, seed: int, retries: int, timesteps: int,
+              selective: bool = False) -> list[dict[str, Any]]:
     for i in range(retries + 1):
-        rows, reasons = attempt(name, batch, n_random, seed, timesteps)
+        rows, reasons = attempt(name, batch, n_random, seed, timesteps, selective)
         for r in rows:
             r["attempt"], r["disturbed"] = i + 1, bool(reasons)
             print(f"  {name:11s} try {i + 1} {r['plan'][:40]:40s} peak {r['peak_err']:+6.2f} %   time "
@@ -276,6 +298,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random plans")
     ap.add_argument("--retries", type=int, default=2, help="re-runs of a model whose run looks disturbed (default 2)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 = torch's default)")
+    ap.add_argument("--selective", action="store_true", help="profile with selective=True and add selective plans")
     args = ap.parse_args()
     _common.set_threads(args.threads)
     n_random = args.random if args.random is not None else (0 if args.quick else 1)
@@ -289,7 +312,7 @@ def main() -> None:
     for i, name in enumerate(models):
         scale = args.batch_scale if args.batch_scale is not None else (0.5 if args.quick else 1.0)
         batch = max(1, round(default_batch(name) * scale))
-        rows += run_model(name, batch, n_random, args.seed + i, args.retries, timesteps)
+        rows += run_model(name, batch, n_random, args.seed + i, args.retries, timesteps, args.selective)
     print()
     print(fidelity_table(rows))
     print()
