@@ -96,7 +96,6 @@ class OpRecorder(TorchDispatchMode):
         self.calls: dict[int, list[OpCall]] = {}
         self._unit: int | None = None
         self._counts: collections.Counter[str] = collections.Counter()
-        self._sync = False
 
     def begin(self, unit: int) -> None:
         self._unit = unit
@@ -126,8 +125,9 @@ class OpRecorder(TorchDispatchMode):
             for c in calls:
                 if c.ptrs & ptrs:
                     c.mutated = True
-        in_ptrs = {st.data_ptr() for st in _storages((args, kwargs))}
-        cuda = any(st.device.type == "cuda" for st in _storages((args, kwargs)))
+        inputs = _storages((args, kwargs))
+        in_ptrs = {st.data_ptr() for st in inputs}
+        cuda = any(st.device.type == "cuda" for st in inputs)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

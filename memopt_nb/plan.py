@@ -837,25 +837,28 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+def selective_decision(unit: Any, save_set: str, window: int = 1, distance: int = 1,
+                       placement: tuple[str, str, str] = STATE_CHOICES[0]) -> Decision:
+    """A ``selective`` decision for ``unit`` (a :class:`~memopt_nb.profile.UnitProfile`) carrying the ops its profile
+    lists for ``save_set``, so the plan applies without the profile; :class:`PlanError` naming what the unit offers
+    when it has no such save-set."""
+    sets = getattr(unit, "save_sets", None) or {}
+    if save_set not in sets:
+        offered = ", ".join(sets) if sets else "none (profile the model with memopt.profile(..., selective=True))"
+        raise PlanError(f"unit {unit.name!r}: selective with save-set {save_set or 'of its own'!r}, which its profile "
+                        f"does not offer; it offers {offered}. Use recompute for this unit, or another save-set of "
+                        f"{', '.join(SAVE_SETS)}")
+    return Decision(unit.name, "selective", window, distance, *placement, save_set=save_set,
+                    save_ops=tuple((str(op), int(i)) for op, i in sets[save_set]["ops"]))
+
+
 def _decision(unit: Any, strategy: str, window: int, distance: int) -> Decision:
-    """One unit's decision for :meth:`Plan.from_strategies` (``"selective[:save-set]"`` read from its profile)."""
+    """One unit's decision for :meth:`Plan.from_strategies` (``"selective[:save-set]"`` read from its profile; plain
+    ``"selective"`` takes its first Pareto save-set)."""
     if not isinstance(strategy, str) or not strategy.startswith("selective"):
         return Decision(unit.name, strategy, window, distance)
-    sets = getattr(unit, "save_sets", None) or {}
     wanted = strategy.partition(":")[2]
     if not wanted:
+        sets = getattr(unit, "save_sets", None) or {}
         wanted = next((k for k in SAVE_SETS if sets.get(k, {}).get("pareto")), "")
-    if wanted not in sets:
-        offered = ", ".join(sets) if sets else "none (profile the model with memopt.profile(..., selective=True))"
-        raise PlanError(f"unit {unit.name!r}: no save-set {wanted or 'at all'!r} for selective; it offers {offered}. "
-                        f"Use recompute for this unit, or another save-set of {', '.join(SAVE_SETS)}")
-    return Decision(unit.name, "selective", window, distance, save_set=wanted,
-                    save_ops=tuple((op, i) for op, i in sets[wanted]["ops"]))
-
-
-def decisions_from(strategies: Iterable[str], units: Sequence[str], windows: Sequence[int],
-                   distances: Sequence[int], states: Sequence[int] | None = None) -> tuple[Decision, ...]:
-    """Decisions from parallel lists (used by planners); ``states`` are indices into :data:`STATE_CHOICES`."""
-    states = [0] * len(units) if states is None else list(states)
-    return tuple(Decision(u, s, int(w), int(d), *STATE_CHOICES[int(c)])
-                 for u, s, w, d, c in zip(units, strategies, windows, distances, states, strict=True))
+    return selective_decision(unit, wanted, window, distance)

@@ -939,7 +939,6 @@ def _segments_from(marks: list[tuple[Any, int, int]], n_units: int) -> tuple[lis
     return segs, fwd_seg, bwd_seg
 
 
-#: profile()'s own keyword options; every other keyword goes to the model.
 def _save_sets(proposed: dict[int, dict[str, dict[str, Any]]], sac_marks: dict[str, list], rc_marks: list,
                labels_ref: list, segs: list[Segment], fwd_seg: dict, bwd_seg: dict,
                rc_time: list[float] | None = None,
@@ -993,6 +992,7 @@ def _selective_time(fraction: float, segs: list[Segment], f: int, b: int, rc_tim
     return fwd * min(2.0, max(0.0, (sel_time[f] + sel_time[b] - keep) / rc_extra))
 
 
+#: profile()'s own keyword options; every other keyword goes to the model.
 PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective")
 
 
@@ -1023,7 +1023,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         device: the DeviceSpec of the device measured (detected by default).
         selective: also measure, per unit, the save-sets selective checkpointing may keep (``UnitProfile.save_sets``,
             see :mod:`memopt_nb.opsets`): what planners need for ``strategies=`` with ``"selective"``. Costs one
-            forward and up to three more profiled steps.
+            forward, one profiled step per save-set found (up to three) and ``repeats`` timed steps each of plain
+            recompute and of every save-set.
 
     The model, optimizer and RNG state are restored afterwards. Modules that run more than once per forward, not at
     all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
@@ -1068,15 +1069,13 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         timings: list[list[float]] = []
         labels_ref = [m[0] for m in keep_marks]
         proposed: dict[int, dict[str, dict[str, Any]]] = {}
-        sac_marks: dict[str, list] = {}
+        set_ops: dict[str, dict[int, Any]] = {}  # per save-set, the ops each unit that has it keeps
         if selective:
             calls = record_ops(model, inputs, kwargs, names)
             proposed = {i: propose_save_sets(calls.get(i, [])) for i in range(n)}
-            for set_name in SAVE_SETS:
-                ops = {i: p[set_name]["ops"] for i, p in proposed.items() if set_name in p}
-                if ops:
-                    sac_marks[set_name] = _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False,
-                                                        recompute=True, kwargs=kwargs, save_ops=ops)[0]
+            set_ops = {k: ops for k in SAVE_SETS if (ops := {i: p[k]["ops"] for i, p in proposed.items() if k in p})}
+        sac_marks = {k: _tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True,
+                                      kwargs=kwargs, save_ops=ops)[0] for k, ops in set_ops.items()}
         # untimed: the tracked steps leave caches cold
         _timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
         for _ in range(repeats):
@@ -1084,14 +1083,13 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             if labels != labels_ref:
                 raise ProfileError("the step ran differently between repeats (data-dependent control flow?)")
             timings.append(durations)
-        sac_times: dict[str, list[list[float]]] = {k: [] for k in sac_marks}
+        sac_times: dict[str, list[list[float]]] = {k: [] for k in set_ops}
         rc_times: list[list[float]] = []
-        for _ in range(repeats if sac_marks else 0):  # what selective costs, against recompute, measured
+        for _ in range(repeats if set_ops else 0):  # what selective costs, against recompute, measured
             rc_times.append(_timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, recompute=True)[1])
-            for set_name in sac_marks:
-                ops = {i: p[set_name]["ops"] for i, p in proposed.items() if set_name in p}
-                sac_times[set_name].append(_timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs,
-                                                       recompute=True, save_ops=ops)[1])
+            for k, ops in set_ops.items():
+                sac_times[k].append(_timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, recompute=True,
+                                                save_ops=ops)[1])
         static = _static_bytes(model, optimizer)
         modules = dict(model.named_modules())
         unit_params = [list(modules[nm].parameters()) for nm in names]

@@ -29,6 +29,7 @@ from ..plan import (
     WINDOWS,
     Decision,
     Plan,
+    selective_decision,
     state_choices,
 )
 from ..simulate import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator, save_set_of
@@ -256,15 +257,10 @@ def plan_decisions(profile: Any, codes: Sequence[int], windows: Sequence[int], d
     out = []
     for u, (code, w, d, c) in enumerate(zip(codes, windows, distances, states, strict=True)):
         save_set = save_set_of(int(code))
-        ops: Any = ()
         if save_set:
-            entry = (getattr(profile.units[u], "save_sets", None) or {}).get(save_set)
-            if entry is None:
-                raise PlanError(f"unit {u} ({names[u]}): selective with save-set {save_set!r}, which its profile does "
-                                "not offer; profile the model with memopt.profile(..., selective=True)")
-            ops = tuple((str(op), int(i)) for op, i in entry["ops"])
-        out.append(Decision(names[u], NAMES[int(code)], int(w), int(d), *STATE_CHOICES[int(c)], save_set=save_set,
-                            save_ops=ops))
+            out.append(selective_decision(profile.units[u], save_set, int(w), int(d), STATE_CHOICES[int(c)]))
+        else:
+            out.append(Decision(names[u], NAMES[int(code)], int(w), int(d), *STATE_CHOICES[int(c)]))
     return tuple(out)
 
 
