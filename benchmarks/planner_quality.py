@@ -9,12 +9,19 @@ baseline's, feasibility and search wall time.
     python benchmarks/planner_quality.py            # full suite (about an hour on 2 cores)
     python benchmarks/planner_quality.py --quick    # a few cases
     python benchmarks/planner_quality.py --whole-step  # issue 11: over the enlarged space (state placements)
+    python benchmarks/planner_quality.py --wide        # issue 12: over every activation strategy
 
 ``--whole-step``: the same comparison over the enlarged space (``offload_state=True``: per unit also where its
 optimizer state, gradients and parameters live) on cases that have state: the fixed-state-heavy zoo models with Adam
 and synthetic chains whose units have parameters, gradients and Adam-like state (``chain_profile(state_bytes=...)``),
 at budgets between the whole-step floor and the unoptimized peak. Next to the agents: uniform random sampling over the
 same space given 4x the plan evaluations the agents made (best feasible plan found).
+
+``--wide``: the same comparison over the wider activation space of issue 12 (``strategies=STRATEGIES``: keep,
+recompute, swap, recompute_offload with its timings, selective with each Pareto save-set), activations only
+(``offload_state=False``), on synthetic chains with synthetic save-sets (:func:`memopt_nb.synthetic.with_save_sets`),
+at budgets between that space's floor and the unoptimized peak; ``--wide --offload-state`` adds state placements too
+(the chains then have parameters, gradients and Adam-like state).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import torch  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
+from memopt_nb.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
 from memopt_nb.solvers.space import evaluate_arrays, unit_options, unit_states  # noqa: E402
-from memopt_nb.synthetic import chain_profile  # noqa: E402
+from memopt_nb.synthetic import chain_profile, with_save_sets  # noqa: E402
 
 FRACTIONS = (0.40, 0.55, 0.70, 0.85)
 
@@ -45,12 +53,13 @@ def zoo_profile(name: str, repeats: int = 3):
     return memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=repeats)
 
 
-def random_sampling(sim, budget: int, evaluations: int, seed: int = 0, batch: int = 4096) -> tuple[float, float]:
-    """Best feasible step time of ``evaluations`` uniform random plans over the enlarged space (every activation
-    option and every offered placement per unit), and the feasible fraction."""
+def random_sampling(sim, budget: int, evaluations: int, seed: int = 0, batch: int = 4096, *,
+                    offload_state=True, strategies=DEFAULT_STRATEGIES) -> tuple[float, float]:
+    """Best feasible step time of ``evaluations`` uniform random plans over the same space as the search (every
+    activation option of ``strategies`` and every offered placement per unit), and the feasible fraction."""
     rng = np.random.default_rng(seed)
-    opts = [np.array(unit_options(sim, u)) for u in range(sim.n)]
-    sts = [np.array(x) for x in unit_states(sim, offload_state=True)]
+    opts = [np.array(unit_options(sim, u, strategies)) for u in range(sim.n)]
+    sts = [np.array(x) for x in unit_states(sim, offload_state=offload_state)]
     best, feasible, done = math.inf, 0, 0
     while done < evaluations:
         b = min(batch, evaluations - done)
@@ -68,20 +77,22 @@ def random_sampling(sim, budget: int, evaluations: int, seed: int = 0, batch: in
     return best, feasible / max(done, 1)
 
 
-def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float, timesteps: int | None) -> dict:
+def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float, timesteps: int | None, *,
+                        offload_state=True, strategies=DEFAULT_STRATEGIES) -> dict:
+    space = {"offload_state": offload_state, "strategies": strategies}
     sim = memopt.Simulator(prof, device)
-    lo = solvers.min_peak(sim, offload_state=True)
+    lo = solvers.min_peak(sim, **space)
     budget = int(lo + frac * (prof.peak_bytes - lo))
     t0 = time.perf_counter()
-    opt = solvers.optimal(sim, budget, time_limit=time_limit, offload_state=True)
+    opt = solvers.optimal(sim, budget, time_limit=time_limit, **space)
     opt_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plan = memopt.search(prof, budget, device, total_timesteps=timesteps, seed=0, offload_state=True)
+    plan = memopt.search(prof, budget, device, total_timesteps=timesteps, seed=0, **space)
     search_s = time.perf_counter() - t0
     agents = plan.meta["agents_step_time"] or math.inf
     ref = opt.predicted_step_time
     evals = 4 * 2 * max(1, int(plan.meta["timesteps_run"]) // sim.n)  # an episode evaluates its plan and its defaults
-    rand, rand_ok = random_sampling(sim, budget, evals)
+    rand, rand_ok = random_sampling(sim, budget, evals, **space)
     gap = opt.meta.get("mip_gap")
     return {
         "case": label, "device": sim.device.name, "budget": frac, "units": prof.n_units,
@@ -93,10 +104,18 @@ def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float
 
 
 def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tuple[int, ...] = (24, 48, 64),
-               zoo_devices: tuple[str | None, ...] = (None, "a100-40gb")) -> None:
-    cases = [(name, zoo_profile(name, repeats=1)) for name in memopt.zoo.STATE_HEAVY]
-    chains = (12, 24) if quick else chains
-    cases += [(f"chain{n}+state", chain_profile(n, seed=n, state_bytes=16 * 2**20)) for n in chains]
+               zoo_devices: tuple[str | None, ...] = (None, "a100-40gb"), wide: bool = False,
+               offload_state: bool = True) -> None:
+    if wide:  # issue 12: every activation strategy, on chains with save-sets
+        space = {"offload_state": offload_state, "strategies": STRATEGIES}
+        cases = [(f"chain{n}+sel" + ("+state" if offload_state else ""),
+                  with_save_sets(chain_profile(n, seed=n, state_bytes=16 * 2**20 if offload_state else 0), seed=n))
+                 for n in ((12, 24) if quick else chains)]
+    else:
+        space = {"offload_state": True, "strategies": DEFAULT_STRATEGIES}
+        cases = [(name, zoo_profile(name, repeats=1)) for name in memopt.zoo.STATE_HEAVY]
+        chains = (12, 24) if quick else chains
+        cases += [(f"chain{n}+state", chain_profile(n, seed=n, state_bytes=16 * 2**20)) for n in chains]
     fractions = (0.25, 0.6)
     rows = []
     print("| case | device | budget | units | agents ÷ opt | polished ÷ opt | random (4x evals) ÷ opt "
@@ -106,7 +125,7 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tu
         devices = ("a100-40gb",) if label.startswith("chain") else zoo_devices
         for device in devices:
             for frac in fractions:
-                r = run_whole_step_case(label, prof, device, frac, time_limit, timesteps)
+                r = run_whole_step_case(label, prof, device, frac, time_limit, timesteps, **space)
                 rows.append(r)
                 proven = "yes" if r["proven"] else f"no (gap {r['gap']:.2%})"
                 print(f"| {r['case']} | {r['device']} | {r['budget']:.0%} | {r['units']} | {r['agents_vs_opt']:.4f} | "
@@ -160,14 +179,18 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per case (s)")
     ap.add_argument("--timesteps", type=int, default=None, help="PPO timesteps (default: memopt's default)")
     ap.add_argument("--whole-step", action="store_true", help="over the enlarged space (issue 11), cases with state")
-    ap.add_argument("--chains", default="24,48,64", help="--whole-step: synthetic chain sizes")
+    ap.add_argument("--wide", action="store_true", help="over every activation strategy (issue 12), chains with "
+                    "save-sets")
+    ap.add_argument("--offload-state", action="store_true", help="--wide: with state placements too")
+    ap.add_argument("--chains", default="24,48,64", help="--whole-step / --wide: synthetic chain sizes")
     ap.add_argument("--zoo-devices", default="cpu,a100-40gb", help="--whole-step: devices for the zoo cases "
                     "(cpu: the profiled one)")
     args = ap.parse_args()
-    if args.whole_step:
+    if args.whole_step or args.wide:
         torch.set_num_threads(1)
         whole_step(args.time_limit, args.timesteps, args.quick, tuple(int(x) for x in args.chains.split(",")),
-                   tuple(None if d == "cpu" else d for d in args.zoo_devices.split(",")))
+                   tuple(None if d == "cpu" else d for d in args.zoo_devices.split(",")), wide=args.wide,
+                   offload_state=args.offload_state)
         return
     devices = (None, "a100-40gb", "v100-16gb")
     fractions = FRACTIONS

@@ -9,16 +9,27 @@ Adam-like optimizer state (2x), so that whole-step plans (placements of optimize
 something to move: the levels then include the units' parameters and state throughout and each unit's gradients from
 its backward on, and the last segment is the optimizer step. The default (0) gives the activation-only chains as
 before (the same random draws, the same profile).
+
+:func:`with_save_sets` adds synthetic save-sets (what ``profile(..., selective=True)`` measures) to any profile, so that
+the planners' ``selective`` strategy can be tested and benchmarked at any size.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .device import DeviceSpec
+from .plan import SAVE_SETS
 from .profile import ModelProfile, Segment, StorageGroup, UnitProfile
 
+__all__ = ["chain_profile", "with_save_sets", "SAVE_SET_SHARES"]
+
 MiB = 2**20
+#: What each synthetic save-set keeps (share of the unit's interior saved bytes) and leaves to recompute (share of its
+#: forward time), each drawn within ±20 % per unit.
+SAVE_SET_SHARES = {"matmuls": (0.45, 0.35), "alternate": (0.25, 0.6), "attention": (0.1, 0.85)}
 
 
 def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, device: DeviceSpec | None = None,
@@ -124,3 +135,33 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
         meta={"model_class": f"SyntheticChain{n}", "synthetic_seed": seed}, step_segment=step_seg,
         outside_step_time=1e-4 if state_bytes > 0 else 0.0,
     )
+
+
+def with_save_sets(prof: ModelProfile, seed: int = 0, offered: float = 0.8, pareto: float = 0.8) -> ModelProfile:
+    """``prof`` with synthetic save-sets on its recomputable units: each unit offers each set of
+    :data:`~memopt_nb.plan.SAVE_SETS` with probability ``offered`` (so some units offer none), each Pareto (a planner's
+    option) with probability ``pareto``. A set holds a share of the unit's interior saved bytes and recomputes in a
+    share of its forward time (:data:`SAVE_SET_SHARES`), so that selective is sometimes the best choice."""
+    rng = np.random.default_rng(seed)
+    units = []
+    for u in prof.units:
+        sets = {}
+        if u.recomputable:
+            fwd_time = prof.segments[u.fwd_segment].time
+            kept_fwd = prof.segments[u.fwd_segment].rel_peak
+            for name in SAVE_SETS:
+                if rng.random() >= offered:
+                    continue
+                held_share, time_share = SAVE_SET_SHARES[name]
+                held = int(u.interior_bytes * held_share * (0.8 + 0.4 * rng.random()))
+                sets[name] = {
+                    "ops": [["aten.mm.default", 0], ["aten.mm.default", 2]] if name != "attention"
+                    else [["aten._scaled_dot_product_flash_attention.default", 0]],
+                    "held_bytes": held,
+                    "recompute_time": float(fwd_time * time_share * (0.8 + 0.4 * rng.random())),
+                    "fwd_rel_peak": int(max(u.rc_fwd_rel_peak, min(kept_fwd, u.rc_fwd_rel_peak + held))),
+                    "bwd_rel_peak": int(max(0, u.rc_bwd_rel_peak - held // 2)),
+                    "pareto": bool(rng.random() < pareto),
+                }
+        units.append(dataclasses.replace(u, save_sets=sets))
+    return dataclasses.replace(prof, units=units)

@@ -28,44 +28,18 @@ from memopt_nb.simulate import (
     code_of,
     save_set_of,
 )
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.synthetic import chain_profile, with_save_sets
 
 DATA = Path(__file__).parent / "data"
 CPU_LIKE = DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
                       compute_flops=1e11, copy_overlap=False)
 SLOW_LINK = DeviceSpec.preset("a100-40gb").with_changes(name="a100-slow-link", h2d_bytes_per_s=2e9,
                                                         d2h_bytes_per_s=1e9)
-# what each synthetic save-set keeps (share of the unit's interior saved bytes) and leaves to recompute (share of its
-# forward time)
-SHARES = {"matmuls": (0.45, 0.35), "alternate": (0.25, 0.6), "attention": (0.1, 0.85)}
 
 
 def add_save_sets(prof, seed=0, offered=0.8, pareto=0.8):
-    """``prof`` with synthetic save-sets on its recomputable units: each unit offers each set with probability
-    ``offered`` (so some units offer none), each Pareto with probability ``pareto``."""
-    rng = np.random.default_rng(seed)
-    units = []
-    for u in prof.units:
-        sets = {}
-        if u.recomputable:
-            fwd_time = prof.segments[u.fwd_segment].time
-            kept_fwd = prof.segments[u.fwd_segment].rel_peak
-            for name in SAVE_SETS:
-                if rng.random() >= offered:
-                    continue
-                held_share, time_share = SHARES[name]
-                held = int(u.interior_bytes * held_share * (0.8 + 0.4 * rng.random()))
-                sets[name] = {
-                    "ops": [["aten.mm.default", 0], ["aten.mm.default", 2]] if name != "attention"
-                    else [["aten._scaled_dot_product_flash_attention.default", 0]],
-                    "held_bytes": held,
-                    "recompute_time": float(fwd_time * time_share * (0.8 + 0.4 * rng.random())),
-                    "fwd_rel_peak": int(max(u.rc_fwd_rel_peak, min(kept_fwd, u.rc_fwd_rel_peak + held))),
-                    "bwd_rel_peak": int(max(0, u.rc_bwd_rel_peak - held // 2)),
-                    "pareto": bool(rng.random() < pareto),
-                }
-        units.append(dataclasses.replace(u, save_sets=sets))
-    out = dataclasses.replace(prof, units=units)
+    """``prof`` with synthetic save-sets (:func:`memopt_nb.synthetic.with_save_sets`), at least one unit offering."""
+    out = with_save_sets(prof, seed, offered, pareto)
     assert any(u.save_sets for u in out.units)
     return out
 
