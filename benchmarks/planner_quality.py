@@ -21,7 +21,10 @@ same space given 4x the plan evaluations the agents made (best feasible plan fou
 recompute, swap, recompute_offload with its timings, selective with each Pareto save-set), activations only
 (``offload_state=False``), on synthetic chains with synthetic save-sets (:func:`memopt_nb.synthetic.with_save_sets`),
 at budgets between that space's floor and the unoptimized peak; ``--wide --offload-state`` adds state placements too
-(the chains then have parameters, gradients and Adam-like state).
+(the chains then have parameters, gradients and Adam-like state). ``--wide --hf vit`` (or ``gpt2``) adds a model this
+project did not write: the transformers model of ``benchmarks/fine_units.py`` (ViT-Tiny at batch 32, GPT-2 6×192 at
+batch 8 × 128), profiled here with ``units="fine"`` and ``selective=True`` (measured save-sets), SGD, on the CPU
+(the emulated device it was profiled on) and the A100 preset.
 """
 
 from __future__ import annotations
@@ -105,12 +108,21 @@ def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float
 
 def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tuple[int, ...] = (24, 48, 64),
                zoo_devices: tuple[str | None, ...] = (None, "a100-40gb"), wide: bool = False,
-               offload_state: bool = True) -> None:
-    if wide:  # issue 12: every activation strategy, on chains with save-sets
+               offload_state: bool = True, hf: tuple[str, ...] = ()) -> None:
+    real: set[str] = set()
+    if wide:  # issue 12: every activation strategy, on chains with save-sets (and transformers models, measured)
         space = {"offload_state": offload_state, "strategies": STRATEGIES}
         cases = [(f"chain{n}+sel" + ("+state" if offload_state else ""),
                   with_save_sets(chain_profile(n, seed=n, state_bytes=16 * 2**20 if offload_state else 0), seed=n))
                  for n in ((12, 24) if quick else chains)]
+        for name in hf:
+            from fine_units import build, optimizer_for
+
+            model, kw, loss_fn = build(name)
+            prof = memopt.profile(model, loss_fn=loss_fn, optimizer=optimizer_for(model, adam=offload_state),
+                                  units="fine", repeats=3, selective=True, **kw)
+            cases.append((f"hf-{name} fine", prof))
+            real.add(f"hf-{name} fine")
     else:
         space = {"offload_state": True, "strategies": DEFAULT_STRATEGIES}
         cases = [(name, zoo_profile(name, repeats=1)) for name in memopt.zoo.STATE_HEAVY]
@@ -122,7 +134,7 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tu
           "| random feasible | feasible | search s | MILP s | MILP proven (gap) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, prof in cases:
-        devices = ("a100-40gb",) if label.startswith("chain") else zoo_devices
+        devices = ("a100-40gb",) if label.startswith("chain") else (None, "a100-40gb") if label in real else zoo_devices
         for device in devices:
             for frac in fractions:
                 r = run_whole_step_case(label, prof, device, frac, time_limit, timesteps, **space)
@@ -182,15 +194,17 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="over every activation strategy (issue 12), chains with "
                     "save-sets")
     ap.add_argument("--offload-state", action="store_true", help="--wide: with state placements too")
+    ap.add_argument("--hf", default="", help="--wide: transformers models too, e.g. vit,gpt2 (fine units, measured "
+                    "save-sets)")
     ap.add_argument("--chains", default="24,48,64", help="--whole-step / --wide: synthetic chain sizes")
     ap.add_argument("--zoo-devices", default="cpu,a100-40gb", help="--whole-step: devices for the zoo cases "
                     "(cpu: the profiled one)")
     args = ap.parse_args()
     if args.whole_step or args.wide:
         torch.set_num_threads(1)
-        whole_step(args.time_limit, args.timesteps, args.quick, tuple(int(x) for x in args.chains.split(",")),
+        whole_step(args.time_limit, args.timesteps, args.quick, tuple(int(x) for x in args.chains.split(",") if x),
                    tuple(None if d == "cpu" else d for d in args.zoo_devices.split(",")), wide=args.wide,
-                   offload_state=args.offload_state)
+                   offload_state=args.offload_state, hf=tuple(x for x in args.hf.split(",") if x))
         return
     devices = (None, "a100-40gb", "v100-16gb")
     fractions = FRACTIONS

@@ -127,7 +127,7 @@ def refused_or(fn, *args, **kwargs):
         return None
 
 
-def methods(sim: memopt.Simulator, prof, budget: int, device, timesteps: int, time_limit: float,
+def methods(sim: memopt.Simulator, prof, budget: int, device, timesteps: int | None, time_limit: float,
             search: bool = True) -> dict:
     out = {}
     if search:
@@ -144,7 +144,8 @@ def methods(sim: memopt.Simulator, prof, budget: int, device, timesteps: int, ti
     return out
 
 
-def bench(names: list[str], fractions: tuple[float, ...], timesteps: int, time_limit: float, measure: bool) -> None:
+def bench(names: list[str], fractions: tuple[float, ...], timesteps: int | None, time_limit: float,
+          measure: bool) -> None:
     summary = []
     print("| model | device | budget MiB (frac) | method | feasible | predicted step ms | predicted peak MiB "
           "| measured step ms | measured peak MiB |")
@@ -207,7 +208,7 @@ def bench(names: list[str], fractions: tuple[float, ...], timesteps: int, time_l
 
 
 # ------------------------------------------------------------------ Must show 3: max batch
-def max_batch(names: list[str], batches: tuple[int, ...], timesteps: int, time_limit: float) -> None:
+def max_batch(names: list[str], batches: tuple[int, ...], timesteps: int | None, time_limit: float) -> None:
     """Budget = the unoptimized peak at the first batch; per method the largest batch whose plan fits it, and the
     simulated throughput (samples/s) there, on the CPU and the GPU presets. The plan column is the exact optimum
     (MILP over the enlarged space); PPO is left out here to keep the run short (the bench compares it with the
@@ -248,7 +249,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--max-batch", action="store_true")
     ap.add_argument("--models", default=None, help="comma-separated (default per part)")
-    ap.add_argument("--timesteps", type=int, default=2048, help="PPO timesteps per search")
+    ap.add_argument("--timesteps", type=int, default=None, help="PPO timesteps per search (default: memopt's own, "
+                    "memopt.rl.search.default_timesteps)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="MILP time limit (s)")
     ap.add_argument("--fractions", default="0.1,0.4,0.7", help="budgets, from the whole-step floor (0) to the "
                     "unoptimized peak (1)")
