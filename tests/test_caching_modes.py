@@ -1,0 +1,185 @@
+"""The caching modes of ``selective`` units (``runtime.recompute.caching_modes``), which stand in for torch's
+``create_selective_checkpoint_contexts`` at a fraction of its per-op cost (issue 12, runtime overhead).
+
+What must hold: they keep exactly the listed op calls (counted per op as ``record_ops`` counts them) and the
+recomputation runs every other call and none of those; gradients are bit-identical to torch's own selective
+checkpointing with the same calls (dropout, tuple outputs, views); what is kept lives exactly as long as under torch's
+modes; a kept tensor changed in place, and a second backward, are refused as torch refuses them; dynamo's frame
+evaluation is kept out of their ``__torch_dispatch__`` without torch's per-call wrapper.
+"""
+
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memopt_nb.runtime.recompute as rec
+from memopt_nb.opsets import OpRecorder
+from memopt_nb.runtime.recompute import caching_modes, checkpointed, save_policy
+
+
+class Block(nn.Module):
+    """Ops of every kind the modes meet: matmuls, a tuple-output op (``native_layer_norm``), views, dropout's
+    in-place mask, an op called several times (``addmm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.a(self.norm(x))
+        h = F.dropout(F.gelu(h), 0.2, training=True)
+        h = h.view(4, 2, 32).transpose(0, 1).reshape(8, 32)
+        return self.b(h) + x
+
+
+class Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class Watch(TorchDispatchMode):
+    """Keeps a weak reference to the storage of every ``gelu`` output."""
+
+    def __init__(self, refs: list) -> None:
+        super().__init__()
+        self.refs = refs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.gelu.default:
+            self.refs.append(weakref.ref(out.untyped_storage()))
+        return out
+
+
+def _every_safe_call(module, x):
+    """Every op call ``record_ops`` would offer (a new storage not changed in place later), as ``save_ops``."""
+    rec_mode = OpRecorder()
+    with rec_mode:
+        rec_mode.begin(0)
+        out = checkpointed(module, module.forward, (x,), {})
+        rec_mode.end()
+    del out
+    return [(c.name, c.index) for c in rec_mode.calls[0] if c.nbytes and not c.mutated]
+
+
+def _run(module, x, save_ops, modes, seed=0):
+    """Forward and backward of ``module`` under ``checkpointed`` with ``modes`` making the caching pair; returns the
+    gradients and the op calls the recomputation made."""
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.manual_seed(seed)
+    saved = rec.caching_modes
+    rec.caching_modes = modes
+    try:
+        out = checkpointed(module, module.forward, (x,), {}, save_ops=save_ops)
+    finally:
+        rec.caching_modes = saved
+    count = Count()
+    with count:
+        out.pow(2).sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+    return out.detach(), grads, count.seen
+
+
+def _torch_modes(save_ops):
+    return save_policy(save_ops)()
+
+
+@pytest.mark.parametrize("which", ["all", "addmm 1", "none of the calls"])
+def test_same_results_and_recomputation_as_torch_modes(which):
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(8, 16, requires_grad=True)
+    every = _every_safe_call(module, x)
+    assert ("aten.native_layer_norm.default", 0) in every and ("aten.addmm.default", 1) in every
+    save_ops = {"all": every, "addmm 1": [("aten.addmm.default", 1)],
+                "none of the calls": [("aten.mm.default", 7)]}[which]
+    out_l, grads_l, seen_l = _run(module, x, save_ops, caching_modes)
+    out_t, grads_t, seen_t = _run(module, x, save_ops, _torch_modes)
+    assert torch.equal(out_l, out_t)
+    assert all(torch.equal(a, b) for a, b in zip(grads_l, grads_t, strict=True))
+    # the recomputation runs the same calls under both (kept ones not at all); dropout's mask is drawn again
+    assert seen_l == seen_t
+    assert "aten.bernoulli_.float" in seen_l
+    # the second addmm's output is saved by nothing: without it kept the recomputation stops before it (early stop)
+    recomputed = seen_l.count("aten.addmm.default")
+    assert recomputed == {"all": 0, "addmm 1": 1, "none of the calls": 1}[which]
+    if which == "all":
+        assert "aten.native_layer_norm.default" not in seen_l and "aten.gelu.default" not in seen_l
+
+
+def test_kept_calls_are_counted_per_op_and_taken_once():
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(8, 16, requires_grad=True)
+    keep, replay = caching_modes([("aten.addmm.default", 1), ("aten.native_layer_norm.default", 0)])
+    with keep:
+        out = module(x)
+    assert sorted((str(f), i) for f, i in keep.storage) == [("aten.addmm.default", 1),
+                                                           ("aten.native_layer_norm.default", 0)]
+    assert keep.storage is replay.storage
+    torch.manual_seed(1)
+    with replay:
+        again = module(x)
+    assert torch.equal(again, out)  # the kept addmm is the last op before the residual add: its value is used
+    assert all(v is rec._TAKEN for v in replay.storage.values())
+    with pytest.raises(RuntimeError, match="backward an extra time"), replay:
+        module(x)
+
+
+def test_kept_outputs_live_as_long_as_under_torch_modes():
+    """A kept output is held from the forward until the recomputation takes it, and by nothing of the modes after."""
+    for modes in (caching_modes, _torch_modes):
+        torch.manual_seed(0)
+        module, x = Block(), torch.randn(8, 16, requires_grad=True)
+        keep, replay = modes([("aten.gelu.default", 0)])
+        refs: list = []
+        with Watch(refs), keep:
+            out = module(x)
+        del out
+        assert refs and refs[0]() is not None, modes  # held by the modes' storage after the forward
+        with replay:
+            again = module(x)
+        del again
+        assert refs[0]() is None, modes  # taken by the recomputation, then dropped with its results
+
+
+def test_a_kept_tensor_changed_in_place_is_refused():
+    class ChangesIt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            h.mul_(2)
+            return torch.sigmoid(h)  # saves its output: the backward recomputes
+
+    module, x = ChangesIt(), torch.randn(4, 8, requires_grad=True)
+    for modes in (caching_modes, _torch_modes):
+        saved = rec.caching_modes
+        rec.caching_modes = modes
+        try:
+            out = checkpointed(module, module.forward, (x,), {}, save_ops=[("aten.addmm.default", 0)])
+        finally:
+            rec.caching_modes = saved
+        with pytest.raises(RuntimeError, match="mutated"):
+            out.sum().backward()
+
+
+def test_dynamo_is_kept_out_without_the_per_call_wrapper():
+    # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._dynamo.disable unless told not to; the lean
+    # modes are not wrapped (their code object is marked for dynamo to skip, with everything it calls, instead)
+    if not rec._DYNAMO_SKIPS_CODE:
+        pytest.skip("this torch has no per-code frame strategy: the modes keep torch's wrapper")
+    for cls in (rec._KeepCalls, rec._ReplayCalls):
+        assert cls.__torch_dispatch__ is cls.__dict__["__torch_dispatch__"]
+        assert cls.__torch_dispatch__.__code__.co_filename == rec.__file__
