@@ -465,11 +465,14 @@ class _KeepCalls(_LeanMode):
     def __init__(self, save_set: _SaveSet, storage: dict[tuple[Any, int], Any]) -> None:
         super().__init__()
         self.save_set, self.storage = save_set, storage
+        self.by_op = save_set.by_op
         self.counts: dict[Any, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        wanted = self.save_set.indices(func)
-        out = func(*args, **(kwargs or {}))
+        wanted = self.by_op.get(func, _UNSEEN)
+        if wanted is _UNSEEN:
+            wanted = self.save_set.indices(func)
+        out = func._op(*args, **(kwargs or {}))  # the OpOverload's C++ op, one Python frame less
         if wanted is not None:
             n = self.counts.get(func, 0)
             self.counts[func] = n + 1
@@ -489,6 +492,7 @@ class _ReplayCalls(_LeanMode):
     def __init__(self, save_set: _SaveSet, storage: dict[tuple[Any, int], Any]) -> None:
         super().__init__()
         self.save_set, self.storage = save_set, storage
+        self.by_op = save_set.by_op
         self.counts: dict[Any, int] = {}
 
     def __enter__(self) -> _ReplayCalls:
@@ -496,13 +500,15 @@ class _ReplayCalls(_LeanMode):
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        wanted = self.save_set.indices(func)
+        wanted = self.by_op.get(func, _UNSEEN)
+        if wanted is _UNSEEN:
+            wanted = self.save_set.indices(func)
         if wanted is None:
-            return func(*args, **(kwargs or {}))
+            return func._op(*args, **(kwargs or {}))
         n = self.counts.get(func, 0)
         self.counts[func] = n + 1
         if n not in wanted:
-            return func(*args, **(kwargs or {}))
+            return func._op(*args, **(kwargs or {}))
         entry = self.storage.get((func, n))
         if entry is None:
             raise RuntimeError(f"{func} call {n} is kept by a selective unit but its forward made no such call: the "
