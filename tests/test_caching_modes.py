@@ -16,8 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import memopt_nb as memopt
 import memopt_nb.runtime.recompute as rec
 from memopt_nb.opsets import OpRecorder
+from memopt_nb.plan import Plan
 from memopt_nb.runtime.recompute import caching_modes, checkpointed, save_policy
 
 
@@ -183,3 +185,95 @@ def test_dynamo_is_kept_out_without_the_per_call_wrapper():
     for cls in (rec._KeepCalls, rec._ReplayCalls):
         assert cls.__torch_dispatch__ is cls.__dict__["__torch_dispatch__"]
         assert cls.__torch_dispatch__.__code__.co_filename == rec.__file__
+
+
+# ====================================================================== a unit whose recomputation would redo nothing
+class Linear2(nn.Module):
+    """Two matmuls: every tensor its backward needs is its input, a parameter or the first matmul's output, which a
+    ``matmuls`` save-set keeps — so its recomputation would recompute nothing."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.b(self.a(x))
+
+
+class Gelu2(Linear2):
+    """The same with a GELU between: the second matmul saves the GELU's output, which no save-set keeps."""
+
+    def forward(self, x):
+        return x + self.b(F.gelu(self.a(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Linear2(d), Gelu2(d), Linear2(d), Gelu2(d)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _stack_run(plan_for=None, steps=2):
+    torch.manual_seed(0)
+    model = Stack()
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    forwards = [0] * len(model.blocks)
+    for i, b in enumerate(model.blocks):
+        # on a layer inside the block: the block's own forward hooks do not see its recomputation
+        b.a.register_forward_hook(lambda m, a, o, i=i: forwards.__setitem__(i, forwards[i] + 1))
+    ctx = memopt.plan(plan_for(model, x, y), model) if plan_for else None
+    forwards[:] = [0] * len(model.blocks)  # the profile's runs aside
+    losses = []
+    try:
+        if ctx is not None:
+            ctx.apply()
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+    finally:
+        if ctx is not None:
+            ctx.remove()
+    return losses, [p.detach().clone() for p in model.parameters()], forwards, model, x, y
+
+
+def test_a_unit_whose_needs_are_all_kept_is_not_run_again_and_its_peak_is_predicted():
+    ref_losses, ref_params, ref_forwards, *_ = _stack_run()
+    assert ref_forwards == [2, 2, 2, 2]
+    profiles = {}
+
+    def selective(model, x, y):
+        prof = memopt.profile(model, x, loss_fn=lambda o: F.cross_entropy(o, y), repeats=1, selective=True,
+                              units=[f"blocks.{i}" for i in range(4)])
+        assert all("matmuls" in u.save_sets for u in prof.units)
+        profiles["p"] = prof
+        return Plan.from_strategies(prof, ["selective:matmuls"] * 4)
+
+    losses, params, forwards, model, x, y = _stack_run(selective)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params, strict=True))
+    # the plain matmul blocks ran once per step; the GELU blocks twice (their recomputation)
+    assert forwards == [2, 4, 2, 4]
+    prof = profiles["p"]
+    plan = Plan.from_strategies(prof, ["selective:matmuls"] * 4)
+    m = memopt.measure(model, x, loss_fn=lambda o: F.cross_entropy(o, y), plan=plan, steps=1)
+    assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes
+
+
+def test_a_skipped_recomputation_refuses_a_saved_tensor_changed_in_place():
+    torch.manual_seed(0)
+    module, x = Linear2(8), torch.randn(4, 8, requires_grad=True)
+    out = checkpointed(module, module.forward, (x,), {}, save_ops=[("aten.addmm.default", 0)])
+    with torch.no_grad():
+        x.mul_(2)  # the unit's input, which its first matmul saved for backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -467,6 +467,8 @@ class _KeepCalls(_LeanMode):
         self.save_set, self.storage = save_set, storage
         self.by_op = save_set.by_op
         self.counts: dict[Any, int] = {}
+        #: while a :class:`_DirectSaves` watches the forward: each kept output tensor by ``id``, with its kept value
+        self.direct: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         wanted = self.by_op.get(func, _UNSEEN)
@@ -477,7 +479,14 @@ class _KeepCalls(_LeanMode):
             n = self.counts.get(func, 0)
             self.counts[func] = n + 1
             if n in wanted:
-                self.storage[(func, n)] = _Kept(out)
+                kept = self.storage[(func, n)] = _Kept(out)
+                if self.direct is not None:
+                    if isinstance(out, torch.Tensor):
+                        self.direct[id(out)] = (out, kept.value)
+                    else:
+                        for t, v in zip(tree_leaves(out), tree_leaves(kept.value)):
+                            if isinstance(t, torch.Tensor):
+                                self.direct[id(t)] = (t, v)
         return out
 
 
@@ -519,6 +528,105 @@ class _ReplayCalls(_LeanMode):
                                "region computed under selective activation checkpoint.")
         self.storage[(func, n)] = _TAKEN
         return entry.take()
+
+
+class _Saved:
+    """What a selective unit's forward packs for one tensor autograd saves: checkpoint's own holder (the
+    recomputation fills it) and, while the tensor is one the unit holds anyway, the tensor itself."""
+
+    __slots__ = ("holder", "value", "version")
+
+    def __init__(self, holder: Any) -> None:
+        self.holder = holder
+        self.value: torch.Tensor | None = None
+        self.version = 0
+
+
+class _DirectSaves:
+    """Lets a selective unit skip its recomputation when it would recompute nothing that backward needs.
+
+    Inside the unit's first forward (beneath checkpoint's saved-tensor hooks, so it sees every tensor autograd saves
+    there first) each saved tensor is still handed to checkpoint's pack hook, and it is noted whether it is one the unit
+    holds anyway: an output its save-set keeps, one of its own parameters or buffers, one of its inputs (which the
+    checkpoint keeps), or a view of one of these. When *every* saved tensor is such a tensor, backward gets them
+    directly: checkpoint's holders are never unpacked, so the unit is never run again, and at its first unpack the
+    kept outputs nothing saved are dropped (where the recomputation would have taken them). Otherwise nothing
+    changes: the direct references are dropped when the forward ends and every unpack goes through checkpoint, which
+    recomputes as before.
+
+    The values are the same tensors the recomputation would produce (a kept output *is* what it returns; parameters,
+    buffers and inputs are what it reads), so results are bit-identical; what is held and when is what the profiler
+    measures, as it runs units through this same code. A tensor changed in place between the forward and its use in
+    backward is refused, as autograd refuses it.
+    """
+
+    __slots__ = ("storage", "all_direct", "saved", "unpacked")
+
+    def __init__(self, storage: dict[tuple[Any, int], Any]) -> None:
+        self.storage = storage
+        self.all_direct = True
+        self.saved: list[_Saved] = []
+        self.unpacked = False
+
+    def run(self, caching: _KeepCalls, forward: Callable[..., Any], modules: list[nn.Module], args: tuple,
+            kwargs: dict) -> Any:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if hooks is None:  # not under checkpoint's hooks (nothing is saved for backward)
+            with caching:
+                return forward(*args, **kwargs)
+        ck_pack, ck_unpack = hooks
+        held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for m in modules:
+            for group in (m._parameters, m._buffers):
+                for t in group.values():
+                    if t is not None:
+                        held[id(t)] = (t, None)
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                held[id(t)] = (t, None)
+        saved = self.saved
+
+        def pack(x: torch.Tensor) -> _Saved:
+            s = _Saved(ck_pack(x))
+            entry = held.get(id(x))
+            if entry is not None and entry[0] is x:
+                s.value = x.detach() if entry[1] is None else entry[1]  # detached: no cycle through x's grad_fn
+            else:
+                base = x._base  # a view of a held tensor (``weight.t()`` of a linear layer): its storage is held
+                entry = held.get(id(base)) if base is not None else None
+                if entry is None or entry[0] is not base:
+                    self.all_direct = False
+                    return s
+                s.value = x.detach()
+            s.version = x._version
+            saved.append(s)
+            return s
+
+        def unpack(s: _Saved) -> torch.Tensor:
+            value = s.value
+            if value is None:
+                return ck_unpack(s.holder)
+            if not self.unpacked:
+                self.unpacked = True
+                self.storage.clear()  # kept outputs nothing saved go now, as the recomputation would take them
+            if value._version != s.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    f"[{value.type()} {list(value.shape)}] is at version {value._version}; expected version "
+                    f"{s.version} instead (a tensor saved inside a selective unit of a memopt plan)")
+            return value
+
+        caching.direct = held
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack), caching:
+                out = forward(*args, **kwargs)
+        finally:
+            caching.direct = None
+        if not self.all_direct:  # the recomputation runs: hold nothing beyond what it would
+            for s in saved:
+                s.value = None
+        self.saved = []
+        return out
 
 
 def caching_modes(save_ops: Any) -> tuple[TorchDispatchMode, TorchDispatchMode]:
@@ -585,7 +693,12 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
     first_fwd, again_fwd = forward, forward
     if save_ops:  # the selective modes around the unit's forward only, not around the guard's own bookkeeping
         caching, cached = caching_modes(save_ops)
-        first_fwd = _under(caching, forward)
+        direct = _DirectSaves(caching.storage)
+        modules = guard.modules
+
+        def first_fwd(*a: Any, **k: Any) -> Any:
+            return direct.run(caching, forward, modules, a, k)
+
         again_fwd = _under(cached, forward)
 
     def run(*_devices: Any) -> Any:  # the tensors passed only tell checkpoint which devices' RNG to keep
