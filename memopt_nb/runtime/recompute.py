@@ -467,8 +467,8 @@ class _KeepCalls(_LeanMode):
         self.save_set, self.storage = save_set, storage
         self.by_op = save_set.by_op
         self.counts: dict[Any, int] = {}
-        #: while a :class:`_DirectSaves` watches the forward: each kept output tensor by ``id``, with its kept value
-        self.direct: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        #: while a :class:`_DirectSaves` watches the forward: the storages of the kept outputs (see there)
+        self.direct: dict[int, torch.Tensor] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         wanted = self.by_op.get(func, _UNSEEN)
@@ -481,12 +481,8 @@ class _KeepCalls(_LeanMode):
             if n in wanted:
                 kept = self.storage[(func, n)] = _Kept(out)
                 if self.direct is not None:
-                    if isinstance(out, torch.Tensor):
-                        self.direct[id(out)] = (out, kept.value)
-                    else:
-                        for t, v in zip(tree_leaves(out), tree_leaves(kept.value)):
-                            if isinstance(t, torch.Tensor):
-                                self.direct[id(t)] = (t, v)
+                    value = kept.value
+                    _hold_storages(self.direct, (value,) if isinstance(value, torch.Tensor) else tree_leaves(value))
         return out
 
 
@@ -530,6 +526,22 @@ class _ReplayCalls(_LeanMode):
         return entry.take()
 
 
+def _storage_key(t: Any) -> int | None:
+    """The identity of a plain tensor's storage while it lives (``None`` for other tensors and empty storages)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided or t.is_meta:
+        return None
+    st = t.untyped_storage()
+    return st._cdata if st.nbytes() else None
+
+
+def _hold_storages(held: dict[int, torch.Tensor], tensors: Any) -> None:
+    """Note the storages of ``tensors`` (an iterable; other items are skipped) in ``held``."""
+    for t in tensors:
+        key = _storage_key(t)
+        if key is not None:
+            held[key] = t
+
+
 class _Saved:
     """What a selective unit's forward packs for one tensor autograd saves: checkpoint's own holder (the
     recomputation fills it) and, while the tensor is one the unit holds anyway, the tensor itself."""
@@ -546,16 +558,18 @@ class _DirectSaves:
     """Lets a selective unit skip its recomputation when it would recompute nothing that backward needs.
 
     Inside the unit's first forward (beneath checkpoint's saved-tensor hooks, so it sees every tensor autograd saves
-    there first) each saved tensor is still handed to checkpoint's pack hook, and it is noted whether it is one the unit
-    holds anyway: an output its save-set keeps, one of its own parameters or buffers, one of its inputs (which the
-    checkpoint keeps), or a view of one of these. When *every* saved tensor is such a tensor, backward gets them
-    directly: checkpoint's holders are never unpacked, so the unit is never run again, and at its first unpack the
+    there first) each saved tensor is still handed to checkpoint's pack hook, and it is noted whether its storage is
+    one the unit holds anyway: that of an output its save-set keeps, of one of its own parameters or buffers, or of one
+    of its inputs (which the checkpoint keeps) — the tensor itself or a view or alias of it (``weight.t()`` of a
+    linear layer, the ``_unsafe_view`` of a kept ``bmm``). When *every* saved tensor is such a tensor, backward gets
+    them directly: checkpoint's holders are never unpacked, so the unit is never run again, and at its first unpack the
     kept outputs nothing saved are dropped (where the recomputation would have taken them). Otherwise nothing
     changes: the direct references are dropped when the forward ends and every unpack goes through checkpoint, which
     recomputes as before.
 
-    The values are the same tensors the recomputation would produce (a kept output *is* what it returns; parameters,
-    buffers and inputs are what it reads), so results are bit-identical; what is held and when is what the profiler
+    The values are the same tensors the recomputation would produce (a kept output *is* what it returns, and it would
+    take the same views of it; parameters, buffers and inputs are what it reads; a save-set never lists an output
+    changed in place later), so results are bit-identical; what is held and when is what the profiler
     measures, as it runs units through this same code. A tensor changed in place between the forward and its use in
     backward is refused, as autograd refuses it.
     """
@@ -575,29 +589,20 @@ class _DirectSaves:
             with caching:
                 return forward(*args, **kwargs)
         ck_pack, ck_unpack = hooks
-        held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        held: dict[int, torch.Tensor] = {}  # storage -> a tensor on it, for every storage the unit holds anyway
         for m in modules:
             for group in (m._parameters, m._buffers):
-                for t in group.values():
-                    if t is not None:
-                        held[id(t)] = (t, None)
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                held[id(t)] = (t, None)
+                _hold_storages(held, group.values())
+        _hold_storages(held, tree_leaves((args, kwargs)))
         saved = self.saved
 
         def pack(x: torch.Tensor) -> _Saved:
             s = _Saved(ck_pack(x))
-            entry = held.get(id(x))
-            if entry is not None and entry[0] is x:
-                s.value = x.detach() if entry[1] is None else entry[1]  # detached: no cycle through x's grad_fn
-            else:
-                base = x._base  # a view of a held tensor (``weight.t()`` of a linear layer): its storage is held
-                entry = held.get(id(base)) if base is not None else None
-                if entry is None or entry[0] is not base:
-                    self.all_direct = False
-                    return s
-                s.value = x.detach()
+            key = _storage_key(x)
+            if key is None or key not in held:
+                self.all_direct = False
+                return s
+            s.value = x.detach()  # detached: no reference cycle through x's grad_fn
             s.version = x._version
             saved.append(s)
             return s
@@ -622,6 +627,7 @@ class _DirectSaves:
                 out = forward(*args, **kwargs)
         finally:
             caching.direct = None
+            held.clear()  # autograd may keep the pack hook (and so this dict) as long as it keeps what was saved
         if not self.all_direct:  # the recomputation runs: hold nothing beyond what it would
             for s in saved:
                 s.value = None
