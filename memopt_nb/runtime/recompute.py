@@ -631,7 +631,7 @@ class _DirectSaves:
         if not self.all_direct:  # the recomputation runs: hold nothing beyond what it would
             for s in saved:
                 s.value = None
-        self.saved = []
+        saved.clear()  # (the pack hook refers to this list too) each value is held by its saved variable alone
         return out
 
 
@@ -679,6 +679,11 @@ def save_policy(save_ops: Any) -> Callable[[], tuple[Any, Any]]:
     return context_fn
 
 
+#: whether a selective unit whose backward needs only what it holds anyway skips its recomputation
+#: (:class:`_DirectSaves`); off, every selective unit recomputes as torch's selective checkpointing does (tests compare)
+DIRECT_SAVES = True
+
+
 def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict, *,
                  hold: Callable[[torch.Tensor], Any] | None = None,
                  fetch: Callable[[Any], torch.Tensor] | None = None,
@@ -699,13 +704,14 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
     first_fwd, again_fwd = forward, forward
     if save_ops:  # the selective modes around the unit's forward only, not around the guard's own bookkeeping
         caching, cached = caching_modes(save_ops)
-        direct = _DirectSaves(caching.storage)
-        modules = guard.modules
-
-        def first_fwd(*a: Any, **k: Any) -> Any:
-            return direct.run(caching, forward, modules, a, k)
-
+        first_fwd = _under(caching, forward)
         again_fwd = _under(cached, forward)
+        if DIRECT_SAVES:
+            direct = _DirectSaves(caching.storage)
+            modules = guard.modules
+
+            def first_fwd(*a: Any, **k: Any) -> Any:
+                return direct.run(caching, forward, modules, a, k)
 
     def run(*_devices: Any) -> Any:  # the tensors passed only tell checkpoint which devices' RNG to keep
         if not memo:
