@@ -17,6 +17,9 @@ checkpointing gets several things wrong; here:
   back exactly: the first forward raises :class:`~memopt_nb.errors.PlanError` naming the unit and the argument.
 * The unit's own keyword arguments go to the unit, never to ``torch.utils.checkpoint`` (whose options ``debug``,
   ``use_reentrant``, ``context_fn``… would otherwise swallow them).
+* ``selective`` units keep the outputs of their save-set's op calls with two lean dispatch modes
+  (:func:`caching_modes`, torch's selective-checkpointing rules at a fraction of its per-op cost), and a unit whose
+  backward needs only tensors it holds anyway is not run again at all (:class:`_DirectSaves`).
 """
 
 from __future__ import annotations
