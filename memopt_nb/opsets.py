@@ -1,6 +1,7 @@
 """Save-sets for ``selective`` units: which op outputs a unit may keep, measured op by op.
 
-Selective activation checkpointing (torch's ``create_selective_checkpoint_contexts``) recomputes a unit in backward
+Selective activation checkpointing (torch's ``create_selective_checkpoint_contexts``; the runtime's own lean modes,
+:func:`memopt_nb.runtime.recompute.caching_modes`, follow its rules) recomputes a unit in backward
 like ``recompute`` but keeps the outputs of chosen op calls, so the expensive ops are not run twice. This module
 records a unit's ops (:class:`OpRecorder`: name, call index, new bytes, seconds) during a forward run under plain
 checkpointing, and proposes the save-sets of :data:`~memopt_nb.plan.SAVE_SETS`:
