@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_selective import _record as record_unit_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memopt_nb as memopt
 import memopt_nb.runtime.recompute as rec
-from memopt_nb.opsets import OpRecorder
 from memopt_nb.plan import Plan
 from memopt_nb.runtime.recompute import caching_modes, checkpointed, save_policy
 
@@ -65,13 +65,7 @@ class Watch(TorchDispatchMode):
 
 def _every_safe_call(module, x):
     """Every op call ``record_ops`` would offer (a new storage not changed in place later), as ``save_ops``."""
-    rec_mode = OpRecorder()
-    with rec_mode:
-        rec_mode.begin(0)
-        out = checkpointed(module, module.forward, (x,), {})
-        rec_mode.end()
-    del out
-    return [(c.name, c.index) for c in rec_mode.calls[0] if c.nbytes and not c.mutated]
+    return [(c.name, c.index) for c in record_unit_ops(module, x) if c.nbytes and not c.mutated]
 
 
 def _run(module, x, save_ops, modes, seed=0):

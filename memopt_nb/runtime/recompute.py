@@ -695,7 +695,7 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
     among them (pytree leaves) are kept for the recomputation as ``hold(t)`` — a swap-engine handle, so the storage can
     go to the host — and ``fetch(handle)`` gives them back when the recomputation starts (``recompute_offload``).
     With ``save_ops`` (``selective``), the outputs of those op calls are kept and not recomputed (see
-    :func:`save_policy`)."""
+    :func:`caching_modes`), and the recomputation is skipped where it would redo nothing (:class:`_DirectSaves`)."""
     if not isinstance(guard, ReplayGuard):
         guard = ReplayGuard(guard, strict=False)
     memo: list[Any] = []
@@ -707,7 +707,6 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
     first_fwd, again_fwd = forward, forward
     if save_ops:  # the selective modes around the unit's forward only, not around the guard's own bookkeeping
         caching, cached = caching_modes(save_ops)
-        first_fwd = _under(caching, forward)
         again_fwd = _under(cached, forward)
         if DIRECT_SAVES:
             direct = _DirectSaves(caching.storage)
@@ -715,6 +714,8 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
 
             def first_fwd(*a: Any, **k: Any) -> Any:
                 return direct.run(caching, forward, modules, a, k)
+        else:
+            first_fwd = _under(caching, forward)
 
     def run(*_devices: Any) -> Any:  # the tensors passed only tell checkpoint which devices' RNG to keep
         if not memo:
