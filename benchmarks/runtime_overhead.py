@@ -10,9 +10,10 @@ the two variants interleaved A B A B ... so that drift of this (shared, noisy) m
 (c) ``Plan.uniform(profile, "recompute_offload", offload_window=1, prefetch_distance=1)`` (issue 12) vs. the recompute
     plan of (b) plus the copy time the simulator charges the plan on this emulated device (its inputs to the host and
     back) — target ratio <= 1.03;
-(d) a ``selective`` plan that keeps the output of every op call of every unit (issue 12; a save-set of all of them,
-    from :func:`memopt_nb.opsets.record_ops`, less views and outputs changed in place) vs. the keep plan — target ratio
-    <= 1.03. Its recomputation runs no op again; what it costs is the checkpoint and the caching modes.
+(d) a ``selective`` plan that keeps the output of every op call of every unit that makes a new tensor (issue 12; a
+    save-set of all of them, from :func:`memopt_nb.opsets.record_ops`, outputs changed in place later included, such
+    as a dropout mask scaled in place) vs. the keep plan — target ratio <= 1.03. Its recomputation runs no op again;
+    what it costs is the checkpoint and the caching modes.
 
 The plan is entered and left around every timed step (the timer covers only the step inside the block; what entering
 and leaving costs is reported separately), so both variants of a pair run in the same conditions. Ratios are
@@ -43,6 +44,7 @@ import memopt_nb as memopt
 from memopt_nb import zoo
 from memopt_nb.opsets import record_ops
 from memopt_nb.plan import Decision
+from memopt_nb.runtime.step import preserved_state
 
 TARGET = 1.03
 
@@ -125,12 +127,13 @@ def forwards_untouched(model: torch.nn.Module) -> bool:
 
 
 def save_everything(prof: memopt.ModelProfile, model: torch.nn.Module, inputs: tuple[Any, ...]) -> memopt.Plan:
-    """A selective plan keeping the output of every op call of every unit that makes a new tensor (views and in-place
-    results, which torch would refuse once changed, excepted)."""
-    calls = record_ops(model, inputs, {}, prof.unit_names)
+    """A selective plan keeping the output of every op call of every unit that makes a new tensor (not views nor
+    in-place ops; an output changed in place later is kept too: its call runs again only if the unit recomputes)."""
+    with preserved_state(model):  # recording runs a training forward: BatchNorm statistics, RNG
+        calls = record_ops(model, inputs, {}, prof.unit_names)
     decisions = tuple(
         Decision(u.name, "selective", save_set="matmuls",
-                 save_ops=tuple((c.name, c.index) for c in calls[i] if c.nbytes and not c.mutated) or (("none", 0),))
+                 save_ops=tuple((c.name, c.index) for c in calls[i] if c.nbytes) or (("none", 0),))
         for i, u in enumerate(prof.units))
     return memopt.Plan(decisions=decisions, fingerprint=prof.fingerprint, method="selective_all_saved",
                        model_fingerprint=prof.meta.get("model_fingerprint"))

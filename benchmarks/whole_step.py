@@ -2,6 +2,8 @@
 
     PYTHONPATH=$PWD python benchmarks/whole_step.py --floor      # Must show 1: floors, floor plans measured
     PYTHONPATH=$PWD python benchmarks/whole_step.py --bench      # Must show 3: methods at 3 budgets, CPU + GPU presets
+    PYTHONPATH=$PWD python benchmarks/whole_step.py --bench --step-in-backward   # the same, search + MILP may step in
+                                                                                 # backward (the opt-in space)
     PYTHONPATH=$PWD python benchmarks/whole_step.py --max-batch  # Must show 3: max batch per method (simulated)
 
 Models: the zoo's fixed-state-heavy models (``memopt.zoo.STATE_HEAVY`` at their default batch), zoo ``gpt`` and ``mlp``
@@ -128,13 +130,17 @@ def refused_or(fn, *args, **kwargs):
 
 
 def methods(sim: memopt.Simulator, prof, budget: int, device, timesteps: int | None, time_limit: float,
-            search: bool = True) -> dict:
+            search: bool = True, step_in_backward: bool = False) -> dict:
+    """Every method's plan at ``budget``; ``step_in_backward`` gives the search and the MILP the opt-in step in
+    backward too (the baselines are the same either way: those that step in backward always do)."""
     out = {}
     if search:
         t0 = time.perf_counter()
-        out["memopt-ppo"] = memopt.search(prof, budget, device, total_timesteps=timesteps, seed=0, offload_state=True)
+        out["memopt-ppo"] = memopt.search(prof, budget, device, total_timesteps=timesteps, seed=0, offload_state=True,
+                                          step_in_backward=step_in_backward)
         out["memopt-ppo"].meta["wall_s"] = time.perf_counter() - t0
-    out["optimal"] = solvers.optimal(sim, budget, time_limit=time_limit, offload_state=True)
+    out["optimal"] = solvers.optimal(sim, budget, time_limit=time_limit, offload_state=True,
+                                     step_in_backward=step_in_backward)
     for n, fn in solvers.CLASSIC_BASELINES.items():
         out[f"{n}"] = refused_or(fn, sim, budget)
         out[f"{n}+state"] = refused_or(fn, sim, budget, offload_state=True)
@@ -145,7 +151,7 @@ def methods(sim: memopt.Simulator, prof, budget: int, device, timesteps: int | N
 
 
 def bench(names: list[str], fractions: tuple[float, ...], timesteps: int | None, time_limit: float,
-          measure: bool) -> None:
+          measure: bool, step_in_backward: bool = False) -> None:
     summary = []
     print("| model | device | budget MiB (frac) | method | feasible | predicted step ms | predicted peak MiB "
           "| measured step ms | measured peak MiB |")
@@ -157,7 +163,7 @@ def bench(names: list[str], fractions: tuple[float, ...], timesteps: int | None,
             lo = solvers.min_peak(sim, offload_state=True)
             for frac in fractions:
                 budget = int(lo + frac * (prof.peak_bytes - lo))
-                res = methods(sim, prof, budget, device, timesteps, time_limit)
+                res = methods(sim, prof, budget, device, timesteps, time_limit, step_in_backward=step_in_backward)
                 meas = {}
                 if measure and device is None:
                     for key in ("memopt-ppo", "offload_everything"):
@@ -256,6 +262,8 @@ def main(argv: list[str]) -> None:
                     "unoptimized peak (1)")
     ap.add_argument("--batches", default="4,8,16,32")
     ap.add_argument("--no-measure", action="store_true")
+    ap.add_argument("--step-in-backward", action="store_true", help="--bench: the search and the MILP may also step "
+                    "in backward (opt-in), the space of the step-in-backward baselines")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch thread(s)")
@@ -264,7 +272,7 @@ def main(argv: list[str]) -> None:
     if args.bench:
         bench((args.models or "resnet18,vit_tiny,convnext_atto,gpt,mlp").split(","),
               tuple(float(x) for x in args.fractions.split(",")), args.timesteps, args.time_limit,
-              not args.no_measure)
+              not args.no_measure, step_in_backward=args.step_in_backward)
     if args.max_batch:
         max_batch((args.models or ",".join(memopt.zoo.STATE_HEAVY)).split(","),
                   tuple(int(x) for x in args.batches.split(",")), args.timesteps, args.time_limit)

@@ -4,7 +4,8 @@
 What must hold: they keep exactly the listed op calls (counted per op as ``record_ops`` counts them) and the
 recomputation runs every other call and none of those; gradients are bit-identical to torch's own selective
 checkpointing with the same calls (dropout, tuple outputs, views); what is kept lives exactly as long as under torch's
-modes; a kept tensor changed in place, and a second backward, are refused as torch refuses them; dynamo's frame
+modes; a kept tensor changed in place since runs its call again (torch refuses it), a second backward is refused as
+torch refuses it; every call kept, dropout's mask included, trains as without a plan; dynamo's frame
 evaluation is kept out of their ``__torch_dispatch__`` without torch's per-call wrapper.
 """
 
@@ -148,7 +149,10 @@ def test_kept_outputs_live_as_long_as_under_torch_modes():
         assert refs[0]() is None, modes  # taken by the recomputation, then dropped with its results
 
 
-def test_a_kept_tensor_changed_in_place_is_refused():
+def test_a_kept_tensor_changed_in_place_runs_its_call_again():
+    """torch's cached mode refuses a kept output changed in place after its forward; ours runs that call again in the
+    recomputation (replayed from the same state, it reaches the same value), so the gradients are those without a plan.
+    The GELU saves a tensor no save-set keeps, so the recomputation does run."""
     class ChangesIt(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -157,18 +161,48 @@ def test_a_kept_tensor_changed_in_place_is_refused():
         def forward(self, x):
             h = self.a(x)
             h.mul_(2)
-            return torch.sigmoid(h)  # saves its output: the backward recomputes
+            return torch.nn.functional.gelu(h)
 
+    torch.manual_seed(0)
     module, x = ChangesIt(), torch.randn(4, 8, requires_grad=True)
+    module(x).sum().backward()
+    want = [t.grad.clone() for t in (x, *module.parameters())]
     for modes in (caching_modes, _torch_modes):
+        for t in (x, *module.parameters()):
+            t.grad = None
         saved = rec.caching_modes
         rec.caching_modes = modes
         try:
             out = checkpointed(module, module.forward, (x,), {}, save_ops=[("aten.addmm.default", 0)])
         finally:
             rec.caching_modes = saved
-        with pytest.raises(RuntimeError, match="mutated"):
+        if modes is _torch_modes:
+            with pytest.raises(RuntimeError, match="mutated"):
+                out.sum().backward()
+        else:
             out.sum().backward()
+            assert all(torch.equal(t.grad, w) for t, w in zip((x, *module.parameters()), want, strict=True))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_every_call_kept_even_dropouts_mask_trains_as_without_a_plan(direct, monkeypatch):
+    """Every call that makes a new tensor kept, dropout's mask too (drawn in place into a fresh tensor, then scaled in
+    place): the unit's backward needs nothing else, so with direct saves it is not run again (no mask drawn twice);
+    without them the recomputation draws the mask again where the kept one was changed. Bit-identical either way."""
+    monkeypatch.setattr(rec, "DIRECT_SAVES", direct)
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(8, 16, requires_grad=True)
+    calls = record_unit_ops(module, x)
+    assert any(c.mutated for c in calls if c.nbytes)  # the mask's storage is written after it was made
+    every = [(c.name, c.index) for c in calls if c.nbytes]
+    torch.manual_seed(1)
+    want = module(x)
+    want.pow(2).sum().backward()
+    want_grads = [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+    out, grads, seen = _run(module, x, every, caching_modes, seed=1)
+    assert torch.equal(out, want.detach())
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads, strict=True))
+    assert ("aten.bernoulli_.float" in seen) is not direct
 
 
 def test_dynamo_is_kept_out_without_the_per_call_wrapper():

@@ -358,6 +358,8 @@ def sac_counts_op(func: Any) -> bool:
 _UNSEEN = object()
 #: what a kept call's entry becomes once the recomputation has taken it (the reference is dropped there)
 _TAKEN = object()
+#: what :meth:`_Kept.take` returns for an output changed in place after its forward
+_CHANGED = object()
 
 
 class _SaveSet:
@@ -408,15 +410,13 @@ class _Kept:
             self.versions = [v._version if isinstance(v, torch.Tensor) else None for v in tree_leaves(self.value)]
 
     def take(self) -> Any:
+        """The kept output, or :data:`_CHANGED` where it was changed in place since (its call must then run again)."""
         value = self.value
         if isinstance(value, torch.Tensor):
             changed = value._version != self.versions
         else:
             changed = any(v is not None and t._version != v for t, v in zip(tree_leaves(value), self.versions))
-        if changed:
-            raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated: an output a "
-                               "selective unit keeps was changed in place after its forward")
-        return value
+        return _CHANGED if changed else value
 
 
 def _code_skipper() -> Callable[[Any], None] | None:
@@ -494,8 +494,10 @@ class _ReplayCalls(_LeanMode):
     """Around a selective unit's recomputation: the listed calls return what :class:`_KeepCalls` kept (dropping the
     reference, so it lives on only where the recomputed autograd graph saves it), every other op runs again.
 
-    Like torch's cached mode it refuses a kept tensor changed in place since, and a second backward through the same
-    forward (its entries are taken); a listed call the forward never made is a mismatch between the two runs."""
+    A kept tensor changed in place since (a dropout mask scaled in place) is not handed back: its call runs again,
+    which reaches the value the forward had there (torch's cached mode refuses such a tensor). Like torch it refuses a
+    second backward through the same forward (its entries are taken); a listed call the forward never made is a
+    mismatch between the two runs."""
 
     def __init__(self, save_set: _SaveSet, storage: dict[tuple[Any, int], Any]) -> None:
         super().__init__()
@@ -526,7 +528,10 @@ class _ReplayCalls(_LeanMode):
             raise RuntimeError("Trying to backward an extra time. You are only allowed to backward once on any "
                                "region computed under selective activation checkpoint.")
         self.storage[(func, n)] = _TAKEN
-        return entry.take()
+        value = entry.take()
+        if value is _CHANGED:  # changed in place after the forward (a dropout mask scaled in place, a ReLU_ on it):
+            return func._op(*args, **(kwargs or {}))  # the replay reaches the same state, so the call runs again
+        return value
 
 
 def _storage_key(t: Any) -> int | None:
@@ -570,11 +575,10 @@ class _DirectSaves:
     changes: the direct references are dropped when the forward ends and every unpack goes through checkpoint, which
     recomputes as before.
 
-    The values are the same tensors the recomputation would produce (a kept output *is* what it returns, and it would
-    take the same views of it; parameters, buffers and inputs are what it reads; a save-set never lists an output
-    changed in place later), so results are bit-identical; what is held and when is what the profiler
-    measures, as it runs units through this same code. A tensor changed in place between the forward and its use in
-    backward is refused, as autograd refuses it.
+    The values are the tensors autograd saved, at the versions it saved them (what training without a plan uses; the
+    recomputation, replaying the same ops from the same state, would produce the same values), so results are
+    bit-identical; what is held and when is what the profiler measures, as it runs units through this same code. A
+    tensor changed in place between the forward and its use in backward is refused, as autograd refuses it.
     """
 
     __slots__ = ("storage", "all_direct", "saved", "unpacked")
