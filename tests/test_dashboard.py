@@ -330,6 +330,21 @@ def test_the_polish_time_is_only_reported_when_the_polish_ran(prof, budget):
     assert "polish" not in d._final_text()
 
 
+def test_a_plan_polished_from_a_baseline_says_so(prof, budget):
+    """When the polish's fastest result started from a baseline's plan, the summary names that start rather than
+    crediting the agents' plan with the changes."""
+    plan = memopt.search(prof, budget, total_timesteps=96, seed=0)
+    d = SearchDashboard(prof, mode="none")
+    plan.meta.update(polish="ran", polish_start="sqrt_n", polish_moves=3)
+    d.finish(plan)
+    text = d._final_text()
+    assert "starting from the sqrt_n baseline's plan" in text and "after 3 change(s)" in text
+    assert "then changed" not in text
+    plan.meta.update(polish_start="agents")
+    d.finish(plan)
+    assert "then changed 3 unit decision(s)" in d._final_text()
+
+
 def test_a_plan_for_another_device_warns_once_when_applied():
     model, inputs, loss_fn, _ = memopt.zoo.gpt(batch_size=2, seq_len=16, d_model=32, n_layers=2, n_heads=2)
     prof = memopt.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
