@@ -64,7 +64,7 @@ class OpCall:
     index: int
     nbytes: int
     seconds: float
-    refs: list[Any] = field(default_factory=list, repr=False)
+    refs: dict[int, Any] = field(default_factory=dict, repr=False)  # data pointer -> weak ref of each new storage
     ptrs: set[int] = field(default_factory=set, repr=False)
     mutated: bool = False
     escaped: bool = False
@@ -108,8 +108,8 @@ class OpRecorder(TorchDispatchMode):
         if self._unit is None:
             return
         for call in self.calls[self._unit]:
-            call.escaped = any(not r.expired() for r in call.refs)
-            call.refs = []
+            call.escaped = any(not r.expired() for r in call.refs.values())
+            call.refs = {}
         self._unit = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -123,8 +123,8 @@ class OpRecorder(TorchDispatchMode):
                     and s.alias_info.is_write]
         if written:
             ptrs = {st.data_ptr() for st in _storages(written)}
-            for c in calls:
-                if c.ptrs & ptrs:
+            for c in calls:  # a storage of its that is still alive (a dead one's address may be reused meanwhile)
+                if c.ptrs & ptrs and any(not c.refs[p].expired() for p in c.ptrs & ptrs):
                     c.mutated = True
         inputs = _storages((args, kwargs))
         in_ptrs = {st.data_ptr() for st in inputs}
@@ -141,7 +141,7 @@ class OpRecorder(TorchDispatchMode):
         self._counts[name] += 1
         new = {st.data_ptr(): st for st in _storages(out) if st.data_ptr() not in in_ptrs and st.nbytes() > 0}
         calls.append(OpCall(name, index, sum(st.nbytes() for st in new.values()), seconds,
-                            refs=[StorageWeakRef(st) for st in new.values()], ptrs=set(new)))
+                            refs={p: StorageWeakRef(st) for p, st in new.items()}, ptrs=set(new)))
         return out
 
 

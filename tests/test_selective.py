@@ -58,6 +58,34 @@ def test_only_outputs_nothing_else_keeps_are_offered():
     assert 0 < sets["matmuls"]["fraction"] < 1
 
 
+def test_a_dead_outputs_address_reused_by_an_in_place_op_is_not_a_change_of_it():
+    """The allocator may hand a dead output's address to a fresh tensor that is then written in place (dropout's mask
+    drawn after the first matmul of an MLP died, under checkpointing). That is no change of the dead output: only an
+    output still alive is marked. Where the address lands is the allocator's choice, so the dead output is stood in
+    for by a recorded call whose storage is gone and whose address is the written tensor's."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from memopt_nb.opsets import OpCall
+
+    gone = torch.empty(16)
+    ref = StorageWeakRef(gone.untyped_storage())
+    del gone
+    assert ref.expired()
+    rec = OpRecorder()
+    with rec:
+        rec.begin(0)
+        fresh = torch.empty(16)
+        ptr = fresh.data_ptr()
+        rec.calls[0] += [OpCall("aten.dead.default", 0, 64, 0.0, refs={ptr: ref}, ptrs={ptr}),
+                         OpCall("aten.alive.default", 0, 64, 0.0, refs={ptr: StorageWeakRef(fresh.untyped_storage())},
+                                ptrs={ptr})]
+        fresh.fill_(0.5)
+        rec.end()
+    dead, alive = (next(c for c in rec.calls[0] if c.name == n) for n in ("aten.dead.default", "aten.alive.default"))
+    assert not dead.mutated
+    assert alive.mutated
+
+
 def test_op_kinds_and_pareto():
     assert op_kind("aten.addmm.default") == op_kind("aten.convolution.default") == "matmul"
     assert op_kind("aten._scaled_dot_product_flash_attention_for_cpu.default") == "attention"
