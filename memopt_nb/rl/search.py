@@ -93,10 +93,13 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     """Best-improvement local search while the simulator says it helps; returns codes, windows, distances, placements
     (indices into STATE_CHOICES) and the number of moves made.
 
-    A move changes one unit's option (strategy and timing). Where placements may be chosen, a move may also change one
-    unit's placement, alone or together with one unit's option (so a faster activation option that needs a little
-    more memory can be paid for by moving some state). Pairs are scored with the cost model's separable state part
-    (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is taken.
+    A move changes one unit's option (strategy and timing). Each round takes the fastest move within budget (ties: the
+    earlier unit, then the earlier option) if it is faster than the current plan. Where placements may be chosen, a
+    move may also change one unit's placement, alone or together with one unit's option (so a faster activation option
+    that needs a little more memory can be paid for by moving some state). Pairs are scored with the cost model's
+    separable state part (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is
+    taken. Without placements, a move is simulated only where a lower bound on its time does not already rule it out
+    (:func:`_best_move`): the same moves as simulating every one.
     """
     n = task.n
     cur = _to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
@@ -105,27 +108,68 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     best_t = float(t[0]) if peak[0] <= task.budget else math.inf
     moves = 0
     last: dict = {}  # the option moves' simulation, while the options stay
+    units, opts = np.nonzero(task.option_ok)  # every allowed (unit, option), unit-major
+    rows = np.arange(units.size)
     for _ in range(max_rounds):
-        N = task.n_options
-        cand = np.repeat(cur[None], n * N, axis=0)
-        units = np.repeat(np.arange(n), N)
-        opts = np.tile(np.arange(N), n)
-        cand[np.arange(n * N), units] = opts
-        ok = task.option_ok[units, opts]
-        cand = cand[ok]
+        cand = np.repeat(cur[None], units.size, axis=0)
+        cand[rows, units] = opts
         if task.C > 1:
             cand, cand_st = _best_pairs(task, cur, cur_st, cand, last=last)
+            peak, t = task.evaluate(*_option_arrays(cand), cand_st)
+            t = np.where(peak <= task.budget, t, math.inf)
+            i = int(np.argmin(t))
+            found = float(t[i])
         else:
-            cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
-        peak, t = task.evaluate(*_option_arrays(cand), cand_st)
-        t = np.where(peak <= task.budget, t, math.inf)
-        i = int(np.argmin(t))
-        if not t[i] < best_t * (1 - 1e-12):
+            i, found = _best_move(task, cand, cur_st, best_t * (1 - 1e-12))
+            cand_st = np.repeat(cur_st[None], i + 1, axis=0)
+        if not found < best_t * (1 - 1e-12):
             break
-        cur, cur_st, best_t = cand[i], cand_st[i], float(t[i])
+        cur, cur_st, best_t = cand[i], cand_st[i], found
         moves += 1
     c, w, d = _option_arrays(cur)
     return c, w, d, cur_st, moves
+
+
+#: Rows :func:`_best_move` simulates in its first batch (then 4x more each time): few enough that a bound that rules
+#: most moves out saves most of the work, enough that the simulator's per-call overhead stays small.
+MOVE_BLOCK = 128
+
+
+def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: float,
+               block: int | None = None) -> tuple[int, float]:
+    """Of the plans ``cand`` (option indices, all with placements ``states``), the fastest within budget if it is
+    faster than ``below`` (ties: the first), as (row, time); else a row no faster than ``below`` (``(0, inf)`` if
+    none fits).
+
+    The same answer as simulating every row, simulating fewer: the rows whose lower bound on the time
+    (:meth:`~memopt_nb.rl.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their bound, a
+    block at a time (blocks growing 4x), until the bound of the rest exceeds the fastest time found, so none of them
+    can be faster than it or tie with it.
+    """
+    block = block or MOVE_BLOCK
+    floor = task.time_floor(cand) if not states.any() else None
+    if floor is None:  # no bound: simulate every row
+        floor = np.full(cand.shape[0], -math.inf)
+        block = cand.shape[0]
+    order = np.argsort(floor, kind="stable")
+    all_st = np.repeat(states[None], cand.shape[0], axis=0)
+    best_i, best = 0, math.inf
+    lo = 0
+    while lo < order.size:
+        idx = order[lo: lo + block]
+        lo += block
+        block *= 4
+        idx = idx[(floor[idx] <= best) & (floor[idx] < below)]
+        if not idx.size:
+            break  # the bounds ascend: every row left is slower than the fastest found, or no faster than ``below``
+        c, w, d = _option_arrays(cand[idx])
+        peak, t = task.evaluate(c, w, d, all_st[: idx.size])
+        t = np.where(peak <= task.budget, t, math.inf)
+        m = float(t.min())
+        at = int(idx[t == m].min())
+        if m < best or (m == best and at < best_i):
+            best_i, best = at, m
+    return best_i, best
 
 
 def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
