@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_selective_planning import add_save_sets
 
+import memopt_nb as memopt
 from memopt_nb import solvers
 from memopt_nb.plan import STRATEGIES
 from memopt_nb.rl.task import PlanningTask
@@ -110,3 +111,74 @@ def test_time_floor_never_exceeds_the_simulated_time(task):
     _, t = task.evaluate(*search_mod._option_arrays(opts), np.zeros_like(opts))
     assert (floor <= t).all()
     assert (floor > 0.5 * t).any()  # a bound, not zero
+
+
+@pytest.fixture(scope="module")
+def wide_chain():
+    return add_save_sets(chain_profile(12, seed=7), 7)
+
+
+def _decisions(plan):
+    return [(d.strategy, d.save_set, d.offload_window, d.prefetch_distance, d.placement) for d in plan.decisions]
+
+
+def test_heuristic_starts_never_make_the_plan_worse_and_are_recorded(wide_chain, monkeypatch):
+    kw = {"total_timesteps": 300, "seed": 3, "strategies": STRATEGIES, "device": "a100-40gb"}
+    plan = memopt.search(wide_chain, "40%", **kw)
+    meta = plan.meta
+    assert plan.feasible and meta["polish"] == "ran"
+    assert meta["polish_heuristic_starts"] and meta["polish_heuristic_skipped"] == []
+    assert set(meta["polish_heuristic_starts"]) <= set(search_mod.HEURISTIC_STARTS)
+    assert meta["polish_start"] in {"agents", *meta["polish_heuristic_starts"]}
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    alone = memopt.search(wide_chain, "40%", **kw)
+    assert alone.meta["polish_heuristic_starts"] == [] and alone.meta["polish_start"] == "agents"
+    assert plan.predicted_step_time <= alone.predicted_step_time
+    if meta["polish_start"] == "agents":
+        assert _decisions(plan) == _decisions(alone)
+    else:
+        assert plan.predicted_step_time < alone.predicted_step_time
+
+
+def test_a_heuristic_start_that_wins_gives_the_plan(monkeypatch):
+    """With the agents stopped early (64 timesteps), a baseline's polished plan beats theirs on this chain."""
+    prof = add_save_sets(chain_profile(12, seed=0), 0)
+    lo = solvers.min_peak(prof, "a100-40gb", STRATEGIES)
+    budget = int(lo + 0.3 * (prof.peak_bytes - lo))
+    kw = {"total_timesteps": 64, "seed": 0, "strategies": STRATEGIES, "device": "a100-40gb"}
+    plan = memopt.search(prof, budget, **kw)
+    name = plan.meta["polish_start"]
+    assert name in plan.meta["polish_heuristic_starts"]
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", (name,))
+    again = memopt.search(prof, budget, **kw)
+    assert again.meta["polish_start"] == name and _decisions(again) == _decisions(plan)
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    alone = memopt.search(prof, budget, **kw)
+    assert alone.meta["polish_start"] == "agents" and alone.predicted_step_time > plan.predicted_step_time
+
+
+def test_heuristic_starts_stay_in_the_space(wide_chain):
+    plan = memopt.search(wide_chain, "50%", total_timesteps=300, seed=1, strategies=("keep", "recompute"))
+    used = plan.meta["polish_heuristic_starts"]
+    assert not {"swap_all", "op_sac", "recompute_offload_all"} & set(used)
+    assert set(plan.strategies) <= {"keep", "recompute"}
+
+
+def test_same_seed_same_plan_with_heuristic_starts(wide_chain):
+    kw = {"total_timesteps": 300, "seed": 5, "strategies": STRATEGIES, "device": "a100-40gb"}
+    a, b = memopt.search(wide_chain, "45%", **kw), memopt.search(wide_chain, "45%", **kw)
+    assert _decisions(a) == _decisions(b)
+    assert a.meta["polish_start"] == b.meta["polish_start"]
+    assert a.meta["polish_heuristic_starts"] == b.meta["polish_heuristic_starts"]
+
+
+def test_no_time_left_skips_the_heuristic_starts_and_says_so(wide_chain, monkeypatch):
+    kw = {"total_timesteps": 300, "seed": 3, "strategies": STRATEGIES, "device": "a100-40gb"}
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    alone = memopt.search(wide_chain, "40%", **kw)
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ("recompute_all", "swap_all"))
+    monkeypatch.setattr(search_mod, "HEURISTIC_SECONDS", 0.0)
+    plan = memopt.search(wide_chain, "40%", **kw)
+    assert plan.meta["polish_heuristic_starts"] == [] and plan.meta["polish_start"] == "agents"
+    assert plan.meta["polish_heuristic_skipped"] == ["recompute_all", "swap_all"]
+    assert _decisions(plan) == _decisions(alone)
