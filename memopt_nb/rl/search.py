@@ -199,6 +199,7 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     last: dict = {}  # the option moves' simulation, while the options stay
     units, opts = np.nonzero(task.option_ok)  # every allowed (unit, option), unit-major
     rows = np.arange(units.size)
+    simulated = 0  # moves the last round simulated
     for _ in range(max_rounds):
         if deadline is not None and time.perf_counter() > deadline:
             break
@@ -210,8 +211,9 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
             t = np.where(peak <= task.budget, t, math.inf)
             i = int(np.argmin(t))
             found = float(t[i])
-        else:
-            i, found = _best_move(task, cand, cur_st, best_t * (1 - 1e-12))
+        else:  # where the bound left most moves in the running last round, one batch of all (fewer simulator calls)
+            i, found, simulated = _best_move(task, cand, cur_st, best_t * (1 - 1e-12),
+                                             block=cand.shape[0] if simulated > 0.75 * cand.shape[0] else None)
             cand_st = np.repeat(cur_st[None], i + 1, axis=0)
         if not found < best_t * (1 - 1e-12):
             break
@@ -227,15 +229,15 @@ MOVE_BLOCK = 128
 
 
 def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: float,
-               block: int | None = None) -> tuple[int, float]:
+               block: int | None = None) -> tuple[int, float, int]:
     """Of the plans ``cand`` (option indices, all with placements ``states``), the fastest within budget if it is
-    faster than ``below`` (ties: the first), as (row, time); else a row no faster than ``below`` (``(0, inf)`` if
-    none fits).
+    faster than ``below`` (ties: the first), as (row, time, rows simulated); else a row no faster than ``below``
+    (row 0 and ``inf`` if none fits).
 
     The same answer as simulating every row, simulating fewer: the rows whose lower bound on the time
-    (:meth:`~memopt_nb.rl.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their bound, a
-    block at a time (blocks growing 4x), until the bound of the rest exceeds the fastest time found, so none of them
-    can be faster than it or tie with it.
+    (:meth:`~memopt_nb.rl.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their bound:
+    the first ``block`` (default :data:`MOVE_BLOCK`), then at once every other row whose bound does not exceed the
+    fastest time found, as the rest cannot be faster than it or tie with it.
     """
     block = block or MOVE_BLOCK
     floor = task.time_floor(cand) if not states.any() else None
@@ -244,15 +246,16 @@ def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: 
         block = cand.shape[0]
     order = np.argsort(floor, kind="stable")
     all_st = np.repeat(states[None], cand.shape[0], axis=0)
-    best_i, best = 0, math.inf
+    best_i, best, simulated = 0, math.inf, 0
     lo = 0
     while lo < order.size:
         idx = order[lo: lo + block]
         lo += block
-        block *= 4
+        block = order.size  # then every row the fastest found so far leaves in the running, at once
         idx = idx[(floor[idx] <= best) & (floor[idx] < below)]
         if not idx.size:
             break  # the bounds ascend: every row left is slower than the fastest found, or no faster than ``below``
+        simulated += idx.size
         c, w, d = _option_arrays(cand[idx])
         peak, t = task.evaluate(c, w, d, all_st[: idx.size])
         t = np.where(peak <= task.budget, t, math.inf)
@@ -260,7 +263,7 @@ def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: 
         at = int(idx[t == m].min())
         if m < best or (m == best and at < best_i):
             best_i, best = at, m
-    return best_i, best
+    return best_i, best, simulated
 
 
 def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
