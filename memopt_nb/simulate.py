@@ -100,6 +100,16 @@ def code_of(strategy: str, save_set: str = "") -> int:
     return CODES[strategy]
 
 
+def _row_sums(values: np.ndarray, rows: np.ndarray, B: int, width: int) -> np.ndarray:
+    """``(B, width)`` sums of the rows of ``values`` (``(k, width)``, integers) that ``rows`` (``(k,)``, ascending)
+    assigns to each plan; zero for a plan with none."""
+    out = np.zeros((B, width), dtype=values.dtype)
+    if rows.size:
+        starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+        out[rows[starts]] = np.add.reduceat(values, starts, axis=0)
+    return out
+
+
 def save_set_of(code: int) -> str:
     """The save-set a strategy code stands for (``""`` for the codes below :data:`SELECTIVE`)."""
     code = int(code)
@@ -416,9 +426,14 @@ class Simulator:
                             f"(0..{len(STATE_CHOICES) - 1}), got shape {c.shape}")
         tab = self.state_table()
         cols = np.arange(n)[None, :]
-        seg = tab.seg_delta[cols, c].sum(axis=1).astype(np.float64)  # (B, S)
-        moved = (c != 0).any(axis=1)
-        chunked = (tab.step_base[None, :] + tab.step_delta[cols, c].sum(axis=1)).max(axis=1)
+        # choice 0 (all resident) has all-zero rows: only the units that move something add to the integer sums
+        # (exact in any order), so plans that move little cost little
+        rows, units = np.nonzero(c)
+        moved = np.zeros(B, dtype=bool)
+        moved[rows] = True
+        seg = _row_sums(tab.seg_delta[units, c[rows, units]], rows, B, S).astype(np.float64)  # (B, S)
+        K = tab.step_base.size
+        chunked = (tab.step_base[None, :] + _row_sums(tab.step_delta[units, c[rows, units]], rows, B, K)).max(axis=1)
         step = np.where(moved, chunked, tab.plain_step_peak).astype(np.float64)
         t = tab.time[cols, c].sum(axis=1) + np.where(moved, tab.chunked_step_extra, 0.0)
         return seg, step, t, moved

@@ -40,6 +40,7 @@ def comparable(plan):
     """The plan's JSON without its wall-clock figures."""
     d = json.loads(plan.to_json())
     d["meta"].pop("search_seconds")
+    d["meta"].pop("polish_heuristic_seconds", None)
     for row in d["meta"]["history"]:
         row.pop("seconds")
     return d

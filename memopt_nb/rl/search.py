@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from ..device import DeviceSpec
+from ..errors import MemoptError
 from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
+from ..solvers.baselines import BASELINES
 from ..solvers.common import make_plan
 from ..solvers.space import plan_decisions
 from .env import STRATEGY, TIMING, MemoryPlanningEnv
@@ -58,7 +60,8 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
     each with the fastest state placement that fits the budget for those activations (exact: the MILP with activations
     fixed, :func:`~memopt_nb.solvers.place_states`). Returns the fastest feasible of the polished plans (``current``
     first: ties keep it). Only for the cost model's own state table (a hand-made one is not the MILP's). The MILPs
-    share :data:`PLACEMENT_SECONDS`; ``info`` receives that budget and the number of starts skipped for lack of it."""
+    share :data:`PLACEMENT_SECONDS`; ``info`` receives that budget, the number of starts skipped for lack of it and,
+    where one of these starts wins, ``polish_start`` (``"agents_placed"`` or ``"plain_placed"``)."""
     if task.C == 1 or task.state_model is None or not task.state_model.native:
         return (*current, moves)
     from ..solvers.common import place_states
@@ -69,7 +72,7 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
 
     best, best_t = (*current, moves), time_of(*current)
     spent, skipped = 0.0, 0
-    for c, w, d in (agents[:3], _option_arrays(task.plain_options())):
+    for label, (c, w, d) in (("agents_placed", agents[:3]), ("plain_placed", _option_arrays(task.plain_options()))):
         left = PLACEMENT_SECONDS - spent
         if left < 1.0:
             skipped += 1
@@ -82,21 +85,110 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
         t = time_of(c2, w2, d2, st2)
         if t < best_t * (1 - 1e-12):
             best, best_t = (c2, w2, d2, st2, moves + m + 1), t
+            if info is not None:
+                info["polish_start"] = label
     if info is not None:
         info.update(polish_placement_budget_s=PLACEMENT_SECONDS, polish_placement_skipped=skipped)
     return best
 
 
+#: Seconds the polish's heuristic starts (:func:`_polish_heuristic_starts`) may take together, making their plans
+#: included: a start is begun only while some of it is left (``meta["polish_heuristic_skipped"]`` lists the others)
+#: and its polish stops when it runs out (``meta["polish_heuristic_cut"]``), so that the whole search stays within
+#: about a minute at 48 units on 2 cores. Normally all of them run to the end; then a seed gives the same plan.
+HEURISTIC_SECONDS = 10.0
+
+#: The baselines (:data:`memopt_nb.solvers.BASELINES`) whose plans the polish also starts from, where their plan fits
+#: the budget and lies in the search's space.
+HEURISTIC_STARTS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "selective_layer", "op_sac",
+                    "recompute_offload_all", "state_offload", "state_offload_recompute", "step_in_backward",
+                    "step_in_backward_recompute")
+
+
+def _heuristic_starts(task: PlanningTask, deadline: float) -> tuple[list[tuple[str, np.ndarray, np.ndarray, float]],
+                                                                     list[str]]:
+    """The plans of :data:`HEURISTIC_STARTS` that fit the budget in the task's space, fastest first (ties: the order
+    of the list), as (name, options, placements, step time); and the names left out for lack of time.
+
+    A baseline's plan is used as it is: activation decisions (the classic heuristics, all-resident) or its fixed
+    placements (the state baselines); it is left out when it needs a strategy, timing or placement the task does not
+    allow, refuses the budget, or misses it."""
+    n, found, late = task.n, [], []
+    allowed = np.zeros((n, len(STATE_CHOICES)), dtype=bool)
+    allowed[:, 0] = True
+    allowed[:, task.state_ids] = task.state_ok
+    for name in HEURISTIC_STARTS:
+        if time.perf_counter() > deadline:
+            late.append(name)
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = BASELINES[name](task.sim, task.budget)
+            c, w, d = (x[0] for x in task.sim.encode(plan))
+        except MemoptError:  # outside its own space (no save-sets, a budget below its floor)
+            continue
+        opts = _to_options(c, w, d)
+        st = np.asarray(plan.state_indices, dtype=np.int64)
+        inside = (opts < task.n_options) & task.option_ok[np.arange(n), np.minimum(opts, task.n_options - 1)]
+        if not (inside.all() and allowed[np.arange(n), st].all()):
+            continue
+        peak, t = task.evaluate(c[None], w[None], d[None], st[None])
+        if peak[0] <= task.budget:
+            found.append((name, opts, st, float(t[0])))
+    found.sort(key=lambda x: x[3])
+    return found, late
+
+
+def _polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, Any]) -> tuple:
+    """Polish from the baselines' plans too (:func:`_heuristic_starts`, fastest first, each one not already among the
+    starts) while :data:`HEURISTIC_SECONDS` last; returns the fastest feasible plan, ``current`` (codes, windows,
+    distances, placements, moves) on ties. ``info`` receives ``polish_heuristic_starts`` (the baselines polished),
+    ``polish_heuristic_skipped`` (left out for lack of time), ``polish_heuristic_cut`` (polished until the time ran
+    out), ``polish_heuristic_budget_s``, ``polish_heuristic_seconds`` (what they took) and, where one of them wins,
+    ``polish_start`` (its name)."""
+    t0 = time.perf_counter()
+    deadline = t0 + HEURISTIC_SECONDS
+    starts, late = _heuristic_starts(task, deadline)
+    peak, t = task.evaluate(*(x[None] for x in current[:3]), np.asarray(current[3], dtype=np.int64)[None])
+    best, best_t = current, float(t[0]) if peak[0] <= task.budget else math.inf
+    seen = {(_to_options(*current[:3]).tobytes(), np.asarray(current[3], dtype=np.int64).tobytes())}
+    used: list[str] = []
+    cut: list[str] = []  # polished until the time ran out, perhaps short of where moves stop helping
+    for name, opts, st, _ in starts:
+        if (opts.tobytes(), st.tobytes()) in seen:
+            continue
+        if time.perf_counter() > deadline:
+            late.append(name)
+            continue
+        seen.add((opts.tobytes(), st.tobytes()))
+        used.append(name)
+        c, w, d, st2, m = polish(task, *_option_arrays(opts), st, deadline=deadline)
+        if time.perf_counter() > deadline:
+            cut.append(name)
+        peak, t = task.evaluate(c[None], w[None], d[None], st2[None])
+        if peak[0] <= task.budget and t[0] < best_t * (1 - 1e-12):
+            best, best_t = (c, w, d, st2, m), float(t[0])
+            info["polish_start"] = name
+    info.update(polish_heuristic_starts=used, polish_heuristic_skipped=late, polish_heuristic_cut=cut,
+                polish_heuristic_budget_s=HEURISTIC_SECONDS, polish_heuristic_seconds=time.perf_counter() - t0)
+    return best
+
+
 def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
-           states: np.ndarray | None = None, max_rounds: int = 100
+           states: np.ndarray | None = None, max_rounds: int = 100, deadline: float | None = None
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Best-improvement local search while the simulator says it helps; returns codes, windows, distances, placements
-    (indices into STATE_CHOICES) and the number of moves made.
+    (indices into STATE_CHOICES) and the number of moves made. ``deadline`` (a ``time.perf_counter()`` value): no
+    round starts after it (the plan so far is returned).
 
-    A move changes one unit's option (strategy and timing). Where placements may be chosen, a move may also change one
-    unit's placement, alone or together with one unit's option (so a faster activation option that needs a little
-    more memory can be paid for by moving some state). Pairs are scored with the cost model's separable state part
-    (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is taken.
+    A move changes one unit's option (strategy and timing). Each round takes the fastest move within budget (ties: the
+    earlier unit, then the earlier option) if it is faster than the current plan. Where placements may be chosen, a
+    move may also change one unit's placement, alone or together with one unit's option (so a faster activation option
+    that needs a little more memory can be paid for by moving some state). Pairs are scored with the cost model's
+    separable state part (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is
+    taken. Without placements, a move is simulated only where a lower bound on its time does not already rule it out
+    (:func:`_best_move`): the same moves as simulating every one.
     """
     n = task.n
     cur = _to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
@@ -105,27 +197,73 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     best_t = float(t[0]) if peak[0] <= task.budget else math.inf
     moves = 0
     last: dict = {}  # the option moves' simulation, while the options stay
+    units, opts = np.nonzero(task.option_ok)  # every allowed (unit, option), unit-major
+    rows = np.arange(units.size)
+    simulated = 0  # moves the last round simulated
     for _ in range(max_rounds):
-        N = task.n_options
-        cand = np.repeat(cur[None], n * N, axis=0)
-        units = np.repeat(np.arange(n), N)
-        opts = np.tile(np.arange(N), n)
-        cand[np.arange(n * N), units] = opts
-        ok = task.option_ok[units, opts]
-        cand = cand[ok]
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        cand = np.repeat(cur[None], units.size, axis=0)
+        cand[rows, units] = opts
         if task.C > 1:
             cand, cand_st = _best_pairs(task, cur, cur_st, cand, last=last)
-        else:
-            cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
-        peak, t = task.evaluate(*_option_arrays(cand), cand_st)
-        t = np.where(peak <= task.budget, t, math.inf)
-        i = int(np.argmin(t))
-        if not t[i] < best_t * (1 - 1e-12):
+            peak, t = task.evaluate(*_option_arrays(cand), cand_st)
+            t = np.where(peak <= task.budget, t, math.inf)
+            i = int(np.argmin(t))
+            found = float(t[i])
+        else:  # where the bound left most moves in the running last round, one batch of all (fewer simulator calls)
+            i, found, simulated = _best_move(task, cand, cur_st, best_t * (1 - 1e-12),
+                                             block=cand.shape[0] if simulated > 0.75 * cand.shape[0] else None)
+            cand_st = np.repeat(cur_st[None], i + 1, axis=0)
+        if not found < best_t * (1 - 1e-12):
             break
-        cur, cur_st, best_t = cand[i], cand_st[i], float(t[i])
+        cur, cur_st, best_t = cand[i], cand_st[i], found
         moves += 1
     c, w, d = _option_arrays(cur)
     return c, w, d, cur_st, moves
+
+
+#: Rows :func:`_best_move` simulates in its first batch (then 4x more each time): few enough that a bound that rules
+#: most moves out saves most of the work, enough that the simulator's per-call overhead stays small.
+MOVE_BLOCK = 128
+
+
+def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: float,
+               block: int | None = None) -> tuple[int, float, int]:
+    """Of the plans ``cand`` (option indices, all with placements ``states``), the fastest within budget if it is
+    faster than ``below`` (ties: the first), as (row, time, rows simulated); else a row no faster than ``below``
+    (row 0 and ``inf`` if none fits).
+
+    The same answer as simulating every row, simulating fewer: the rows whose lower bound on the time
+    (:meth:`~memopt_nb.rl.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their bound:
+    the first ``block`` (default :data:`MOVE_BLOCK`), then at once every other row whose bound does not exceed the
+    fastest time found, as the rest cannot be faster than it or tie with it.
+    """
+    block = block or MOVE_BLOCK
+    floor = task.time_floor(cand) if not states.any() else None
+    if floor is None:  # no bound: simulate every row
+        floor = np.full(cand.shape[0], -math.inf)
+        block = cand.shape[0]
+    order = np.argsort(floor, kind="stable")
+    all_st = np.repeat(states[None], cand.shape[0], axis=0)
+    best_i, best, simulated = 0, math.inf, 0
+    lo = 0
+    while lo < order.size:
+        idx = order[lo: lo + block]
+        lo += block
+        block = order.size  # then every row the fastest found so far leaves in the running, at once
+        idx = idx[(floor[idx] <= best) & (floor[idx] < below)]
+        if not idx.size:
+            break  # the bounds ascend: every row left is slower than the fastest found, or no faster than ``below``
+        simulated += idx.size
+        c, w, d = _option_arrays(cand[idx])
+        peak, t = task.evaluate(c, w, d, all_st[: idx.size])
+        t = np.where(peak <= task.budget, t, math.inf)
+        m = float(t.min())
+        at = int(idx[t == m].min())
+        if m < best or (m == best and at < best_i):
+            best_i, best = at, m
+    return best_i, best, simulated
 
 
 def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
@@ -321,7 +459,10 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         config: a full :class:`~memopt_nb.rl.ppo.PPOConfig` (its ``total_timesteps``/``seed`` are overridden by the
             arguments above when given).
         polish_plan: run a local search on the agents' best plan (where state may move, also from their activation
-            decisions and from keep-all, each with its exact best state placement); what it adds is reported separately.
+            decisions and from keep-all, each with its exact best state placement), then from the plans of the
+            classic baselines that fit the budget in this space (:data:`HEURISTIC_STARTS`, within
+            :data:`HEURISTIC_SECONDS`); the fastest result wins, the agents' on ties. What it adds is reported
+            separately.
         restarts: independent agent pairs trained one after the other, each on an equal share of the timesteps
             (default :func:`default_restarts`); the best plan of all of them is returned.
         offload_state: which state the plan may move off the device: ``True`` (optimizer state, gradients and
@@ -352,7 +493,11 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     cost model has no state table), ``allowed_strategies`` (the activation strategies searched, as ``optimal``
     records them), ``agents_states`` (the agents' placements before the polish) and, where the polish started from
     exact placements, ``polish_placement_budget_s`` (the seconds their MILPs share, :data:`PLACEMENT_SECONDS`) and
-    ``polish_placement_skipped`` (starts left out when it ran out; normally 0). The plan's own
+    ``polish_placement_skipped`` (starts left out when it ran out; normally 0); where the polish ran,
+    ``polish_heuristic_starts`` (the baselines it also started from), ``polish_heuristic_skipped`` and
+    ``polish_heuristic_cut`` (those left out, or polished only until :data:`HEURISTIC_SECONDS` ran out; normally
+    none), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan
+    was returned: ``"agents"``, ``"agents_placed"``, ``"plain_placed"`` or a baseline's name). The plan's own
     ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
@@ -484,7 +629,9 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     else:
         c, w, d, st, moves = polish(task, c, w, d, st)
         polish_state = "ran"
+        placement["polish_start"] = "agents"
         c, w, d, st, moves = _polish_exact_placements(task, (c, w, d, st), best["plan"], moves, placement)
+        c, w, d, st, moves = _polish_heuristic_starts(task, (c, w, d, st, moves), placement)
     plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta,
                             agents_step_time=agents_time, agents_peak=best["peak"],
                             agents_decisions=[int(x) for x in _to_options(*best["plan"][:3])],

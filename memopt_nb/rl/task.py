@@ -239,6 +239,11 @@ class PlanningTask:
         det = self.sim.evaluate(np.array(codes), np.array(windows), np.array(dists), details=True)
         self.marg_peak = (det["peaks"] - self.base_peaks[None]).reshape(n, N, self.S)
         self.marg_time = (det["time"] - self.base_time).reshape(n, N)
+        #: seconds unit ``u``'s backward spends recomputing on option ``o`` (the simulator's ``recompute`` of the unit
+        #: alone on it); :meth:`time_floor` adds them up
+        self.marg_recompute = det["recompute"].reshape(n, N).copy()
+        bwd_units = self.sim.seg_unit[self.sim.kind == 1]
+        self._floor_ok = bool((np.bincount(bwd_units[bwd_units >= 0], minlength=n)[:n] >= 1).all())
         self.marg_peak[~self.option_ok] = 0.0
         self.marg_time[~self.option_ok] = 0.0
         big = np.where(self.option_ok[:, :, None], self.marg_peak, np.inf)
@@ -414,6 +419,16 @@ class PlanningTask:
         if states is not None and np.any(states):  # guard: this simulator cannot price a placement
             raise PlanError("this simulator has no state table; only all-resident placements can be evaluated")
         return self.sim.evaluate(codes, windows, dists)
+
+    def time_floor(self, options: np.ndarray) -> np.ndarray | None:
+        """A lower bound on the step time of ``(B, n)`` plans (option indices) with every placement resident: the
+        time of keeping everything plus each unit's recomputation (the simulator replays both; stalls and copies only
+        add to them), less a margin for rounding. ``None`` where the simulator's segments do not give every unit a
+        backward (then no bound)."""
+        if not self._floor_ok:
+            return None
+        floor = self.base_time + self.marg_recompute[np.arange(self.n)[None], np.atleast_2d(options)].sum(axis=1)
+        return floor - 1e-9 * np.abs(floor)
 
     def overhead(self, time: np.ndarray) -> np.ndarray:
         """Step time relative to keeping everything, minus one."""

@@ -1,0 +1,184 @@
+"""The polish of ``memopt.search``: it makes the moves of plain best-improvement (every move simulated each round),
+however few moves it simulates; its lower bound never exceeds a simulated time; and the heuristic starts."""
+
+import importlib
+import math
+
+import numpy as np
+import pytest
+from test_selective_planning import add_save_sets
+
+import memopt_nb as memopt
+from memopt_nb import solvers
+from memopt_nb.plan import STRATEGIES
+from memopt_nb.rl.task import PlanningTask
+from memopt_nb.synthetic import chain_profile
+
+search_mod = importlib.import_module("memopt_nb.rl.search")
+
+
+def reference_polish(task, codes, windows, dists, states=None, max_rounds=100):
+    """The polish as it was before its moves were pruned: every allowed single-unit move simulated every round."""
+    n = task.n
+    cur = search_mod._to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
+    cur_st = np.zeros(n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64).copy()
+    peak, t = task.evaluate(*[a[None] for a in search_mod._option_arrays(cur)], cur_st[None])
+    best_t = float(t[0]) if peak[0] <= task.budget else math.inf
+    moves = 0
+    last: dict = {}
+    for _ in range(max_rounds):
+        N = task.n_options
+        cand = np.repeat(cur[None], n * N, axis=0)
+        units = np.repeat(np.arange(n), N)
+        opts = np.tile(np.arange(N), n)
+        cand[np.arange(n * N), units] = opts
+        cand = cand[task.option_ok[units, opts]]
+        if task.C > 1:
+            cand, cand_st = search_mod._best_pairs(task, cur, cur_st, cand, last=last)
+        else:
+            cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
+        peak, t = task.evaluate(*search_mod._option_arrays(cand), cand_st)
+        t = np.where(peak <= task.budget, t, math.inf)
+        i = int(np.argmin(t))
+        if not t[i] < best_t * (1 - 1e-12):
+            break
+        cur, cur_st, best_t = cand[i], cand_st[i], float(t[i])
+        moves += 1
+    c, w, d = search_mod._option_arrays(cur)
+    return c, w, d, cur_st, moves
+
+
+def _task(n, seed, device, share, strategies, save_sets=False, offload_state=False):
+    prof = chain_profile(n, seed=seed, **({"state_bytes": 16 * 2**20} if offload_state else {}))
+    if save_sets:
+        prof = add_save_sets(prof, seed)
+    lo = solvers.min_peak(prof, device, strategies, offload_state=offload_state)
+    return PlanningTask(prof, int(lo + share * (prof.peak_bytes - lo)), device, offload_state=offload_state,
+                        strategies=strategies)
+
+
+CASES = {
+    "a100-wide-selective": (16, 1, "a100-40gb", 0.6, STRATEGIES, True),
+    "a100-wide-tight": (16, 2, "a100-40gb", 0.3, STRATEGIES, True),
+    "a100-default": (20, 3, "a100-40gb", 0.5, ("keep", "recompute", "swap"), False),
+    "cpu-wide": (14, 4, None, 0.5, STRATEGIES, True),
+    "h100-checkpointing": (18, 5, "h100-80gb", 0.4, ("keep", "recompute"), False),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def task(request):
+    return _task(*CASES[request.param])
+
+
+def _starts(task, count=4, seed=0):
+    """Random allowed options per unit (feasible or not), keep-all's plainest options and recompute where allowed."""
+    rng = np.random.default_rng(seed)
+    n = task.n
+    out = [task.plain_options(), np.where(task.option_ok[:, 1], 1, task.plain_options())]
+    out += [np.array([rng.choice(np.flatnonzero(task.option_ok[u])) for u in range(n)]) for _ in range(count)]
+    return [search_mod._option_arrays(o) for o in out]
+
+
+@pytest.mark.parametrize("block", [None, 3], ids=["default-block", "small-blocks"])
+def test_polish_makes_the_moves_of_simulating_every_move(task, block, monkeypatch):
+    if block:  # small first batches: the bound decides which moves are simulated at all
+        monkeypatch.setattr(search_mod, "MOVE_BLOCK", block)
+    moved = 0
+    for c, w, d in _starts(task):
+        got = search_mod.polish(task, c, w, d)
+        want = reference_polish(task, c, w, d)
+        assert got[4] == want[4]
+        for a, b in zip(got[:4], want[:4], strict=True):
+            assert np.array_equal(a, b)
+        moved += got[4]
+    assert moved > 0  # the cases exercise moves, not only starts where nothing helps
+
+
+def test_polish_with_placements_is_unchanged():
+    task = _task(10, 4, "a100-40gb", 0.4, ("keep", "recompute", "swap"), offload_state=True)
+    assert task.C > 1
+    for c, w, d in _starts(task, count=2):
+        got, want = search_mod.polish(task, c, w, d), reference_polish(task, c, w, d)
+        assert got[4] == want[4] and all(np.array_equal(a, b) for a, b in zip(got[:4], want[:4], strict=True))
+
+
+def test_time_floor_never_exceeds_the_simulated_time(task):
+    rng = np.random.default_rng(5)
+    opts = np.array([[rng.choice(np.flatnonzero(task.option_ok[u])) for u in range(task.n)] for _ in range(300)])
+    floor = task.time_floor(opts)
+    assert floor is not None
+    _, t = task.evaluate(*search_mod._option_arrays(opts), np.zeros_like(opts))
+    assert (floor <= t).all()
+    assert (floor > 0.5 * t).any()  # a bound, not zero
+
+
+@pytest.fixture(scope="module")
+def wide_chain():
+    return add_save_sets(chain_profile(12, seed=7), 7)
+
+
+def _decisions(plan):
+    return [(d.strategy, d.save_set, d.offload_window, d.prefetch_distance, d.placement) for d in plan.decisions]
+
+
+def test_heuristic_starts_never_make_the_plan_worse_and_are_recorded(wide_chain, monkeypatch):
+    kw = {"total_timesteps": 300, "seed": 3, "strategies": STRATEGIES, "device": "a100-40gb"}
+    plan = memopt.search(wide_chain, "40%", **kw)
+    meta = plan.meta
+    assert plan.feasible and meta["polish"] == "ran"
+    assert meta["polish_heuristic_starts"] and meta["polish_heuristic_skipped"] == []
+    assert set(meta["polish_heuristic_starts"]) <= set(search_mod.HEURISTIC_STARTS)
+    assert meta["polish_start"] in {"agents", *meta["polish_heuristic_starts"]}
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    alone = memopt.search(wide_chain, "40%", **kw)
+    assert alone.meta["polish_heuristic_starts"] == [] and alone.meta["polish_start"] == "agents"
+    assert plan.predicted_step_time <= alone.predicted_step_time
+    if meta["polish_start"] == "agents":
+        assert _decisions(plan) == _decisions(alone)
+    else:
+        assert plan.predicted_step_time < alone.predicted_step_time
+
+
+def test_a_heuristic_start_that_wins_gives_the_plan(monkeypatch):
+    """With the agents stopped early (64 timesteps), a baseline's polished plan beats theirs on this chain."""
+    prof = add_save_sets(chain_profile(12, seed=0), 0)
+    lo = solvers.min_peak(prof, "a100-40gb", STRATEGIES)
+    budget = int(lo + 0.3 * (prof.peak_bytes - lo))
+    kw = {"total_timesteps": 64, "seed": 0, "strategies": STRATEGIES, "device": "a100-40gb"}
+    plan = memopt.search(prof, budget, **kw)
+    name = plan.meta["polish_start"]
+    assert name in plan.meta["polish_heuristic_starts"]
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", (name,))
+    again = memopt.search(prof, budget, **kw)
+    assert again.meta["polish_start"] == name and _decisions(again) == _decisions(plan)
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    alone = memopt.search(prof, budget, **kw)
+    assert alone.meta["polish_start"] == "agents" and alone.predicted_step_time > plan.predicted_step_time
+
+
+def test_heuristic_starts_stay_in_the_space(wide_chain):
+    plan = memopt.search(wide_chain, "50%", total_timesteps=300, seed=1, strategies=("keep", "recompute"))
+    used = plan.meta["polish_heuristic_starts"]
+    assert not {"swap_all", "op_sac", "recompute_offload_all"} & set(used)
+    assert set(plan.strategies) <= {"keep", "recompute"}
+
+
+def test_same_seed_same_plan_with_heuristic_starts(wide_chain):
+    kw = {"total_timesteps": 300, "seed": 5, "strategies": STRATEGIES, "device": "a100-40gb"}
+    a, b = memopt.search(wide_chain, "45%", **kw), memopt.search(wide_chain, "45%", **kw)
+    assert _decisions(a) == _decisions(b)
+    assert a.meta["polish_start"] == b.meta["polish_start"]
+    assert a.meta["polish_heuristic_starts"] == b.meta["polish_heuristic_starts"]
+
+
+def test_no_time_left_skips_the_heuristic_starts_and_says_so(wide_chain, monkeypatch):
+    kw = {"total_timesteps": 300, "seed": 3, "strategies": STRATEGIES, "device": "a100-40gb"}
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    alone = memopt.search(wide_chain, "40%", **kw)
+    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ("recompute_all", "swap_all"))
+    monkeypatch.setattr(search_mod, "HEURISTIC_SECONDS", 0.0)
+    plan = memopt.search(wide_chain, "40%", **kw)
+    assert plan.meta["polish_heuristic_starts"] == [] and plan.meta["polish_start"] == "agents"
+    assert plan.meta["polish_heuristic_skipped"] == ["recompute_all", "swap_all"]
+    assert _decisions(plan) == _decisions(alone)
