@@ -21,7 +21,10 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
    activation-only floor (its measured peak vs the budget, and its bit equality);
 7. from a ``torch.profiler`` trace of one step: the state copies run on side streams (not the compute stream), to and
    from pinned host memory, and how much of their time overlaps compute kernels;
-8. ``--pytest``: the CUDA tests of the test suite (``-k cuda``), pass/fail counts recorded.
+8. ``--pytest``: the CUDA tests of the test suite (``-k cuda``), pass/fail counts recorded;
+9. the runtime overheads of ``benchmarks/runtime_overhead.py`` on the GPU (issue 12 targets <= 1.03, reported, not
+   checked): (c) ``recompute_offload`` vs recompute plus the simulator's copy time, (d) ``selective`` keeping every
+   op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide.
 
     python benchmarks/cuda_check.py [--quick] [--pytest] [--out DIR]     # on the GPU machine: ~8 min, --quick ~4
     python benchmarks/cuda_check.py --dry-run                               # anywhere: every plan and check on CPU
@@ -612,6 +615,26 @@ def pytest_section(cfg: Config, failures: list[str], out: Path, select: str = "c
     return res
 
 
+# ---------------------------------------------------------------------- runtime overhead (issue 12)
+def overhead_section(cfg: Config, failures: list[str]) -> list[dict]:
+    """``runtime_overhead.run_model`` per activation model on this device: the ratios (a)-(d), reported (goals, not
+    pass/fail checks: timing on a shared machine is not a correctness check)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import runtime_overhead
+
+    rows = []
+    for name in cfg.models:
+        batch = 2 if cfg.dry_run else memopt.zoo.build(name).inputs[0].shape[0] * 4
+        got = guarded(lambda name=name, batch=batch: runtime_overhead.run_model(
+            name, batch, reps=5 if cfg.dry_run else 9, device=cfg.device.type), failures, f"overhead {name}")
+        if got:
+            rows.append({k: got[k] for k in ("model", "batch", "keep", "rc", "ro", "copy", "sac", "ratio_a",
+                                             "ratio_b", "ratio_c", "ratio_d", "paired_c", "paired_d")})
+            print(f"{name}: (a) {got['ratio_a']:.3f} (b) {got['ratio_b']:.3f} (c) {got['ratio_c']:.3f} "
+                  f"(d) {got['ratio_d']:.3f}")
+    return rows
+
+
 # ---------------------------------------------------------------------- report
 def tables(result: dict) -> str:
     lines = []
@@ -668,6 +691,15 @@ def tables(result: dict) -> str:
             lines.append(f"- side streams, {r['model']}/{r['plan']}: {r['copies_on_side_streams']} of "
                          f"{r['copies_total']} copies on side streams, {r['copies_pinned']} to/from pinned memory, "
                          f"{r['copy_us_overlapping_kernels']:.0f} of {r['copy_us']:.0f} µs overlapping kernels")
+    ov = result.get("overhead", [])
+    if ov:
+        lines += ["", "### Runtime overhead (goal <= 1.03 each; medians of interleaved pairs)", "",
+                  "| model | batch | keep ms | (a) keep ÷ none | (b) recompute ÷ hand checkpoint | (c) "
+                  "recompute_offload ÷ (recompute + copies) | (d) selective, everything kept ÷ keep |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['keep'] * 1e3:.2f} | {r['ratio_a']:.3f} | {r['ratio_b']:.3f} "
+                  f"| {r['ratio_c']:.3f} | {r['ratio_d']:.3f} |" for r in ov]
+        lines.append("")
     pt = result.get("pytest")
     if pt:
         lines.append(f"- pytest `{pt.get('command')}`: {pt.get('passed')} passed, {pt.get('failed')} failed, "
@@ -760,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(whole_equal=[], whole_memory=[], search=[])
     save()
     result["streams"] = section("streams", lambda: stream_section(cfg, failures, out)) if cfg.whole_models else []
+    save()
+    result["overhead"] = section("overhead", lambda: overhead_section(cfg, failures)) if cfg.models else []
     save()
     if cfg.pytest:
         result["pytest"] = section("pytest", lambda: pytest_section(cfg, failures, out))

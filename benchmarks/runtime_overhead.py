@@ -49,16 +49,24 @@ from memopt_nb.runtime.step import preserved_state
 TARGET = 1.03
 
 
+def _sync(inputs: tuple[Any, ...]) -> None:
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+        torch.cuda.synchronize()
+
+
 def train_step(model: torch.nn.Module, inputs: tuple[Any, ...], loss_fn: Callable, opt: torch.optim.Optimizer) -> float:
-    """One real training step; returns its seconds (garbage collection held off while timing)."""
+    """One real training step; returns its seconds (garbage collection held off while timing; on CUDA the device is
+    synchronized before and after)."""
     gc.collect()
     gc.disable()
     try:
+        _sync(inputs)
         t0 = time.perf_counter()
         loss = loss_fn(model(*inputs))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(inputs)
         return time.perf_counter() - t0
     finally:
         gc.enable()
@@ -139,8 +147,10 @@ def save_everything(prof: memopt.ModelProfile, model: torch.nn.Module, inputs: t
                        model_fingerprint=prof.meta.get("model_fingerprint"))
 
 
-def run_model(name: str, batch: int, reps: int) -> dict[str, Any]:
-    model, inputs, loss_fn, _ = zoo.build(name, batch_size=batch)
+def run_model(name: str, batch: int, reps: int, device: str = "cpu") -> dict[str, Any]:
+    """The four comparisons on zoo model ``name`` at ``batch`` on ``device`` (``"cuda"``: the real device, its copy
+    engines and the simulator's copy time for it; run by ``cuda_check.py``)."""
+    model, inputs, loss_fn, _ = zoo.build(name, batch_size=batch, device=device)
     opt = torch.optim.Adam(model.parameters())
     prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
     keep = memopt.Plan.uniform(prof, "keep")
@@ -191,6 +201,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="interleaved pairs per comparison (>= 5; default 25, "
                     "quick 7)")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the zoo's default batch sizes")
+    ap.add_argument("--device", default="cpu", help="cpu (the emulated device, default) or cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 = torch's default)")
     args = ap.parse_args()
     _common.set_threads(args.threads)
@@ -204,7 +215,7 @@ def main() -> None:
     results = []
     for name in models:
         batch = max(1, round(zoo.build(name).inputs[0].shape[0] * args.batch_scale))
-        results.append(run_model(name, batch, args.reps))
+        results.append(run_model(name, batch, args.reps, args.device))
         r = results[-1]
         print(f"  {name}: (a) {r['ratio_a']:.3f}  (b) {r['ratio_b']:.3f}  (c) {r['ratio_c']:.3f}  "
               f"(d) {r['ratio_d']:.3f}", flush=True)

@@ -63,8 +63,11 @@ def test_dry_run_checks_every_whole_step_plan_and_passes(cc, tmp_path: Path) -> 
     assert all(r["grads_equal"] for r in result["activation"] if r["plan"] != "search")
     ro = {r["plan"]: r for r in result["activation"] if r["plan"] in ("recompute_offload", "mixed_ro")}
     assert all(r["swap_stats"]["offloaded_bytes"] > 0 for r in ro.values())  # the inputs did leave
+    (ov,) = result["overhead"]  # the runtime overheads, reported with their figures
+    assert ov["model"] == "mlp" and all(r > 0 for k, r in ov.items() if k.startswith("ratio_"))
     text = (tmp_path / "cuda_check.md").read_text()
     assert "| mlp | adam (single) |" in text and "all checks passed" in text
+    assert "### Runtime overhead" in text and f"| {ov['ratio_d']:.3f} |" in text
 
 
 def test_a_difference_is_reported_as_a_failure(cc) -> None:
