@@ -674,7 +674,10 @@ class _Run:
         self.observe = observe
         self.recompute = recompute
         self.n_marks = 0
+        # per storage seen, by id of its Python object while it lives (a dead storage's id is reused by a new one,
+        # whose info then takes the slot); every info ever made stays in ``all_infos``
         self.infos: dict[int, _SInfo] = {}
+        self.all_infos: list[_SInfo] = []
         self.produced: dict[int, tuple[weakref.ref, int]] = {}
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
@@ -702,6 +705,7 @@ class _Run:
         if inf is None or inf.weak() is not st:
             inf = _SInfo(st, producer)
             self.infos[id(st)] = inf
+            self.all_infos.append(inf)
         return inf
 
     def _producer_of(self, st: torch.UntypedStorage) -> int:
@@ -711,7 +715,7 @@ class _Run:
         return -1
 
     def _scan(self, pos: int) -> None:
-        for inf in self.infos.values():
+        for inf in self.all_infos:
             if inf.free_pos is not None:
                 continue
             st = inf.weak()  # holding the Python storage object adds exactly one reference
@@ -720,7 +724,7 @@ class _Run:
 
     def _scan_release(self, pos: int) -> None:
         # after the forward: when what was still referenced at its end (a model output, a KV cache) is let go of
-        for inf in self.infos.values():
+        for inf in self.all_infos:
             if inf.free_pos is not None or inf.release_pos is not None:
                 continue
             st = inf.weak()
@@ -1270,7 +1274,7 @@ def _static_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
 
 def _groups_from(run: _Run) -> list[StorageGroup]:
     agg: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for inf in run.infos.values():
+    for inf in run.all_infos:
         if not inf.savers and not inf.consumers:
             continue
         key = (inf.producer, tuple(sorted(inf.savers)), tuple(sorted(inf.consumers)), inf.outside, inf.free_pos,
