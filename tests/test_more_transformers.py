@@ -4,6 +4,7 @@
   the position embeddings passed to every block as keywords; with ``use_cache=False`` and with its default cache (a
   ``DynamicCache`` each block appends to: a forward side effect a recomputation must not repeat).
 * Mistral: sliding-window attention (the window shorter than the sequence), default cache, a padding mask.
+* Qwen2: full attention in the first layer, sliding-window attention in the others (two masks), biased q/k/v.
 * T5: encoder-decoder; the relative position bias is made by the first block of each stack and passed to the others;
   the decoder's cross-attention takes the encoder's output.
 
@@ -28,6 +29,16 @@ from memopt_nb.plan import Plan, optimizer_fingerprint
 
 transformers = pytest.importorskip("transformers")
 
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread runs them several times faster than two on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 PAD = torch.ones(2, 16, dtype=torch.long)
 PAD[1, 11:] = 0  # the second sequence is padded
@@ -47,6 +58,14 @@ def mistral():
         num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1, sliding_window=8))
 
 
+def qwen2():
+    """Sliding-window attention in the layers from ``max_window_layers`` on, full attention below: two masks."""
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1, use_sliding_window=True,
+        sliding_window=8, max_window_layers=1))
+
+
 def t5():
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
@@ -58,6 +77,7 @@ MODELS = {
     "llama": (llama, dict(input_ids=IDS, labels=IDS), False),
     "llama_cache": (lambda: llama(None), dict(input_ids=IDS, labels=IDS), True),
     "mistral": (mistral, dict(input_ids=IDS, attention_mask=PAD, labels=IDS), True),
+    "qwen2": (qwen2, dict(input_ids=IDS, attention_mask=PAD, labels=IDS), True),
     "t5": (t5, dict(input_ids=IDS, attention_mask=PAD, labels=IDS[:, :8].contiguous()), True),
 }
 OPTIMIZERS = {"adam": ws.OPTIMIZERS["adam"], "adamw": ws.OPTIMIZERS["adamw"]}
@@ -172,11 +192,18 @@ def test_profiles_see_the_blocks_the_cache_and_the_save_sets():
                               ("mistral", "auto", "model.layers.0"), ("t5", "auto", "decoder.block.0")):
         assert "cache" in _profile(name, units)[2].unit(attn).side_effects, (name, attn)
     assert _profile("llama", "fine")[2].unit("model.layers.0.self_attn").side_effects == ""  # use_cache=False
+    _, _, qwen = _profile("qwen2", "fine")
+    assert qwen.model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    # what the plans below compare: the caches a forward returns, one length per layer, as long as the sequence
+    assert _reference("llama_cache", "adam")[2]["caches"] == [[16, 16]] * 3
+    assert _reference("t5", "adam")[2]["caches"] == [[8, 8, 16, 16]] * 3  # decoder self-attention, cross-attention
+    assert _reference("llama", "adam")[2]["caches"] == [None] * 3
 
 
 # ---------------------------------------------------------------------- activation strategies
 # T5 with units="fine" keeps its blocks whole (the same units as "auto")
-CASES = [("llama", "fine"), ("llama_cache", "fine"), ("mistral", "auto"), ("t5", "auto")]
+CASES = [("llama", "fine"), ("llama", "auto"), ("llama_cache", "fine"), ("mistral", "auto"), ("qwen2", "fine"),
+         ("t5", "auto")]
 
 
 @pytest.mark.parametrize(("name", "units"), CASES)
@@ -196,7 +223,7 @@ def test_activation_plans_train_bit_identically(name, units):
 
 # ---------------------------------------------------------------------- whole-step placements
 @pytest.mark.parametrize("variant", ["mixed", "mixed_step"])
-@pytest.mark.parametrize("name", ["llama", "llama_cache", "mistral", "t5"])
+@pytest.mark.parametrize("name", ["llama", "llama_cache", "mistral", "qwen2", "t5"])
 def test_whole_step_placements_train_bit_identically(name, variant):
     model, _, prof = _profile(*next(c for c in CASES if c[0] == name))
     step = variant == "mixed_step"
