@@ -85,6 +85,9 @@ class UnitProfile:
         step_time, step_rel_peak: the optimizer step over this unit's parameters alone, as the unit-by-unit step of
             :class:`~memopt_nb.runtime.state.StateManager` runs it: seconds, and peak above the level before it.
         params_offloadable: every parameter is a whole, resizable storage used by no module outside the unit.
+        grads_done_extra: the level when backward has accumulated the unit's last gradient (where a step in backward
+            runs) minus the level where its backward segment ends (every unit kept): what the backward still holds
+            then, e.g. the gradient of the unit's input. 0 when the profile has no such moment (no trainable parameter).
         save_sets: (``profile(..., selective=True)``) per save-set name of :data:`~memopt_nb.plan.SAVE_SETS` the unit
             offers: ``"ops"`` (the ``[op name, call index]`` pairs whose outputs it keeps), ``"held_bytes"`` (what the
             kept outputs hold from its forward to its backward, measured), ``"recompute_time"`` (seconds its backward
@@ -124,6 +127,7 @@ class UnitProfile:
     step_rel_peak: int = 0
     params_offloadable: bool = False
     save_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    grads_done_extra: int = 0
 
 
 @dataclass
@@ -687,6 +691,7 @@ class _Run:
         self._installed: list[tuple[nn.Module, Any]] = []
         self.bwd_started: set[int] = set()
         self.forward_done = False
+        self.grads_done: dict[int, int] = {}  # unit -> level when its last gradient was accumulated
 
     # -- marks
     def _mark(self, label: Any) -> int:
@@ -871,6 +876,7 @@ def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
     meter.reset_peak()
     run = _Run(model, names, meter.mark, observe=observe, recompute=recompute, save_ops=save_ops)
     run.install()
+    handles = _watch_grads_done(run.modules, lambda u: run.grads_done.setdefault(u, int(meter.current)))
     try:
         with meter:
             run._mark(("step_start", -1))
@@ -878,8 +884,27 @@ def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
                 training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)),
                               kwargs=kwargs)
     finally:
+        for h in handles:
+            h.remove()
         run.remove()
     return meter.marks, run, int(meter.peak)
+
+
+def _watch_grads_done(modules: list[nn.Module], done: Callable[[int], None]) -> list[Any]:
+    """Call ``done(u)`` when backward has accumulated the gradient of every trainable parameter of unit ``u`` (the
+    moment the runtime steps a unit in backward)."""
+    handles = []
+    for u, mod in enumerate(modules):
+        params = [p for p in mod.parameters() if p.requires_grad]
+        seen: set[int] = set()
+
+        def hook(p: nn.Parameter, u: int = u, seen: set[int] = seen, want: int = len(params)) -> None:
+            seen.add(id(p))
+            if len(seen) == want:
+                done(u)
+
+        handles += [p.register_post_accumulate_grad_hook(hook) for p in params]
+    return handles
 
 
 class _Clock:
@@ -1130,6 +1155,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             input_shapes=in_shapes, output_shapes=out_shapes, **state_bytes[i],
             step_time=chunked[0][i + 1] if chunked else 0.0, step_rel_peak=chunked[1][i + 1] if chunked else 0,
             save_sets=save_sets.get(i, {}),
+            grads_done_extra=(run.grads_done[i] - segs[bwd_seg[i] + 1].start_level
+                              if i in run.grads_done and bwd_seg[i] + 1 < len(segs) else 0),
         ))
     unit_saved = sum(g.nbytes for g in groups if g.savers)
     batch = None  # the first dimension of the first batched input tensor, positional first, then keyword

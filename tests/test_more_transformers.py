@@ -304,3 +304,23 @@ def test_offloaded_gradients_leave_the_device_where_the_simulator_says_however_f
                            **MODELS["llama"][1])
         assert m.swap_stats["grad_d2h_bytes"] > 0
         assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes, strategy
+
+
+# ---------------------------------------------------------------------- a step in backward
+def test_a_step_in_backward_runs_where_the_units_last_gradient_is_accumulated():
+    """``grads="step"`` runs the unit's optimizer step when backward has accumulated its last gradient. The simulator
+    put that step on the level where the unit's backward segment ends; on T5's decoder blocks backward still holds
+    more there (4-8 KiB: the gradient flowing on to the unit's inputs), and with the unit's optimizer state offloaded
+    (so the step's spike is the segment's peak) the measured peak was that much above the prediction, and above a
+    budget the exact planner had met (``solvers.optimal`` with ``step_in_backward=True``). The profile now measures
+    that level (``UnitProfile.grads_done_extra``)."""
+    model, opt, prof = _profile("t5", "auto")
+    assert any(u.grads_done_extra > 0 for u in prof.units)
+    resident, offload, step = ("resident",) * 3, ("offload", "resident", "resident"), ("offload", "step", "resident")
+    for rows in ([resident, resident, resident, step], [offload, step, step, ("resident", "step", "resident")]):
+        for strategy in ("keep", "swap"):
+            plan = _placed(Plan.uniform(prof, strategy), [(strategy, *r) for r in rows], opt, step_in_backward=True)
+            m = memopt.measure(model, loss_fn=lambda out: out.loss, optimizer=opt, plan=plan, steps=1,
+                               **MODELS["t5"][1])
+            assert m.swap_stats["steps_in_backward"] > 0
+            assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes, (strategy, rows)
