@@ -25,7 +25,8 @@ import test_whole_step_apply as ws
 import torch
 
 import memopt_nb as memopt
-from memopt_nb.plan import Plan, optimizer_fingerprint
+from memopt_nb import solvers
+from memopt_nb.plan import STRATEGIES, Plan, optimizer_fingerprint
 
 transformers = pytest.importorskip("transformers")
 
@@ -248,6 +249,22 @@ def test_measured_peak_is_predicted(name, units):
     for what, plan in plans.items():
         m = memopt.measure(model, loss_fn=lambda out: out.loss, optimizer=opt, plan=plan, steps=1, **inputs)
         assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes, (what, m.peak_bytes)
+
+
+@pytest.mark.parametrize(("name", "units"), [("llama", "fine"), ("t5", "auto")])
+def test_the_exact_planners_plan_trains_identically_within_its_budget(name, units):
+    """``solvers.optimal`` over every strategy and placement (steps in backward allowed) at a budget 30% of the way
+    from the floor to the unoptimized peak: the plan trains bit-identically and its measured peak is its predicted
+    one, within the budget."""
+    model, opt, prof = _profile(name, units)
+    keep = memopt.simulate(prof, Plan.uniform(prof, "keep")).peak_bytes
+    floor = solvers.min_peak(prof, strategies=STRATEGIES, step_in_backward=True)
+    budget = int(floor + 0.3 * (keep - floor))
+    plan = solvers.optimal(prof, budget, strategies=STRATEGIES, step_in_backward=True, time_limit=30)
+    assert plan.moves_state
+    m = memopt.measure(model, loss_fn=lambda out: out.loss, optimizer=opt, plan=plan, steps=1, **MODELS[name][1])
+    assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes <= budget
+    _assert_same(name, "adam", plan, stepped=plan.state_counts()["step"] > 0)
 
 
 # ---------------------------------------------------------------------- the profiler's storage bookkeeping
