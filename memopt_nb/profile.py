@@ -85,6 +85,9 @@ class UnitProfile:
         step_time, step_rel_peak: the optimizer step over this unit's parameters alone, as the unit-by-unit step of
             :class:`~memopt_nb.runtime.state.StateManager` runs it: seconds, and peak above the level before it.
         params_offloadable: every parameter is a whole, resizable storage used by no module outside the unit.
+        grads_done_extra: the level when backward has accumulated the unit's last gradient (where a step in backward
+            runs) minus the level where its backward segment ends (every unit kept): what the backward still holds
+            then, e.g. the gradient of the unit's input. 0 when the profile has no such moment (no trainable parameter).
         save_sets: (``profile(..., selective=True)``) per save-set name of :data:`~memopt_nb.plan.SAVE_SETS` the unit
             offers: ``"ops"`` (the ``[op name, call index]`` pairs whose outputs it keeps), ``"held_bytes"`` (what the
             kept outputs hold from its forward to its backward, measured), ``"recompute_time"`` (seconds its backward
@@ -124,6 +127,7 @@ class UnitProfile:
     step_rel_peak: int = 0
     params_offloadable: bool = False
     save_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    grads_done_extra: int = 0
 
 
 @dataclass
@@ -674,7 +678,10 @@ class _Run:
         self.observe = observe
         self.recompute = recompute
         self.n_marks = 0
+        # per storage seen, by id of its Python object while it lives (a dead storage's id is reused by a new one,
+        # whose info then takes the slot); every info ever made stays in ``all_infos``
         self.infos: dict[int, _SInfo] = {}
+        self.all_infos: list[_SInfo] = []
         self.produced: dict[int, tuple[weakref.ref, int]] = {}
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
@@ -684,6 +691,7 @@ class _Run:
         self._installed: list[tuple[nn.Module, Any]] = []
         self.bwd_started: set[int] = set()
         self.forward_done = False
+        self.grads_done: dict[int, int] = {}  # unit -> level when its last gradient was accumulated
 
     # -- marks
     def _mark(self, label: Any) -> int:
@@ -702,6 +710,7 @@ class _Run:
         if inf is None or inf.weak() is not st:
             inf = _SInfo(st, producer)
             self.infos[id(st)] = inf
+            self.all_infos.append(inf)
         return inf
 
     def _producer_of(self, st: torch.UntypedStorage) -> int:
@@ -711,7 +720,7 @@ class _Run:
         return -1
 
     def _scan(self, pos: int) -> None:
-        for inf in self.infos.values():
+        for inf in self.all_infos:
             if inf.free_pos is not None:
                 continue
             st = inf.weak()  # holding the Python storage object adds exactly one reference
@@ -720,7 +729,7 @@ class _Run:
 
     def _scan_release(self, pos: int) -> None:
         # after the forward: when what was still referenced at its end (a model output, a KV cache) is let go of
-        for inf in self.infos.values():
+        for inf in self.all_infos:
             if inf.free_pos is not None or inf.release_pos is not None:
                 continue
             st = inf.weak()
@@ -867,6 +876,7 @@ def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
     meter.reset_peak()
     run = _Run(model, names, meter.mark, observe=observe, recompute=recompute, save_ops=save_ops)
     run.install()
+    handles = _watch_grads_done(run.modules, lambda u: run.grads_done.setdefault(u, int(meter.current)))
     try:
         with meter:
             run._mark(("step_start", -1))
@@ -874,8 +884,27 @@ def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
                 training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)),
                               kwargs=kwargs)
     finally:
+        for h in handles:
+            h.remove()
         run.remove()
     return meter.marks, run, int(meter.peak)
+
+
+def _watch_grads_done(modules: list[nn.Module], done: Callable[[int], None]) -> list[Any]:
+    """Call ``done(u)`` when backward has accumulated the gradient of every trainable parameter of unit ``u`` (the
+    moment the runtime steps a unit in backward)."""
+    handles = []
+    for u, mod in enumerate(modules):
+        params = [p for p in mod.parameters() if p.requires_grad]
+        seen: set[int] = set()
+
+        def hook(p: nn.Parameter, u: int = u, seen: set[int] = seen, want: int = len(params)) -> None:
+            seen.add(id(p))
+            if len(seen) == want:
+                done(u)
+
+        handles += [p.register_post_accumulate_grad_hook(hook) for p in params]
+    return handles
 
 
 class _Clock:
@@ -1126,6 +1155,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             input_shapes=in_shapes, output_shapes=out_shapes, **state_bytes[i],
             step_time=chunked[0][i + 1] if chunked else 0.0, step_rel_peak=chunked[1][i + 1] if chunked else 0,
             save_sets=save_sets.get(i, {}),
+            grads_done_extra=(run.grads_done[i] - segs[bwd_seg[i] + 1].start_level
+                              if i in run.grads_done and bwd_seg[i] + 1 < len(segs) else 0),
         ))
     unit_saved = sum(g.nbytes for g in groups if g.savers)
     batch = None  # the first dimension of the first batched input tensor, positional first, then keyword
@@ -1270,7 +1301,7 @@ def _static_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
 
 def _groups_from(run: _Run) -> list[StorageGroup]:
     agg: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for inf in run.infos.values():
+    for inf in run.all_infos:
         if not inf.savers and not inf.consumers:
             continue
         key = (inf.producer, tuple(sorted(inf.savers)), tuple(sorted(inf.consumers)), inf.outside, inf.free_pos,

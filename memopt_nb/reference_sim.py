@@ -303,7 +303,8 @@ class _StateReplay:
 
         Measured against the profiled segment (every unit kept, every other unit's placement as profiled): at the
         step, the level after the backward with this unit's state, gradients and parameters all on the device, plus
-        the step's own peak; the segment without it, the profiled peak less this unit's offloaded state. Everything
+        what the backward still holds when its last gradient is accumulated (``grads_done_extra``), plus the step's
+        own peak; the segment without it, the profiled peak less this unit's offloaded state. Everything
         else (the activation plan, other units' placements) moves both alike.
         """
         seg = self.segs[k]
@@ -311,7 +312,7 @@ class _StateReplay:
             return 0
         u = seg.unit
         after = self.segs[k + 1].start_level if k + 1 < len(self.segs) else seg.start_level
-        moment = after + self.units[u].step_rel_peak
+        moment = after + getattr(self.units[u], "grads_done_extra", 0) + self.units[u].step_rel_peak
         without = seg.start_level + seg.rel_peak + sum(
             (self.size(it) if here else 0) - (self.size(it) if self.profiled(it, k) else 0)
             for it, here in self.on_device(k).items() if it[1] == u)

@@ -33,7 +33,8 @@ the model is a sum over units — what the MILP needs):
 
 * ``optimizer="offload"``: its state bytes are off the device in every segment; ``grads="offload"``: its gradients
   are off the device after its backward (counted in full during its backward, where they are made and copied out);
-  ``grads="step"``: likewise, and its backward also holds, at its end, the level after it plus its step's own peak;
+  ``grads="step"``: likewise, and its backward also holds, where its last gradient is accumulated, the level after
+  it plus what the backward still holds there (``UnitProfile.grads_done_extra``) plus its step's own peak;
 * ``params="offload"``: its parameters are on the device from the forward of unit ``u - 1`` (fetched ahead) to its own
   forward, and from the backward of unit ``u + 1`` to its own backward; the hook-time fetches and frees inside the
   code between units are covered by the neighbouring unit segments, whose peaks are never lower;
@@ -369,8 +370,8 @@ class Simulator:
                 if p == "offload":
                     d -= np.where(p_here, 0, P)
                     k -= np.where(near & (g != "step"), 0, P)
-                if g == "step":  # the step at the end of its backward: the level after it plus the step's own peak
-                    spike = int(level_after[bs]) + rel[mine]
+                if g == "step":  # the step at the end of its backward: the level there plus the step's own peak
+                    spike = int(level_after[bs]) + int(getattr(up, "grads_done_extra", 0)) + rel[mine]
                     d[bs] = max(int(peak0[bs]) + int(d[bs]), spike) - int(peak0[bs])
                 if ss >= 0:
                     d[ss] = -plain

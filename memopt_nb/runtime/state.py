@@ -51,7 +51,8 @@ model of :mod:`memopt_nb.simulate` sums over units and relies on it):
   ahead, and backward reaching unit ``u`` fetches unit ``u - 1``'s (the fixed neighbour, whatever the placements in
   between);
 * ``grads="offload"``: a unit's gradient copies to the host are waited for when its last gradient is accumulated, so
-  they have left the device before backward moves on;
+  they have left the device before backward moves on; the device gradients are held until then, not freed by the copy
+  thread as it finishes (which would make the peak inside the unit's backward depend on that thread's timing);
 * ``opt.step()`` with any placement managed runs in parts: the parameters outside units, then unit 0, 1, … each alone
   (a unit stepped in backward is an empty part), bringing part ``i + 1``'s state and parameters while part ``i``
   steps. With every placement resident it is one plain step.
@@ -487,6 +488,9 @@ class StateManager:
         self._state_keys: set[int] = set()
         self._lr_sched = False
         self._pending: list[_Slot] = []
+        # per unit, the device gradients sent to the host in its current backward: held until that backward ends, so
+        # they leave the device there whenever the copy thread finishes (the schedule the simulator counts)
+        self._sent_grads: list[list[torch.Tensor]] = [[] for _ in self.unit_params]
 
     def apply(self) -> StateManager:
         """Install the placements. Raises :class:`StateError` if they do not fit or are applied already."""
@@ -611,6 +615,7 @@ class StateManager:
                 del opt._memopt_state
             self._mover.close()
             self._mover = None
+            self._sent_grads = [[] for _ in self.unit_params]
             self._active = False
 
     # ------------------------------------------------------------------ optimizer state
@@ -653,17 +658,19 @@ class StateManager:
         return out
 
     # ------------------------------------------------------------------ gradients
-    def _offload_grad(self, p: nn.Parameter) -> None:
+    def _offload_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """Start copying ``p.grad`` to the host, a placeholder in its place; the device gradient (None if it stays)."""
         g = p.grad
         if not _exclusive(g):
             self.stats["grads_left_resident"] += 1
-            return
+            return None
         slot = self._grad_slots.get(id(p))
         if slot is None or slot.nbytes != g.nbytes or slot.dtype != g.dtype:
             slot = self._grad_slots[id(p)] = _Slot(self._mover, g, False, "grad", p)
         slot.send(g.untyped_storage())  # the copy job holds the storage until it has been read
         self.stats["grad_d2h_bytes"] += slot.nbytes
         p.grad = _placeholder(slot)
+        return g
 
     def _make_pre_hook(self, u: int, p: nn.Parameter) -> Any:
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
@@ -688,17 +695,16 @@ class StateManager:
         def hook(p: nn.Parameter) -> None:
             self._queue_end_of_backward()
             if pl.grads == "offload" and id(p) in in_opt and p.grad is not None:
-                self._offload_grad(p)
+                sent = self._offload_grad(p)
+                if sent is not None:
+                    self._sent_grads[u].append(sent)
             seen = self._seen[u]
             seen.add(id(p))
             if len(seen) < len(self._trainable[u]):
                 return
             seen.clear()
             if pl.grads == "offload":  # the unit's gradients leave the device before backward moves on
-                for i in self._trainable[u]:
-                    slot = self._grad_slots.get(i)
-                    if slot is not None:
-                        slot.mover.wait_host(slot.ticket)
+                self._drop_sent_grads(u)
             if pl.grads == "step":
                 self._step_in_backward(u)
             if self._param_slots[u]:
@@ -706,6 +712,13 @@ class StateManager:
                 self._in_bw[u] = False
 
         return hook
+
+    def _drop_sent_grads(self, u: int) -> None:
+        for i in self._trainable[u]:
+            slot = self._grad_slots.get(i)
+            if slot is not None:
+                slot.mover.wait_host(slot.ticket)
+        self._sent_grads[u].clear()
 
     def _step_in_backward(self, u: int) -> None:
         in_opt = self._opt_ids()
@@ -874,6 +887,9 @@ class StateManager:
         self._gen += 1
         for seen in self._seen:  # a unit not complete in this backward is stepped by opt.step(), not in the next one
             seen.clear()
+        for u, sent in enumerate(self._sent_grads):
+            if sent:
+                self._drop_sent_grads(u)
         for u in range(len(self.unit_params)):
             if self._param_slots[u] and (self._in_bw[u] or self._param_where[u] != "host"):
                 self._in_bw[u] = False
