@@ -15,7 +15,8 @@ baseline's, feasibility and search wall time.
 optimizer state, gradients and parameters live) on cases that have state: the fixed-state-heavy zoo models with Adam
 and synthetic chains whose units have parameters, gradients and Adam-like state (``chain_profile(state_bytes=...)``),
 at budgets between the whole-step floor and the unoptimized peak. Next to the agents: uniform random sampling over the
-same space given 4x the plan evaluations the agents made (best feasible plan found).
+same space given 4x the plan evaluations the agents made (best feasible plan found). ``--whole-step
+--step-in-backward`` widens that space by the opt-in step in backward (gradients ``"step"``) for all three.
 
 ``--wide``: the same comparison over the wider activation space of issue 12 (``strategies=STRATEGIES``: keep,
 recompute, swap, recompute_offload with its timings, selective with each Pareto save-set), activations only
@@ -57,12 +58,13 @@ def zoo_profile(name: str, repeats: int = 3):
 
 
 def random_sampling(sim, budget: int, evaluations: int, seed: int = 0, batch: int = 4096, *,
-                    offload_state=True, strategies=DEFAULT_STRATEGIES) -> tuple[float, float]:
+                    offload_state=True, strategies=DEFAULT_STRATEGIES, step_in_backward: bool = False
+                    ) -> tuple[float, float]:
     """Best feasible step time of ``evaluations`` uniform random plans over the same space as the search (every
     activation option of ``strategies`` and every offered placement per unit), and the feasible fraction."""
     rng = np.random.default_rng(seed)
     opts = [np.array(unit_options(sim, u, strategies)) for u in range(sim.n)]
-    sts = [np.array(x) for x in unit_states(sim, offload_state=offload_state)]
+    sts = [np.array(x) for x in unit_states(sim, offload_state=offload_state, step_in_backward=step_in_backward)]
     best, feasible, done = math.inf, 0, 0
     while done < evaluations:
         b = min(batch, evaluations - done)
@@ -81,8 +83,10 @@ def random_sampling(sim, budget: int, evaluations: int, seed: int = 0, batch: in
 
 
 def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float, timesteps: int | None, *,
-                        offload_state=True, strategies=DEFAULT_STRATEGIES) -> dict:
+                        offload_state=True, strategies=DEFAULT_STRATEGIES, step_in_backward: bool = False) -> dict:
     space = {"offload_state": offload_state, "strategies": strategies}
+    if step_in_backward:
+        space["step_in_backward"] = True
     sim = memopt.Simulator(prof, device)
     lo = solvers.min_peak(sim, **space)
     budget = int(lo + frac * (prof.peak_bytes - lo))
@@ -108,7 +112,7 @@ def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float
 
 def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tuple[int, ...] = (24, 48, 64),
                zoo_devices: tuple[str | None, ...] = (None, "a100-40gb"), wide: bool = False,
-               offload_state: bool = True, hf: tuple[str, ...] = ()) -> None:
+               offload_state: bool = True, hf: tuple[str, ...] = (), step_in_backward: bool = False) -> None:
     real: set[str] = set()
     if wide:  # issue 12: every activation strategy, on chains with save-sets (and transformers models, measured)
         space = {"offload_state": offload_state, "strategies": STRATEGIES}
@@ -124,7 +128,7 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tu
             cases.append((f"hf-{name} fine", prof))
             real.add(f"hf-{name} fine")
     else:
-        space = {"offload_state": True, "strategies": DEFAULT_STRATEGIES}
+        space = {"offload_state": True, "strategies": DEFAULT_STRATEGIES, "step_in_backward": step_in_backward}
         cases = [(name, zoo_profile(name, repeats=1)) for name in memopt.zoo.STATE_HEAVY]
         chains = (12, 24) if quick else chains
         cases += [(f"chain{n}+state", chain_profile(n, seed=n, state_bytes=16 * 2**20)) for n in chains]
@@ -193,6 +197,8 @@ def main() -> None:
     ap.add_argument("--whole-step", action="store_true", help="over the enlarged space (issue 11), cases with state")
     ap.add_argument("--wide", action="store_true", help="over every activation strategy (issue 12), chains with "
                     "save-sets")
+    ap.add_argument("--step-in-backward", action="store_true", help="--whole-step: the opt-in step in backward too "
+                    "(search, MILP and random sampling)")
     ap.add_argument("--offload-state", action="store_true", help="--wide: with state placements too")
     ap.add_argument("--hf", default="", help="--wide: transformers models too, e.g. vit,gpt2 (fine units, measured "
                     "save-sets)")
@@ -204,7 +210,8 @@ def main() -> None:
         torch.set_num_threads(1)
         whole_step(args.time_limit, args.timesteps, args.quick, tuple(int(x) for x in args.chains.split(",") if x),
                    tuple(None if d == "cpu" else d for d in args.zoo_devices.split(",")), wide=args.wide,
-                   offload_state=args.offload_state, hf=tuple(x for x in args.hf.split(",") if x))
+                   offload_state=args.offload_state, hf=tuple(x for x in args.hf.split(",") if x),
+                   step_in_backward=args.step_in_backward)
         return
     devices = (None, "a100-40gb", "v100-16gb")
     fractions = FRACTIONS
