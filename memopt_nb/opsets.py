@@ -65,7 +65,6 @@ class OpCall:
     nbytes: int
     seconds: float
     refs: dict[int, Any] = field(default_factory=dict, repr=False)  # data pointer -> weak ref of each new storage
-    ptrs: set[int] = field(default_factory=set, repr=False)
     mutated: bool = False
     escaped: bool = False
 
@@ -124,7 +123,7 @@ class OpRecorder(TorchDispatchMode):
         if written:
             ptrs = {st.data_ptr() for st in _storages(written)}
             for c in calls:  # a storage of its that is still alive (a dead one's address may be reused meanwhile)
-                if c.ptrs & ptrs and any(not c.refs[p].expired() for p in c.ptrs & ptrs):
+                if any(not c.refs[p].expired() for p in c.refs.keys() & ptrs):
                     c.mutated = True
         inputs = _storages((args, kwargs))
         in_ptrs = {st.data_ptr() for st in inputs}
@@ -141,7 +140,7 @@ class OpRecorder(TorchDispatchMode):
         self._counts[name] += 1
         new = {st.data_ptr(): st for st in _storages(out) if st.data_ptr() not in in_ptrs and st.nbytes() > 0}
         calls.append(OpCall(name, index, sum(st.nbytes() for st in new.values()), seconds,
-                            refs={p: StorageWeakRef(st) for p, st in new.items()}, ptrs=set(new)))
+                            refs={p: StorageWeakRef(st) for p, st in new.items()}))
         return out
 
 

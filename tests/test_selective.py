@@ -76,9 +76,8 @@ def test_a_dead_outputs_address_reused_by_an_in_place_op_is_not_a_change_of_it()
         rec.begin(0)
         fresh = torch.empty(16)
         ptr = fresh.data_ptr()
-        rec.calls[0] += [OpCall("aten.dead.default", 0, 64, 0.0, refs={ptr: ref}, ptrs={ptr}),
-                         OpCall("aten.alive.default", 0, 64, 0.0, refs={ptr: StorageWeakRef(fresh.untyped_storage())},
-                                ptrs={ptr})]
+        rec.calls[0] += [OpCall("aten.dead.default", 0, 64, 0.0, refs={ptr: ref}),
+                         OpCall("aten.alive.default", 0, 64, 0.0, refs={ptr: StorageWeakRef(fresh.untyped_storage())})]
         fresh.fill_(0.5)
         rec.end()
     dead, alive = (next(c for c in rec.calls[0] if c.name == n) for n in ("aten.dead.default", "aten.alive.default"))

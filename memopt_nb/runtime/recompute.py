@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import PlanError
+from .storages import is_plain
 
 __all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "cache_tensors", "caching_modes", "checkpointed",
            "checkpointed_call", "forward_side_effects", "is_cache", "running_stat_modules", "save_policy",
@@ -536,7 +537,7 @@ class _ReplayCalls(_LeanMode):
 
 def _storage_key(t: Any) -> int | None:
     """The identity of a plain tensor's storage while it lives (``None`` for other tensors and empty storages)."""
-    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided or t.is_meta:
+    if not is_plain(t, parameters=True):
         return None
     st = t.untyped_storage()
     return st._cdata if st.nbytes() else None
