@@ -1,6 +1,6 @@
 """Runtime overhead of applying a plan, on the zoo models (CPU).
 
-Two comparisons, each timed on real training steps (forward, loss, backward, Adam step, zero_grad) in one process, with
+Four comparisons, each timed on real training steps (forward, loss, backward, Adam step, zero_grad) in one process, with
 the two variants interleaved A B A B ... so that drift of this (shared, noisy) machine hits both alike:
 
 (a) ``Plan.uniform(profile, "keep")`` applied with ``with memopt.plan(p, model):`` vs. no plan — target ratio <= 1.03;
@@ -12,16 +12,21 @@ the two variants interleaved A B A B ... so that drift of this (shared, noisy) m
     back) — target ratio <= 1.03;
 (d) a ``selective`` plan that keeps the output of every op call of every unit that makes a new tensor (issue 12; a
     save-set of all of them, from :func:`memopt_nb.opsets.record_ops`, outputs changed in place later included, such
-    as a dropout mask scaled in place) vs. the keep plan — target ratio <= 1.03. Its recomputation runs no op again;
-    what it costs is the checkpoint and the caching modes.
+    as a dropout mask scaled in place) vs. the keep plan — target ratio <= 1.03. Its recomputation runs no op again,
+    so after a unit's first forward under the plan, calls made the same way run as a keep unit's do
+    (``memopt_nb.runtime.apply.PlannedForward``): (d) measures that the machinery gets out of the way; with
+    ``--first-step`` it measures the checkpoint and the caching modes of the first forward.
 
-The plan is entered and left around every timed step (the timer covers only the step inside the block; what entering
-and leaving costs is reported separately), so both variants of a pair run in the same conditions. Ratios are
-``median(plan) / median(reference)``; the "paired" column is the median of the per-pair ratios, which cancels drift
+Every variant runs on the same model (and Adam), its plan entered and left around each sample: a settling step, then
+the timed step, both inside the block — the timed step runs as every step after the first in a notebook loop inside
+one ``with memopt.plan(p):``. The reference variants (no plan, hand checkpointing) run the same way. With
+``--first-step`` there is no settling step, so the timed step is the first under its plan. The timer covers only the
+timed step; what entering and leaving costs is reported separately ("apply+remove": keep and recompute plans). Ratios
+are ``median(plan) / median(reference)``; the "paired" column is the median of the per-pair ratios, which cancels drift
 even better. The plans are made from a profile of the model itself (``memopt.profile``, one timed repeat).
 
-    python benchmarks/runtime_overhead.py            # zoo default batch sizes, 25 pairs per comparison (~2 min)
-    python benchmarks/runtime_overhead.py --quick    # 7 pairs per comparison (~30 s)
+    python benchmarks/runtime_overhead.py            # zoo default batch sizes, 25 pairs per comparison (~6 min)
+    python benchmarks/runtime_overhead.py --quick    # 7 pairs per comparison (~2 min)
 
 Both modes use the zoo's default batch sizes (``--batch-scale`` changes them) and one torch thread (``--threads``): on
 this shared 2-vCPU machine, 2-thread steps are at times 10-50x slower for seconds to minutes, 1-thread steps are not.
@@ -47,6 +52,8 @@ from memopt_nb.plan import Decision
 from memopt_nb.runtime.step import preserved_state
 
 TARGET = 1.03
+#: untimed settling steps inside the block before the timed one (see :class:`Timed`)
+SETTLE = 1
 
 
 def _sync(inputs: tuple[Any, ...]) -> None:
@@ -97,23 +104,36 @@ def hand_checkpoint(model: torch.nn.Module, unit_names: list[str]) -> Iterator[N
                 del module.forward
 
 
-class PlanTimer:
-    """Times a step inside ``with memopt.plan(p, model):``, and separately what entering/leaving costs."""
+class Timed:
+    """One side of a comparison on the shared model: its plan (``None``: no plan) or hand checkpointing, entered and
+    left around each sample. A sample is a settling step and then the timed step, both inside the block — the timed
+    step runs as every step after the first does in a notebook's loop inside one ``with memopt.plan(p):`` (a selective
+    unit found to keep everything runs as keep then, the swap engine's threads and host buffers exist). With
+    ``first=True`` there is no settling step: the timed step is the first under the plan. What entering and leaving
+    costs is kept apart (``apply_s``)."""
 
-    def __init__(self, plan: memopt.Plan, model: torch.nn.Module) -> None:
-        self.plan, self.model = plan, model
+    def __init__(self, model: torch.nn.Module, plan: memopt.Plan | None = None, *,
+                 hand_units: list[str] | None = None, first: bool = False) -> None:
+        self.model, self.plan, self.hand_units, self.first = model, plan, hand_units, first
         self.apply_s: list[float] = []
+
+    def _block(self) -> contextlib.AbstractContextManager:
+        if self.hand_units is not None:
+            return hand_checkpoint(self.model, self.hand_units)
+        return memopt.plan(self.plan, self.model) if self.plan is not None else contextlib.nullcontext()
 
     def step(self, inputs: tuple[Any, ...], loss_fn: Callable, opt: torch.optim.Optimizer) -> float:
         t0 = time.perf_counter()
-        ctx = memopt.plan(self.plan, self.model)
-        ctx.apply()
+        block = self._block()
+        block.__enter__()
         t1 = time.perf_counter()
         try:
+            for _ in range(0 if self.first else SETTLE):
+                train_step(self.model, inputs, loss_fn, opt)
             dt = train_step(self.model, inputs, loss_fn, opt)
         finally:
             t2 = time.perf_counter()
-            ctx.remove()
+            block.__exit__(None, None, None)
             t3 = time.perf_counter()
         self.apply_s.append((t1 - t0) + (t3 - t2))
         return dt
@@ -147,9 +167,10 @@ def save_everything(prof: memopt.ModelProfile, model: torch.nn.Module, inputs: t
                        model_fingerprint=prof.meta.get("model_fingerprint"))
 
 
-def run_model(name: str, batch: int, reps: int, device: str = "cpu") -> dict[str, Any]:
+def run_model(name: str, batch: int, reps: int, device: str = "cpu", first: bool = False) -> dict[str, Any]:
     """The four comparisons on zoo model ``name`` at ``batch`` on ``device`` (``"cuda"``: the real device, its copy
-    engines and the simulator's copy time for it; run by ``cuda_check.py``)."""
+    engines and the simulator's copy time for it; run by ``cuda_check.py``); ``first``: time each plan's first step
+    (see :class:`Timed`)."""
     model, inputs, loss_fn, _ = zoo.build(name, batch_size=batch, device=device)
     opt = torch.optim.Adam(model.parameters())
     prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
@@ -162,21 +183,20 @@ def run_model(name: str, batch: int, reps: int, device: str = "cpu") -> dict[str
     units = prof.unit_names
 
     train_step(model, inputs, loss_fn, opt)  # creates the Adam state and warms the allocator
-    plain = lambda: train_step(model, inputs, loss_fn, opt)  # noqa: E731
-    keep_t = PlanTimer(keep, model)
-    rc_t = PlanTimer(rc, model)
-    ro_t = PlanTimer(ro, model)
-    sac_t = PlanTimer(sac, model)
+    plain = Timed(model, first=first)
+    keep_t = Timed(model, keep, first=first)
+    hand_t = Timed(model, hand_units=units, first=first)
+    rc_t = Timed(model, rc, first=first)
+    ro_t = Timed(model, ro, first=first)
+    sac_t = Timed(model, sac, first=first)
 
-    def hand() -> float:
-        with hand_checkpoint(model, units):
-            return train_step(model, inputs, loss_fn, opt)
+    def step(t: Timed) -> Callable[[], float]:
+        return lambda: t.step(inputs, loss_fn, opt)
 
-    t_plain, t_keep = interleaved(plain, lambda: keep_t.step(inputs, loss_fn, opt), reps)
-    t_hand, t_rc = interleaved(hand, lambda: rc_t.step(inputs, loss_fn, opt), reps)
-    t_rc2, t_ro = interleaved(lambda: rc_t.step(inputs, loss_fn, opt), lambda: ro_t.step(inputs, loss_fn, opt), reps)
-    t_keep2, t_sac = interleaved(lambda: keep_t.step(inputs, loss_fn, opt), lambda: sac_t.step(inputs, loss_fn, opt),
-                                 reps)
+    t_plain, t_keep = interleaved(step(plain), step(keep_t), reps)
+    t_hand, t_rc = interleaved(step(hand_t), step(rc_t), reps)
+    t_rc2, t_ro = interleaved(step(rc_t), step(ro_t), reps)
+    t_keep2, t_sac = interleaved(step(keep_t), step(sac_t), reps)
     assert forwards_untouched(model), "a variant left a wrapped forward behind"
     med = _common.median
     return {
@@ -203,6 +223,8 @@ def main() -> None:
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the zoo's default batch sizes")
     ap.add_argument("--device", default="cpu", help="cpu (the emulated device, default) or cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 = torch's default)")
+    ap.add_argument("--first-step", action="store_true", help="time each plan's first step (no settling step inside "
+                    "the block): what the plan costs before it settles")
     args = ap.parse_args()
     _common.set_threads(args.threads)
     args.reps = args.reps if args.reps is not None else (7 if args.quick else 25)
@@ -210,12 +232,13 @@ def main() -> None:
         ap.error("--reps must be >= 5 (medians of fewer repetitions are not worth quoting here)")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     t_start = time.perf_counter()
-    print(f"# runtime overhead ({'quick' if args.quick else 'default'} mode) — {_common.environment_line()}")
+    print(f"# runtime overhead ({'quick' if args.quick else 'default'} mode"
+          f"{', first steps under each plan' if args.first_step else ''}) — {_common.environment_line()}")
     print(f"median of {args.reps} interleaved pairs per comparison, target ratio <= {TARGET}\n", flush=True)
     results = []
     for name in models:
         batch = max(1, round(zoo.build(name).inputs[0].shape[0] * args.batch_scale))
-        results.append(run_model(name, batch, args.reps, args.device))
+        results.append(run_model(name, batch, args.reps, args.device, args.first_step))
         r = results[-1]
         print(f"  {name}: (a) {r['ratio_a']:.3f}  (b) {r['ratio_b']:.3f}  (c) {r['ratio_c']:.3f}  "
               f"(d) {r['ratio_d']:.3f}", flush=True)

@@ -274,7 +274,7 @@ def _stack_run(plan_for=None, steps=2):
     return losses, [p.detach().clone() for p in model.parameters()], forwards, model, x, y
 
 
-def test_a_unit_whose_needs_are_all_kept_is_not_run_again_and_its_peak_is_predicted():
+def test_a_unit_whose_needs_are_all_kept_is_not_run_again_and_its_peak_is_predicted(monkeypatch):
     ref_losses, ref_params, ref_forwards, *_ = _stack_run()
     assert ref_forwards == [2, 2, 2, 2]
     profiles = {}
@@ -293,8 +293,62 @@ def test_a_unit_whose_needs_are_all_kept_is_not_run_again_and_its_peak_is_predic
     assert forwards == [2, 4, 2, 4]
     prof = profiles["p"]
     plan = Plan.from_strategies(prof, ["selective:matmuls"] * 4)
-    m = memopt.measure(model, x, loss_fn=lambda o: F.cross_entropy(o, y), plan=plan, steps=1)
-    assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes
+    loss_fn = lambda o: F.cross_entropy(o, y)  # noqa: E731
+    import memopt_nb.runtime.apply as apply_mod
+
+    with monkeypatch.context() as mp:  # every step as the plan's first one (what the profile measures)
+        mp.setattr(apply_mod, "COMPLETE_AS_KEEP", False)
+        first = memopt.measure(model, x, loss_fn=loss_fn, plan=plan, steps=1)
+    assert first.peak_bytes == memopt.simulate(prof, plan).peak_bytes
+    # after its first step the two plain matmul blocks run as keep units (see the next test): their peak is keep's
+    later = memopt.measure(model, x, loss_fn=loss_fn, plan=plan, steps=1)
+    as_keep = Plan.from_strategies(prof, ["keep", "selective:matmuls", "keep", "selective:matmuls"])
+    assert later.peak_bytes == memopt.simulate(prof, as_keep).peak_bytes < first.peak_bytes
+
+
+def test_a_unit_whose_needs_are_all_kept_runs_as_a_keep_unit_after_its_first_forward(monkeypatch):
+    """Once a selective unit's forward shows that its save-set keeps everything its backward needs, calls made the
+    same way run without the checkpoint and the caching modes (what costs time on a CPU); a call made differently
+    (another batch size) goes through the checkpoint again. Bit-identical throughout."""
+    import memopt_nb.runtime.apply as apply_mod
+
+    ref_losses, ref_params, *_ = _stack_run(steps=3)
+    calls: list[str] = []
+    real = apply_mod.checkpointed
+
+    def counted(guard, *args, **kwargs):
+        calls.append(guard.name)
+        return real(guard, *args, **kwargs)
+
+    monkeypatch.setattr(apply_mod, "checkpointed", counted)
+    forwards = {}
+
+    def selective(model, x, y):
+        prof = memopt.profile(model, x, loss_fn=lambda o: F.cross_entropy(o, y), repeats=1, selective=True,
+                              units=[f"blocks.{i}" for i in range(4)])
+        calls.clear()  # the profile's own runs aside
+        plan = Plan.from_strategies(prof, ["selective:matmuls"] * 4)
+        forwards["model"] = model
+        return plan
+
+    losses, params, *_ , model, x, y = _stack_run(selective, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params, strict=True))
+    # blocks 0 and 2 went through the checkpoint in the first step only, 1 and 3 (GELU: recomputed) every step
+    assert sorted(calls) == sorted(["blocks.0", "blocks.2"] + ["blocks.1", "blocks.3"] * 3)
+
+    calls.clear()
+    with memopt.plan(Plan.from_strategies(memopt.profile(model, x, loss_fn=lambda o: F.cross_entropy(o, y),
+                                                         repeats=1, selective=True,
+                                                         units=[f"blocks.{i}" for i in range(4)]),
+                                          ["selective:matmuls"] * 4), model):
+        calls.clear()
+        fwd = [model.blocks[i].forward for i in range(4)]
+        for batch in (32, 32, 16, 16):
+            F.cross_entropy(model(x[:batch]), y[:batch]).backward()
+        assert [f.complete is not None for f in fwd] == [True, False, True, False]
+    assert calls.count("blocks.0") == calls.count("blocks.2") == 2  # the first call at each batch size
+    assert calls.count("blocks.1") == calls.count("blocks.3") == 4
 
 
 def test_a_skipped_recomputation_refuses_a_saved_tensor_changed_in_place():

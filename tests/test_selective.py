@@ -214,6 +214,36 @@ def test_hf_gpt2_bit_identical_with_its_cache(units):
         assert got["extras"] == ref["extras"]  # the returned cache is not extended twice
 
 
+def test_hf_gpt2_every_output_kept_runs_as_keep_after_the_first_step(monkeypatch):
+    """A save-set keeping every op output of GPT-2's blocks (their recomputation would redo nothing): the first step
+    goes through the checkpoint, later steps' blocks run as keep units (the cache a new one each step, matched by
+    what it holds) — bit-identical, the returned cache extended once."""
+    transformers = pytest.importorskip("transformers")
+    import memopt_nb.runtime.apply as apply_mod
+    from memopt_nb.opsets import record_ops
+    from memopt_nb.runtime.step import preserved_state
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    step = third.gpt2_cache_step(ids)
+    torch.manual_seed(0)
+    model = third.gpt2(transformers)
+    prof = memopt.profile(model, loss_fn=lambda o: o.loss, repeats=1, input_ids=ids, labels=ids)
+    with preserved_state(model):
+        calls = record_ops(model, (), {"input_ids": ids, "labels": ids}, prof.unit_names)
+    every = [tuple((c.name, c.index) for c in calls[i] if c.nbytes) for i in range(len(prof.units))]
+    plan = Plan(decisions=tuple(Decision(u.name, "selective", save_set="matmuls", save_ops=every[i])
+                                for i, u in enumerate(prof.units)), fingerprint=prof.fingerprint)
+    ref = third.train(lambda: third.gpt2(transformers), step)
+    through: list[str] = []
+    real = apply_mod.checkpointed
+    monkeypatch.setattr(apply_mod, "checkpointed", lambda guard, *a, **k: (through.append(guard.name),
+                                                                            real(guard, *a, **k))[1])
+    got = third.train(lambda: third.gpt2(transformers), step, lambda m: plan)
+    third.assert_same(ref, got, "every output kept")
+    assert got["extras"] == ref["extras"]
+    assert through == third.GPT2_BLOCKS  # the first step only
+
+
 def test_hf_vit_bit_identical():
     transformers = pytest.importorskip("transformers")
     import test_fine_units as fine

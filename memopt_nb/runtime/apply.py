@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..distributed import check_state_placements, order_guard, unwrap
 from ..errors import PlanError
 from ..plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
-from .recompute import ReplayGuard, checkpointed
+from .recompute import ReplayGuard, cache_tensors, checkpointed, is_cache
 from .state import Placement, StateManager
 from .storages import plain_storage_ptrs
 from .swap import SwapEngine
@@ -101,6 +101,34 @@ def _unplanned_forward(module: nn.Module, previous: Any = None) -> Any:
     return type(module).forward.__get__(module, type(module))
 
 
+def _value_key(v: Any, depth: int = 0) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (v.shape, v.dtype, v.device, v.layout, v.requires_grad)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)) and depth < 2:
+        return (type(v), tuple(_value_key(x, depth + 1) for x in v))
+    if is_cache(v):  # a new one each step (Hugging Face's DynamicCache): by what it holds so far
+        return (type(v), tuple(_value_key(t, 2) for t in cache_tensors(v)))
+    return (type(v), id(v))  # any other object: this very one (a new object each call never matches)
+
+
+def _call_key(modules: list[nn.Module], args: tuple, kwargs: dict) -> tuple:
+    """What decides which tensors a unit's forward saves for backward, as far as a call shows it: the arguments'
+    shapes, dtypes, devices and ``requires_grad`` (other arguments by value or identity; a cache by the tensors it
+    holds), the modules' training modes and which parameters need grad, and whether autocast is on (grad mode is on:
+    the caller checks)."""
+    return (tuple(_value_key(a) for a in args), tuple((k, _value_key(v)) for k, v in kwargs.items()),
+            tuple(m.training for m in modules),
+            tuple(p.requires_grad for m in modules for p in m._parameters.values() if p is not None),
+            torch._C._is_any_autocast_enabled())
+
+
+#: whether a selective unit whose save-set keeps everything its backward needs runs as a keep unit after its first
+#: forward (:meth:`PlannedForward._checkpointed`); off, every call goes through the checkpoint (tests compare)
+COMPLETE_AS_KEEP = True
+
+
 class PlannedForward:
     """A unit's ``forward`` while a plan is applied (an instance attribute, which ``nn.Module.__call__`` finds first).
 
@@ -108,7 +136,8 @@ class PlannedForward:
     copy made inside the block is an independent model without the plan.
     """
 
-    __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "inner", "save_ops")
+    __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "inner", "save_ops",
+                 "complete")
 
     def __init__(self, applied: AppliedPlan, index: int, module: nn.Module, strategy: str, previous: Any,
                  guard: ReplayGuard | None, model_ptrs: set[int]) -> None:
@@ -116,6 +145,9 @@ class PlannedForward:
         self.previous, self.guard, self.model_ptrs = previous, guard, model_ptrs
         self.inner = _unplanned_forward(module, previous)
         self.save_ops = applied.plan.decisions[index].save_ops or None  # selective: the op outputs it keeps
+        #: selective: the call (see :func:`_call_key`) after which the save-set was found to keep everything backward
+        #: needs, so that calls like it run as a keep unit does; ``None`` until then
+        self.complete: tuple | None = None
 
     @property
     def __memopt__(self) -> tuple[AppliedPlan, int]:
@@ -131,11 +163,11 @@ class PlannedForward:
         if engine is None or engine.closed:
             if self.guard is None:  # a keep unit of a plan removed while another thread still runs
                 return inner(*args, **kwargs)
-            return checkpointed(self.guard, inner, args, kwargs, save_ops=self.save_ops)
+            return self._checkpointed(args, kwargs)
         index = self.index
         p = engine.begin_unit(index)
         if self.guard is not None and self.strategy != "recompute_offload":
-            out = checkpointed(self.guard, inner, args, kwargs, save_ops=self.save_ops)
+            out = self._checkpointed(args, kwargs)
         else:
             ptrs = self.model_ptrs | plain_storage_ptrs(self.module.parameters())
             if self.guard is not None:  # recompute_offload: the inputs its checkpoint keeps go to the host
@@ -146,6 +178,27 @@ class PlannedForward:
                     out = inner(*args, **kwargs)
         engine.end_unit(p, index, out)
         return out
+
+    def _checkpointed(self, args: tuple, kwargs: dict) -> Any:
+        """A recompute or selective unit's forward. A selective unit whose save-set turned out to keep every tensor
+        its backward needs (its recomputation was skipped: :class:`~memopt_nb.runtime.recompute._DirectSaves`) runs
+        later calls made the same way (same argument shapes, dtypes and ``requires_grad``, same training mode,
+        autocast and parameters needing grad: :func:`_call_key`) as a keep unit: without the checkpoint and the
+        caching modes. That forward runs the same ops and backward gets the same tensors, so results are
+        bit-identical; it holds no more memory (only what autograd saves, not the inputs and kept outputs the
+        checkpoint holds until backward), and on a device where each op is cheap it saves the per-op cost of the
+        caching mode (``benchmarks/runtime_overhead.py``, comparison (d)). Any other call runs the checkpointed
+        forward again and learns anew."""
+        if self.save_ops is None or not COMPLETE_AS_KEEP:
+            return checkpointed(self.guard, self.inner, args, kwargs, save_ops=self.save_ops)
+        key = _call_key(self.guard.modules, args, kwargs)
+        if key == self.complete:
+            return self.inner(*args, **kwargs)
+
+        def learned(direct: bool) -> None:
+            self.complete = key if direct else None
+
+        return checkpointed(self.guard, self.inner, args, kwargs, save_ops=self.save_ops, on_direct=learned)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _unplanned_forward, (self.module, self.previous)

@@ -695,12 +695,14 @@ DIRECT_SAVES = True
 def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict, *,
                  hold: Callable[[torch.Tensor], Any] | None = None,
                  fetch: Callable[[Any], torch.Tensor] | None = None,
-                 save_ops: Any = None) -> Any:
+                 save_ops: Any = None, on_direct: Callable[[bool], None] | None = None) -> Any:
     """:func:`checkpointed_call` with the arguments as a tuple and a dict; with ``hold`` and ``fetch``, the tensors
     among them (pytree leaves) are kept for the recomputation as ``hold(t)`` — a swap-engine handle, so the storage can
     go to the host — and ``fetch(handle)`` gives them back when the recomputation starts (``recompute_offload``).
     With ``save_ops`` (``selective``), the outputs of those op calls are kept and not recomputed (see
-    :func:`caching_modes`), and the recomputation is skipped where it would redo nothing (:class:`_DirectSaves`)."""
+    :func:`caching_modes`), and the recomputation is skipped where it would redo nothing (:class:`_DirectSaves`);
+    then ``on_direct``, if given, is told after the forward whether it was skipped so (every tensor backward needs is
+    one the unit holds anyway: the save-set keeps everything, and the unit is a keep unit in effect)."""
     if not isinstance(guard, ReplayGuard):
         guard = ReplayGuard(guard, strict=False)
     memo: list[Any] = []
@@ -710,6 +712,7 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
     held: list[Any] = [args, kwargs]
 
     first_fwd, again_fwd = forward, forward
+    direct: _DirectSaves | None = None
     if save_ops:  # the selective modes around the unit's forward only, not around the guard's own bookkeeping
         caching, cached = caching_modes(save_ops)
         again_fwd = _under(cached, forward)
@@ -725,6 +728,8 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
     def run(*_devices: Any) -> Any:  # the tensors passed only tell checkpoint which devices' RNG to keep
         if not memo:
             out, state = guard.first(first_fwd, held[0], held[1])
+            if on_direct is not None and direct is not None:
+                on_direct(direct.all_direct)
             memo.append(state)
             if state[1]:
                 held[:] = _without_caches(held[0], held[1])
