@@ -11,7 +11,8 @@
 Each trains with and without a plan (dropout on, Adam and AdamW) and compares losses, gradients, parameters, buffers
 and optimizer state bit for bit: every activation strategy (uniform and mixed, block and fine units), selective
 save-sets from a profile made with ``selective=True``, recompute_offload, and whole-step placements (optimizer state,
-gradients, parameters offloaded; gradients stepped in backward). The simulator's peak is the measured one.
+gradients, parameters offloaded; gradients stepped in backward). The simulator's peak is the measured one. A
+save-set keeping every op output runs as keep from the second step on, the keyword arguments matched call to call.
 """
 
 import ctypes
@@ -341,3 +342,34 @@ def test_a_step_in_backward_runs_where_the_units_last_gradient_is_accumulated():
                                **MODELS["t5"][1])
             assert m.swap_stats["steps_in_backward"] > 0
             assert m.peak_bytes == memopt.simulate(prof, plan).peak_bytes, (strategy, rows)
+
+
+# ---------------------------------------------------------------------- a save-set that keeps everything
+@pytest.mark.parametrize(("name", "placed"), [("llama_cache", False), ("mistral", False), ("qwen2", False),
+                                             ("t5", False), ("llama_cache", True), ("t5", True)])
+def test_every_output_kept_runs_as_keep_after_the_first_step(name, placed, monkeypatch):
+    """Selective with every op output kept (the recomputation would redo nothing): bit-identical, the caches extended
+    once, and from the second step on every block runs as a keep unit — the keyword arguments these models pass each
+    block (position embeddings, masks, a new cache object each step, T5's position bias) match call to call. Also with
+    optimizer state, gradients and parameters placed per unit (the swap engine and the state manager around it)."""
+    import memopt_nb.runtime.apply as apply_mod
+    from memopt_nb.opsets import record_ops
+    from memopt_nb.runtime.step import preserved_state
+
+    model, _, prof = _profile(name, "auto")
+    with preserved_state(model):
+        calls = record_ops(model, (), MODELS[name][1], prof.unit_names)
+    every = [tuple((c.name, c.index) for c in calls[i] if c.nbytes) for i in range(prof.n_units)]
+    plan = Plan.from_strategies(prof, ["selective"] * prof.n_units)
+    plan = plan.with_meta(decisions=tuple(dataclasses.replace(d, save_ops=every[i])
+                                          for i, d in enumerate(plan.decisions)))
+    if placed:
+        plan = _placed(plan, ws.MIXED, OPTIMIZERS["adam"](model.parameters()))
+    through: list[str] = []
+    real = apply_mod.checkpointed
+    monkeypatch.setattr(apply_mod, "checkpointed", lambda guard, *a, **k: (through.append(guard.name),
+                                                                            real(guard, *a, **k))[1])
+    stats = _assert_same(name, "adam", plan)
+    if placed:
+        ws._assert_moved(stats, plan)
+    assert sorted(through) == sorted(prof.unit_names)  # the first step only
