@@ -483,6 +483,11 @@ class Simulator:
         self.g_owner_onehot[np.arange(G), self.g_owner] = 1.0
         self.groups_at = {b: np.nonzero((self.g_eligible | self.g_ro_eligible) & (self.g_free == b))[0]
                           for b in set(self.g_free.tolist()) if b >= 0}
+        # freed partway through a segment whose peak came later: held past it, they add to that peak
+        self.g_late = np.array([getattr(g, "late_bytes", 0) for g in gs], dtype=np.float64)
+        self.g_death = np.array([d if (d := getattr(g, "death_seg", None)) is not None else -1 for g in gs],
+                                dtype=np.int64)
+        self.late_groups = np.nonzero((self.g_late > 0) & (self.g_death >= 0))[0]
 
     # ------------------------------------------------------------------ batched evaluation
     def evaluate(self, strategies: np.ndarray, windows: np.ndarray, distances: np.ndarray,
@@ -568,6 +573,10 @@ class Simulator:
             rel[:, self.bwd_seg] = np.where(sel, self.sel_bwd_rel[units, sel_j], rel[:, self.bwd_seg])
         st_seg, st_step, st_time, st_moved = self._state_part(states, B)
         peaks = self.start_level[None] + delta + rel + st_seg
+        lg = self.late_groups
+        if lg.size:  # held past the segment the profiled run freed them in, partway (StorageGroup.late_bytes)
+            late = np.where(plan_end[:, lg] > self.g_death[lg][None], self.g_late[lg][None], 0.0)
+            np.add.at(peaks, (slice(None), self.g_death[lg]), late)
         peak = np.maximum(peaks.max(axis=1), st_step) if states is not None else peaks.max(axis=1)
         # ---- time
         off_nb = nb * off
