@@ -24,6 +24,10 @@ save-set keeps, ``held_bytes``, are on the device in every segment after its for
 backward, its forward and backward segments peak by the save-set's ``fwd_rel_peak`` / ``bwd_rel_peak``, and its
 backward recomputes for the save-set's ``recompute_time`` instead of the whole forward.
 
+A group the profiled run freed partway through a segment whose peak came after (a mask made outside the units that
+the model's forward let go of before its head: ``StorageGroup.death_seg`` / ``late_bytes``) adds ``late_bytes`` to that
+segment's peak when the plan holds it past the segment (its last holder's backward, or its liveness, is later).
+
 These rules are exactly what the runtime does, so memory is predicted from structure, not from timing.
 
 **Optimizer state, gradients and parameters** (plan schema 2; :class:`StateTable`). Each unit's placement
