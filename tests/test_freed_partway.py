@@ -130,3 +130,17 @@ def test_the_milp_counts_what_the_simulator_counts(case):
     assert exact.feasible and oracle.feasible
     assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9, abs=1e-6)
     assert memopt.simulate(prof, exact).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("strategies", [("selective",) * 3, ("selective", "keep", "recompute"),
+                                        ("recompute", "keep", "selective")])
+def test_selective_units_holding_the_mask_are_predicted_to_the_byte(strategies):
+    """A selective unit's checkpoint keeps its inputs too: the same rule, measured with its save-set's peaks."""
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(2048, 16, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.Adam(net.parameters())
+    prof = memopt.profile(net, x, loss_fn=loss_fn, optimizer=opt, repeats=1, selective=True)
+    plan = memopt.Plan.from_strategies(prof, list(strategies))
+    meas = memopt.measure(net, x, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1)
+    assert memopt.simulate(prof, plan).peak_bytes == meas.peak_bytes
