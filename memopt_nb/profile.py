@@ -166,8 +166,8 @@ class StorageGroup:
             freed): what a plan that holds them past ``death_seg`` (a recomputed unit's checkpoint keeping an input
             made outside the units, such as a mask the model's forward let go of before its head) adds to that
             segment's peak. ``None`` and 0 when that is nothing. With several storages freed in one segment, each
-            storage's share counts the room below the peak the earlier ones' shares used up, so any set of them held
-            together is never predicted below what the run would hold.
+            storage's share leaves out only the room below the peak that earlier ones' shares did not use, so any set of
+            them held together is never predicted below what the run would hold (exact for the first to die).
     """
 
     nbytes: int
@@ -746,7 +746,8 @@ class _Run:
         """At the end of a segment in which observed storages died: what each adds to the segment's peak if a plan
         holds it past the segment. Storage ``i`` (in order of death, ``b_i`` bytes, ``A_i`` the peak after its death,
         ``P`` the segment's) adds ``max(0, b_i - (S_i - S_{i-1}))`` with ``S_i = P - A_i`` (``S_0 = 0``): the room
-        below the peak after it, less what earlier deaths' shares used up; exact for one, never short for any set."""
+        below the peak after it, less what earlier deaths' shares used up: exact for the first (or only) one, never
+        short for any set held together, possibly over for a later one held alone."""
         self.parts.append(self.split(None))
         top = max(self.parts)
         room_before = 0

@@ -144,3 +144,52 @@ def test_selective_units_holding_the_mask_are_predicted_to_the_byte(strategies):
     plan = memopt.Plan.from_strategies(prof, list(strategies))
     meas = memopt.measure(net, x, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1)
     assert memopt.simulate(prof, plan).peak_bytes == meas.peak_bytes
+
+
+class _FakeMeter:
+    """A level that a test moves by hand, with the meter's split (the peak of the part since the last split)."""
+
+    def __init__(self, level):
+        self.level = self.part = level
+
+    def move(self, delta):
+        self.level += delta
+        self.part = max(self.part, self.level)
+
+    def split(self, dying=None):
+        out, self.part = self.part, self.level
+        return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_late_bytes_are_exact_for_one_storage_and_never_short_for_any_set(seed):
+    """Random levels in one segment with storages dying in it: a plan holding any set of them to the segment's end
+    peaks at most at the segment's peak plus their late bytes, and exactly there when it holds the first to die (a
+    later one's share leaves out only the room the earlier ones' shares took, so alone it may be over)."""
+    from memopt_nb.profile import _Run, _SInfo
+
+    rng = np.random.default_rng(seed)
+    meter = _FakeMeter(int(rng.integers(0, 100)))
+    run = _Run(nn.Linear(1, 1), [], lambda label: None, observe=True, recompute=False, split=meter.split)
+    run.n_marks = 1
+    infos, trace = [], [(meter.level, ())]  # (measured level, storages dead by then)
+    for _ in range(int(rng.integers(3, 12))):
+        if rng.random() < 0.35:
+            inf = _SInfo(torch.UntypedStorage(int(rng.integers(1, 60))), -1)
+            infos.append(inf)
+            meter.level -= inf.nbytes  # freed: the level drops, then the finalizer splits
+            run.parts.append(run.split(None))
+            run.deaths.append((inf, len(run.parts)))
+        else:
+            meter.move(int(rng.integers(-40, 80)))
+        trace.append((meter.level, tuple(infos)))
+    run._settle_deaths()
+    top = max(level for level, _ in trace)
+    assert all(inf.death_seg == 0 and 0 <= inf.late <= inf.nbytes for inf in infos)
+    for r in range(1, len(infos) + 1):
+        for held in itertools.combinations(infos, r):
+            true = max(level + sum(i.nbytes for i in held if i in dead) for level, dead in trace)
+            predicted = top + sum(i.late for i in held)
+            assert predicted >= true
+            if held == (infos[0],):  # the first to die (the only one, in the model above) is exact
+                assert predicted == true
