@@ -161,6 +161,13 @@ class StorageGroup:
         release_pos: for storages something besides autograd still refers to when the forward ends (``free_pos`` is
             ``None``): the boundary, after the forward, at which nothing but autograd refers to them any more (a
             model's output dropped after the loss: a Hugging Face KV cache), or ``None`` if never in the step.
+        death_seg, late_bytes: the profiled run freed them partway through segment ``death_seg``, and that segment's
+            peak would have been ``late_bytes`` higher had they lived to its end (its peak came after they were
+            freed): what a plan that holds them past ``death_seg`` (a recomputed unit's checkpoint keeping an input
+            made outside the units, such as a mask the model's forward let go of before its head) adds to that
+            segment's peak. ``None`` and 0 when that is nothing. With several storages freed in one segment, each
+            storage's share leaves out only the room below the peak that earlier ones' shares did not use, so any set of
+            them held together is never predicted below what the run would hold (exact for the first to die).
     """
 
     nbytes: int
@@ -172,6 +179,8 @@ class StorageGroup:
     free_pos: int | None
     outside_release: int | None = None
     release_pos: int | None = None
+    death_seg: int | None = None
+    late_bytes: int = 0
 
 
 @dataclass
@@ -629,7 +638,7 @@ def _discover(model: nn.Module, inputs: Sequence[Any],
 # ====================================================================== instrumented runs
 class _SInfo:
     __slots__ = ("nbytes", "producer", "savers", "consumers", "outside", "free_pos", "weak", "outside_release",
-                 "release_pos")
+                 "release_pos", "death_seg", "late", "__weakref__")
 
     def __init__(self, st: torch.UntypedStorage, producer: int) -> None:
         self.nbytes = st.nbytes()
@@ -640,6 +649,8 @@ class _SInfo:
         self.free_pos: int | None = None
         self.outside_release: int | None = None
         self.release_pos: int | None = None
+        self.death_seg: int | None = None  # the segment in which the storage was freed, and what it adds there
+        self.late = 0  # to the segment's peak when held past it (see StorageGroup.late_bytes)
         self.weak = weakref.ref(st)  # never a strong reference: handles keep saved storages alive, as autograd would
 
 
@@ -669,8 +680,15 @@ class _Run:
     """Instrumentation for one profiled step: marks at unit boundaries and, in observe mode, storage bookkeeping."""
 
     def __init__(self, model: nn.Module, unit_names: list[str], mark: Callable[[Any], None], *, observe: bool,
-                 recompute: bool, save_ops: Mapping[int, Any] | None = None) -> None:
+                 recompute: bool, save_ops: Mapping[int, Any] | None = None,
+                 split: Callable[[int | None], int] | None = None) -> None:
         self.model = model
+        # observe mode with a meter: when a storage dies, ``split`` closes a part of the segment's peak there, so the
+        # peak after its death is known (StorageGroup.late_bytes)
+        self.split = split
+        self.finalizers: list[weakref.finalize] = []
+        self.deaths: list[tuple[_SInfo, int]] = []  # this segment's deaths: (info, index of the part after it)
+        self.parts: list[int] = []  # this segment's closed parts' peaks
         self.save_ops = dict(save_ops or {})  # with recompute: units run selective with these op outputs kept
         self.names = unit_names
         self.modules = [model.get_submodule(n) for n in unit_names]
@@ -695,6 +713,8 @@ class _Run:
 
     # -- marks
     def _mark(self, label: Any) -> int:
+        if self.deaths:
+            self._settle_deaths()
         self.mark(label)
         self.n_marks += 1
         pos = self.n_marks - 1
@@ -711,7 +731,42 @@ class _Run:
             inf = _SInfo(st, producer)
             self.infos[id(st)] = inf
             self.all_infos.append(inf)
+            if self.split is not None:
+                self.finalizers.append(weakref.finalize(st, self._died, weakref.ref(inf), id(st)))
         return inf
+
+    def _died(self, ref: weakref.ref, key: int) -> None:
+        inf = ref()
+        if inf is None or self.split is None or self.n_marks == 0:
+            return
+        self.parts.append(self.split(key))
+        self.deaths.append((inf, len(self.parts)))
+
+    def _settle_deaths(self) -> None:
+        """At the end of a segment in which observed storages died: what each adds to the segment's peak if a plan
+        holds it past the segment. Storage ``i`` (in order of death, ``b_i`` bytes, ``A_i`` the peak after its death,
+        ``P`` the segment's) adds ``max(0, b_i - (S_i - S_{i-1}))`` with ``S_i = P - A_i`` (``S_0 = 0``): the room
+        below the peak after it, less what earlier deaths' shares used up: exact for the first (or only) one, never
+        short for any set held together, possibly over for a later one held alone."""
+        self.parts.append(self.split(None))
+        top = max(self.parts)
+        room_before = 0
+        for inf, after in self.deaths:
+            room = top - max(self.parts[after:])
+            inf.death_seg = self.n_marks - 1
+            inf.late = max(0, inf.nbytes - (room - room_before))
+            room_before = room
+        self.deaths.clear()
+        self.parts.clear()
+
+    def stop_watching(self) -> None:
+        """Deaths after the step (the run's last segment is over) tell nothing: stop following them."""
+        self.split = None
+        for f in self.finalizers:
+            f.detach()
+        self.finalizers.clear()
+        self.deaths.clear()
+        self.parts.clear()
 
     def _producer_of(self, st: torch.UntypedStorage) -> int:
         entry = self.produced.get(id(st))
@@ -874,7 +929,8 @@ def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
     meter = meter_for(device)
     meter.track(model, optimizer, list(inputs), kwargs)
     meter.reset_peak()
-    run = _Run(model, names, meter.mark, observe=observe, recompute=recompute, save_ops=save_ops)
+    run = _Run(model, names, meter.mark, observe=observe, recompute=recompute, save_ops=save_ops,
+               split=meter.split if observe else None)
     run.install()
     handles = _watch_grads_done(run.modules, lambda u: run.grads_done.setdefault(u, int(meter.current)))
     try:
@@ -883,9 +939,11 @@ def _tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
             with run.outer_hooks():
                 training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)),
                               kwargs=kwargs)
+            run.stop_watching()
     finally:
         for h in handles:
             h.remove()
+        run.stop_watching()
         run.remove()
     return meter.marks, run, int(meter.peak)
 
@@ -1300,15 +1358,17 @@ def _static_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
 
 
 def _groups_from(run: _Run) -> list[StorageGroup]:
-    agg: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
+    agg: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
     for inf in run.all_infos:
         if not inf.savers and not inf.consumers:
             continue
         key = (inf.producer, tuple(sorted(inf.savers)), tuple(sorted(inf.consumers)), inf.outside, inf.free_pos,
-               inf.outside_release, inf.release_pos)
+               inf.outside_release, inf.release_pos, inf.death_seg if inf.late else None)
         agg[key][0] += inf.nbytes
         agg[key][1] += 1
+        agg[key][2] += inf.late
     out = [StorageGroup(nbytes=v[0], count=v[1], producer=k[0], savers=k[1], consumers=k[2], outside_saver=k[3],
-                        free_pos=k[4], outside_release=k[5], release_pos=k[6]) for k, v in agg.items()]
+                        free_pos=k[4], outside_release=k[5], release_pos=k[6], death_seg=k[7], late_bytes=v[2])
+           for k, v in agg.items()]
     out.sort(key=lambda g: (g.savers[-1] if g.savers else max(g.consumers), g.producer, g.free_pos or 0))
     return out

@@ -22,6 +22,9 @@ or the one measured with the unit recomputed, for that unit's forward and backwa
   done with, and the Hugging Face KV cache in it), else through the segment after the last unit's forward. A group
   that no unit saves and that is still referenced all step belongs to the caller (the batch) and no plan moves it;
   neither does one that code outside units saves and never lets go of.
+* *freed partway*: when the profiled run freed a group partway through a segment (``death_seg``) whose peak came
+  after, a plan that holds it past that segment (its last holder or liveness is later) adds the group's
+  ``late_bytes`` to that segment's peak.
 * *recomputed* units are those with ``recompute``, ``recompute_offload`` or ``selective``; *offloading* units those
   with ``swap`` or ``recompute_offload``. A ``selective`` unit counts as plain ``recompute`` below (its checkpoint
   keeps its inputs on the device); besides, the outputs its save-set keeps (the profile's ``held_bytes`` for that
@@ -470,6 +473,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     offloads: dict[int, dict[int, list[Any]]] = {}  # issue boundary -> drop boundary -> groups
     returns: dict[int, list[Any]] = {}  # owner -> its offloaded groups
     owner_of: dict[int, int] = {}  # id(group) -> its owner, for offloaded groups
+    late_at: dict[int, int] = {}  # segment -> what groups freed partway through it in the profiled run add to its peak
     for g in profile.groups:
         if g.outside_saver and g.outside_release is None:
             continue  # code outside units holds it all step
@@ -483,6 +487,9 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
                         + [bwd_at[c] for c in g.consumers if rc[c]] + outside)
         change(max(kept_holders + [last_fwd]) + 1, g.nbytes)  # the profiled level drops here ...
         change(max(plan_holders + [last_fwd]) + 1, -g.nbytes)  # ... the plan's here
+        death = getattr(g, "death_seg", None)
+        if death is not None and max(plan_holders + [last_fwd]) > death:  # held past where the run freed it
+            late_at[death] = late_at.get(death, 0) + getattr(g, "late_bytes", 0)
         handed = [s for s in g.savers if not (s == g.producer and rc[s])] + [c for c in g.consumers if ro[c]]
         if not handed or g.outside_saver or g.free_pos is None:
             continue
@@ -577,7 +584,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
             entry = chosen[seg.unit]
             if entry is not None:
                 own = int(entry["fwd_rel_peak"] if seg.kind == "fwd" else entry["bwd_rel_peak"])
-        peak = level + own
+        peak = level + own + late_at.get(k, 0)
         peak += state.backward_step_gap(k)
         phase = "forward" if k < forward_end else "backward"
         if k == state.step_seg:

@@ -24,6 +24,10 @@ save-set keeps, ``held_bytes``, are on the device in every segment after its for
 backward, its forward and backward segments peak by the save-set's ``fwd_rel_peak`` / ``bwd_rel_peak``, and its
 backward recomputes for the save-set's ``recompute_time`` instead of the whole forward.
 
+A group the profiled run freed partway through a segment whose peak came after (a mask made outside the units that
+the model's forward let go of before its head: ``StorageGroup.death_seg`` / ``late_bytes``) adds ``late_bytes`` to that
+segment's peak when the plan holds it past the segment (its last holder's backward, or its liveness, is later).
+
 These rules are exactly what the runtime does, so memory is predicted from structure, not from timing.
 
 **Optimizer state, gradients and parameters** (plan schema 2; :class:`StateTable`). Each unit's placement
@@ -483,6 +487,11 @@ class Simulator:
         self.g_owner_onehot[np.arange(G), self.g_owner] = 1.0
         self.groups_at = {b: np.nonzero((self.g_eligible | self.g_ro_eligible) & (self.g_free == b))[0]
                           for b in set(self.g_free.tolist()) if b >= 0}
+        # freed partway through a segment whose peak came later: held past it, they add to that peak
+        self.g_late = np.array([getattr(g, "late_bytes", 0) for g in gs], dtype=np.float64)
+        self.g_death = np.array([d if (d := getattr(g, "death_seg", None)) is not None else -1 for g in gs],
+                                dtype=np.int64)
+        self.late_groups = np.nonzero((self.g_late > 0) & (self.g_death >= 0))[0]
 
     # ------------------------------------------------------------------ batched evaluation
     def evaluate(self, strategies: np.ndarray, windows: np.ndarray, distances: np.ndarray,
@@ -568,6 +577,10 @@ class Simulator:
             rel[:, self.bwd_seg] = np.where(sel, self.sel_bwd_rel[units, sel_j], rel[:, self.bwd_seg])
         st_seg, st_step, st_time, st_moved = self._state_part(states, B)
         peaks = self.start_level[None] + delta + rel + st_seg
+        lg = self.late_groups
+        if lg.size:  # held past the segment the profiled run freed them in, partway (StorageGroup.late_bytes)
+            late = np.where(plan_end[:, lg] > self.g_death[lg][None], self.g_late[lg][None], 0.0)
+            np.add.at(peaks, (slice(None), self.g_death[lg]), late)
         peak = np.maximum(peaks.max(axis=1), st_step) if states is not None else peaks.max(axis=1)
         # ---- time
         off_nb = nb * off

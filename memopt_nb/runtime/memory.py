@@ -43,12 +43,32 @@ class _MeterBase:
     def __init__(self) -> None:
         self.marks: list[tuple[Any, int, int]] = []
         self._mark_peak = 0
+        self._carry = 0  # peak of the parts of the current interval that split() closed
 
     def mark(self, label: Any) -> None:
         """Record the current level and the peak since the previous mark, then start a new interval."""
         level = self.current
-        self.marks.append((label, level, max(self._interval_peak(), level)))
+        self.marks.append((label, level, max(self._interval_peak(), level, self._carry)))
+        self._carry = 0
         self._reset_interval(level)
+
+    def split(self, dying: int | None = None) -> int:
+        """Close a part of the current interval here and return its peak (the interval's own peak keeps it).
+
+        ``dying``: the key (``id``) of a storage being freed right now, from a finalizer that runs before the meter has
+        counted the free; the part after this point starts without it where the meter can tell (the CPU tracker; on
+        CUDA the allocator frees it after the finalizer, so that part's peak may count it once more).
+        """
+        if dying is not None:
+            self._forget(dying)
+        level = self.current
+        part = max(self._interval_peak(), level)
+        self._carry = max(self._carry, part)
+        self._reset_interval(level)
+        return part
+
+    def _forget(self, key: int) -> None:
+        """Count a storage whose Python object is being freed as gone (a meter that can tell)."""
 
     # implemented by subclasses
     current: int
@@ -151,6 +171,13 @@ class StorageTracker(_MeterBase, TorchDispatchMode):
 
     def _reset_interval(self, level: int) -> None:
         self._ipeak = level
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None and entry[0]() is None:  # dead, its weak-reference callback still to come
+                del self._live[key]
+                self.current -= entry[1]
 
     # -- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204

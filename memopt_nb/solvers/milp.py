@@ -304,6 +304,7 @@ class Formulation:
             if self.rc[c] and c not in savers:
                 var_holders.append((int(sim.bwd_seg[c]), dict(self.rc[c])))
         fixed_end = max(fixed + [floor_end])
+        death, late = int(sim.g_death[g]), float(sim.g_late[g])
         for k in range(S):
             base = 1.0 if k <= base_end else 0.0
             if k <= fixed_end:
@@ -321,6 +322,9 @@ class Formulation:
                         _add(row, {j: -a for j, a in e.items() if j >= 0})
                         p.row(row, lo=e.get(-1, 0.0))
                     res = {y: 1.0}
+            if late > 0 and death >= 0 and k == death + 1:  # held past where the profiled run freed it, partway
+                self.mem_const[death] += late * res.get(-1, 0.0)
+                _add(self.mem_expr[death], {j: a for j, a in res.items() if j >= 0}, late)
             change = dict(res)
             change[-1] = change.get(-1, 0.0) - base
             const = change.pop(-1, 0.0)
