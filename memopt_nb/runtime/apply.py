@@ -103,7 +103,7 @@ def _unplanned_forward(module: nn.Module, previous: Any = None) -> Any:
 
 def _value_key(v: Any, depth: int = 0) -> Any:
     if isinstance(v, torch.Tensor):
-        return (v.shape, v.dtype, v.device, v.layout, v.requires_grad)
+        return (v.shape, v.stride(), v.dtype, v.device, v.layout, v.requires_grad)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, (tuple, list)) and depth < 2:
@@ -115,9 +115,9 @@ def _value_key(v: Any, depth: int = 0) -> Any:
 
 def _call_key(modules: list[nn.Module], args: tuple, kwargs: dict) -> tuple:
     """What decides which tensors a unit's forward saves for backward, as far as a call shows it: the arguments'
-    shapes, dtypes, devices and ``requires_grad`` (other arguments by value or identity; a cache by the tensors it
-    holds), the modules' training modes and which parameters need grad, and whether autocast is on (grad mode is on:
-    the caller checks)."""
+    shapes, strides, dtypes, devices and ``requires_grad`` (other arguments by value or identity; a cache by the
+    tensors it holds), the modules' training modes and which parameters need grad, and whether autocast is on (grad
+    mode is on: the caller checks)."""
     return (tuple(_value_key(a) for a in args), tuple((k, _value_key(v)) for k, v in kwargs.items()),
             tuple(m.training for m in modules),
             tuple(p.requires_grad for m in modules for p in m._parameters.values() if p is not None),
@@ -182,7 +182,7 @@ class PlannedForward:
     def _checkpointed(self, args: tuple, kwargs: dict) -> Any:
         """A recompute or selective unit's forward. A selective unit whose save-set turned out to keep every tensor
         its backward needs (its recomputation was skipped: :class:`~memopt_nb.runtime.recompute._DirectSaves`) runs
-        later calls made the same way (same argument shapes, dtypes and ``requires_grad``, same training mode,
+        later calls made the same way (same argument shapes, strides, dtypes and ``requires_grad``, same training mode,
         autocast and parameters needing grad: :func:`_call_key`) as a keep unit: without the checkpoint and the
         caching modes. That forward runs the same ops and backward gets the same tensors, so results are
         bit-identical; it holds no more memory (only what autograd saves, not the inputs and kept outputs the
