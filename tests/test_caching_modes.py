@@ -321,15 +321,12 @@ def test_a_unit_whose_needs_are_all_kept_runs_as_a_keep_unit_after_its_first_for
         return real(guard, *args, **kwargs)
 
     monkeypatch.setattr(apply_mod, "checkpointed", counted)
-    forwards = {}
 
     def selective(model, x, y):
         prof = memopt.profile(model, x, loss_fn=lambda o: F.cross_entropy(o, y), repeats=1, selective=True,
                               units=[f"blocks.{i}" for i in range(4)])
         calls.clear()  # the profile's own runs aside
-        plan = Plan.from_strategies(prof, ["selective:matmuls"] * 4)
-        forwards["model"] = model
-        return plan
+        return Plan.from_strategies(prof, ["selective:matmuls"] * 4)
 
     losses, params, *_ , model, x, y = _stack_run(selective, steps=3)
     assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
@@ -337,7 +334,6 @@ def test_a_unit_whose_needs_are_all_kept_runs_as_a_keep_unit_after_its_first_for
     # blocks 0 and 2 went through the checkpoint in the first step only, 1 and 3 (GELU: recomputed) every step
     assert sorted(calls) == sorted(["blocks.0", "blocks.2"] + ["blocks.1", "blocks.3"] * 3)
 
-    calls.clear()
     with memopt.plan(Plan.from_strategies(memopt.profile(model, x, loss_fn=lambda o: F.cross_entropy(o, y),
                                                          repeats=1, selective=True,
                                                          units=[f"blocks.{i}" for i in range(4)]),

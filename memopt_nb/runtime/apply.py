@@ -109,7 +109,7 @@ def _value_key(v: Any, depth: int = 0) -> Any:
     if isinstance(v, (tuple, list)) and depth < 2:
         return (type(v), tuple(_value_key(x, depth + 1) for x in v))
     if is_cache(v):  # a new one each step (Hugging Face's DynamicCache): by what it holds so far
-        return (type(v), tuple(_value_key(t, 2) for t in cache_tensors(v)))
+        return (type(v), tuple(_value_key(t) for t in cache_tensors(v)))
     return (type(v), id(v))  # any other object: this very one (a new object each call never matches)
 
 
