@@ -340,3 +340,26 @@ def test_recompute_offload_never_raises_the_floor(small):
     everything = solvers.recompute_offload_all(prof)
     assert everything.strategies == ["recompute_offload"] * prof.n_units
     assert everything.predicted_peak_bytes <= solvers.recompute_all(prof).predicted_peak_bytes
+
+
+@pytest.mark.parametrize("copies", ["inline", "threaded"])
+def test_copies_on_either_thread_train_bit_equal_at_the_predicted_peak(small, monkeypatch, copies):
+    """The emulated copy engine moves a small job on the training thread and a large one on its worker threads
+    (``ThreadCopyEngine.INLINE_BYTES``). Either way the bits, the measured peak (the host store is never counted) and
+    the bytes moved are the same; the engine's job counts say which thread did it."""
+    from memopt_nb.runtime.swap import ThreadCopyEngine
+
+    monkeypatch.setattr(ThreadCopyEngine, "INLINE_BYTES", 1 << 40 if copies == "inline" else 0)
+    name = "gpt"
+    prof = small[name]
+    n = prof.n_units
+    ref_m = measured(name, None)
+    ref, _ = train(name, None)
+    mixed = ["recompute_offload", "keep", "swap", "recompute_offload", "recompute", "swap"]
+    for w, d in ((1, 1), (WINDOWS[-1], DISTANCES[-1])):
+        plan = Plan.from_strategies(prof, (mixed * 2)[:n], offload_window=w, prefetch_distance=d)
+        got, stats = train(name, plan)
+        assert_same(ref, got, copies, w, d)
+        assert stats[f"copy_jobs_{copies}"] > 0
+        assert stats.get(f"copy_jobs_{'threaded' if copies == 'inline' else 'inline'}", 0) == 0
+        check_ro(name, prof, plan, ref_m, copies, w, d)

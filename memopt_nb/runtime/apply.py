@@ -129,6 +129,24 @@ def _call_key(modules: list[nn.Module], args: tuple, kwargs: dict) -> tuple:
 COMPLETE_AS_KEEP = True
 
 
+class _UnitPtrs:
+    """The storages a unit's saved tensors are never moved from: the model's parameters and buffers when the plan was
+    applied, and the parameters the unit's modules hold when its forward runs (a sharded module's all-gathered ones,
+    read from each module's ``_parameters`` as it is then), listed on the first question only."""
+
+    __slots__ = ("model", "modules", "own")
+
+    def __init__(self, model: set[int], modules: list[nn.Module]) -> None:
+        self.model, self.modules, self.own = model, modules, None
+
+    def __contains__(self, ptr: int) -> bool:
+        if ptr in self.model:
+            return True
+        if self.own is None:
+            self.own = plain_storage_ptrs(p for m in self.modules for p in m._parameters.values() if p is not None)
+        return ptr in self.own
+
+
 class PlannedForward:
     """A unit's ``forward`` while a plan is applied (an instance attribute, which ``nn.Module.__call__`` finds first).
 
@@ -136,13 +154,14 @@ class PlannedForward:
     copy made inside the block is an independent model without the plan.
     """
 
-    __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "inner", "save_ops",
-                 "complete")
+    __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "submodules", "inner",
+                 "save_ops", "complete")
 
     def __init__(self, applied: AppliedPlan, index: int, module: nn.Module, strategy: str, previous: Any,
                  guard: ReplayGuard | None, model_ptrs: set[int]) -> None:
         self.applied, self.index, self.module, self.strategy = applied, index, module, strategy
         self.previous, self.guard, self.model_ptrs = previous, guard, model_ptrs
+        self.submodules = guard.modules if guard is not None else list(module.modules())
         self.inner = _unplanned_forward(module, previous)
         self.save_ops = applied.plan.decisions[index].save_ops or None  # selective: the op outputs it keeps
         #: selective: the call (see :func:`_call_key`) after which the save-set was found to keep everything backward
@@ -169,7 +188,7 @@ class PlannedForward:
         if self.guard is not None and self.strategy != "recompute_offload":
             out = self._checkpointed(args, kwargs)
         else:
-            ptrs = self.model_ptrs | plain_storage_ptrs(self.module.parameters())
+            ptrs = _UnitPtrs(self.model_ptrs, self.submodules)
             if self.guard is not None:  # recompute_offload: the inputs its checkpoint keeps go to the host
                 out = checkpointed(self.guard, inner, args, kwargs, hold=lambda t: engine.pack(p, index, ptrs, t),
                                    fetch=engine.unpack)

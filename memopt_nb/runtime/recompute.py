@@ -734,12 +734,12 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
             if state[1]:
                 held[:] = _without_caches(held[0], held[1])
             if hold is not None:
-                held[:] = tree_map(lambda v: _Held(hold(v), v.requires_grad) if isinstance(v, torch.Tensor) else v,
-                                   (held[0], held[1]))
+                held[:] = _map_leaves(lambda v: _Held(hold(v), v.requires_grad) if isinstance(v, torch.Tensor) else v,
+                                      held[0], held[1])
             return out
         a, k = held
         if fetch is not None:  # a fetched tensor needs grad as the input did: ops save the same tensors again
-            a, k = tree_map(lambda v: _fetched(fetch, v) if isinstance(v, _Held) else v, (a, k))
+            a, k = _map_leaves(lambda v: _fetched(fetch, v) if isinstance(v, _Held) else v, a, k)
         return guard.again(again_fwd, a, k, memo[0])
 
     leaves = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
@@ -747,6 +747,17 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
     tensors = leaves if hold is None else [torch.empty(0, device=d) for d in dict.fromkeys(t.device for t in leaves)]
     del args, kwargs, leaves
     return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
+
+
+_FLAT = (torch.Tensor, _Held, int, float, bool, str, type(None))
+
+
+def _map_leaves(fn: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``tree_map(fn, (args, kwargs))``, without building tree specs when no argument is a container (the usual
+    call of a unit: a few tensors and flags)."""
+    if all(isinstance(v, _FLAT) for v in args) and all(isinstance(v, _FLAT) for v in kwargs.values()):
+        return tuple(fn(v) for v in args), {k: fn(v) for k, v in kwargs.items()}
+    return tree_map(fn, (args, kwargs))
 
 
 def _under(mode: Any, forward: Callable[..., Any]) -> Callable[..., Any]:

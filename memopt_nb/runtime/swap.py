@@ -16,8 +16,9 @@ Life of a record in one forward pass (see :mod:`memopt_nb.plan` for the timing k
    needs them); the first unpack waits for it. An unpack that finds its record still on the host fetches it on demand.
 
 On CUDA the copies run on two side streams into a reusable pinned host pool, ordered with events. On the CPU the
-training device is emulated: two worker threads play the copy engines and the host store is invisible to the memory
-tracker, so the saving is an emulation there.
+training device is emulated: two worker threads play the copy engines (a job of at most
+``ThreadCopyEngine.INLINE_BYTES`` is copied on the calling thread, which costs it less than the hand-off) and the host
+store is invisible to the memory tracker, so the saving is an emulation there.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Container
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..plan import OFFLOADING
 from .memory import note_device_storage
@@ -69,8 +72,11 @@ class HostPool:
         if storage is None:
             self.allocations += 1
             self.allocated_bytes += size
-            t = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-            return t.untyped_storage()
+            if self.pin:
+                return torch.empty(size, dtype=torch.uint8, pin_memory=True).untyped_storage()
+            # a storage made directly, not by an operator: the CPU meter (a dispatch mode of the thread that asks
+            # here, which may be the training thread) never sees the host store
+            return torch.UntypedStorage(size)
         if ready is not None:
             ready.synchronize()
         return storage
@@ -138,12 +144,28 @@ def _manageable(t: torch.Tensor) -> bool:
     return is_plain(t) and t.device.type in ("cpu", "cuda")
 
 
+#: the event of a copy made on the calling thread: already done
+_DONE = threading.Event()
+_DONE.set()
+
+
 class ThreadCopyEngine:
-    """Copy engines of the emulated CPU device: one worker thread per direction, one job per batch of records."""
+    """Copy engines of the emulated CPU device: one worker thread per direction, one job per batch of records.
+
+    A job of at most :attr:`INLINE_BYTES` runs on the calling thread instead: handing it to a worker (a queue, a
+    wake-up, the interpreter lock going back and forth while the training thread runs its ops) costs the training
+    thread more than the memmove itself (a 512 KiB memmove takes ~16 µs here, one idle round trip to a worker ~60 µs).
+    What is copied and when a storage is released are the same either way; only which thread moves the bytes differs.
+    """
+
+    #: jobs of at most this many bytes are copied on the calling thread (``0``: every job goes to a worker)
+    INLINE_BYTES = 1 << 20
 
     def __init__(self, threads: bool = True) -> None:
         self.pool = HostPool(pin=False)
         self.closed = not threads  # without threads every copy runs on the caller (a plan already removed)
+        #: copy jobs run so far: ``"inline"`` on the calling thread, ``"threaded"`` by a worker
+        self.jobs: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self._queues = {"d2h": queue.Queue(), "h2d": queue.Queue()}
         self._threads = [threading.Thread(target=self._work, args=(q,), daemon=True, name=f"memopt-{k}")
@@ -179,30 +201,35 @@ class ThreadCopyEngine:
                 self.pool.put(host)
             del host
 
-    def _submit(self, kind: str, recs: list[_Record], ev: threading.Event) -> None:
-        with self._lock:
-            if not self.closed:
-                self._queues[kind].put((kind, list(recs), ev))
-                return
-        self._copy(kind, recs)  # closed (the plan was removed): copy on the calling thread, start no thread
-        ev.set()
+    def _submit(self, kind: str, recs: list[_Record], event: str) -> None:
+        """Copy ``recs`` (``kind``: ``"d2h"`` or ``"h2d"``); each record's attribute ``event`` is set to an event that
+        is set once they are copied (before the copy starts: another thread may wait on it)."""
+        if sum(rec.nbytes for rec in recs) > self.INLINE_BYTES:
+            with self._lock:
+                if not self.closed:
+                    ev = threading.Event()
+                    for rec in recs:
+                        setattr(rec, event, ev)
+                    self._queues[kind].put((kind, list(recs), ev))
+                    self.jobs["threaded"] += 1
+                    return
+        # a small job, or the engine is closed (the plan was removed): copy on the calling thread, start no thread
+        self._copy(kind, recs)
+        for rec in recs:
+            setattr(rec, event, _DONE)
+        self.jobs["inline"] += 1
 
     def offload(self, recs: list[_Record]) -> None:
-        ev = threading.Event()
-        for rec in recs:
-            rec.off_event = ev
-        self._submit("d2h", recs, ev)
+        self._submit("d2h", recs, "off_event")
 
     def wait_offload(self, rec: _Record) -> None:
         rec.off_event.wait()
 
     def prefetch(self, recs: list[_Record]) -> None:
-        ev = threading.Event()
         for rec in recs:
             rec.back = torch.UntypedStorage(rec.nbytes, device=rec.device)
             note_device_storage(rec.back)
-            rec.back_event = ev
-        self._submit("h2d", recs, ev)
+        self._submit("h2d", recs, "back_event")
 
     def wait_prefetch(self, rec: _Record) -> None:
         rec.back_event.wait()
@@ -341,6 +368,7 @@ class SwapEngine:
         out: collections.Counter = collections.Counter()
         for eng in self._copy.values():
             out.update(eng.pool.stats())
+            out.update({f"copy_jobs_{k}": v for k, v in getattr(eng, "jobs", {}).items()})
         return dict(out)
 
     # ------------------------------------------------------------------ unit boundaries
@@ -407,8 +435,6 @@ class SwapEngine:
 
     # ------------------------------------------------------------------ backward triggers
     def _hook_trigger(self, p: _Pass, index: int, output: Any) -> None:
-        from torch.utils._pytree import tree_leaves
-
         fired = [False]
 
         def hook(grad: torch.Tensor) -> None:
@@ -439,11 +465,11 @@ class SwapEngine:
             self._engine(device).prefetch(batch)
 
     # ------------------------------------------------------------------ saved tensor hooks
-    def hooks(self, p: _Pass, index: int, param_ptrs: set[int]) -> torch.autograd.graph.saved_tensors_hooks:
+    def hooks(self, p: _Pass, index: int, param_ptrs: Container[int]) -> torch.autograd.graph.saved_tensors_hooks:
         """``saved_tensors_hooks`` for unit ``index`` in pass ``p``."""
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(p, index, param_ptrs, t), self._unpack)
 
-    def pack(self, p: _Pass, index: int, param_ptrs: set[int], t: torch.Tensor) -> Any:
+    def pack(self, p: _Pass, index: int, param_ptrs: Container[int], t: torch.Tensor) -> Any:
         """What unit ``index`` keeps of ``t`` for its backward: ``t`` itself (a parameter, an empty or unmanaged
         tensor), or a handle to the storage's record, owned by the highest unit that packed it. Used for the tensors
         autograd saves inside a unit and for the inputs a ``recompute_offload`` unit's checkpoint keeps."""
