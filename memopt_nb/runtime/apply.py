@@ -143,7 +143,7 @@ class _UnitPtrs:
         if ptr in self.model:
             return True
         if self.own is None:
-            self.own = plain_storage_ptrs(p for m in self.modules for p in m._parameters.values() if p is not None)
+            self.own = plain_storage_ptrs(p for m in self.modules for p in m._parameters.values())  # skips None
         return ptr in self.own
 
 

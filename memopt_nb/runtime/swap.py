@@ -202,8 +202,8 @@ class ThreadCopyEngine:
             del host
 
     def _submit(self, kind: str, recs: list[_Record], event: str) -> None:
-        """Copy ``recs`` (``kind``: ``"d2h"`` or ``"h2d"``); each record's attribute ``event`` is set to an event that
-        is set once they are copied (before the copy starts: another thread may wait on it)."""
+        """Copy ``recs`` (``kind``: ``"d2h"`` or ``"h2d"``); each record's attribute ``event`` becomes an event set once
+        they are copied: for a job handed to a worker, before it is queued; for one copied here, after the copy."""
         if sum(rec.nbytes for rec in recs) > self.INLINE_BYTES:
             with self._lock:
                 if not self.closed:
