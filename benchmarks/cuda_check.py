@@ -5,7 +5,8 @@ Activation plans, per zoo model (GPT-style and ResNet-style by default) at a GPU
 1. loss and gradients under keep / recompute / swap / mixed plans equal plain training (deterministic algorithms on);
 2. the swap engine really uses its side copy streams and pinned pool (engine stats: bytes moved, pool reuse);
 3. ``torch.cuda.max_memory_allocated`` under each plan vs the simulator's predicted peak (the profile is taken on the
-   GPU, so the allocator's view, workspaces included, is what the simulator starts from);
+   GPU, so the allocator's view, workspaces included, is what the simulator starts from; a measured peak more than
+   5 % + 2 MiB off the prediction fails: above it, a plan made for a budget would overrun it);
 4. step time under each plan vs keep-all, measured vs simulated.
 
 Whole-step plans (optimizer state, gradients and parameters placed per unit), on a zoo model and the
@@ -17,16 +18,22 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
    default on CUDA), Adam ``fused=True``, AdamW and SGD with momentum — and that each plan really moved bytes
    (``AppliedPlan.stats``);
 6. per whole-step plan, the measured peak (``memopt.measure``: ``torch.cuda.max_memory_allocated`` on CUDA) and step
-   time vs ``memopt.simulate``; plus one plan searched with ``offload_state=True`` at a budget below the
-   activation-only floor (its measured peak vs the budget, and its bit equality);
+   time vs ``memopt.simulate`` (the same peak check as 3); plus one plan searched with ``offload_state=True`` at a
+   budget below the activation-only floor (its measured peak vs the budget, and its bit equality);
 7. from a ``torch.profiler`` trace of one step: the state copies run on side streams (not the compute stream), to and
    from pinned host memory, and how much of their time overlaps compute kernels;
 8. ``--pytest``: the CUDA tests of the test suite (``-k cuda``), pass/fail counts recorded;
 9. the runtime overheads of ``benchmarks/runtime_overhead.py`` on the GPU (issue 12 targets <= 1.03, reported, not
    checked): (c) ``recompute_offload`` vs recompute plus the simulator's copy time, (d) ``selective`` keeping every
-   op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide.
+   op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide;
+10. the swap engine's cost per storage copied on the GPU, beyond the bytes (reported; CUDA detection leaves
+   ``DeviceSpec.copy_overhead_s`` at 0).
 
-    python benchmarks/cuda_check.py [--quick] [--pytest] [--out DIR]     # on the GPU machine: ~8 min, --quick ~4
+Bit equality runs with deterministic algorithms and their NaN fill of new memory; timing runs without the fill (one
+kernel per new tensor, which would charge a plan for every buffer it makes).
+
+    python benchmarks/cuda_check.py [--quick] [--pytest] [--out DIR]     # on the GPU machine (--quick --pytest: 83-87 s
+                                                                        # on an H200, 2026-12-04; the full set: not run)
     python benchmarks/cuda_check.py --dry-run                               # anywhere: every plan and check on CPU
 
 ``--dry-run`` builds every plan and runs every check on the CPU at tiny sizes (the trace check needs CUDA and is
@@ -43,6 +50,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch init
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
@@ -145,6 +153,21 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+@contextlib.contextmanager
+def no_fill() -> Any:
+    """Timing without deterministic mode's NaN fill of every new tensor (a kernel per ``torch.empty``, which would
+    charge a plan for each buffer it makes); the bit-equality checks keep the fill, which also catches a read of
+    uninitialised memory."""
+    import torch.utils.deterministic as det
+
+    old = det.fill_uninitialized_memory
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = old
 
 
 def kernel_of(opt: torch.optim.Optimizer, device: torch.device) -> str:
@@ -337,8 +360,9 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
     for label, plan in plans.items():
         what = f"activation {name}/{label}"
         sim = memopt.simulate(prof, plan)
-        m = guarded(lambda p=plan: memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, plan=p,
-                                                  steps=cfg.measure_steps), failures, what)
+        with no_fill():
+            m = guarded(lambda p=plan: memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, plan=p,
+                                                      steps=cfg.measure_steps), failures, what)
         if m is None:
             continue
         base = base or m
@@ -355,8 +379,11 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
             "peak_err_pct": 100 * (sim.peak_bytes - m.peak_bytes) / m.peak_bytes,
             "sim_ms": sim.step_time * 1e3, "meas_ms": m.step_time * 1e3,
             "time_ratio_vs_keep": m.step_time / base.step_time,
-            "grads_equal": equal, "swap_stats": m.swap_stats,
+            "grads_equal": equal, "swap_stats": m.swap_stats, "other_MiB": m.other_bytes / MiB,
         }
+        problem = peak_problem(what, sim.peak_bytes, m.peak_bytes)
+        if problem:
+            failures.append(problem)
         rows.append(row)
         print(json.dumps(row, default=str))
     return rows
@@ -450,6 +477,7 @@ def whole_model(name: str, cfg: Config, failures: list[str]) -> tuple[list[dict]
                         "state_counts": plan.state_counts(),
                         "mover": got[2]["mover"], "stats": short_stats(got[2]["stats"])})
     refs.clear()
+    ref = got = None  # the last plain and planned runs' models and optimizers: not on the device while measuring
 
     # peak and time, measured vs simulated (the profile's optimizer: Adam, default kernel)
     mem_plans = {"keep": keep, **plans, **({"search": searched} if searched else {})}
@@ -457,8 +485,9 @@ def whole_model(name: str, cfg: Config, failures: list[str]) -> tuple[list[dict]
     for label, plan in mem_plans.items():
         what = f"measure {name}/{label}"
         sim = memopt.simulate(prof, plan)
-        m = guarded(lambda p=plan: memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, plan=p,
-                                                  steps=cfg.measure_steps), failures, what)
+        with no_fill():
+            m = guarded(lambda p=plan: memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, plan=p,
+                                                      steps=cfg.measure_steps), failures, what)
         if m is None:
             continue
         base = base or m
@@ -472,13 +501,16 @@ def whole_model(name: str, cfg: Config, failures: list[str]) -> tuple[list[dict]
                "sim_ms": sim.step_time * 1e3, "meas_ms": m.step_time * 1e3,
                "time_err_pct": 100 * (sim.step_time - m.step_time) / m.step_time,
                "time_ratio_vs_keep": m.step_time / base.step_time,
-               "moved_ok": not moved, "stats": short_stats(m.swap_stats)}
+               "moved_ok": not moved, "stats": short_stats(m.swap_stats), "other_MiB": m.other_bytes / MiB}
         if label == "search":
             row["budget_MiB"] = info["budget_MiB"]
             row["within_budget"] = m.peak_bytes <= info["budget_bytes"]
             if not row["within_budget"]:
                 failures.append(f"{what}: measured peak {m.peak_bytes / MiB:.1f} MiB over the budget "
                                 f"{info['budget_MiB']:.1f} MiB")
+        problem = peak_problem(what, sim.peak_bytes, m.peak_bytes)
+        if problem:
+            failures.append(problem)
         mem_rows.append(row)
         print(json.dumps(row, default=str))
     return eq_rows, mem_rows, search_rows
@@ -598,7 +630,8 @@ def pytest_section(cfg: Config, failures: list[str], out: Path, select: str = "c
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=cfg.pytest_timeout,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     except subprocess.TimeoutExpired:
         failures.append(f"pytest: timed out after {cfg.pytest_timeout:.0f} s")
         return {"command": " ".join(cmd), "timed_out": True}
@@ -615,6 +648,36 @@ def pytest_section(cfg: Config, failures: list[str], out: Path, select: str = "c
     return res
 
 
+# ---------------------------------------------------------------------- per-storage copy cost
+def copy_cost_section(cfg: Config, failures: list[str]) -> dict[str, Any]:
+    """The training thread's cost per storage copied by the swap engine on this device, beyond the bytes (the chain
+    that CPU detection calibrates ``DeviceSpec.copy_overhead_s`` with; CUDA detection leaves it 0): reported, so that
+    the simulator's CUDA step times can be judged with it in mind."""
+    from memopt_nb.device import _calibrate_copy_overhead
+
+    spec = memopt.DeviceSpec.detect(cfg.device)
+    bandwidth = min(spec.h2d_bytes_per_s, spec.d2h_bytes_per_s)
+    runs = [guarded(lambda: _calibrate_copy_overhead(bandwidth, cfg.device), failures, "copy cost")
+            for _ in range(3)]
+    runs = [r for r in runs if r is not None]
+    if not runs:
+        return {}
+    got = {"per_storage_us": sorted(runs)[len(runs) // 2] * 1e6, "runs_us": [r * 1e6 for r in runs],
+           "in_spec_us": spec.copy_overhead_s * 1e6}
+    print(f"per-storage copy cost: {got['per_storage_us']:.1f} µs (runs {got['runs_us']}), "
+          f"detection's {got['in_spec_us']:.1f} µs")
+    return got
+
+
+def peak_problem(what: str, sim_bytes: int, meas_bytes: int) -> str | None:
+    """A measured peak off the simulator's by more than 5 % + 2 MiB. Above it, a plan made for a budget would overrun
+    it; below it, the plan gives away memory it could use (or the measurement missed some)."""
+    if abs(meas_bytes - sim_bytes) > 0.05 * sim_bytes + 2 * MiB:
+        return (f"{what}: measured peak {meas_bytes / MiB:.1f} MiB vs the simulated {sim_bytes / MiB:.1f} MiB, "
+                f"off by more than 5 % + 2 MiB")
+    return None
+
+
 # ---------------------------------------------------------------------- runtime overhead (issue 12)
 def overhead_section(cfg: Config, failures: list[str]) -> list[dict]:
     """``runtime_overhead.run_model`` per activation model on this device: the ratios (a)-(d), reported (goals, not
@@ -625,8 +688,9 @@ def overhead_section(cfg: Config, failures: list[str]) -> list[dict]:
     rows = []
     for name in cfg.models:
         batch = 2 if cfg.dry_run else memopt.zoo.build(name).inputs[0].shape[0] * 4
-        got = guarded(lambda name=name, batch=batch: runtime_overhead.run_model(
-            name, batch, reps=5 if cfg.dry_run else 9, device=cfg.device.type), failures, f"overhead {name}")
+        with no_fill():
+            got = guarded(lambda name=name, batch=batch: runtime_overhead.run_model(
+                name, batch, reps=5 if cfg.dry_run else 9, device=cfg.device.type), failures, f"overhead {name}")
         if got:
             rows.append({k: got[k] for k in ("model", "batch", "keep", "rc", "ro", "copy", "sac", "ratio_a",
                                              "ratio_b", "ratio_c", "ratio_d", "paired_c", "paired_d")})
@@ -691,6 +755,11 @@ def tables(result: dict) -> str:
             lines.append(f"- side streams, {r['model']}/{r['plan']}: {r['copies_on_side_streams']} of "
                          f"{r['copies_total']} copies on side streams, {r['copies_pinned']} to/from pinned memory, "
                          f"{r['copy_us_overlapping_kernels']:.0f} of {r['copy_us']:.0f} µs overlapping kernels")
+    cc = result.get("copy_cost")
+    if cc:
+        lines.append(f"- per-storage copy cost of the swap engine on this device: {cc['per_storage_us']:.1f} µs per "
+                     f"storage and direction (median of {len(cc['runs_us'])}; detection uses "
+                     f"{cc['in_spec_us']:.1f} µs)")
     ov = result.get("overhead", [])
     if ov:
         lines += ["", "### Runtime overhead (goal <= 1.03 each; medians of interleaved pairs)", "",
@@ -723,7 +792,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--search-timesteps", type=int, default=None,
                     help="PPO timesteps of each search (default 20000; --quick 6000; --dry-run 600)")
     ap.add_argument("--no-search", action="store_true", help="skip the searched whole-step plan")
-    ap.add_argument("--quick", action="store_true", help="fewer models and (optimizer, plan) pairs: ~4 min on a GPU")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer models and (optimizer, plan) pairs: ~90 s on an H200 with --pytest")
     ap.add_argument("--dry-run", action="store_true",
                     help="run every plan and check on the CPU at tiny sizes (tests the script without a GPU)")
     ap.add_argument("--pytest", action="store_true", help="also run the CUDA tests (-k cuda) and record the counts")
@@ -790,6 +860,8 @@ def main(argv: list[str] | None = None) -> int:
         section("whole_step", lambda: whole_section(cfg, failures, result, save))
     else:
         result.update(whole_equal=[], whole_memory=[], search=[])
+    save()
+    result["copy_cost"] = section("copy_cost", lambda: copy_cost_section(cfg, failures))
     save()
     result["streams"] = section("streams", lambda: stream_section(cfg, failures, out)) if cfg.whole_models else []
     save()

@@ -300,13 +300,14 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _calibrate_copy_overhead(bandwidth: float) -> float:
+def _calibrate_copy_overhead(bandwidth: float, device: Any = "cpu") -> float:
     """Seconds per storage and direction that the real CPU swap path costs beyond moving the bytes.
 
     Runs a chain of ``_CAL_UNITS`` units, each saving ``_CAL_STORAGES`` small storages, forward and backward with the
     swap engine (every unit swapped, offload window 1, prefetch distance 1) and without it, interleaved, and takes the
     difference of the fastest runs (a shared machine only ever slows a run down), less the bytes' own copy time, per
-    storage and direction. About 0.1-0.3 s; leaves torch's random state alone.
+    storage and direction. About 0.1-0.3 s; leaves torch's random state alone. ``device``: where the chain runs
+    (``benchmarks/cuda_check.py`` reads the CUDA figure with its side streams and events; detection does not use it).
     """
     import torch
 
@@ -314,6 +315,8 @@ def _calibrate_copy_overhead(bandwidth: float) -> float:
     from .runtime.swap import SwapEngine
 
     n, k = _CAL_UNITS, _CAL_STORAGES
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     strategies = ["swap"] * n
     engine = SwapEngine(strategies, [1] * n, effective_triggers(strategies, [1] * n))
 
@@ -323,7 +326,8 @@ def _calibrate_copy_overhead(bandwidth: float) -> float:
         return h * 2.0
 
     def step(swap: bool) -> float:
-        x = torch.ones(_CAL_NUMEL, requires_grad=True)
+        x = torch.ones(_CAL_NUMEL, device=device, requires_grad=True)
+        sync()
         t0 = time.perf_counter()
         h = x
         for i in range(n):
@@ -336,6 +340,7 @@ def _calibrate_copy_overhead(bandwidth: float) -> float:
                 y = unit(h)
             h = y
         h.sum().backward()
+        sync()
         return time.perf_counter() - t0
 
     try:

@@ -51,3 +51,56 @@ def test_swap_all_moves_saved_bytes_off_the_device(name, zoo_profiles):
     saved = sum(g.nbytes for g in prof.groups if g.savers and not g.outside_saver and g.free_pos is not None)
     assert per_step == m.swap_stats["prefetched_bytes"] / (steps + 2)
     assert per_step >= 0.9 * saved, (name, per_step / saved)
+
+
+class _FakeAllocator:
+    """Stands in for the CUDA caching allocator's counters (no GPU here): ``allocated`` and its peak since a reset."""
+
+    def __init__(self, start: int) -> None:
+        self.allocated = self.max = start
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.max = max(self.max, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def reset(device=None) -> None:
+            self.max = self.allocated
+
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.max)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_cuda_meter_counts_the_training_alone(monkeypatch):
+    """CudaMeter leaves out what other tensors held on the device when it started (on a GPU, a leftover model made the
+    whole-step peaks of benchmarks/cuda_check.py read 28 parameter sizes high), and rounds the tracked tensors up to
+    the allocator's 512-byte blocks, so a step's peak reads the same with or without other tensors around."""
+    from memopt_nb.runtime.memory import CudaMeter
+
+    model = torch.nn.Linear(3, 5)  # weight 60 B, bias 20 B: one 512-byte block each
+    model(torch.ones(2, 3)).sum().backward()  # grads: two more blocks
+    x = torch.ones(200)  # 800 B: two blocks
+    own = 4 * 512 + 1024
+    peaks = []
+    for other in (0, 3 * 2**20):
+        fake = _FakeAllocator(own + other)
+        fake.install(monkeypatch)
+        meter = CudaMeter("cpu")  # the device type the tracked tensors live on
+        meter.track(model, None, [x, x[10:]], {})  # a view: its storage once
+        assert meter.tracked_bytes() == own
+        with meter:
+            assert meter.other == other
+            assert meter.current == own
+            fake.alloc(4096)
+            meter.mark("forward")
+            fake.free(4096)
+            fake.alloc(1024)
+        peaks.append(meter.peak)
+        assert meter.marks == [("forward", own + 4096, own + 4096)]
+        assert meter.current == own + 1024
+    assert peaks == [own + 4096, own + 4096]

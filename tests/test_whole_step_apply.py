@@ -8,6 +8,7 @@ key order included).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -362,6 +363,26 @@ def test_exit_gives_back_the_same_tensor_objects() -> None:
         assert "step" in opt.__dict__ and any("forward" in m.__dict__ for m in model.modules())
     _assert_snapshot(before, _snapshot(model, opt))
     _untouched(model, opt)
+
+
+@pytest.mark.parametrize("rows", [MIXED, MIXED_STEP], ids=["mixed", "mixed_step"])
+def test_a_dropped_model_is_freed_at_once_after_the_block(rows) -> None:
+    """After a plan is removed, nothing of memopt keeps the model or the optimizer alive, not even in a reference
+    cycle: dropping them frees their memory at once, without waiting for Python's gc (on a GPU, a cycle through the
+    manager's hooked step kept a model, its gradients and its optimizer state on the device until gc ran)."""
+    plan = _whole(Plan.uniform(_profile("gpt"), "keep"), rows, step_in_backward=rows is MIXED_STEP)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        model, opt, record = _train(lambda: _build("gpt"), "adam", plan, steps=2)
+        assert record["stats"]["state_d2h_bytes"] > 0
+        gone = weakref.ref(model), weakref.ref(opt)
+        del model, opt, record
+        assert [r() is None for r in gone] == [True, True]
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # ---------------------------------------------------------------------- step in backward: what the loop may not do

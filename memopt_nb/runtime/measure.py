@@ -32,8 +32,9 @@ class Measurement:
     """What real training steps used.
 
     Attributes:
-        peak_bytes: peak device memory of one step (CUDA: ``max_memory_allocated``; CPU: live tensor storages on the
-            emulated device, swap host store excluded).
+        peak_bytes: peak device memory of one step: the model's, the optimizer's and the inputs' tensors and
+            everything the step allocates (CUDA: the caching allocator's ``max_memory_allocated``, workspaces included,
+            less ``other_bytes``; CPU: live tensor storages on the emulated device, swap host store excluded).
         step_time: median seconds per step over the timed steps.
         step_times: every timed step's seconds.
         losses: loss of every step run (warm-up, memory step and timed steps), for equality checks.
@@ -41,6 +42,8 @@ class Measurement:
         method: the plan's method, or ``"none"``.
         swap_stats: what the plan did: the swap engine's bytes moved and waits, if it swaps; the state placements'
             bytes moved each way and steps in backward, if it moves optimizer state, gradients or parameters.
+        other_bytes: (CUDA) what other tensors held on the device when measuring began, not counted in ``peak_bytes``
+            (the CPU meter never sees them).
     """
 
     peak_bytes: int
@@ -50,6 +53,7 @@ class Measurement:
     device: str
     method: str
     swap_stats: dict[str, float] = field(default_factory=dict)
+    other_bytes: int = 0
 
     def _repr_html_(self) -> str:
         return (f"<b>{html.escape(self.method)}</b> on {self.device}: peak {format_bytes(self.peak_bytes)}, "
@@ -132,4 +136,5 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
             losses.append(loss.item())
         stats = dict(ctx.stats) if isinstance(ctx, AppliedPlan) else {}
     return Measurement(peak_bytes=peak, step_time=statistics.median(times), step_times=times, losses=losses,
-                       device=str(device), method=plan.method if plan is not None else "none", swap_stats=stats)
+                       device=str(device), method=plan.method if plan is not None else "none", swap_stats=stats,
+                       other_bytes=int(getattr(meter, "other", 0)))

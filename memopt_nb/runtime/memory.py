@@ -1,7 +1,7 @@
 """Device memory measurement: what a training step holds, event by event.
 
 * On CUDA, :class:`CudaMeter` reads the caching allocator (``memory_allocated`` / ``max_memory_allocated``), which
-  includes kernel workspaces.
+  includes kernel workspaces, less what tensors outside the training held when it started.
 * On the CPU (the emulated device), :class:`StorageTracker` is a ``TorchDispatchMode`` that sees every tensor storage an
   operator creates and follows its lifetime with a weak reference, like ``torch.distributed._tools.MemTracker``. Tensors
   the swap engine keeps in its host store are created where the tracker does not look and are not counted; tensors it
@@ -12,6 +12,7 @@ Both meters record *marks* — ``(label, level, peak since the previous mark)`` 
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Iterable
@@ -203,38 +204,69 @@ class StorageTracker(_MeterBase, TorchDispatchMode):
             _ACTIVE.remove(self)
 
 
-class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU
-    """The CUDA caching allocator's view of one device, with the same interface as :class:`StorageTracker`."""
+class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU (tests/test_memory.py fakes the allocator)
+    """The CUDA caching allocator's view of one device, with the same interface as :class:`StorageTracker`.
+
+    Like the CPU tracker, it counts this training alone: the tensors of the objects given to :meth:`track` and
+    everything allocated while it measures. Memory that other tensors held on the device when the meter was entered
+    (a second model in the notebook, an earlier run's results) is read then as ``memory_allocated()`` less the tracked
+    tensors' blocks, kept in :attr:`other`, and left out of :attr:`current` and :attr:`peak`. Entering runs Python's
+    gc first, so that tensors already unreachable are not counted as other and then freed partway through the step.
+    """
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         super().__init__()
         self.device = torch.device(device)
         self._overall = 0
+        self._tracked: list[Any] = []
+        #: bytes other tensors held on the device when the meter was entered (not counted)
+        self.other = 0
 
     @property
     def current(self) -> int:  # type: ignore[override]
-        return torch.cuda.memory_allocated(self.device)
+        return torch.cuda.memory_allocated(self.device) - self.other
 
     @property
     def peak(self) -> int:  # type: ignore[override]
-        return max(self._overall, torch.cuda.max_memory_allocated(self.device))
+        return max(self._overall, torch.cuda.max_memory_allocated(self.device)) - self.other
 
     def track(self, *objs: Any) -> None:
-        """Existing tensors are already counted by the allocator."""
+        """Name what the training holds already (modules, optimizers, tensors): the rest is :attr:`other`."""
+        self._tracked.extend(objs)
+
+    def tracked_bytes(self) -> int:
+        """Bytes the allocator holds for the tracked objects' tensors on this device (each storage once, rounded up
+        to the allocator's 512-byte blocks)."""
+        seen: set[int] = set()
+        total = 0
+        for obj in self._tracked:
+            for t in _tensors_of(obj):
+                for q in _plain(t):
+                    if q.is_meta or q.device.type != self.device.type or self.device.index not in (
+                            None, q.device.index):
+                        continue
+                    st = q.untyped_storage()
+                    ptr, n = st.data_ptr(), st.nbytes()
+                    if ptr and n and ptr not in seen:
+                        seen.add(ptr)
+                        total += -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
+        return total
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
         self._overall = torch.cuda.memory_allocated(self.device)
 
     def _interval_peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.other
 
     def _reset_interval(self, level: int) -> None:
-        self._overall = self.peak
+        self._overall = max(self._overall, torch.cuda.max_memory_allocated(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def __enter__(self) -> CudaMeter:
+        gc.collect()  # garbage in reference cycles is freed now, not by a collection partway through the step
         torch.cuda.synchronize(self.device)
+        self.other = max(0, torch.cuda.memory_allocated(self.device) - self.tracked_bytes())
         self.reset_peak()
         _ACTIVE.append(self)
         return self
@@ -242,6 +274,10 @@ class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU
     def __exit__(self, *exc: Any) -> None:
         torch.cuda.synchronize(self.device)
         _ACTIVE.remove(self)
+
+
+#: the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+_CUDA_BLOCK = 512
 
 
 def meter_for(device: torch.device | str) -> StorageTracker | CudaMeter:

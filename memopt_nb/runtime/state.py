@@ -164,6 +164,13 @@ class _ThreadMover:
             ticket.result()
 
     wait_host = wait
+    #: before freeing the device side of a copy: the worker thread reads it, so the copy must be done
+    release = wait
+
+    @classmethod
+    def chain(cls, ticket: Any) -> None:
+        """Order a next copy of the same host bytes after ``ticket``: here, by finishing it on the calling thread."""
+        cls.wait(ticket)
 
     def close(self) -> None:
         for pool in self._pools.values():
@@ -208,6 +215,16 @@ class _CudaMover:  # pragma: no cover - needs a GPU; not yet run on one
         if ticket is not None:
             ticket.synchronize()
 
+    @staticmethod
+    def release(ticket: Any) -> None:
+        """Nothing to wait for before freeing the device side of a copy: :meth:`copy` recorded it on the copy stream,
+        so the allocator reuses its block only once the copy has passed (the training thread does not stall)."""
+
+    @staticmethod
+    def chain(ticket: Any) -> Any:
+        """Order a next copy of the same host bytes after ``ticket``: its stream waits for the event (GPU side)."""
+        return ticket
+
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -243,26 +260,26 @@ class _Slot:
         self.ticket = self.mover.copy("d2h", self.host, src, self.nbytes, after=self.ticket)
 
     def free(self) -> None:
-        """Drop the kept tensor's device bytes once the copy to the host has read them."""
-        self.mover.wait_host(self.ticket)
+        """Drop the kept tensor's device bytes (not reused before the copy to the host has read them)."""
+        self.mover.release(self.ticket)
         self.storage.resize_(0)
         note_device_storage(self.storage)
 
     def refill(self) -> None:
         """Re-grow the kept tensor's storage and start copying the host bytes into it (wait with :meth:`wait`)."""
-        self.mover.wait_host(self.ticket)
+        after = self.mover.chain(self.ticket)
         self.storage.resize_(self.nbytes)
         note_device_storage(self.storage)
-        self.ticket = self.mover.copy("h2d", self.storage, self.host, self.nbytes)
+        self.ticket = self.mover.copy("h2d", self.storage, self.host, self.nbytes, after=after)
 
     def wait(self) -> None:
         self.mover.wait(self.ticket)
 
     def materialize(self) -> torch.Tensor:
         """A new device tensor holding the host value."""
-        self.mover.wait_host(self.ticket)
+        after = self.mover.chain(self.ticket)
         st = self.mover.new_device(self.nbytes, self.device)
-        ticket = self.mover.copy("h2d", st, self.host, self.nbytes)
+        ticket = self.mover.copy("h2d", st, self.host, self.nbytes, after=after)
         self.mover.wait(ticket)
         return tensor_on(st, self.dtype, self.offset, self.size, self.stride)
 
@@ -617,6 +634,8 @@ class StateManager:
             self._mover = None
             self._sent_grads = [[] for _ in self.unit_params]
             self._active = False
+            self._hooked_step = None  # it holds a bound method of this manager: a cycle that would keep the model
+            # and optimizer (their device memory) alive after the caller drops them, until Python's gc ran
 
     # ------------------------------------------------------------------ optimizer state
     def _send_state(self, p: nn.Parameter) -> None:
@@ -717,7 +736,7 @@ class StateManager:
         for i in self._trainable[u]:
             slot = self._grad_slots.get(i)
             if slot is not None:
-                slot.mover.wait_host(slot.ticket)
+                slot.mover.release(slot.ticket)
         self._sent_grads[u].clear()
 
     def _step_in_backward(self, u: int) -> None:
