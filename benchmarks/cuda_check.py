@@ -130,6 +130,8 @@ class Config:
     trace: bool = True
     pytest: bool = False
     pytest_timeout: float = 300.0
+    #: the device with the measured per-storage copy cost (set by :func:`copy_cost_section`; None: not measured)
+    costed_device: Any = None
 
 
 def model_kwargs(name: str, cfg: Config, whole: bool) -> dict[str, Any]:
@@ -377,7 +379,7 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
             "model": name, "batch": inputs[0].shape[0], "plan": label, "sim_peak_MiB": sim.peak_bytes / MiB,
             "cuda_peak_MiB": m.peak_bytes / MiB,
             "peak_err_pct": 100 * (sim.peak_bytes - m.peak_bytes) / m.peak_bytes,
-            "sim_ms": sim.step_time * 1e3, "meas_ms": m.step_time * 1e3,
+            "sim_ms": sim.step_time * 1e3, "sim_cc_ms": costed_ms(prof, plan, cfg), "meas_ms": m.step_time * 1e3,
             "time_ratio_vs_keep": m.step_time / base.step_time,
             "grads_equal": equal, "swap_stats": m.swap_stats, "other_MiB": m.other_bytes / MiB,
         }
@@ -498,7 +500,7 @@ def whole_model(name: str, cfg: Config, failures: list[str]) -> tuple[list[dict]
                "sim_peak_MiB": sim.peak_bytes / MiB, "meas_peak_MiB": m.peak_bytes / MiB,
                "peak_err_pct": 100 * (sim.peak_bytes - m.peak_bytes) / m.peak_bytes,
                "sim_peak_phase": getattr(sim, "peak_phase", None),
-               "sim_ms": sim.step_time * 1e3, "meas_ms": m.step_time * 1e3,
+               "sim_ms": sim.step_time * 1e3, "sim_cc_ms": costed_ms(prof, plan, cfg), "meas_ms": m.step_time * 1e3,
                "time_err_pct": 100 * (sim.step_time - m.step_time) / m.step_time,
                "time_ratio_vs_keep": m.step_time / base.step_time,
                "moved_ok": not moved, "stats": short_stats(m.swap_stats), "other_MiB": m.other_bytes / MiB}
@@ -651,8 +653,8 @@ def pytest_section(cfg: Config, failures: list[str], out: Path, select: str = "c
 # ---------------------------------------------------------------------- per-storage copy cost
 def copy_cost_section(cfg: Config, failures: list[str]) -> dict[str, Any]:
     """The training thread's cost per storage copied by the swap engine on this device, beyond the bytes (the chain
-    that CPU detection calibrates ``DeviceSpec.copy_overhead_s`` with; CUDA detection leaves it 0): reported, so that
-    the simulator's CUDA step times can be judged with it in mind."""
+    that CPU detection calibrates ``DeviceSpec.copy_overhead_s`` with; CUDA detection leaves it 0). Measured first:
+    the plan tables show the simulator's step time with it (``sim_cc_ms``) next to the detected device's."""
     from memopt_nb.device import _calibrate_copy_overhead
 
     spec = memopt.DeviceSpec.detect(cfg.device)
@@ -664,9 +666,17 @@ def copy_cost_section(cfg: Config, failures: list[str]) -> dict[str, Any]:
         return {}
     got = {"per_storage_us": sorted(runs)[len(runs) // 2] * 1e6, "runs_us": [r * 1e6 for r in runs],
            "in_spec_us": spec.copy_overhead_s * 1e6}
+    cfg.costed_device = dataclasses.replace(spec, copy_overhead_s=got["per_storage_us"] * 1e-6)
     print(f"per-storage copy cost: {got['per_storage_us']:.1f} µs (runs {got['runs_us']}), "
           f"detection's {got['in_spec_us']:.1f} µs")
     return got
+
+
+def costed_ms(prof: Any, plan: Plan, cfg: Config) -> float | None:
+    """The simulator's step time (ms) on this device with the measured per-storage copy cost, if it was measured."""
+    if cfg.costed_device is None:
+        return None
+    return memopt.simulate(prof, plan, device=cfg.costed_device).step_time * 1e3
 
 
 def peak_problem(what: str, sim_bytes: int, meas_bytes: int) -> str | None:
@@ -700,15 +710,19 @@ def overhead_section(cfg: Config, failures: list[str]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- report
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
 def tables(result: dict) -> str:
     lines = []
     act = result.get("activation", [])
     if act:
         lines += ["### Activation plans", "",
-                  "| model | plan | sim peak MiB | cuda peak MiB | err % | sim ms | meas ms | ×keep | grads equal "
-                  "| pool reuses |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | plan | sim peak MiB | cuda peak MiB | err % | sim ms | sim ms + copy cost "
+                  "| meas ms | ×keep | grads equal | pool reuses |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['plan']} | {r['sim_peak_MiB']:.1f} | {r['cuda_peak_MiB']:.1f} | "
-                  f"{r['peak_err_pct']:+.1f} | {r['sim_ms']:.2f} | {r['meas_ms']:.2f} | "
+                  f"{r['peak_err_pct']:+.1f} | {r['sim_ms']:.2f} | {_ms(r.get('sim_cc_ms'))} | {r['meas_ms']:.2f} | "
                   f"{r['time_ratio_vs_keep']:.2f} | {r['grads_equal']} | {r['swap_stats'].get('pool_reuses', '-')} |"
                   for r in act]
         lines.append("")
@@ -731,13 +745,14 @@ def tables(result: dict) -> str:
     mem = result.get("whole_memory", [])
     if mem:
         lines += ["### Whole-step plans: measured vs simulated (Adam)", "",
-                  "| model | plan | sim peak MiB | meas peak MiB | err % | sim ms | meas ms | err % | ×keep | "
-                  "state d2h MiB | grad d2h MiB | param h2d MiB | steps in bw |", "|---|---|" + "---|" * 11]
+                  "| model | plan | sim peak MiB | meas peak MiB | err % | sim ms | sim ms + copy cost "
+                  "| meas ms | err % | ×keep | state d2h MiB | grad d2h MiB | param h2d MiB | steps in bw |",
+                  "|---|---|" + "---|" * 12]
         for r in mem:
             s = r["stats"]
             lines.append(f"| {r['model']} | {r['plan']} | {r['sim_peak_MiB']:.1f} | {r['meas_peak_MiB']:.1f} | "
-                         f"{r['peak_err_pct']:+.1f} | {r['sim_ms']:.2f} | {r['meas_ms']:.2f} | "
-                         f"{r['time_err_pct']:+.0f} | {r['time_ratio_vs_keep']:.2f} | "
+                         f"{r['peak_err_pct']:+.1f} | {r['sim_ms']:.2f} | {_ms(r.get('sim_cc_ms'))} | "
+                         f"{r['meas_ms']:.2f} | {r['time_err_pct']:+.0f} | {r['time_ratio_vs_keep']:.2f} | "
                          f"{s.get('state_d2h_bytes', 0) / MiB:.1f} | {s.get('grad_d2h_bytes', 0) / MiB:.1f} | "
                          f"{s.get('param_h2d_bytes', 0) / MiB:.1f} | {s.get('steps_in_backward', 0)} |")
         lines.append("")
@@ -852,6 +867,8 @@ def main(argv: list[str] | None = None) -> int:
         timings[label] = time.perf_counter() - ts
         return got
 
+    result["copy_cost"] = section("copy_cost", lambda: copy_cost_section(cfg, failures))
+    save()
     result["activation"] = []
     if cfg.models:
         section("activation", lambda: activation_section(cfg, failures, save, result["activation"]))
@@ -860,8 +877,6 @@ def main(argv: list[str] | None = None) -> int:
         section("whole_step", lambda: whole_section(cfg, failures, result, save))
     else:
         result.update(whole_equal=[], whole_memory=[], search=[])
-    save()
-    result["copy_cost"] = section("copy_cost", lambda: copy_cost_section(cfg, failures))
     save()
     result["streams"] = section("streams", lambda: stream_section(cfg, failures, out)) if cfg.whole_models else []
     save()
