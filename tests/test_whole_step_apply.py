@@ -365,17 +365,23 @@ def test_exit_gives_back_the_same_tensor_objects() -> None:
     _untouched(model, opt)
 
 
+@pytest.mark.parametrize("model_name", ["gpt", "hf-gpt2"])
 @pytest.mark.parametrize("rows", [MIXED, MIXED_STEP], ids=["mixed", "mixed_step"])
-def test_a_dropped_model_is_freed_at_once_after_the_block(rows) -> None:
+def test_a_dropped_model_is_freed_at_once_after_the_block(rows, model_name: str) -> None:
     """After a plan is removed, nothing of memopt keeps the model or the optimizer alive, not even in a reference
     cycle: dropping them frees their memory at once, without waiting for Python's gc (on a GPU, a cycle through the
     manager's hooked step kept a model, its gradients and its optimizer state on the device until gc ran)."""
-    plan = _whole(Plan.uniform(_profile("gpt"), "keep"), rows, step_in_backward=rows is MIXED_STEP)
+    make = _gpt2 if model_name == "hf-gpt2" else (lambda: _build("gpt"))
+    zm = make()
+    prof = _profile("gpt") if model_name == "gpt" else memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn,
+                                                                        repeats=1)
+    del zm
+    plan = _whole(Plan.uniform(prof, "keep"), rows, step_in_backward=rows is MIXED_STEP)
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        model, opt, record = _train(lambda: _build("gpt"), "adam", plan, steps=2)
+        model, opt, record = _train(make, "adam", plan, steps=2)
         assert record["stats"]["state_d2h_bytes"] > 0
         gone = weakref.ref(model), weakref.ref(opt)
         del model, opt, record
