@@ -428,28 +428,29 @@ def _mark_side_effects(prof: ModelProfile, effects: ForwardEffects) -> None:
 # ====================================================================== unit selection
 def _container_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Children of ModuleList/Sequential containers, outermost first, expanding nested containers."""
-    names = {m: n for n, m in model.named_modules()}
-
-    def is_container(m: nn.Module) -> bool:
-        # a list of blocks, not a short sequence of plain layers (conv, norm, activation)
-        return (isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
-                and any(len(list(c.children())) > 0 for c in m.children()))
-
     out: list[tuple[str, nn.Module]] = []
-
-    def visit(m: nn.Module) -> None:
-        if is_container(m):
-            for child in m.children():
-                if is_container(child):
-                    visit(child)
-                else:
-                    out.append((names[child], child))
-            return
-        for child in m.children():
-            visit(child)
-
-    visit(model)
+    # module-level recursion: a nested function that calls itself is a reference cycle, which would keep the model
+    # (and its device memory) alive after the caller drops it, until Python's gc ran
+    _visit_containers(model, {m: n for n, m in model.named_modules()}, out)
     return out
+
+
+def _is_container(m: nn.Module) -> bool:
+    # a list of blocks, not a short sequence of plain layers (conv, norm, activation)
+    return (isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
+            and any(len(list(c.children())) > 0 for c in m.children()))
+
+
+def _visit_containers(m: nn.Module, names: dict[nn.Module, str], out: list[tuple[str, nn.Module]]) -> None:
+    if _is_container(m):
+        for child in m.children():
+            if _is_container(child):
+                _visit_containers(child, names, out)
+            else:
+                out.append((names[child], child))
+        return
+    for child in m.children():
+        _visit_containers(child, names, out)
 
 
 def _select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]],
