@@ -273,6 +273,7 @@ class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU (tests/test_memor
 
     def __exit__(self, *exc: Any) -> None:
         torch.cuda.synchronize(self.device)
+        self._tracked = []  # read once, on entering: the meter does not keep the model alive
         _ACTIVE.remove(self)
 
 
