@@ -651,13 +651,12 @@ def pytest_section(cfg: Config, failures: list[str], out: Path, select: str = "c
 
 
 # ---------------------------------------------------------------------- per-storage copy cost
-def copy_cost_section(cfg: Config, failures: list[str]) -> dict[str, Any]:
+def copy_cost_section(cfg: Config, failures: list[str], spec: Any) -> dict[str, Any]:
     """The training thread's cost per storage copied by the swap engine on this device, beyond the bytes (the chain
     that CPU detection calibrates ``DeviceSpec.copy_overhead_s`` with; CUDA detection leaves it 0). Measured first:
     the plan tables show the simulator's step time with it (``sim_cc_ms``) next to the detected device's."""
     from memopt_nb.device import _calibrate_copy_overhead
 
-    spec = memopt.DeviceSpec.detect(cfg.device)
     bandwidth = min(spec.h2d_bytes_per_s, spec.d2h_bytes_per_s)
     runs = [guarded(lambda: _calibrate_copy_overhead(bandwidth, cfg.device), failures, "copy cost")
             for _ in range(3)]
@@ -867,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         timings[label] = time.perf_counter() - ts
         return got
 
-    result["copy_cost"] = section("copy_cost", lambda: copy_cost_section(cfg, failures))
+    result["copy_cost"] = section("copy_cost", lambda: copy_cost_section(cfg, failures, spec))
     save()
     result["activation"] = []
     if cfg.models:

@@ -365,9 +365,20 @@ def test_exit_gives_back_the_same_tensor_objects() -> None:
     _untouched(model, opt)
 
 
+@pytest.fixture
+def gc_off():
+    """Python's cyclic gc off for the test (memory is then freed by reference counts alone), restored after."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()
+
+
 @pytest.mark.parametrize("model_name", ["gpt", "hf-gpt2"])
 @pytest.mark.parametrize("rows", [MIXED, MIXED_STEP], ids=["mixed", "mixed_step"])
-def test_a_dropped_model_is_freed_at_once_after_the_block(rows, model_name: str) -> None:
+def test_a_dropped_model_is_freed_at_once_after_the_block(rows, model_name: str, gc_off) -> None:
     """After a plan is removed, nothing of memopt keeps the model or the optimizer alive, not even in a reference
     cycle: dropping them frees their memory at once, without waiting for Python's gc (on a GPU, a cycle through the
     manager's hooked step kept a model, its gradients and its optimizer state on the device until gc ran)."""
@@ -377,18 +388,27 @@ def test_a_dropped_model_is_freed_at_once_after_the_block(rows, model_name: str)
                                                                         repeats=1)
     del zm
     plan = _whole(Plan.uniform(prof, "keep"), rows, step_in_backward=rows is MIXED_STEP)
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        model, opt, record = _train(make, "adam", plan, steps=2)
-        assert record["stats"]["state_d2h_bytes"] > 0
-        gone = weakref.ref(model), weakref.ref(opt)
-        del model, opt, record
-        assert [r() is None for r in gone] == [True, True]
-    finally:
-        if enabled:
-            gc.enable()
+    model, opt, record = _train(make, "adam", plan, steps=2)
+    assert record["stats"]["state_d2h_bytes"] > 0
+    gone = weakref.ref(model), weakref.ref(opt)
+    del model, opt, record
+    assert [r() is None for r in gone] == [True, True]
+
+
+@pytest.mark.parametrize("name", ["gpt", "unet", "hf-gpt2"])
+def test_profile_measure_and_plan_leave_nothing_holding_the_model(name: str, gc_off) -> None:
+    """Profiling, measuring and training under an activation plan leave no reference cycle that holds the model:
+    dropping it frees its memory at once (the unit selection's recursive helper was such a cycle)."""
+    zm = _gpt2() if name == "hf-gpt2" else memopt.zoo.build(name)
+    opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
+    prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1, selective=True)
+    memopt.measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=1, plan=Plan.uniform(prof, "swap"))
+    with memopt.plan(Plan.uniform(prof, "recompute_offload"), zm.model):
+        zm.loss_fn(zm.model(*zm.inputs)).backward()
+        opt.step()
+    gone = weakref.ref(zm.model), weakref.ref(opt)
+    del zm, opt
+    assert [r() is None for r in gone] == [True, True]
 
 
 # ---------------------------------------------------------------------- step in backward: what the loop may not do

@@ -137,11 +137,8 @@ class StorageTracker(_MeterBase, TorchDispatchMode):
 
     def track(self, *objs: Any) -> None:
         """Count tensors that exist already: tensors, modules (parameters, buffers, grads), optimizers (state)."""
-        for obj in objs:
-            for t in _tensors_of(obj):
-                for q in _plain(t):
-                    if q.device.type == self.device.type and not q.is_meta:
-                        self.add_storage(q.untyped_storage())
+        for st in _storages_on(self.device, objs):
+            self.add_storage(st)
 
     def watch(self, storages: Iterable[torch.UntypedStorage]) -> None:
         """Follow storages whose size changes outside the dispatcher: re-read them before and after every operator.
@@ -239,17 +236,11 @@ class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU (tests/test_memor
         to the allocator's 512-byte blocks)."""
         seen: set[int] = set()
         total = 0
-        for obj in self._tracked:
-            for t in _tensors_of(obj):
-                for q in _plain(t):
-                    if q.is_meta or q.device.type != self.device.type or self.device.index not in (
-                            None, q.device.index):
-                        continue
-                    st = q.untyped_storage()
-                    ptr, n = st.data_ptr(), st.nbytes()
-                    if ptr and n and ptr not in seen:
-                        seen.add(ptr)
-                        total += -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
+        for st in _storages_on(self.device, self._tracked):
+            ptr, n = st.data_ptr(), st.nbytes()
+            if ptr and n and ptr not in seen:
+                seen.add(ptr)
+                total += -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
         return total
 
     def reset_peak(self) -> None:
@@ -298,6 +289,16 @@ def _plain(t: torch.Tensor) -> Iterable[torch.Tensor]:
         inner = getattr(t, name)
         if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
             yield from _plain(inner)
+
+
+def _storages_on(device: torch.device, objs: Iterable[Any]) -> Iterable[torch.UntypedStorage]:
+    """The storages of the tensors of ``objs`` (see :meth:`StorageTracker.track`) on ``device`` (any index of its
+    type where it names none), a wrapper subclass's inner tensors in its place; repeats are left to the caller."""
+    for obj in objs:
+        for t in _tensors_of(obj):
+            for q in _plain(t):
+                if not q.is_meta and q.device.type == device.type and device.index in (None, q.device.index):
+                    yield q.untyped_storage()
 
 
 def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
