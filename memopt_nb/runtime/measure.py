@@ -73,6 +73,20 @@ def model_device(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, A
     return torch.device("cpu")
 
 
+def _ddp_buckets_untracked(model: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets that no tensor reachable from the model holds: all of them, unless the
+    gradients are views into them (``gradient_as_bucket_view``) and present. DDP allocates them when it wraps the
+    model, so the CUDA meter would otherwise count them as other tensors' memory (0 for a model that is not DDP)."""
+    from ..distributed import ddp_bucket_bytes, is_ddp
+
+    if not is_ddp(model):
+        return 0
+    view = bool(model._get_ddp_logging_data().get("gradient_as_bucket_view"))
+    if view and any(p.grad is not None for p in model.parameters()):
+        return 0
+    return ddp_bucket_bytes(model)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -114,6 +128,8 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
             losses.append(training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs).item())
         meter = meter_for(device)
         meter.track(model, optimizer, list(inputs), kwargs)
+        if hasattr(meter, "track_bytes"):  # CUDA: memory of this training that no tracked tensor reaches
+            meter.track_bytes(_ddp_buckets_untracked(model))
         with meter:
             # the last warm-up step under the meter too: on CPU it then also counts memory the step keeps that no
             # Python object lists (DDP's gradient buckets, first used by the all-reduce of this step)

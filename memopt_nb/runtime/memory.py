@@ -218,6 +218,7 @@ class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU (tests/test_memor
         self._tracked: list[Any] = []
         #: bytes other tensors held on the device when the meter was entered (not counted)
         self.other = 0
+        self._extra = 0
 
     @property
     def current(self) -> int:  # type: ignore[override]
@@ -231,11 +232,15 @@ class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU (tests/test_memor
         """Name what the training holds already (modules, optimizers, tensors): the rest is :attr:`other`."""
         self._tracked.extend(objs)
 
+    def track_bytes(self, nbytes: int) -> None:
+        """Count ``nbytes`` the training holds that no tracked object's tensors reach (DDP's gradient buckets)."""
+        self._extra += -(-int(nbytes) // _CUDA_BLOCK) * _CUDA_BLOCK
+
     def tracked_bytes(self) -> int:
         """Bytes the allocator holds for the tracked objects' tensors on this device (each storage once, rounded up
-        to the allocator's 512-byte blocks)."""
+        to the allocator's 512-byte blocks), plus those of :meth:`track_bytes`."""
         seen: set[int] = set()
-        total = 0
+        total = self._extra
         for st in _storages_on(self.device, self._tracked):
             ptr, n = st.data_ptr(), st.nbytes()
             if ptr and n and ptr not in seen:
