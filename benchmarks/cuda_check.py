@@ -33,8 +33,9 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
 Bit equality runs with deterministic algorithms and their NaN fill of new memory; timing runs without the fill (one
 kernel per new tensor, which would charge a plan for every buffer it makes).
 
-    python benchmarks/cuda_check.py [--quick] [--pytest] [--out DIR]     # on the GPU machine (--quick --pytest: 83-87 s
-                                                                        # on an H200, 2026-12-04; the full set: not run)
+    python benchmarks/cuda_check.py [--quick] [--pytest] [--out DIR]     # on the GPU machine (--quick --pytest:
+                                                                        # 83-101 s on an H200, 2026-12-04; the full
+                                                                        # set: not run)
     python benchmarks/cuda_check.py --dry-run                               # anywhere: every plan and check on CPU
 
 ``--dry-run`` builds every plan and runs every check on the CPU at tiny sizes (the trace check needs CUDA and is
