@@ -161,21 +161,32 @@ def test_per_rank_accounting(zoo_profiles):
     assert "per_rank" not in prof.meta  # the plain profile is left as it was
 
 
-def test_cuda_meter_counts_ddp_buckets_no_tensor_reaches(group):
+def _ddp_model(name: str) -> memopt.zoo.ZooModel:
+    if name == "gpt":
+        return memopt.zoo.build("gpt", batch_size=2, seq_len=16, d_model=32, n_layers=3)
+    transformers = pytest.importorskip("transformers")  # a model this project did not write
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                  n_positions=32))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    return memopt.zoo.ZooModel(model, (ids,), lambda out: out.logits.float().square().mean(), "hf-gpt2")
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf-gpt2"])
+def test_cuda_meter_counts_ddp_buckets_no_tensor_reaches(group, name):
     """DDP allocates its gradient buckets when it wraps the model, before measure() starts its meter, and no tensor
     of the model holds them; the CUDA meter took them for other memory (on an H200 with NCCL, DDP's measured peak
     read 3.3 MiB, the buckets, below the per-rank prediction). measure() now names them to the meter."""
     from memopt_nb.runtime.measure import _ddp_buckets_untracked
 
-    zm = memopt.zoo.build("gpt", batch_size=2, seq_len=16, d_model=32, n_layers=3)
+    zm = _ddp_model(name)
     assert _ddp_buckets_untracked(zm.model) == 0  # not DDP
     ddp = nn.parallel.DistributedDataParallel(zm.model)
     zm.loss_fn(ddp(*zm.inputs)).backward()  # the first step rebuilds the buckets
-    grads = sum(p.numel() * p.element_size() for p in zm.model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in zm.model.parameters() if p.requires_grad)
     assert _ddp_buckets_untracked(ddp) == mdist.ddp_bucket_bytes(ddp) >= grads  # separate from the gradients
 
-    view = nn.parallel.DistributedDataParallel(memopt.zoo.build("gpt", batch_size=2, seq_len=16, d_model=32,
-                                                                n_layers=3).model, gradient_as_bucket_view=True)
+    view = nn.parallel.DistributedDataParallel(_ddp_model(name).model, gradient_as_bucket_view=True)
     zm.loss_fn(view(*zm.inputs)).backward()
     assert _ddp_buckets_untracked(view) == 0  # the gradients are the buckets, and tracked through the model
     for p in view.parameters():
