@@ -86,8 +86,8 @@ from .errors import PlanError, ProfileError, WrapOrderError
 from .plan import Plan, plain_module_type
 
 __all__ = [
-    "broadcast_plan", "check_plain", "check_state_placements", "ddp_bucket_bytes", "fsdp_modules",
-    "fully_shard_units", "order_guard", "per_rank", "plain_module_type", "resized_storages", "unwrap",
+    "broadcast_plan", "check_plain", "check_state_placements", "ddp_bucket_bytes", "ddp_bucket_view",
+    "fsdp_modules", "fully_shard_units", "order_guard", "per_rank", "plain_module_type", "resized_storages", "unwrap",
 ]
 
 SHARDINGS = (None, "ddp", "fsdp")
@@ -290,6 +290,11 @@ def ddp_bucket_bytes(ddp: nn.Module) -> int:
     return sum(int(x) for x in str(sizes).split(",") if x.strip())
 
 
+def ddp_bucket_view(ddp: nn.Module) -> bool:
+    """Whether a DDP model's gradients are views into its buckets (``gradient_as_bucket_view=True``)."""
+    return bool(ddp._get_ddp_logging_data().get("gradient_as_bucket_view"))
+
+
 # ====================================================================== per-rank account
 def _padded_unit_bytes(profile: Any, index: int, nbytes: int, world_size: int) -> int:
     """A unit's all-gathered parameter bytes: FSDP2 pads every parameter's dim 0 to a multiple of the shard count."""
@@ -404,7 +409,7 @@ def _ddp_deltas(prof: Any, ddp: nn.Module | None, bucket_bytes: int | None, view
     if bucket_bytes is None and ddp is not None:
         bucket_bytes = ddp_bucket_bytes(ddp)
     if view is None:
-        view = bool(ddp._get_ddp_logging_data().get("gradient_as_bucket_view")) if ddp is not None else False
+        view = ddp_bucket_view(ddp) if ddp is not None else False
     b = int(bucket_bytes) if bucket_bytes else int(prof.grad_bytes)
     info.update(bucket_bytes=b, gradient_as_bucket_view=view)
     n = prof.n_units

@@ -77,12 +77,11 @@ def _ddp_buckets_untracked(model: nn.Module) -> int:
     """Bytes of DDP's gradient buckets that no tensor reachable from the model holds: all of them, unless the
     gradients are views into them (``gradient_as_bucket_view``) and present. DDP allocates them when it wraps the
     model, so the CUDA meter would otherwise count them as other tensors' memory (0 for a model that is not DDP)."""
-    from ..distributed import ddp_bucket_bytes, is_ddp
+    from ..distributed import ddp_bucket_bytes, ddp_bucket_view, is_ddp
 
     if not is_ddp(model):
         return 0
-    view = bool(model._get_ddp_logging_data().get("gradient_as_bucket_view"))
-    if view and any(p.grad is not None for p in model.parameters()):
+    if ddp_bucket_view(model) and any(p.grad is not None for p in model.parameters()):
         return 0
     return ddp_bucket_bytes(model)
 

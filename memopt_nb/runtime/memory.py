@@ -234,7 +234,7 @@ class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU (tests/test_memor
 
     def track_bytes(self, nbytes: int) -> None:
         """Count ``nbytes`` the training holds that no tracked object's tensors reach (DDP's gradient buckets)."""
-        self._extra += -(-int(nbytes) // _CUDA_BLOCK) * _CUDA_BLOCK
+        self._extra += _blocks(int(nbytes))
 
     def tracked_bytes(self) -> int:
         """Bytes the allocator holds for the tracked objects' tensors on this device (each storage once, rounded up
@@ -245,7 +245,7 @@ class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU (tests/test_memor
             ptr, n = st.data_ptr(), st.nbytes()
             if ptr and n and ptr not in seen:
                 seen.add(ptr)
-                total += -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
+                total += _blocks(n)
         return total
 
     def reset_peak(self) -> None:
@@ -275,6 +275,11 @@ class CudaMeter(_MeterBase):  # pragma: no cover - needs a GPU (tests/test_memor
 
 #: the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 _CUDA_BLOCK = 512
+
+
+def _blocks(nbytes: int) -> int:
+    """``nbytes`` as the CUDA caching allocator holds them: rounded up to whole blocks."""
+    return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
 
 
 def meter_for(device: torch.device | str) -> StorageTracker | CudaMeter:
