@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from .plan import SAVE_SETS
 from .runtime.recompute import checkpointed_call, sac_counts_op
+from .runtime.step import forward_autocast
 
 __all__ = ["OpCall", "OpRecorder", "mark_pareto", "op_kind", "propose_save_sets", "record_ops"]
 
@@ -166,7 +167,7 @@ def record_ops(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any
             previous = module.__dict__.get("forward")
             module.forward = wrap(index, module, previous or type(module).forward.__get__(module, type(module)))
             installed.append((module, previous))
-        with recorder:
+        with recorder, forward_autocast():  # as the training step runs it (a profile's autocast=)
             out = model(*inputs, **kwargs)
         del out
     finally:

@@ -273,6 +273,14 @@ def _digest(rows: Any) -> str:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
+def with_autocast(meta: dict[str, Any], profile: Any) -> dict[str, Any]:
+    """``meta`` with the profile's ``autocast`` (the precision its forward ran in, ``None``: without autocast), which
+    an applied plan checks the training loop's first forward against. Profiles made before it was recorded add
+    nothing (then nothing is checked)."""
+    pmeta = getattr(profile, "meta", None) or {}
+    return {**meta, "autocast": pmeta["autocast"]} if "autocast" in pmeta else meta
+
+
 def model_fingerprint(model: Any, unit_names: Sequence[str]) -> dict[str, Any]:
     """What identifies a whole model, for a plan made for some of its units.
 
@@ -532,6 +540,7 @@ class Plan:
             for unit, s, w, d in zip(profile.units, strategies, windows, dists, strict=True)
         )
         kwargs.setdefault("model_fingerprint", (getattr(profile, "meta", None) or {}).get("model_fingerprint"))
+        kwargs["meta"] = with_autocast(kwargs.get("meta") or {}, profile)
         kwargs.setdefault("optimizer_fingerprint",
                           (getattr(profile, "meta", None) or {}).get("optimizer_fingerprint"))
         plan = cls(decisions=decisions, fingerprint=profile.fingerprint, method=method,

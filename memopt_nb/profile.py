@@ -53,8 +53,15 @@ from .runtime.recompute import (
     is_cache,
     running_stat_modules,
 )
-from .runtime.step import model_keywords, preserved_state, training_step
-from .runtime.storages import is_plain, tensor_on, use_count
+from .runtime.step import (
+    forward_autocast,
+    model_keywords,
+    preserved_state,
+    resolve_autocast,
+    step_autocast,
+    training_step,
+)
+from .runtime.storages import exclusive, is_plain, tensor_on, use_count
 
 PROFILE_FORMAT = "memopt_nb.profile"
 PROFILE_SCHEMA = 2  # 2: per-unit state bytes and the unit-by-unit optimizer step (schema 1 loads with zeros)
@@ -300,8 +307,9 @@ class ModelProfile:
 
     # ------------------------------------------------------------------ display
     def summary(self) -> str:
+        amp = f" under autocast {self.meta['autocast']}" if self.meta.get("autocast") else ""
         return (f"{self.meta.get('model_class', 'model')}: {self.n_units} units, peak {format_bytes(self.peak_bytes)}, "
-                f"step {self.step_time * 1e3:.1f} ms on {self.device.name}")
+                f"step {self.step_time * 1e3:.1f} ms on {self.device.name}{amp}")
 
     def __repr__(self) -> str:
         return f"<ModelProfile {self.summary()}>"
@@ -624,7 +632,7 @@ def _discover(model: nn.Module, inputs: Sequence[Any],
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpWatcher(stack, rng):
-            out = model(*inputs, **(kwargs or {}))
+            out = _forward(model, inputs, kwargs or {})
         del out
     finally:
         for h in handles:
@@ -1081,13 +1089,19 @@ def _selective_time(fraction: float, segs: list[Segment], f: int, b: int, rc_tim
 
 
 #: profile()'s own keyword options; every other keyword goes to the model.
-PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective")
+PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective", "autocast")
+
+
+def _forward(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """One forward as the training step makes it (under the profile's ``autocast``, if any)."""
+    with forward_autocast():
+        return model(*inputs, **kwargs)
 
 
 def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
             device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
-            selective: bool = False, **example_kwargs: Any) -> ModelProfile:
+            selective: bool = False, autocast: torch.dtype | str | None = None, **example_kwargs: Any) -> ModelProfile:
     """Profile one training step of ``model`` on ``example_inputs``.
 
     The model is called as ``model(*example_inputs, **example_kwargs)``, as you call it in training:
@@ -1097,7 +1111,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         model: the model, on the device it trains on.
         example_inputs: positional inputs of ``model(...)``, at the batch size you train with.
         example_kwargs: keyword inputs of ``model(...)``: every keyword that is not one of profile()'s own options
-            (``loss_fn``, ``optimizer``, ``units``, ``repeats``, ``device``, ``model_kwargs``) goes to the model.
+            (``loss_fn``, ``optimizer``, ``units``, ``repeats``, ``device``, ``model_kwargs``, ``selective``,
+            ``autocast``) goes to the model.
         model_kwargs: the same as a dict, for a model keyword named like one of those options
             (``model_kwargs={"device": ...}``); may be combined with ``example_kwargs``.
         loss_fn: ``loss_fn(output) -> scalar``; by default the output itself if scalar, else its sum.
@@ -1113,6 +1128,12 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             see :mod:`memopt_nb.opsets`): what planners need for ``strategies=`` with ``"selective"``. Costs one
             forward, one profiled step per save-set found (up to three) and ``repeats`` timed steps each of plain
             recompute and of every save-set.
+        autocast: mixed precision as your loop uses it: ``torch.bfloat16`` or ``torch.float16`` (or ``"bf16"``,
+            ``"fp16"``) runs every forward and the loss under ``torch.autocast(device_type, dtype=...)`` and backward
+            and the optimizer step outside, as ``with torch.autocast(...): loss = loss_fn(model(x))`` then
+            ``loss.backward()`` does. Profile the way you train: a profile made without autocast does not predict a
+            loop with it. Calling ``profile`` inside ``torch.autocast`` raises :class:`ProfileError` (its backward
+            would run under autocast too, and autocast's weight cache would live through it).
 
     The model, optimizer and RNG state are restored afterwards. Modules that run more than once per forward, not at
     all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
@@ -1133,10 +1154,11 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats must be a positive int, got {repeats!r}")
     dev = model_device(model, example_inputs, kwargs)
+    amp = resolve_autocast(autocast, dev, "profile")
     spec = device if device is not None else DeviceSpec.detect(dev)
     inputs = tuple(example_inputs)
     t_start = time.perf_counter()
-    with preserved_state(model, optimizer):
+    with preserved_state(model, optimizer), step_autocast(dev.type, amp):
         try:
             training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)  # warm-up: optimizer state, lazy init
         except ProfileError:
@@ -1144,7 +1166,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         except Exception as exc:
             raise ProfileError(f"a training step of the model failed before profiling: {type(exc).__name__}: {exc}"
                                ) from exc
-        effects = forward_side_effects(model, lambda: model(*inputs, **kwargs))
+        effects = forward_side_effects(model, lambda: _forward(model, inputs, kwargs))
         _refuse_own_checkpointing(model, effects)
         info, total_saved = _discover(model, inputs, kwargs)
         split: dict[str, str] = {}
@@ -1245,6 +1267,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "units_rule": units if units in ("auto", "fine") else "depth" if isinstance(units, int) else "names",
             "split": split,  # units="fine": module split into its children -> its class (the table's hierarchy)
             "selective": ({"measured": True, "notes": sac_notes} if selective else None),
+            "autocast": str(amp).removeprefix("torch.") if amp is not None else None,  # the forward's, if any
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,
@@ -1277,10 +1300,8 @@ def _unit_state_bytes(model: nn.Module, optimizer: Any, unit_params: list[list[n
             for v in optimizer.state.get(p, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device == p.device:
                     state.append(v)
-        offloadable = bool(ps) and all(
-            p.layout == torch.strided and p.storage_offset() == 0 and p.is_contiguous()
-            and p.untyped_storage().nbytes() == p.nbytes and p.untyped_storage().resizable()
-            and owners[id(p)] <= inside for p in ps)
+        offloadable = bool(ps) and all(exclusive(p) and p.untyped_storage().resizable() and owners[id(p)] <= inside
+                                       for p in ps)
         out.append({
             "grad_bytes": sum(p.nbytes for p in grads), "grad_storages": len(grads),
             "optimizer_bytes": sum(v.untyped_storage().nbytes() for v in state), "optimizer_storages": len(state),

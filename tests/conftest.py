@@ -7,6 +7,16 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``): they
+    run several times faster than with two on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def zoo_profiles():
     """Profiles of every zoo model (built once per test session): name -> (ZooModel, optimizer, profile)."""

@@ -32,13 +32,7 @@ from memopt_nb.plan import STRATEGIES, Plan, optimizer_fingerprint
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one intra-op thread runs them several times faster than two on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread is several times faster
 
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

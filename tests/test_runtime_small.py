@@ -20,14 +20,8 @@ SMALL = {"gpt": dict(n_layers=4, batch_size=2, seq_len=16, d_model=32, n_heads=2
 MIXED = ["swap", "recompute", "keep", "swap", "swap", "recompute"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small train several times faster on one torch thread than on two when other jobs share the cores
-    (every comparison here is between runs on the same thread count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# every comparison here is between runs on the same thread count
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,14 @@ def _train(make, opt_name: str, plan: Plan | None, steps: int = 3, pass_optimize
     zm = make()
     model = zm.model
     opt = OPTIMIZERS[opt_name](model.parameters())
+    return train_loop(model, opt, plan, lambda m: zm.loss_fn(m(*zm.inputs)), steps, pass_optimizer)
+
+
+def train_loop(model: nn.Module, opt: torch.optim.Optimizer, plan: Plan | None, forward_loss, steps: int = 3,
+               pass_optimizer: bool = True):
+    """``steps`` steps of ``forward_loss(model).backward()``, ``opt.step()``, ``opt.zero_grad()`` under ``plan`` if
+    given (dropout seeded alike): the model, the optimizer and a record of what each step produced, which
+    :func:`_assert_same_training` compares."""
     torch.manual_seed(11)  # dropout
     record = {"losses": [], "grads": [], "sd_inside": None, "stats": {}}
     applied = memopt.plan(plan, model, optimizer=opt if pass_optimizer else None) if plan is not None else None
@@ -107,7 +115,7 @@ def _train(make, opt_name: str, plan: Plan | None, steps: int = 3, pass_optimize
         applied.apply()
     try:
         for _ in range(steps):
-            loss = zm.loss_fn(model(*zm.inputs))
+            loss = forward_loss(model)
             loss.backward()
             record["losses"].append(loss.detach().clone())
             record["grads"].append(_readable_grads(model))

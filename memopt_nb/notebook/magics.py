@@ -281,6 +281,9 @@ class MemoptMagics(Magics):
     @ma.argument("--selective", action="store_true",
                  help="also measure each unit's save-sets for selective checkpointing (then %%memopt_plan "
                       "--strategies may include selective)")
+    @ma.argument("--autocast", metavar="DTYPE",
+                 help="mixed precision as your loop uses it: bf16 or fp16 (forward and loss under torch.autocast, "
+                      "backward and optimizer step outside)")
     @ma.argument("-o", "--output", metavar="NAME", help="store the ModelProfile in the notebook as NAME")
     @ma.argument("-q", "--quiet", action="store_true", help="do not display the profile")
     @output_can_be_silenced
@@ -289,7 +292,7 @@ class MemoptMagics(Magics):
         """Profile one training step of a model per unit: forward/backward time and saved activations, and its peak.
 
         Line magic: ``%memopt_profile MODEL INPUT... [--loss EXPR] [--optimizer NAME] [--units U] [--selective]
-        [-o NAME] [-q]``
+        [--autocast bf16|fp16] [-o NAME] [-q]``
         profiles objects already in the notebook. Cell magic: ``%%memopt_profile --model NAME --inputs NAME...``
         runs the cell first (its names stay defined; its last expression is not displayed), then profiles the model
         it defines. Returns the ``ModelProfile`` (shown as a table with a
@@ -319,7 +322,8 @@ class MemoptMagics(Magics):
             raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
         try:
             prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=optimizer, units=units,
-                                  repeats=args.repeats, model_kwargs=input_kwargs, selective=args.selective)
+                                  repeats=args.repeats, model_kwargs=input_kwargs, selective=args.selective,
+                                  autocast=args.autocast)
         except memopt.MemoptError as exc:
             raise UsageError(f"memopt.profile: {exc}") from None
         if args.output:

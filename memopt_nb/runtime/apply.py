@@ -311,6 +311,7 @@ class AppliedPlan:
         self.state: StateManager | None = None
         self._installed: list[tuple[nn.Module, bool, Any]] = []
         self._stats: dict[str, float] = {}
+        self._autocast_hook: Any = None  # checks the first training forward's autocast against the profile's
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> AppliedPlan:
@@ -384,6 +385,8 @@ class AppliedPlan:
             if state is not None:
                 self.state = state
                 state.apply()
+            if "autocast" in plan.meta:  # the profile said how its forward ran (plans made before it did: no check)
+                self._autocast_hook = model.register_forward_pre_hook(self._check_autocast)
         except BaseException:
             self.remove()
             raise
@@ -411,6 +414,9 @@ class AppliedPlan:
                 else:
                     module.__dict__.pop("forward", None)
             self._installed.clear()
+            if self._autocast_hook is not None:
+                self._autocast_hook.remove()
+                self._autocast_hook = None
             if self._guard is not None:
                 self._guard.remove()
                 self._guard = None
@@ -420,6 +426,29 @@ class AppliedPlan:
                 self.engine = None
             if _APPLIED.get(self.model) is self:
                 del _APPLIED[self.model]
+
+    def _check_autocast(self, module: nn.Module, args: Any) -> None:
+        """Before the first forward with grad enabled: warn when it runs under another autocast than the profile's
+        (``profile(..., autocast=)``): the plan still trains the same, but its peak was predicted for the other
+        precision."""
+        if not torch.is_grad_enabled():
+            return  # an evaluation pass: wait for a training one
+        self._autocast_hook.remove()
+        self._autocast_hook = None
+        param = next(module.parameters(), None)
+        dev = param.device.type if param is not None else "cpu"
+        have = str(torch.get_autocast_dtype(dev)).removeprefix("torch.") if torch.is_autocast_enabled(dev) else None
+        want = self.plan.meta["autocast"]
+        if have != want:
+            def said(dtype: str | None) -> str:
+                return f"under autocast {dtype}" if dtype else "without autocast"
+
+            warnings.warn(
+                f"this plan was made from a profile {said(want)}, but the model's forward runs {said(have)}: it "
+                f"trains the same, but its predicted peak and "
+                f"budget are for the other precision. Profile as you train — memopt.profile(..., autocast="
+                f"{'torch.' + have if have else 'None'}) with the forward and the loss under autocast and backward "
+                f"outside — and plan again", UserWarning, stacklevel=3)
 
     @property
     def stats(self) -> dict[str, float]:

@@ -18,13 +18,13 @@ from ..errors import PlanError, ProfileError
 from ..plan import Plan
 from .apply import AppliedPlan
 from .memory import meter_for
-from .step import model_keywords, preserved_state, training_step
+from .step import model_keywords, preserved_state, resolve_autocast, step_autocast, training_step
 
 __all__ = ["MEASURE_OPTIONS", "Measurement", "measure", "model_device"]
 
 
 #: measure()'s own keyword options; every other keyword goes to the model.
-MEASURE_OPTIONS = ("loss_fn", "optimizer", "plan", "steps", "warmup", "model_kwargs")
+MEASURE_OPTIONS = ("loss_fn", "optimizer", "plan", "steps", "warmup", "model_kwargs", "autocast")
 
 
 @dataclass
@@ -93,19 +93,24 @@ def _sync(device: torch.device) -> None:
 
 def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, plan: Plan | None = None, steps: int = 3,
-            warmup: int = 1, model_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> Measurement:
+            warmup: int = 1, model_kwargs: Mapping[str, Any] | None = None,
+            autocast: torch.dtype | str | None = None, **kwargs: Any) -> Measurement:
     """Run real training steps (optionally under ``plan``) and report peak memory and median step time.
 
     The model is called as ``model(*inputs, **kwargs)``: every keyword that is not one of measure()'s own options
-    (``loss_fn``, ``optimizer``, ``plan``, ``steps``, ``warmup``, ``model_kwargs``) goes to the model, e.g.
-    ``memopt.measure(model, input_ids=ids, attention_mask=mask, labels=ids, loss_fn=lambda out: out.loss)``. A model
-    keyword named like one of those options goes in ``model_kwargs={"plan": ...}``.
+    (``loss_fn``, ``optimizer``, ``plan``, ``steps``, ``warmup``, ``model_kwargs``, ``autocast``) goes to the model,
+    e.g. ``memopt.measure(model, input_ids=ids, attention_mask=mask, labels=ids, loss_fn=lambda out: out.loss)``. A
+    model keyword named like one of those options goes in ``model_kwargs={"plan": ...}``.
 
     ``warmup`` steps (default 1; 0 skips it) create optimizer state, one step is measured for memory, then ``steps``
     steps are timed. The model, optimizer and RNG are restored afterwards, so measuring has no side effects.
 
     A plan that moves optimizer state, gradients or parameters (a whole-step plan) manages ``optimizer`` (required
     then) for the measured steps, so the peak and time include the state's transfers and the unit-by-unit step.
+
+    ``autocast=torch.bfloat16`` (or ``torch.float16``, ``"bf16"``, ``"fp16"``) runs each step's forward and loss under
+    ``torch.autocast`` and its backward and optimizer step outside, as :func:`memopt_nb.profile`'s ``autocast=`` does:
+    measure as you profiled.
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"measure() needs a torch.nn.Module, got {type(model).__name__}")
@@ -116,13 +121,14 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
                                f"got {value!r} ({type(value).__name__})")
     kwargs = model_keywords(model, "measure", MEASURE_OPTIONS, model_kwargs, kwargs)
     device = model_device(model, inputs, kwargs)
+    amp = resolve_autocast(autocast, device, "measure")
     if plan is not None and plan.moves_state and optimizer is None:
         raise PlanError("this plan moves optimizer state, gradients or parameters, which only a training step with "
                         "an optimizer exercises; pass it: memopt.measure(model, ..., optimizer=opt, plan=p)")
     ctx: Any = AppliedPlan(plan, model, optimizer) if plan is not None else contextlib.nullcontext()
     losses: list[float] = []
     times: list[float] = []
-    with preserved_state(model, optimizer), ctx:
+    with preserved_state(model, optimizer), step_autocast(device.type, amp), ctx:
         for _ in range(warmup - 1):
             losses.append(training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs).item())
         meter = meter_for(device)

@@ -734,12 +734,11 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
             if state[1]:
                 held[:] = _without_caches(held[0], held[1])
             if hold is not None:
-                held[:] = _map_leaves(lambda v: _Held(hold(v), v.requires_grad) if isinstance(v, torch.Tensor) else v,
-                                      held[0], held[1])
+                held[:] = _map_leaves(_once(lambda v: _Held(hold(v), v.requires_grad), torch.Tensor), held[0], held[1])
             return out
         a, k = held
         if fetch is not None:  # a fetched tensor needs grad as the input did: ops save the same tensors again
-            a, k = _map_leaves(lambda v: _fetched(fetch, v) if isinstance(v, _Held) else v, a, k)
+            a, k = _map_leaves(_once(lambda v: _fetched(fetch, v), _Held), a, k)
         return guard.again(again_fwd, a, k, memo[0])
 
     leaves = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
@@ -750,6 +749,23 @@ def checkpointed(guard: ReplayGuard | nn.Module, forward: Callable[..., Any], ar
 
 
 _FLAT = (torch.Tensor, _Held, int, float, bool, str, type(None))
+
+
+def _once(fn: Callable[[Any], Any], kind: type) -> Callable[[Any], Any]:
+    """``fn`` on the leaves of type ``kind``, called once per object: a tensor passed twice (``attn(x, x, x)``) is
+    held once and comes back as one tensor, so a forward that asks ``query is key`` (``nn.MultiheadAttention``'s
+    packed projection) takes the same path when it is recomputed."""
+    done: dict[int, Any] = {}
+
+    def call(v: Any) -> Any:
+        if not isinstance(v, kind):
+            return v
+        out = done.get(id(v))
+        if out is None:
+            out = done[id(v)] = fn(v)
+        return out
+
+    return call
 
 
 def _map_leaves(fn: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import difflib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -14,10 +15,61 @@ from torch.utils._pytree import tree_map
 
 from ..errors import ProfileError
 
-__all__ = ["default_loss", "model_keywords", "preserved_state", "training_step"]
+__all__ = ["AUTOCAST_DTYPES", "default_loss", "forward_autocast", "model_keywords", "preserved_state",
+           "resolve_autocast", "step_autocast", "training_step"]
 
 
 Mark = Callable[[Any], None]
+
+#: The names ``autocast=`` takes for each low-precision dtype (or pass the dtype itself).
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                                           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+
+#: (device type, dtype) the forward and loss of :func:`training_step` run under, or ``None``: set by
+#: :func:`step_autocast` for the duration of a profile or a measurement (a context variable, so each thread has its own)
+_AUTOCAST: contextvars.ContextVar[tuple[str, torch.dtype] | None] = contextvars.ContextVar("memopt_autocast",
+                                                                                          default=None)
+
+
+def resolve_autocast(value: Any, device: torch.device, what: str) -> torch.dtype | None:
+    """The dtype of ``autocast=`` (``None``, a dtype, or one of :data:`AUTOCAST_DTYPES`' names) for ``what``
+    (``"profile"`` or ``"measure"``) on ``device``: :class:`ProfileError` for another value, or when ``what`` was
+    called inside an enabled ``torch.autocast`` — then its backward and optimizer step would run under autocast too,
+    which a training loop's do not, and its weight cache would hold the low-precision copies of the parameters through
+    backward (the peak would not be the loop's)."""
+    if torch.is_autocast_enabled(device.type):
+        raise ProfileError(
+            f"{what}() was called inside torch.autocast: then its backward and optimizer step run under autocast as "
+            f"well, which a training loop's do not (autocast's cache would keep the low-precision copies of the "
+            f"weights through backward, and the peak would not be your loop's). Call it outside autocast and pass "
+            f"autocast=torch.bfloat16 (or torch.float16): the forward and the loss then run under "
+            f"torch.autocast({device.type!r}, dtype=...), backward and the optimizer step outside, as in "
+            f"`with torch.autocast(...): loss = loss_fn(model(x))` then `loss.backward()`.")
+    if value is None or value is False:
+        return None
+    dtype = AUTOCAST_DTYPES.get(value.lower()) if isinstance(value, str) else value
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ProfileError(f"autocast must be None, torch.bfloat16 or torch.float16 (or one of "
+                           f"{', '.join(repr(k) for k in AUTOCAST_DTYPES)}), got {value!r}")
+    return dtype
+
+
+@contextlib.contextmanager
+def step_autocast(device_type: str, dtype: torch.dtype | None) -> Iterator[None]:
+    """Run the forward and loss of every :func:`training_step` (and every forward a profile makes) inside this block
+    under ``torch.autocast(device_type, dtype=dtype)``; ``dtype=None`` changes nothing."""
+    token = _AUTOCAST.set((device_type, dtype) if dtype is not None else None)
+    try:
+        yield
+    finally:
+        _AUTOCAST.reset(token)
+
+
+def forward_autocast() -> contextlib.AbstractContextManager:
+    """The ``torch.autocast`` a step's forward and loss run under (see :func:`step_autocast`), else a null context.
+    Leaving it clears autocast's weight cache, as leaving a training loop's ``with torch.autocast(...)`` does."""
+    spec = _AUTOCAST.get()
+    return torch.autocast(spec[0], dtype=spec[1]) if spec is not None else contextlib.nullcontext()
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -92,16 +144,18 @@ def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[An
     """Forward ``model(*inputs, **kwargs)``, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``.
 
     Returns the detached loss. ``mark(label)`` is called at ``"forward_end"``, ``"loss_end"``, ``"backward_end"``,
-    ``"optimizer_end"`` and ``"step_end"`` so a meter can split the step into phases.
+    ``"optimizer_end"`` and ``"step_end"`` so a meter can split the step into phases. Inside :func:`step_autocast`
+    the forward and the loss run under ``torch.autocast`` (left before ``"loss_end"``).
     """
     mark = mark or (lambda label: None)
-    output = model(*inputs, **(kwargs or {}))
-    mark("forward_end")
-    loss = loss_fn(output) if loss_fn is not None else default_loss(output)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                           f"{tuple(getattr(loss, 'shape', ()))}")
-    del output
+    with forward_autocast():  # inside step_autocast(): forward and loss under autocast, backward and step outside
+        output = model(*inputs, **(kwargs or {}))
+        mark("forward_end")
+        loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                               f"{tuple(getattr(loss, 'shape', ()))}")
+        del output
     mark("loss_end")
     loss.backward()
     mark("backward_end")

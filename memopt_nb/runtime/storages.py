@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["byte_view", "exclusive", "is_plain", "plain_storage_ptrs", "storageless_alias", "tensor_on", "use_count"]
+__all__ = ["byte_view", "dense", "drop_storage", "exclusive", "is_plain", "plain_storage_ptrs", "tensor_on",
+           "use_count"]
 
 
 def use_count(storage: torch.UntypedStorage) -> int:
@@ -27,11 +28,25 @@ def is_plain(t: Any, *, parameters: bool = False) -> bool:
     return type(t) in kinds and t.layout == torch.strided and not t.is_meta
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Every element at its own place and no gaps: contiguous in *some* order of the dimensions (row-major,
+    ``channels_last``, any permutation), so that the tensor's bytes are one block of ``t.nbytes``."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def exclusive(t: Any) -> bool:
     """A plain tensor or parameter that is the whole of its storage (so moving the storage moves exactly this
-    tensor): offset 0, contiguous, as many bytes as the storage, not empty."""
-    return (is_plain(t, parameters=True) and t.storage_offset() == 0 and t.is_contiguous()
-            and t.untyped_storage().nbytes() == t.nbytes and t.nbytes > 0)
+    tensor): offset 0, dense in any dimension order (:func:`dense`: a ``channels_last`` weight and its Adam state
+    are), as many bytes as the storage, not empty."""
+    return (is_plain(t, parameters=True) and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+            and t.nbytes > 0 and dense(t))
 
 
 def plain_storage_ptrs(tensors: Any) -> set[int]:
@@ -49,10 +64,9 @@ def byte_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     return tensor_on(storage, torch.uint8, 0, (nbytes,), (1,))
 
 
-def storageless_alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor that shares ``t``'s version counter but not its storage (for autograd's in-place check without
-    keeping the memory). Made by assigning ``.data``, which never touches the shared counter: ``set_()`` would bump it
-    for a moment, and another thread saving ``t`` in that moment would record the wrong version."""
-    alias = t.detach()
-    alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    return alias
+def drop_storage(view: torch.Tensor) -> None:
+    """Leave ``view`` (a ``detach()`` of a saved tensor, sharing its version counter) without its storage, so that it
+    still answers autograd's in-place check but no longer keeps the memory. Done by assigning ``.data``, which never
+    touches the shared counter: ``set_()`` would bump it for a moment, and another thread saving the tensor in that
+    moment would record the wrong version."""
+    view.data = torch.empty(0, dtype=view.dtype, device=view.device)

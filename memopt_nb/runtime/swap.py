@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..plan import OFFLOADING
 from .memory import note_device_storage
-from .storages import byte_view, is_plain, storageless_alias, tensor_on, use_count
+from .storages import byte_view, drop_storage, is_plain, tensor_on, use_count
 
 __all__ = ["CudaCopyEngine", "HostPool", "SwapEngine", "ThreadCopyEngine"]
 
@@ -100,7 +100,7 @@ class _Record:
     """One device storage saved for backward inside managed units."""
 
     __slots__ = ("storage", "nbytes", "device", "owner", "seq", "state", "release_at", "host", "off_event", "back",
-                 "back_event", "__weakref__")
+                 "back_event", "views", "__weakref__")
 
     def __init__(self, storage: torch.UntypedStorage, owner: int, seq: int) -> None:
         self.storage: torch.UntypedStorage | None = storage
@@ -114,6 +114,9 @@ class _Record:
         self.off_event: Any = None
         self.back: torch.UntypedStorage | None = None
         self.back_event: Any = None
+        #: the handles' views of the storage (each handle's ``ref``), kept here so that their number is known at every
+        #: boundary; they lose the storage when it is released (:meth:`SwapEngine._boundary`)
+        self.views: list[torch.Tensor] = []
 
 
 class _Handle:
@@ -125,10 +128,13 @@ class _Handle:
         self.size = t.size()
         self.stride = t.stride()
         self.dtype = t.dtype
-        # to check at unpack, as autograd does, that nobody changed the tensor in place in between: an alias that
-        # shares its version counter but not its storage (which must stay free to be offloaded)
+        # to check at unpack, as autograd does, that nobody changed the tensor in place in between: a view that shares
+        # its version counter. It holds the storage until the record is released and is then left without it
+        # (``drop_storage``): a record that never leaves the device costs no alias, and its unpack hands back this
+        # view.
         self.version = t._version
-        self.ref = storageless_alias(t)
+        self.ref = t.detach()
+        rec.views.append(self.ref)
 
     def check_version(self) -> None:
         now = self.ref._version
@@ -396,7 +402,8 @@ class SwapEngine:
                 rec = ref()
                 if rec is None:
                     continue
-                (still if use_count(rec.storage) > 1 else ready).append(rec)
+                # the record's storage object and its handles' views are the engine's; anyone else: still in use
+                (still if use_count(rec.storage) > 1 + len(rec.views) else ready).append(rec)
             p.pending = [weakref.ref(r) for r in still]
             issue = []
             for rec in ready:
@@ -427,6 +434,8 @@ class SwapEngine:
                     self.stats["offload_wait_s"] += time.perf_counter() - t0
                     p.records.pop(id(rec.storage), None)
                     rec.storage = None
+                    for v in rec.views:  # storage-less from now on; the version counter stays shared
+                        drop_storage(v)
                     rec.state = "offloaded"
                     p.by_owner[rec.owner].append(weakref.ref(rec))
                 else:
@@ -491,24 +500,25 @@ class SwapEngine:
         return _Handle(rec, t)
 
     def unpack(self, h: Any) -> torch.Tensor:
-        """The tensor a handle from :meth:`pack` stands for (waiting for, or starting, its copy back)."""
-        return self._unpack(h)
+        """The tensor a handle from :meth:`pack` stands for (waiting for, or starting, its copy back): a tensor of its
+        own, which the caller may mark as needing grad."""
+        out = self._unpack(h)
+        return out.detach() if isinstance(h, _Handle) and out is h.ref else out
 
     def _unpack(self, h: Any) -> torch.Tensor:
         if isinstance(h, torch.Tensor):
             return h
         h.check_version()
         rec = h.rec
-        st = rec.storage
-        if st is None:
-            with self._lock:
-                if rec.back is None:
-                    self.stats["on_demand"] += 1
-                    self._start_prefetch([rec])
-            if rec.state == "prefetching":
-                t0 = time.perf_counter()
-                self._engine(rec.device).wait_prefetch(rec)
-                self.stats["prefetch_wait_s"] += time.perf_counter() - t0
-                rec.state = "back"
-            st = rec.back
-        return tensor_on(st, h.dtype, h.offset, h.size, h.stride)
+        if rec.storage is not None:  # never left the device: the handle's view still holds it
+            return h.ref
+        with self._lock:
+            if rec.back is None:
+                self.stats["on_demand"] += 1
+                self._start_prefetch([rec])
+        if rec.state == "prefetching":
+            t0 = time.perf_counter()
+            self._engine(rec.device).wait_prefetch(rec)
+            self.stats["prefetch_wait_s"] += time.perf_counter() - t0
+            rec.state = "back"
+        return tensor_on(rec.back, h.dtype, h.offset, h.size, h.stride)

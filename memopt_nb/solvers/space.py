@@ -31,6 +31,7 @@ from ..plan import (
     Plan,
     selective_decision,
     state_choices,
+    with_autocast,
 )
 from ..simulate import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator, save_set_of
 
@@ -238,7 +239,7 @@ def make_plan(sim: Simulator, strategies: Sequence[int], windows: Sequence[int],
         predicted_peak_bytes=int(round(float(peak[0]))),
         predicted_step_time=float(time[0]),
         feasible=None if budget is None else bool(peak[0] <= budget),
-        meta=meta,
+        meta=with_autocast(meta, profile),
         step_in_backward=bool(step_in_backward or stepped),
         optimizer_fingerprint=profile_meta.get("optimizer_fingerprint") if moves else None,
     )
