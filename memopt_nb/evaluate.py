@@ -113,9 +113,12 @@ class Evaluation:
     #: per batch size, the smallest peak any plan reaches (simulated; ``solvers.min_peak``): no method can fit a
     #: batch whose minimum is above the budget, so it bounds every method's max batch
     min_peak_bytes: dict[int, int] = field(default_factory=dict)
+    #: the precision of the forward (``"bfloat16"``, ``"float16"``; ``None``: without autocast)
+    autocast: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "device": self.device, "source": self.source, "budget_bytes": self.budget_bytes,
+                "autocast": self.autocast,
                 "batch_sizes": self.batch_sizes, "min_peak_bytes": self.min_peak_bytes,
                 "verdict": self.verdict, "worth_it": self.worth_it,
                 "best_method": self.best_method, "warnings": self.warnings, "seconds": self.seconds,
@@ -180,14 +183,18 @@ class Evaluation:
         warn = "".join(f"<p style='color:#a60'>⚠ {html.escape(w)}</p>" for w in self.warnings)
         return (
             f"<div><p><b>{html.escape(self.verdict)}</b></p>{warn}<p>budget {format_bytes(self.budget_bytes)}, "
-            f"figures {self.source} on {html.escape(self.device)}</p><table><thead><tr><th>method</th>"
+            f"figures {self.source} on {html.escape(self.device)}{self._amp_text()}</p><table><thead><tr>"
+            "<th>method</th>"
             "<th>max batch</th><th>max samples/s</th><th>at batch</th><th>α (B/sample)</th><th>k (ms/sample)</th>"
             f"<th>R² mem</th><th>R² lat</th><th>p-score</th></tr></thead><tbody>{rows}</tbody></table>"
             f"<img src='data:image/png;base64,{img}'/></div>"
         )
 
+    def _amp_text(self) -> str:
+        return f", forward under autocast {self.autocast}" if self.autocast else ""
+
     def __repr__(self) -> str:
-        return f"<Evaluation {self.model} on {self.device} ({self.source}): {self.verdict}>"
+        return f"<Evaluation {self.model} on {self.device}{self._amp_text()} ({self.source}): {self.verdict}>"
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
@@ -288,16 +295,21 @@ def _unpack(built: Any) -> tuple[torch.nn.Module, tuple[tuple, dict], Any, torch
 
 
 def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn: Any, opt: torch.optim.Optimizer,
-                     accum: int, repeats: int = 3) -> float:
-    """Median seconds of one optimizer step made of ``accum`` micro-batches (forward+backward each)."""
-    from .runtime.step import preserved_state
+                     accum: int, repeats: int = 3, autocast: Any = None) -> float:
+    """Median seconds of one optimizer step made of ``accum`` micro-batches (forward+backward each; the forward and
+    the loss under ``torch.autocast`` with ``autocast=``, as :func:`~memopt_nb.profile` runs them)."""
+    from .runtime.measure import model_device
+    from .runtime.step import forward_autocast, preserved_state, resolve_autocast, step_autocast
 
+    device = model_device(model, inputs[0], inputs[1])
     times = []
-    with preserved_state(model, opt):
+    with preserved_state(model, opt), step_autocast(device.type, resolve_autocast(autocast, device, "evaluate")):
         for r in range(repeats + 1):
             t0 = time.perf_counter()
             for _ in range(accum):
-                loss_fn(model(*inputs[0], **inputs[1])).div(accum).backward()
+                with forward_autocast():
+                    loss = loss_fn(model(*inputs[0], **inputs[1])).div(accum)
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if r:
@@ -336,7 +348,8 @@ def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, 
 def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budget: Any = None,
              methods: Sequence[str] = DEFAULT_METHODS, batch_sizes: Sequence[int] | None = None, *,
              reference_batch: int | None = None, search_timesteps: int | None = None, seed: int = 0,
-             steps: int = 3, progress: Callable[[str], None] | None = None) -> Evaluation:
+             steps: int = 3, progress: Callable[[str], None] | None = None,
+             autocast: torch.dtype | str | None = None) -> Evaluation:
     """Evaluate memory plans at one memory budget over a range of batch sizes.
 
     Args:
@@ -354,6 +367,9 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
         reference_batch: the batch the budget percentage refers to (default: the builder's default, or 8).
         search_timesteps: PPO budget per memopt-ppo search (default: the search's own default).
         steps: timed steps per measurement (medians are reported).
+        autocast: mixed precision as your loop uses it (``torch.bfloat16``, ``torch.float16``, ``"bf16"``, ``"fp16"``):
+            every profile, measurement and accumulation step runs its forward and loss under ``torch.autocast`` and
+            its backward and optimizer step outside (see :func:`~memopt_nb.profile`).
 
     Returns an :class:`Evaluation` whose ``verdict`` says whether any plan pays off against plain training at its own
     largest batch and against plain training with gradient accumulation.
@@ -380,7 +396,7 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
             model, inputs, loss_fn, opt = _unpack(builder(b))
             built[b] = (model, inputs, loss_fn, opt)
             profiles[b] = profile_model(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt,
-                                        repeats=steps, **extra)
+                                        repeats=steps, autocast=autocast, **extra)
         return profiles[b]
 
     ref_prof = prof_at(ref)
@@ -404,7 +420,7 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
                     say(f"measuring {method} at batch {b}")
                     model, inputs, loss_fn, opt = built[b]
                     m = measure(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt, plan=plan,
-                                steps=steps)
+                                steps=steps, autocast=autocast)
                     peak, step, src = m.peak_bytes, m.step_time, "measured"
             ok = peak is not None and peak <= value
             res.feasible.append(bool(ok))
@@ -417,7 +433,8 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
         if method == "none":
             plain_max = res.max_batch
     if "grad_accum" in methods:
-        results["grad_accum"] = _grad_accum(results.get("none"), sizes, built, prof_at, value, spec, steps, say)
+        results["grad_accum"] = _grad_accum(results.get("none"), sizes, built, prof_at, value, spec, steps, say,
+                                            autocast)
     warn: list[str] = []
     for r in results.values():
         pts = [(b, p) for b, p in zip(r.batch_sizes, r.peak_bytes) if p is not None]
@@ -444,11 +461,12 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
     return Evaluation(model=name, device=(spec.name if spec else ref_prof.device.name),
                       source="simulated" if simulated else "measured", budget_bytes=value, batch_sizes=list(sizes),
                       methods=results, verdict=verdict, worth_it=worth, best_method=best, warnings=warn,
-                      seconds=time.perf_counter() - t_start, min_peak_bytes=floor)
+                      seconds=time.perf_counter() - t_start, min_peak_bytes=floor,
+                      autocast=ref_prof.meta.get("autocast"))
 
 
 def _grad_accum(none: MethodResult | None, sizes: list[int], built: dict, prof_at: Callable, budget: int,
-                spec: Any, steps: int, say: Callable[[str], None]) -> MethodResult:
+                spec: Any, steps: int, say: Callable[[str], None], autocast: Any = None) -> MethodResult:
     """Plain training at its largest fitting micro-batch, accumulating gradients up to each batch size."""
     res = MethodResult("grad_accum", list(sizes), [], [], [], [], [])
     micro = none.max_batch if none is not None else None
@@ -466,7 +484,7 @@ def _grad_accum(none: MethodResult | None, sizes: list[int], built: dict, prof_a
         if spec is None:
             say(f"measuring gradient accumulation {accum}×{mb}")
             model, inputs, loss_fn, opt = built[mb]
-            step = _accum_step_time(model, inputs, loss_fn, opt, accum, steps)
+            step = _accum_step_time(model, inputs, loss_fn, opt, accum, steps, autocast)
             src = "measured"
             peak = none.peak_bytes[sizes.index(mb)]
         else:

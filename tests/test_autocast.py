@@ -217,3 +217,21 @@ def test_a_loop_in_another_precision_than_the_profile_is_warned_about_once():
             warnings.simplefilter("error")
             _steps(model, args, kwargs, loss_fn, dtype)
     opt.zero_grad()
+
+
+def test_the_evaluation_harness_measures_in_the_loops_precision():
+    """``evaluate(..., autocast=)``: profiles, measurements and gradient accumulation run the forward under autocast;
+    every measured plan peaks where its autocast profile predicted."""
+    def builder(batch):
+        zm = memopt.zoo.build("gpt", seed=0, **{**ws.SMALL["gpt"], "batch_size": batch})
+        return zm.model, zm.inputs, zm.loss_fn
+
+    ev = memopt.evaluate(builder, budget="100%", batch_sizes=[1, 2], reference_batch=2, steps=1, autocast="bf16",
+                         methods=("none", "recompute_all", "swap_all", "grad_accum"))
+    assert ev.autocast == "bfloat16" and "under autocast bfloat16" in repr(ev) and ev.to_dict()["autocast"]
+    measured = [(m, p.predicted_peak_bytes, peak) for m, r in ev.methods.items() if m != "grad_accum"
+                for p, peak in zip(r.plans, r.peak_bytes, strict=True) if p is not None]
+    assert len(measured) == 6 and all(p.meta["autocast"] == "bfloat16" for r in ev.methods.values() for p in r.plans
+                                       if p is not None)
+    assert all(pred == peak for _, pred, peak in measured), measured
+    assert all(t is not None for t in ev.methods["grad_accum"].step_time)  # accumulation measured in bf16 too

@@ -152,7 +152,7 @@ def injected_clock(monkeypatch, latency):
         t = latency(inputs[0].shape[0]) * (1 + (c["recompute"] / 3 + c["swap"] / 10) / n)
         return dataclasses.replace(m, step_time=t, step_times=[t])
 
-    def accum_step_time(model, inputs, loss_fn, opt, accum, repeats=3):
+    def accum_step_time(model, inputs, loss_fn, opt, accum, repeats=3, autocast=None):
         args, _kwargs = inputs  # (positional inputs, keyword inputs) of one micro-batch
         return accum * latency(args[0].shape[0])
 
