@@ -54,6 +54,7 @@ from .runtime.recompute import (
     running_stat_modules,
 )
 from .runtime.step import (
+    autocast_name,
     forward_autocast,
     model_keywords,
     preserved_state,
@@ -61,7 +62,7 @@ from .runtime.step import (
     step_autocast,
     training_step,
 )
-from .runtime.storages import exclusive, is_plain, tensor_on, use_count
+from .runtime.storages import is_plain, movable, tensor_on, use_count
 
 PROFILE_FORMAT = "memopt_nb.profile"
 PROFILE_SCHEMA = 2  # 2: per-unit state bytes and the unit-by-unit optimizer step (schema 1 loads with zeros)
@@ -1267,7 +1268,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "units_rule": units if units in ("auto", "fine") else "depth" if isinstance(units, int) else "names",
             "split": split,  # units="fine": module split into its children -> its class (the table's hierarchy)
             "selective": ({"measured": True, "notes": sac_notes} if selective else None),
-            "autocast": str(amp).removeprefix("torch.") if amp is not None else None,  # the forward's, if any
+            "autocast": autocast_name(amp),  # the forward's, if any
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,
@@ -1300,8 +1301,7 @@ def _unit_state_bytes(model: nn.Module, optimizer: Any, unit_params: list[list[n
             for v in optimizer.state.get(p, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device == p.device:
                     state.append(v)
-        offloadable = bool(ps) and all(exclusive(p) and p.untyped_storage().resizable() and owners[id(p)] <= inside
-                                       for p in ps)
+        offloadable = bool(ps) and all(movable(p) and owners[id(p)] <= inside for p in ps)
         out.append({
             "grad_bytes": sum(p.nbytes for p in grads), "grad_storages": len(grads),
             "optimizer_bytes": sum(v.untyped_storage().nbytes() for v in state), "optimizer_storages": len(state),

@@ -21,6 +21,7 @@ from ..errors import PlanError
 from ..plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
 from .recompute import ReplayGuard, cache_tensors, checkpointed, is_cache
 from .state import Placement, StateManager
+from .step import autocast_name
 from .storages import plain_storage_ptrs
 from .swap import SwapEngine
 
@@ -437,7 +438,7 @@ class AppliedPlan:
         self._autocast_hook = None
         param = next(module.parameters(), None)
         dev = param.device.type if param is not None else "cpu"
-        have = str(torch.get_autocast_dtype(dev)).removeprefix("torch.") if torch.is_autocast_enabled(dev) else None
+        have = autocast_name(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
         want = self.plan.meta["autocast"]
         if have != want:
             def said(dtype: str | None) -> str:

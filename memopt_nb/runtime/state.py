@@ -84,7 +84,7 @@ from ..plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
 from .memory import note_device_storage
 from .storages import byte_view as _u8
 from .storages import exclusive as _exclusive
-from .storages import tensor_on
+from .storages import movable, tensor_on
 
 __all__ = ["HostTensor", "Placement", "StateError", "StateManager", "StepInBackwardError", "manage_state"]
 
@@ -462,7 +462,7 @@ class StateManager:
                 raise StateError(f"unit {i}: params='offload' needs the unit as an nn.Module (its forward is where the "
                                  "parameters are fetched); give the module instead of a parameter list")
             for p in ps:
-                if not _exclusive(p) or not p.untyped_storage().resizable():
+                if not movable(p):
                     raise StateError(f"unit {i}: a parameter of shape {tuple(p.shape)} shares or cannot resize its "
                                      "storage (a view, a flat buffer or memory-mapped), so it cannot be offloaded")
             inside = {id(m) for m in mod.modules()}
@@ -644,7 +644,7 @@ class StateManager:
         for key, v in list(st.items()):
             if isinstance(v, HostTensor) or not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
-            if v.device != p.device or not _exclusive(v) or not v.untyped_storage().resizable():
+            if v.device != p.device or not movable(v):
                 self.stats["state_left_resident"] += 1
                 continue
             slot = self._state_slots.get((id(p), key))

@@ -15,8 +15,8 @@ from torch.utils._pytree import tree_map
 
 from ..errors import ProfileError
 
-__all__ = ["AUTOCAST_DTYPES", "default_loss", "forward_autocast", "model_keywords", "preserved_state",
-           "resolve_autocast", "step_autocast", "training_step"]
+__all__ = ["AUTOCAST_DTYPES", "autocast_name", "default_loss", "forward_autocast", "model_keywords",
+           "preserved_state", "resolve_autocast", "step_autocast", "training_step"]
 
 
 Mark = Callable[[Any], None]
@@ -33,10 +33,10 @@ _AUTOCAST: contextvars.ContextVar[tuple[str, torch.dtype] | None] = contextvars.
 
 def resolve_autocast(value: Any, device: torch.device, what: str) -> torch.dtype | None:
     """The dtype of ``autocast=`` (``None``, a dtype, or one of :data:`AUTOCAST_DTYPES`' names) for ``what``
-    (``"profile"`` or ``"measure"``) on ``device``: :class:`ProfileError` for another value, or when ``what`` was
-    called inside an enabled ``torch.autocast`` — then its backward and optimizer step would run under autocast too,
-    which a training loop's do not, and its weight cache would hold the low-precision copies of the parameters through
-    backward (the peak would not be the loop's)."""
+    (``"profile"``, ``"measure"``, ``"evaluate"``) on ``device``: :class:`ProfileError` for another value, or when
+    ``what`` was called inside an enabled ``torch.autocast`` — then its backward and optimizer step would run under
+    autocast too, which a training loop's do not, and its weight cache would hold the low-precision copies of the
+    parameters through backward (the peak would not be the loop's)."""
     if torch.is_autocast_enabled(device.type):
         raise ProfileError(
             f"{what}() was called inside torch.autocast: then its backward and optimizer step run under autocast as "
@@ -52,6 +52,11 @@ def resolve_autocast(value: Any, device: torch.device, what: str) -> torch.dtype
         raise ProfileError(f"autocast must be None, torch.bfloat16 or torch.float16 (or one of "
                            f"{', '.join(repr(k) for k in AUTOCAST_DTYPES)}), got {value!r}")
     return dtype
+
+
+def autocast_name(dtype: torch.dtype | None) -> str | None:
+    """How a profile and a plan record an autocast dtype: ``"bfloat16"``, ``"float16"``; ``None`` for none."""
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 @contextlib.contextmanager

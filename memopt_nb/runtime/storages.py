@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["byte_view", "dense", "drop_storage", "exclusive", "is_plain", "plain_storage_ptrs", "tensor_on",
-           "use_count"]
+__all__ = ["byte_view", "dense", "drop_storage", "exclusive", "is_plain", "movable", "plain_storage_ptrs",
+           "tensor_on", "use_count"]
 
 
 def use_count(storage: torch.UntypedStorage) -> int:
@@ -47,6 +47,12 @@ def exclusive(t: Any) -> bool:
     are), as many bytes as the storage, not empty."""
     return (is_plain(t, parameters=True) and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
             and t.nbytes > 0 and dense(t))
+
+
+def movable(t: Any) -> bool:
+    """:func:`exclusive` and its storage resizable (not memory-mapped, not a fixed buffer): a tensor whose device bytes
+    a state placement may free in place and refill."""
+    return exclusive(t) and t.untyped_storage().resizable()
 
 
 def plain_storage_ptrs(tensors: Any) -> set[int]:
