@@ -104,10 +104,10 @@ def _train(make, opt_name: str, plan: Plan | None, steps: int = 3, pass_optimize
 
 
 def train_loop(model: nn.Module, opt: torch.optim.Optimizer, plan: Plan | None, forward_loss, steps: int = 3,
-               pass_optimizer: bool = True):
-    """``steps`` steps of ``forward_loss(model).backward()``, ``opt.step()``, ``opt.zero_grad()`` under ``plan`` if
-    given (dropout seeded alike): the model, the optimizer and a record of what each step produced, which
-    :func:`_assert_same_training` compares."""
+               pass_optimizer: bool = True, after_step=None):
+    """``steps`` steps of ``forward_loss(model).backward()``, ``opt.step()``, ``opt.zero_grad()`` (then
+    ``after_step(model)`` if given) under ``plan`` if given (dropout seeded alike): the model, the optimizer and a
+    record of what each step produced, which :func:`_assert_same_training` compares."""
     torch.manual_seed(11)  # dropout
     record = {"losses": [], "grads": [], "sd_inside": None, "stats": {}}
     applied = memopt.plan(plan, model, optimizer=opt if pass_optimizer else None) if plan is not None else None
@@ -121,6 +121,8 @@ def train_loop(model: nn.Module, opt: torch.optim.Optimizer, plan: Plan | None, 
             record["grads"].append(_readable_grads(model))
             opt.step()
             opt.zero_grad()
+            if after_step is not None:
+                after_step(model)
         record["sd_inside"] = opt.state_dict()
     finally:
         if applied is not None:

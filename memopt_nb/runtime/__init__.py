@@ -1,3 +1,3 @@
 """Applying plans to a live model, and measuring what a training step really uses."""
 
-__all__ = ["apply", "measure", "memory", "recompute", "state", "step", "storages", "swap"]
+__all__ = ["apply", "hooks", "measure", "memory", "recompute", "state", "step", "storages", "swap"]

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..distributed import check_state_placements, order_guard, unwrap
 from ..errors import PlanError
 from ..plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
+from .hooks import uncopied
 from .recompute import ReplayGuard, cache_tensors, checkpointed, is_cache
 from .state import Placement, StateManager
 from .step import autocast_name
@@ -387,7 +388,7 @@ class AppliedPlan:
                 self.state = state
                 state.apply()
             if "autocast" in plan.meta:  # the profile said how its forward ran (plans made before it did: no check)
-                self._autocast_hook = model.register_forward_pre_hook(self._check_autocast)
+                self._autocast_hook = model.register_forward_pre_hook(uncopied(self._check_autocast))
         except BaseException:
             self.remove()
             raise
@@ -497,8 +498,10 @@ def plan(p: Plan, model: nn.Module | None = None, *, optimizer: torch.optim.Opti
     next forward. Breaking a rule raises :class:`~memopt_nb.runtime.state.StepInBackwardError` (a ``PlanError``)
     before the offending call changes anything. Use a plan with ``grads="offload"`` for such loops.
 
-    While a unit's parameters are offloaded they have no data outside its forward and backward:
-    ``model.state_dict()`` and ``load_state_dict()`` still work; to read or change them otherwise use
-    ``with applied.state.gathered():``. Under DDP and FSDP2 see :mod:`memopt_nb.distributed` for what may move.
+    While a unit's parameters are offloaded they have no device data outside its forward, backward and step; an
+    operator on one between steps (an EMA, a norm, ``copy.deepcopy``) brings its unit's parameters back for itself,
+    and one that would return a view raises :class:`~memopt_nb.runtime.state.StateError`; for a block of code that
+    needs the parameters themselves use ``with applied.state.gathered():``. Under DDP and FSDP2 see
+    :mod:`memopt_nb.distributed` for what may move.
     """
     return AppliedPlan(p, model, optimizer)

@@ -34,11 +34,16 @@ How values stay identical to plain training:
 * Offloaded parameters keep their identity: the same ``nn.Parameter`` objects, whose storage is freed with
   ``untyped_storage().resize_(0)`` and re-grown and refilled in place (FSDP2's way). ``p.data = ...`` would not do:
   autograd saves views of parameters (``weight.t()`` for a linear layer), which would keep pointing at the old storage.
-  Resizing the one storage all views share keeps every saved view valid once it is refilled. While offloaded, a
-  parameter must not be read outside its unit's forward or backward (its storage is empty: reading it reads freed
-  memory). The manager checks that no module outside the unit holds it and that the unit does not return a view of it;
+  Resizing the one storage all views share keeps every saved view valid once it is refilled. While its storage is
+  empty (a kernel reading it would crash the process), an offloaded parameter wears a subclass of its class whose
+  ``__torch_function__`` serves the loop's own uses between steps: metadata as it is, ``detach()`` / ``.data`` as a
+  :class:`HostTensor` of the host copy, any other operator with the unit's parameters brought back (in-place changes
+  kept) and offloaded again (:func:`_offloaded_class`); one that would return a view raises :class:`StateError`. The
+  manager checks that no module outside the unit holds it and that the unit does not return a view of it;
   ``model.state_dict()`` / ``model.load_state_dict()`` go through the host copy, and :meth:`StateManager.gathered`
-  brings every offloaded parameter back for a block of code that reads or changes them.
+  brings every offloaded parameter back for a block of code that needs the parameters themselves. The plan's hooks
+  are registered through :func:`~memopt_nb.runtime.hooks.uncopied`, so a copy of the model made inside the block is a
+  plain model.
 
 On exit everything is put back exactly: the original state tensor objects refilled and back in ``opt.state``,
 placeholder gradients replaced by real ones, parameters refilled, hooks removed, ``opt.step`` / ``zero_grad`` /
@@ -68,6 +73,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import ctypes
 import types
 from collections.abc import Iterable, Iterator, Sequence
@@ -81,6 +87,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import PlanError
 from ..plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
+from .hooks import uncopied
 from .memory import note_device_storage
 from .storages import byte_view as _u8
 from .storages import exclusive as _exclusive
@@ -294,6 +301,22 @@ class _Slot:
 
 
 # ---------------------------------------------------------------------- placeholders
+def _one_at_a_time(func: Any, args: Any, kwargs: dict) -> Any:
+    """A ``torch._foreach_*`` call as one call per element (lists of one), so that of the host-held values among its
+    arguments only one is on the device at a time, not all of them at once (an EMA over every parameter)."""
+    n = next(len(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)))
+    outs = []
+    for j in range(n):
+        a = [x[j:j + 1] if isinstance(x, (list, tuple)) else x for x in args]
+        k = {key: x[j:j + 1] if isinstance(x, (list, tuple)) else x for key, x in kwargs.items()}
+        outs.append(func(*a, **k))
+    return None if all(o is None for o in outs) else [t for o in outs for t in o]
+
+
+def _foreach_over(func: Any, held: int) -> bool:
+    return held > 1 and getattr(func, "__name__", "").startswith("_foreach_")
+
+
 class HostTensor(torch.Tensor):
     """A storage-less stand-in for a tensor whose value lives in the host store (offloaded state or gradient).
 
@@ -304,6 +327,12 @@ class HostTensor(torch.Tensor):
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """A NumPy array of the value (a copy: the value has no device memory to share)."""
+        if self._stepped:
+            raise StepInBackwardError(f"this gradient was already applied in backward; {_STEP_RULES}")
+        return self._slot.materialize().numpy(force=force)
 
     @staticmethod
     def __new__(cls, like: Any, slot: _Slot | None, stepped: bool = False) -> HostTensor:
@@ -344,6 +373,8 @@ class HostTensor(torch.Tensor):
         if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
             raise StateError(f"{func} would return a view of an offloaded tensor; operate on a copy "
                              "(e.g. t.clone()) or leave the memopt block first")
+        if _foreach_over(func, len({id(h) for h in holders})):
+            return _one_at_a_time(func, args, kwargs)
         mats: dict[int, torch.Tensor] = {}
         for h in holders:
             if id(h) not in mats:
@@ -374,6 +405,93 @@ def _placeholder(slot: _Slot) -> HostTensor:
 
 def _stepped_placeholder(g: torch.Tensor) -> HostTensor:
     return HostTensor(_Like(g), None, stepped=True)
+
+
+# ---------------------------------------------------------------------- parameters read between steps
+#: Attributes and methods of a tensor that read no data: an offloaded parameter answers them as it is.
+_META_ATTRS = frozenset({
+    "shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "layout", "ndim", "names", "grad_fn", "_version",
+    "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu", "is_sparse", "is_quantized", "is_nested", "is_mkldnn",
+    "itemsize", "nbytes", "output_nr", "retains_grad", "_base", "_cdata", "_backward_hooks",
+    "_post_accumulate_grad_hooks", "__dict__", "__class__"})
+_META_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "untyped_storage", "data_ptr",
+    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "requires_grad_", "register_hook",
+    "register_post_accumulate_grad_hook", "__hash__", "__len__", "__sizeof__", "_is_view", "is_pinned", "is_shared"})
+#: Calls whose result would keep pointing at the parameter's device memory outside any tensor (refused while offloaded).
+_RAW_ALIASES = frozenset({"numpy", "__array__", "__dlpack__", "storage", "_typed_storage"})
+
+
+def _offloaded_torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """Operators on a parameter whose data lives on the host between steps (see :func:`_offloaded_class`)."""
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "")
+    attr = getattr(getattr(func, "__self__", None), "__name__", None) if name in ("__get__", "__set__") else None
+    if (attr in _META_ATTRS) if attr is not None else (name in _META_METHODS):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    held = {id(t): t for t in tree_leaves((args, kwargs)) if getattr(t, "_memopt_offload", None) is not None}
+    if not held:  # a copy made from one (not managed): an ordinary parameter
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    what = f"{attr} of" if attr is not None else f"{name}() on"
+    if attr == "data" and name == "__set__":
+        raise StateError("p.data = ... on a parameter the plan keeps on the host between steps would lose it; write "
+                         "with `with torch.no_grad(): p.copy_(value)` instead")
+    if name in _RAW_ALIASES:
+        raise StateError(f"{what} a parameter the plan keeps on the host between steps would point at memory the "
+                         "plan frees; use p.detach().clone() first, or model.state_dict()")
+    if (attr == "data" and name == "__get__") or name == "detach":
+        p = next(iter(held.values()))
+        return _placeholder(p._memopt_offload[2])  # reads and writes go through the host copy, like offloaded state
+    units = {(id(p._memopt_offload[0]), p._memopt_offload[1]): p._memopt_offload[:2] for p in held.values()}
+    if len(units) > 1 and _foreach_over(func, len(held)):
+        return _one_at_a_time(func, args, kwargs)  # one unit's parameters on the device at a time
+    with contextlib.ExitStack() as stack:
+        storages = set()
+        for manager, u in units.values():
+            storages |= stack.enter_context(manager._reading(u))
+        out = func(*args, **kwargs)
+        if any(isinstance(t, torch.Tensor) and type(t) is not HostTensor and id(t) not in held
+               and t.untyped_storage()._cdata in storages for t in tree_leaves(out)):
+            raise StateError(f"{what} a parameter the plan keeps on the host between steps would return a view of "
+                             "memory the plan frees; read it through p.detach() (which reads the host copy), a copy "
+                             "(p.detach().clone()) or model.state_dict(), or inside `with applied.state.gathered():`")
+    return out
+
+
+def _offloaded_deepcopy(self: nn.Parameter, memo: dict) -> Any:
+    manager, u = self._memopt_offload[:2]
+    with manager._reading(u):
+        return copy.deepcopy(self, memo)
+
+
+def _offloaded_reduce_ex(self: nn.Parameter, proto: Any) -> Any:
+    manager, u = self._memopt_offload[:2]
+    with manager._reading(u):
+        return copy.deepcopy(self).__reduce_ex__(proto)  # a copy: pickling reads it after the parameter is freed
+
+
+_OFFLOADED_CLASSES: dict[type, type] = {}
+
+
+def _offloaded_class(cls: type) -> type | None:
+    """The class an offloaded parameter of class ``cls`` wears while its data is on the host (``None``: leave it).
+
+    Its device storage is empty then, and a kernel reading it would crash the process (a notebook's kernel dies).
+    Every operator on it therefore goes through :func:`_offloaded_torch_function`: metadata as it is; ``detach()`` and
+    ``.data`` a :class:`HostTensor` of its host copy; anything else runs with the unit's parameters brought back
+    (in-place changes kept) and offloaded again after — an EMA, a weight-norm log or ``copy.deepcopy(model)`` between
+    steps then works and computes what it would without the plan. Only plain parameters (no ``__torch_function__`` of
+    their own) get one."""
+    if cls.__torch_function__ is not torch._C._disabled_torch_function_impl:
+        return None
+    sub = _OFFLOADED_CLASSES.get(cls)
+    if sub is None:
+        sub = _OFFLOADED_CLASSES[cls] = type(f"Offloaded{cls.__name__}", (cls,), {
+            "__torch_function__": classmethod(_offloaded_torch_function), "__deepcopy__": _offloaded_deepcopy,
+            "__reduce_ex__": _offloaded_reduce_ex, "__module__": __name__})
+    return sub
 
 
 # ---------------------------------------------------------------------- the manager
@@ -585,17 +703,18 @@ class StateManager:
                 for s in self._param_slots[u]:
                     s.free()
                 self._param_where[u] = "host"
+                self._wear(u, True)
                 self._handles += self._state_dict_hooks(u, mod)
         if any(pl.params == "offload" for pl in self.placements):
             # every unit's forward prefetches its neighbour's parameters (a fixed neighbour: u + 1 in forward, u - 1
             # in backward), whatever its own placement
             for u, mod in enumerate(self.modules):
                 if mod is not None:
-                    self._handles.append(mod.register_forward_pre_hook(self._make_fwd_pre(u)))
-                    self._handles.append(mod.register_forward_hook(self._make_fwd_post(u)))
+                    self._handles.append(mod.register_forward_pre_hook(uncopied(self._make_fwd_pre(u))))
+                    self._handles.append(mod.register_forward_hook(uncopied(self._make_fwd_post(u))))
         if self.step_in_backward:
-            self._handles.append(model.register_forward_pre_hook(self._check_forward))
-            self._handles.append(model.register_forward_hook(self._guard_outputs))
+            self._handles.append(model.register_forward_pre_hook(uncopied(self._check_forward)))
+            self._handles.append(model.register_forward_hook(uncopied(self._guard_outputs)))
 
     def remove(self) -> None:
         """Undo :meth:`apply`: state, gradients and parameters back on the device, hooks and methods removed."""
@@ -789,6 +908,7 @@ class StateManager:
             for s in self._param_slots[u]:
                 s.wait()
             self._param_where[u] = "device"
+            self._wear(u, False)
 
     def _free_params(self, u: int) -> None:
         if self._param_where[u] == "host":
@@ -802,6 +922,40 @@ class StateManager:
         for s in self._param_slots[u]:
             s.free()
         self._param_where[u] = "host"
+        self._wear(u, True)
+
+    def _wear(self, u: int, offloaded: bool) -> None:
+        """Unit ``u``'s parameters take (or leave) the class that guards them while their data is on the host
+        (:func:`_offloaded_class`); same objects, only ``__class__`` changes."""
+        for s in self._param_slots[u]:
+            p = s.tensor
+            held = p.__dict__.get("_memopt_offload")
+            if offloaded and held is None:
+                sub = _offloaded_class(type(p))
+                if sub is not None:
+                    p._memopt_offload = (self, u, s, type(p))
+                    p.__class__ = sub
+            elif not offloaded and held is not None:
+                p.__class__ = held[3]
+                del p._memopt_offload
+
+    @contextlib.contextmanager
+    def _reading(self, u: int) -> Iterator[set[int]]:
+        """Unit ``u``'s parameters on the device for one operator of the caller's (what
+        :func:`_offloaded_torch_function` runs), kept if it changed them, offloaded again after if they were. Yields
+        the ids of their storages."""
+        prior = self._param_where[u]
+        self._fetch_params(u, wait=True)
+        slots = self._param_slots[u]
+        versions = [s.tensor._version for s in slots]
+        self.stats["param_reads_between_steps"] += 1
+        try:
+            yield {s.storage._cdata for s in slots}
+        finally:
+            if any(s.tensor._version != v for s, v in zip(slots, versions, strict=True)):
+                self._param_dirty[u] = True
+            if prior == "host" and not self._in_bw[u]:
+                self._free_params(u)
 
     def _state_dict_hooks(self, u: int, mod: nn.Module) -> list[Any]:
         """``model.state_dict()`` gets offloaded parameters' host values; ``model.load_state_dict()`` writes them."""
@@ -823,8 +977,9 @@ class StateManager:
             if not self._in_bw[u]:
                 self._free_params(u)
 
-        return [mod.register_state_dict_post_hook(saving), mod.register_load_state_dict_pre_hook(loading),
-                mod.register_load_state_dict_post_hook(loaded)]
+        return [mod.register_state_dict_post_hook(uncopied(saving)),
+                mod.register_load_state_dict_pre_hook(uncopied(loading)),
+                mod.register_load_state_dict_post_hook(uncopied(loaded))]
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

@@ -1,0 +1,248 @@
+"""What training loops do between steps, under plans that keep parameters on the host between steps.
+
+An offloaded parameter's device storage is empty outside its unit's forward, backward and step. Before this was
+guarded, an EMA (``ema.lerp_(p, ...)``), a weight-norm log (``p.norm()``) or ``copy.deepcopy(model)`` between steps read
+that empty storage and the process died (SIGSEGV: a notebook's kernel restarts). Each habit below now runs under the
+plan and gives exactly what it gives in plain training: losses, parameters and whatever the habit itself recorded,
+bit for bit. A habit that cannot be served (a view that would outlive the parameter's memory) raises StateError.
+
+The zoo MLP with every unit's parameters offloaded and with the mixed rows of ``test_whole_step_apply``, and
+transformers GPT-2 (random init, small config) under ``torch.optim.swa_utils.AveragedModel``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import test_whole_step_apply as ws
+import torch
+import torch.nn as nn
+
+import memopt_nb as memopt
+from memopt_nb.plan import Plan
+from memopt_nb.runtime.state import StateError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALL_OFFLOADED = [("keep", "offload", "offload", "offload")]
+ROWS = {"all_offloaded": ALL_OFFLOADED, "mixed": ws.MIXED}
+
+
+def _ema(model, log, memo):
+    ema = memo.setdefault("ema", [p.detach().clone() for p in model.parameters()])
+    with torch.no_grad():
+        for q, p in zip(ema, model.parameters(), strict=True):
+            q.lerp_(p, 0.1)
+    log.append(torch.stack([q.sum() for q in ema]))
+
+
+def _norms(model, log, memo):
+    log.append(torch.stack([p.norm() for p in model.parameters()]))
+
+
+def _averaged(model, log, memo):
+    avg = memo.get("avg")
+    if avg is None:  # made inside the block: a deep copy of the planned model
+        avg = memo["avg"] = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    avg.update_parameters(model)
+    log.append(torch.stack([p.sum() for p in avg.parameters()]))
+
+
+def _deepcopy(model, log, memo):
+    twin = copy.deepcopy(model)
+    assert all(type(p) is nn.Parameter for p in twin.parameters()), "the copy's parameters are plain ones"
+    log.append(torch.stack([p.sum() for p in twin.parameters()]))
+
+
+def _clamp_data(model, log, memo):  # WGAN's weight clipping
+    for p in model.parameters():
+        p.data.clamp_(-0.05, 0.05)
+
+
+def _scale_in_place(model, log, memo):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.999)
+
+
+def _to_numpy(model, log, memo):
+    log.append(torch.tensor([float(p.detach().cpu().numpy().sum()) for p in model.parameters()]))
+
+
+def _pickled(model, log, memo):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    twin = torch.load(buf, weights_only=False)
+    log.append(torch.stack([p.sum() for p in twin.parameters()]))
+
+
+def _repr(model, log, memo):
+    log.append(torch.tensor([len(repr(p)) for p in model.parameters()]))
+
+
+def _foreach_ema(model, log, memo):  # timm's ModelEmaV3 way: one foreach over every parameter
+    ema = memo.setdefault("ema", [p.detach().clone() for p in model.parameters()])
+    with torch.no_grad():
+        torch._foreach_lerp_(ema, list(model.parameters()), 0.1)
+    log.append(torch.stack([q.sum() for q in ema]))
+
+
+HABITS = {"ema": _ema, "foreach_ema": _foreach_ema, "weight_norms": _norms, "averaged_model": _averaged,
+          "deepcopy": _deepcopy, "clamp_data": _clamp_data, "scale_in_place": _scale_in_place,
+          "to_numpy": _to_numpy, "pickle": _pickled, "repr": _repr}
+
+
+def _run(build, forward_loss, plan_for, habit, steps: int = 3):
+    """``steps`` AdamW steps, ``habit`` after each ``opt.step()``; plainly (``plan_for`` None) or under its plan."""
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    log, memo = [], {}
+    model, _, record = ws.train_loop(model, opt, plan_for(opt) if plan_for is not None else None, forward_loss, steps,
+                                     after_step=lambda m: habit(m, log, memo))
+    return model, record["losses"], log, record["stats"]
+
+
+def _assert_same(ref, got) -> None:
+    (m0, l0, g0, _), (m1, l1, g1, _) = ref, got
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1, strict=True)), "losses differ"
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True)), "what the habit recorded differs"
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
+        assert type(b) is nn.Parameter and not hasattr(b, "_memopt_offload"), f"{n} still wears the plan's class"
+        assert torch.equal(a, b), f"parameter {n} differs"
+
+
+def _mlp():
+    return ws._build("mlp").model
+
+
+def _mlp_loss(model):
+    zm = ws._build("mlp")
+    return zm.loss_fn(model(*zm.inputs))
+
+
+@pytest.mark.parametrize("rows", list(ROWS))
+@pytest.mark.parametrize("habit", list(HABITS))
+def test_a_habit_between_steps_gives_what_plain_training_gives(habit, rows):
+    prof = ws._profile("mlp")
+
+    def plan_for(opt):
+        return ws._whole(Plan.uniform(prof, "keep"), ROWS[rows], opt=opt)
+
+    ref = _run(_mlp, _mlp_loss, None, HABITS[habit])
+    got = _run(_mlp, _mlp_loss, plan_for, HABITS[habit])
+    _assert_same(ref, got)
+    assert got[3]["param_h2d_bytes"] > 0  # the plan did keep parameters on the host
+    if habit in ("ema", "foreach_ema", "weight_norms", "averaged_model", "scale_in_place"):
+        assert got[3]["param_reads_between_steps"] > 0  # ... and the habit read them through the guard
+
+
+def test_a_view_of_an_offloaded_parameter_is_refused_and_training_goes_on_unchanged():
+    prof = ws._profile("mlp")
+    calls = []
+
+    def view_then_norm(model, log, memo):
+        p = next((p for p in model.parameters() if type(p) is not nn.Parameter), None)
+        if p is not None:  # under the plan, between steps: a parameter on the host
+            with pytest.raises(StateError, match="view of memory the plan frees"):
+                p.view(-1)
+            with pytest.raises(StateError, match="p.copy_"):
+                p.data = torch.zeros_like(p)
+            with pytest.raises(StateError, match="clone"):
+                p.numpy()
+            calls.append(1)
+        _norms(model, log, memo)
+
+    ref = _run(_mlp, _mlp_loss, None, view_then_norm)
+    got = _run(_mlp, _mlp_loss, lambda opt: ws._whole(Plan.uniform(prof, "keep"), ALL_OFFLOADED, opt=opt),
+               view_then_norm)
+    assert len(calls) == 3
+    _assert_same(ref, got)
+
+
+def test_a_copy_made_inside_the_block_carries_none_of_the_plans_hooks():
+    prof = ws._profile("mlp")
+    zm = ws._build("mlp")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2)
+    plan = ws._whole(Plan.uniform(prof, "recompute"), ws.MIXED_STEP, step_in_backward=True, opt=opt)
+    with memopt.plan(plan, zm.model, optimizer=opt):
+        twin = copy.deepcopy(zm.model)  # before any step: a bound method of the runtime once made this fail
+        blob = pickle.dumps(twin)
+    hooks = [getattr(h, "hook", h)  # torch's _WrappedHook holds the hook as .hook
+             for m in twin.modules()
+             for d in (m._forward_pre_hooks, m._forward_hooks, m._state_dict_hooks, m._load_state_dict_pre_hooks)
+             for h in d.values()]
+    assert all(getattr(h, "__name__", "") == "_inert" or type(h).__name__ == "_OrderGuard" for h in hooks), [
+        h for h in hooks if getattr(h, "__name__", "") != "_inert"]
+    assert all(type(p) is nn.Parameter for p in twin.parameters())
+    twin2 = pickle.loads(blob)
+    torch.manual_seed(3)
+    a = zm.loss_fn(twin(*zm.inputs))
+    torch.manual_seed(3)
+    b = zm.loss_fn(twin2(*zm.inputs))
+    a.backward()  # an ordinary model: trains without the plan
+    assert torch.equal(a, b) and all(p.grad is not None for p in twin.parameters())
+
+
+def test_transformers_gpt2_with_an_averaged_model_made_inside_the_block():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def build():
+        return transformers.GPT2LMHeadModel(cfg)
+
+    def loss(model):
+        return model(input_ids=ids, labels=ids).loss
+
+    torch.manual_seed(0)
+    model = build()
+    prof = memopt.profile(model, loss_fn=lambda out: out.loss, repeats=1, input_ids=ids, labels=ids)
+    rows = [("keep", "offload", "offload", "offload") if u.param_bytes else ("keep", "resident", "resident",
+                                                                            "resident") for u in prof.units]
+
+    def plan_for(opt):
+        return ws._whole(Plan.uniform(prof, "keep"), rows, opt=opt)
+
+    ref = _run(build, loss, None, _averaged)
+    got = _run(build, loss, plan_for, _averaged)
+    _assert_same(ref, got)
+    assert got[3]["param_reads_between_steps"] > 0
+
+
+def test_a_foreach_over_every_parameter_brings_one_unit_back_at_a_time(monkeypatch):
+    """An EMA as one ``torch._foreach_lerp_`` over all parameters must not bring every offloaded unit back at once:
+    the plan's budget may be below the parameters' size."""
+    from memopt_nb.runtime.state import StateManager
+
+    depth, deepest = [0], [0]
+    original = StateManager._reading
+
+    def counting(self, u):
+        cm = original(self, u)
+
+        class Counted:
+            def __enter__(self_):
+                depth[0] += 1
+                deepest[0] = max(deepest[0], depth[0])
+                return cm.__enter__()
+
+            def __exit__(self_, *exc):
+                depth[0] -= 1
+                return cm.__exit__(*exc)
+
+        return Counted()
+
+    monkeypatch.setattr(StateManager, "_reading", counting)
+    prof = ws._profile("mlp")
+    got = _run(_mlp, _mlp_loss, lambda opt: ws._whole(Plan.uniform(prof, "keep"), ALL_OFFLOADED, opt=opt),
+               _foreach_ema)
+    assert got[3]["param_reads_between_steps"] >= 3 * sum(1 for u in prof.units if u.param_bytes) > 3
+    assert deepest[0] == 1
+    _assert_same(_run(_mlp, _mlp_loss, None, _foreach_ema), got)
