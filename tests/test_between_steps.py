@@ -7,7 +7,8 @@ plan and gives exactly what it gives in plain training: losses, parameters and w
 bit for bit. A habit that cannot be served (a view that would outlive the parameter's memory) raises StateError.
 
 The zoo MLP with every unit's parameters offloaded and with the mixed rows of ``test_whole_step_apply``, and
-transformers GPT-2 (random init, small config) under ``torch.optim.swa_utils.AveragedModel``.
+transformers GPT-2 (random init, small config) under ``torch.optim.swa_utils.AveragedModel``. Last, what fine-tuning
+does inside the block: unfreezing or freezing half the parameters, or adding them as a new parameter group.
 """
 
 from __future__ import annotations
@@ -246,3 +247,48 @@ def test_a_foreach_over_every_parameter_brings_one_unit_back_at_a_time(monkeypat
     assert got[3]["param_reads_between_steps"] >= 3 * sum(1 for u in prof.units if u.param_bytes) > 3
     assert deepest[0] == 1
     _assert_same(_run(_mlp, _mlp_loss, None, _foreach_ema), got)
+
+
+# ---------------------------------------------------------------------- fine-tuning inside the block
+def _fine_tuning(change: str, rows, step_in_backward: bool):
+    """Four AdamW steps of the zoo MLP; before the third, ``change`` (half the parameters: unfrozen, frozen, or added to
+    the optimizer as a new group). Returns a function running it plainly (``planned=False``) or under ``rows``."""
+    prof = ws._profile("mlp")
+
+    def run(planned: bool):
+        zm = ws._build("mlp")
+        params = list(zm.model.parameters())
+        half, rest = params[: len(params) // 2], params[len(params) // 2:]
+        if change == "unfreeze":
+            for p in half:
+                p.requires_grad_(False)
+        opt = torch.optim.AdamW(half if change == "add_group" else params, lr=1e-2)
+        plan = (ws._whole(Plan.uniform(prof, "keep"), rows, step_in_backward=step_in_backward, opt=opt)
+                if planned else None)
+        done = [0]
+
+        def after_step(model):
+            done[0] += 1
+            if done[0] == 2:
+                if change == "unfreeze":
+                    for p in half:
+                        p.requires_grad_(True)
+                elif change == "freeze":
+                    for p in half:
+                        p.requires_grad_(False)
+                else:
+                    opt.add_param_group({"params": rest, "lr": 5e-3})
+
+        return ws.train_loop(zm.model, opt, plan, lambda m: zm.loss_fn(m(*zm.inputs)), 4, after_step=after_step)
+
+    return run
+
+
+@pytest.mark.parametrize("rows", ["all_offloaded", "mixed", "mixed_step"])
+@pytest.mark.parametrize("change", ["unfreeze", "freeze", "add_group"])
+def test_freezing_unfreezing_or_adding_a_group_inside_the_block_trains_as_without_it(change, rows):
+    """Gradual unfreezing and new parameter groups, as fine-tuning does; ``opt.state_dict()`` compared with key order
+    (offloading a frozen parameter's state once added an empty entry plain training does not have)."""
+    table = {**ROWS, "mixed_step": ws.MIXED_STEP}
+    run = _fine_tuning(change, table[rows], step_in_backward=rows == "mixed_step")
+    ws._assert_same_training(run(False), run(True), stepped=rows == "mixed_step")

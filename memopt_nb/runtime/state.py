@@ -759,7 +759,9 @@ class StateManager:
     # ------------------------------------------------------------------ optimizer state
     def _send_state(self, p: nn.Parameter) -> None:
         """Start moving the device tensors of ``opt.state[p]`` to the host; placeholders take their place."""
-        st = self.optimizer.state[p]
+        st = self.optimizer.state.get(p)  # not state[p]: the defaultdict would add an entry plain training has not
+        if not st:
+            return
         for key, v in list(st.items()):
             if isinstance(v, HostTensor) or not isinstance(v, torch.Tensor) or v.dim() == 0:
                 continue
