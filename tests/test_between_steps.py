@@ -8,11 +8,13 @@ bit for bit. A habit that cannot be served (a view that would outlive the parame
 
 The zoo MLP with every unit's parameters offloaded and with the mixed rows of ``test_whole_step_apply``, and
 transformers GPT-2 (random init, small config) under ``torch.optim.swa_utils.AveragedModel``. Last, what fine-tuning
-does inside the block: unfreezing or freezing half the parameters, or adding them as a new parameter group.
+does inside the block: unfreezing or freezing half the parameters, or adding them as a new parameter group; and fp16
+with ``torch.amp.GradScaler`` (refused by name under a step in backward).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -24,7 +26,7 @@ import torch.nn as nn
 
 import memopt_nb as memopt
 from memopt_nb.plan import Plan
-from memopt_nb.runtime.state import StateError
+from memopt_nb.runtime.state import StateError, StepInBackwardError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -292,3 +294,43 @@ def test_freezing_unfreezing_or_adding_a_group_inside_the_block_trains_as_withou
     table = {**ROWS, "mixed_step": ws.MIXED_STEP}
     run = _fine_tuning(change, table[rows], step_in_backward=rows == "mixed_step")
     ws._assert_same_training(run(False), run(True), stepped=rows == "mixed_step")
+
+
+def _scaled_training(rows, step_in_backward: bool, planned: bool):
+    """Four steps of fp16 autocast with ``torch.amp.GradScaler`` (unscale, clip, step, update) on the zoo MLP."""
+    zm = ws._build("mlp")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    plan = None
+    if planned:
+        prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1,
+                              autocast=torch.float16)
+        plan = ws._whole(Plan.uniform(prof, "recompute"), rows, step_in_backward=step_in_backward, opt=opt)
+    torch.manual_seed(11)
+    losses = []
+    with memopt.plan(plan, zm.model, optimizer=opt) if planned else contextlib.nullcontext():
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = zm.loss_fn(zm.model(*zm.inputs))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(zm.model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return losses, list(zm.model.parameters()), opt.state_dict(), scaler.state_dict()
+
+
+@pytest.mark.parametrize("rows", ["all_offloaded", "mixed"])
+def test_fp16_with_a_grad_scaler_trains_as_without_the_plan(rows):
+    ref = _scaled_training(ROWS[rows], False, planned=False)
+    got = _scaled_training(ROWS[rows], False, planned=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
+    assert ws._same(ref[2], got[2]) and ref[3] == got[3]
+
+
+def test_a_grad_scaler_with_a_step_in_backward_is_refused_by_name():
+    with pytest.raises(StepInBackwardError, match="GradScaler cannot be used with a step in backward"):
+        _scaled_training(ws.MIXED_STEP, True, planned=True)

@@ -107,8 +107,8 @@ class StepInBackwardError(StateError):
 
 _STEP_RULES = ("with grads='step' the optimizer steps those units inside backward, so the loop must run exactly one "
                "backward per opt.step(), call opt.step() (then opt.zero_grad()) before the next forward, and not read, "
-               "clip or accumulate those gradients; use grads='offload' (or 'resident') for gradient accumulation or "
-               "clip_grad_norm_")
+               "clip, unscale (torch.amp.GradScaler) or accumulate those gradients; use grads='offload' (or "
+               "'resident') for gradient accumulation, clip_grad_norm_ or a GradScaler")
 
 
 @dataclass(frozen=True)
@@ -368,6 +368,12 @@ class HostTensor(torch.Tensor):
         kwargs = kwargs or {}
         holders = [t for t in tree_leaves((args, kwargs)) if isinstance(t, HostTensor)]
         if any(h._stepped for h in holders):
+            if "unscale" in str(func):  # torch.amp.GradScaler.unscale_, from scaler.unscale_() or scaler.step()
+                raise StepInBackwardError(
+                    "torch.amp.GradScaler cannot be used with a step in backward: the units with grads='step' were "
+                    "already stepped in this backward with the *scaled* gradients, before the scaler could unscale "
+                    "them or skip the step (their parameters now hold that update; reload them from a checkpoint). "
+                    "Use bf16 autocast (it needs no scaler), or a plan with grads='offload' or 'resident'")
             raise StepInBackwardError(f"{func} on a gradient that was already applied by a step in backward; "
                                       f"{_STEP_RULES}")
         if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
