@@ -88,6 +88,11 @@ def _repr(model, log, memo):
     log.append(torch.tensor([len(repr(p)) for p in model.parameters()]))
 
 
+def _to_own_device(model, log, memo):  # what accelerate's prepare() and many loops do: model.to(device)
+    model.to(next(model.buffers(), torch.empty(0)).device)
+    model.train()
+
+
 def _foreach_ema(model, log, memo):  # timm's ModelEmaV3 way: one foreach over every parameter
     ema = memo.setdefault("ema", [p.detach().clone() for p in model.parameters()])
     with torch.no_grad():
@@ -97,7 +102,7 @@ def _foreach_ema(model, log, memo):  # timm's ModelEmaV3 way: one foreach over e
 
 HABITS = {"ema": _ema, "foreach_ema": _foreach_ema, "weight_norms": _norms, "averaged_model": _averaged,
           "deepcopy": _deepcopy, "clamp_data": _clamp_data, "scale_in_place": _scale_in_place,
-          "to_numpy": _to_numpy, "pickle": _pickled, "repr": _repr}
+          "to_numpy": _to_numpy, "pickle": _pickled, "repr": _repr, "to_own_device": _to_own_device}
 
 
 def _run(build, forward_loss, plan_for, habit, steps: int = 3):
@@ -334,3 +339,46 @@ def test_fp16_with_a_grad_scaler_trains_as_without_the_plan(rows):
 def test_a_grad_scaler_with_a_step_in_backward_is_refused_by_name():
     with pytest.raises(StepInBackwardError, match="GradScaler cannot be used with a step in backward"):
         _scaled_training(ws.MIXED_STEP, True, planned=True)
+
+
+def test_transformers_trainer_under_a_whole_step_plan_trains_as_without_it():
+    """``with memopt.plan(p): trainer.train()`` — transformers' Trainer (through accelerate: ``model.to(device)``,
+    gradient accumulation, ``clip_grad_norm_``, ``model.zero_grad()``) given the optimizer the plan was made for."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import tempfile
+
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=gen)} for _ in range(8)]
+    for row in data:
+        row["labels"] = row["input_ids"].clone()
+
+    def train(planned: bool):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        args = transformers.TrainingArguments(
+            output_dir=tempfile.mkdtemp(), report_to=[], max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+            save_strategy="no", logging_strategy="no", gradient_accumulation_steps=2, max_grad_norm=1.0, seed=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+        stats = {}
+        if planned:
+            ids = data[0]["input_ids"][None].repeat(2, 1)
+            prof = memopt.profile(model, loss_fn=lambda out: out.loss, optimizer=opt, repeats=1, input_ids=ids,
+                                  labels=ids)
+            rows = [("recompute", "offload", "offload", "offload") if u.param_bytes else
+                    ("recompute", "resident", "resident", "resident") for u in prof.units]
+            with memopt.plan(ws._whole(Plan.uniform(prof, "keep"), rows, opt=opt), model, optimizer=opt) as applied:
+                trainer.train()
+            stats = applied.stats
+        else:
+            trainer.train()
+        return model, opt, stats
+
+    (m0, o0, _), (m1, o1, stats) = train(False), train(True)
+    assert stats["param_h2d_bytes"] > 0 and stats["state_d2h_bytes"] > 0 and stats["grad_d2h_bytes"] > 0
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
+        assert type(b) is nn.Parameter and torch.equal(a, b), n
+    assert ws._same(o0.state_dict(), o1.state_dict())

@@ -442,6 +442,9 @@ def _offloaded_torch_function(cls: type, func: Any, types: Any, args: Any = (), 
             return func(*args, **kwargs)
     what = f"{attr} of" if attr is not None else f"{name}() on"
     if attr == "data" and name == "__set__":
+        target, value = args[0], args[1]
+        if value is target:  # p.data = p: what model.to(its own device) does (Trainer, accelerate); nothing changes
+            return None
         raise StateError("p.data = ... on a parameter the plan keeps on the host between steps would lose it; write "
                          "with `with torch.no_grad(): p.copy_(value)` instead")
     if name in _RAW_ALIASES:
