@@ -9,7 +9,8 @@ bit for bit. A habit that cannot be served (a view that would outlive the parame
 The zoo MLP with every unit's parameters offloaded and with the mixed rows of ``test_whole_step_apply``, and
 transformers GPT-2 (random init, small config) under ``torch.optim.swa_utils.AveragedModel``. Last, what fine-tuning
 does inside the block: unfreezing or freezing half the parameters, or adding them as a new parameter group; and fp16
-with ``torch.amp.GradScaler`` (refused by name under a step in backward).
+with ``torch.amp.GradScaler`` (refused by name under a step in backward); ``torch.compile`` (``aot_eager``) of a model
+under a whole-step plan (swap refused by name there).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 
 import memopt_nb as memopt
+from memopt_nb.errors import PlanError
 from memopt_nb.plan import Plan
 from memopt_nb.runtime.state import StateError, StepInBackwardError
 
@@ -382,3 +384,40 @@ def test_transformers_trainer_under_a_whole_step_plan_trains_as_without_it():
     for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
         assert type(b) is nn.Parameter and torch.equal(a, b), n
     assert ws._same(o0.state_dict(), o1.state_dict())
+
+
+#: test_whole_step_apply's mixed rows with recompute where they swap: what a compiled model may run
+COMPILABLE = [("recompute" if r[0] == "swap" else r[0], *r[1:]) for r in ws.MIXED]
+
+
+def _compiled_training(rows, planned: bool):
+    prof = ws._profile("mlp")
+    compiled = {}
+
+    def forward_loss(model):
+        if id(model) not in compiled:
+            compiled[id(model)] = torch.compile(model, backend="aot_eager")
+        zm = ws._build("mlp")
+        return zm.loss_fn(compiled[id(model)](*zm.inputs))
+
+    torch._dynamo.reset()
+    zm = ws._build("mlp")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2)
+    plan = ws._whole(Plan.uniform(prof, "keep"), rows, opt=opt) if planned else None
+    return ws.train_loop(zm.model, opt, plan, forward_loss)
+
+
+@pytest.mark.parametrize("rows", ["all_offloaded", "compilable"])
+def test_a_model_compiled_with_aot_eager_trains_under_a_whole_step_plan_as_without_it(rows):
+    """``torch.compile(model, backend="aot_eager")`` with parameters, gradients and state offloaded (and recompute):
+    dynamo traces the hooks that bring parameters back and free them; the guard's class is off while a unit runs."""
+    table = {"all_offloaded": ALL_OFFLOADED, "compilable": COMPILABLE}
+    got = _compiled_training(table[rows], True)
+    ws._assert_same_training(_compiled_training(table[rows], False), got)
+    assert got[2]["stats"]["param_h2d_bytes"] > 0
+
+
+def test_swap_under_torch_compile_is_refused_by_name():
+    """It used to fail in backward with the swap engine's in-place hint, which blamed the user's code."""
+    with pytest.raises(PlanError, match="cannot move the tensors a compiled graph saves"):
+        _compiled_training(ws.MIXED, True)

@@ -177,6 +177,13 @@ class PlannedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             _check_compile_backend(self.applied.plan.units[self.index])
+            if self.strategy in OFFLOADING:
+                raise PlanError(
+                    f"torch.compile traced unit {self.applied.plan.units[self.index]!r}, which the plan gives "
+                    f"{self.strategy!r}: the swap engine cannot move the tensors a compiled graph saves to the host "
+                    "and back (its check that nothing changed them in place fails in backward on every zoo model). "
+                    "With torch.compile use a plan of keep / recompute / selective units (state placements work), "
+                    "e.g. memopt.search(..., strategies=('keep', 'recompute')), or train this plan without compiling")
         inner = self.inner
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
