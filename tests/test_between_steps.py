@@ -127,13 +127,17 @@ def _assert_same(ref, got) -> None:
         assert torch.equal(a, b), f"parameter {n} differs"
 
 
-def _mlp():
-    return ws._build("mlp").model
+def _mlp(device: str = "cpu"):
+    return memopt.zoo.build("mlp", seed=0, device=device, **ws.SMALL["mlp"]).model
 
 
-def _mlp_loss(model):
-    zm = ws._build("mlp")
-    return zm.loss_fn(model(*zm.inputs))
+def _mlp_loss_on(device: str):
+    """The zoo MLP's batch and loss on ``device``, as ``forward_loss(model)``."""
+    zm = memopt.zoo.build("mlp", seed=0, device=device, **ws.SMALL["mlp"])
+    return lambda model: zm.loss_fn(model(*zm.inputs))
+
+
+_mlp_loss = _mlp_loss_on("cpu")
 
 
 @pytest.mark.parametrize("rows", list(ROWS))
@@ -421,3 +425,21 @@ def test_swap_under_torch_compile_is_refused_by_name():
     """It used to fail in backward with the swap engine's in-place hint, which blamed the user's code."""
     with pytest.raises(PlanError, match="cannot move the tensors a compiled graph saves"):
         _compiled_training(ws.MIXED, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("habit", ["ema", "foreach_ema", "averaged_model", "deepcopy", "to_numpy", "clamp_data"])
+def test_cuda_habit_between_steps_gives_what_plain_training_gives(habit):  # pragma: no cover - needs a GPU
+    """The CPU test's habits on CUDA: parameters brought back on the side streams, ``.cpu()`` of ``p.detach()`` a real
+    copy; unverified until a GPU run (``benchmarks/cuda_check.py --pytest``)."""
+    zm = memopt.zoo.build("mlp", seed=0, device="cuda", **ws.SMALL["mlp"])
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2)
+    prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
+
+    def plan_for(o):
+        return ws._whole(Plan.uniform(prof, "keep"), ALL_OFFLOADED, opt=o)
+
+    ref = _run(lambda: _mlp("cuda"), _mlp_loss_on("cuda"), None, HABITS[habit])
+    got = _run(lambda: _mlp("cuda"), _mlp_loss_on("cuda"), plan_for, HABITS[habit])
+    _assert_same(ref, got)
+    assert got[3]["param_h2d_bytes"] > 0
