@@ -443,3 +443,22 @@ def test_cuda_habit_between_steps_gives_what_plain_training_gives(habit):  # pra
     got = _run(lambda: _mlp("cuda"), _mlp_loss_on("cuda"), plan_for, HABITS[habit])
     _assert_same(ref, got)
     assert got[3]["param_h2d_bytes"] > 0
+
+
+def test_moving_the_model_to_its_own_device_brings_no_parameter_back():
+    """``model.to(device)`` every step (some loops do) must not bring every unit's parameters back each time; a real
+    conversion (``p.to(torch.float64)``) still reads them."""
+    prof = ws._profile("mlp")
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with memopt.plan(ws._whole(Plan.uniform(prof, "keep"), ALL_OFFLOADED, opt=opt), model, optimizer=opt) as applied:
+        _mlp_loss(model).backward()
+        opt.step()
+        opt.zero_grad()
+        p = next(p for p in model.parameters() if type(p) is not nn.Parameter)
+        before = applied.state.stats["param_reads_between_steps"]
+        assert model.to("cpu") is model and p.to("cpu") is p and p.cpu() is p and p.to(p.dtype) is p
+        assert applied.state.stats["param_reads_between_steps"] == before
+        wide = p.to(torch.float64)
+        assert applied.state.stats["param_reads_between_steps"] == before + 1
+    assert wide.dtype == torch.float64 and torch.equal(wide, p.to(torch.float64))

@@ -423,9 +423,37 @@ _META_ATTRS = frozenset({
 _META_METHODS = frozenset({
     "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "untyped_storage", "data_ptr",
     "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "requires_grad_", "register_hook",
-    "register_post_accumulate_grad_hook", "__hash__", "__len__", "__sizeof__", "_is_view", "is_pinned", "is_shared"})
+    "register_post_accumulate_grad_hook", "__hash__", "__len__", "__sizeof__", "_is_view", "is_pinned", "is_shared",
+    "_has_compatible_shallow_copy_type"})
 #: Calls whose result would keep pointing at the parameter's device memory outside any tensor (refused while offloaded).
 _RAW_ALIASES = frozenset({"numpy", "__array__", "__dlpack__", "storage", "_typed_storage"})
+
+
+def _moves_nothing(name: str, args: Any, kwargs: dict) -> bool:
+    """Whether ``p.to(...)``, ``p.cpu()`` or ``p.cuda()`` would return ``p`` itself (reading no data): what
+    ``model.to(device)`` on its own device does, in a loop or in accelerate's ``prepare``."""
+    p, rest = args[0], args[1:]
+    kw = dict(kwargs)
+    try:
+        if name == "to":
+            if kw.pop("copy", False):
+                return False
+            device, dtype, _, fmt = torch._C._nn._parse_to(*rest, **kw)
+        elif name in ("cpu", "cuda") and not rest and kw.get("device") is None and not kw.get("memory_format"):
+            device, dtype, fmt = torch.device(name), None, None
+        else:
+            return False
+    except (TypeError, RuntimeError, ValueError):
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        here, own = p.device, p.dtype
+    if device is not None and device.type != here.type:
+        return False
+    if device is not None and device.index != here.index:
+        current = torch.cuda.current_device() if here.type == "cuda" else None
+        if device.index is not None or current != here.index:
+            return False
+    return (dtype is None or dtype == own) and fmt in (None, torch.preserve_format)
 
 
 def _offloaded_torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -450,6 +478,8 @@ def _offloaded_torch_function(cls: type, func: Any, types: Any, args: Any = (), 
     if name in _RAW_ALIASES:
         raise StateError(f"{what} a parameter the plan keeps on the host between steps would point at memory the "
                          "plan frees; use p.detach().clone() first, or model.state_dict()")
+    if name in ("to", "cpu", "cuda") and _moves_nothing(name, args, kwargs):
+        return args[0]  # the parameter itself, as torch returns it: nothing to bring back
     if (attr == "data" and name == "__get__") or name == "detach":
         p = next(iter(held.values()))
         return _placeholder(p._memopt_offload[2])  # reads and writes go through the host copy, like offloaded state
