@@ -84,6 +84,7 @@ import torch.nn as nn
 
 from .errors import PlanError, ProfileError, WrapOrderError
 from .plan import Plan, plain_module_type
+from .runtime.hooks import uncopied
 
 __all__ = [
     "broadcast_plan", "check_plain", "check_state_placements", "ddp_bucket_bytes", "ddp_bucket_view",
@@ -180,7 +181,8 @@ def check_plain(model: nn.Module, what: str = "profile") -> None:
 
 
 class _OrderGuard:
-    """The pre-hook :func:`order_guard` installs; a copy or pickle of the model gets a hook that does nothing."""
+    """The pre-hook :func:`order_guard` installs (registered :func:`~memopt_nb.runtime.hooks.uncopied`: a copy or
+    pickle of the model gets a hook that does nothing)."""
 
     def __init__(self, expected: list[tuple[str, nn.Module, type]]) -> None:
         self.expected = expected
@@ -193,22 +195,16 @@ class _OrderGuard:
                     f"{type(m).__name__}, and the plan had recorded parameters that sharding replaced. Leave the "
                     "`with memopt.plan(...)` block, shard first, then enter `with memopt.plan(p, model)`.")
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _OrderGuard, ([],)  # the copy has no plan applied: nothing to guard
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _OrderGuard:
-        return _OrderGuard([])
-
 
 def order_guard(model: nn.Module, units: Sequence[nn.Module], names: Sequence[str]) -> Any:
     """A forward pre-hook on ``model`` that raises if it or a unit was sharded after the plan was applied.
 
     ``fully_shard`` swaps the class of every module it shards, so comparing classes with those at apply time is
     exact and costs one check per unit per forward. Returns the hook handle (``.remove()`` it with the plan). The
-    hook survives ``copy.deepcopy`` and ``torch.save`` of the model (as a hook that checks nothing).
+    hook survives ``copy.deepcopy`` and ``torch.save`` of the model as a hook that does nothing.
     """
     expected = [("the model", model, type(model))] + [(repr(n), m, type(m)) for n, m in zip(names, units)]
-    return model.register_forward_pre_hook(_OrderGuard(expected))
+    return model.register_forward_pre_hook(uncopied(_OrderGuard(expected)))
 
 
 def resized_storages(model: nn.Module) -> list[torch.UntypedStorage]:

@@ -4,7 +4,7 @@
 model" snapshot) copies each module's hook dictionaries. A plain function would come along as it is, still bound to
 the plan of the original model; a bound method would drag the plan's runtime, threads included, into the copy (and
 fail to copy). Registered through :func:`uncopied`, a hook becomes an inert no-op in copies and pickles, so the copy is
-an ordinary model, as :class:`~memopt_nb.runtime.apply.PlannedForward` does for wrapped forwards.
+an ordinary model (:class:`~memopt_nb.runtime.apply.PlannedForward` does the same for wrapped forwards).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ import types
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -482,14 +482,14 @@ def _offloaded_torch_function(cls: type, func: Any, types: Any, args: Any = (), 
         return args[0]  # the parameter itself, as torch returns it: nothing to bring back
     if (attr == "data" and name == "__get__") or name == "detach":
         p = next(iter(held.values()))
-        return _placeholder(p._memopt_offload[2])  # reads and writes go through the host copy, like offloaded state
-    units = {(id(p._memopt_offload[0]), p._memopt_offload[1]): p._memopt_offload[:2] for p in held.values()}
+        return _placeholder(p._memopt_offload.slot)  # reads and writes go through the host copy, like offloaded state
+    units = {(id(w.manager), w.unit): w for w in (p._memopt_offload for p in held.values())}
     if len(units) > 1 and _foreach_over(func, len(held)):
         return _one_at_a_time(func, args, kwargs)  # one unit's parameters on the device at a time
     with contextlib.ExitStack() as stack:
         storages = set()
-        for manager, u in units.values():
-            storages |= stack.enter_context(manager._reading(u))
+        for w in units.values():
+            storages |= stack.enter_context(w.manager._reading(w.unit))
         out = func(*args, **kwargs)
         if any(isinstance(t, torch.Tensor) and type(t) is not HostTensor and id(t) not in held
                and t.untyped_storage()._cdata in storages for t in tree_leaves(out)):
@@ -500,15 +500,23 @@ def _offloaded_torch_function(cls: type, func: Any, types: Any, args: Any = (), 
 
 
 def _offloaded_deepcopy(self: nn.Parameter, memo: dict) -> Any:
-    manager, u = self._memopt_offload[:2]
-    with manager._reading(u):
+    w = self._memopt_offload
+    with w.manager._reading(w.unit):
         return copy.deepcopy(self, memo)
 
 
 def _offloaded_reduce_ex(self: nn.Parameter, proto: Any) -> Any:
-    manager, u = self._memopt_offload[:2]
-    with manager._reading(u):
+    w = self._memopt_offload
+    with w.manager._reading(w.unit):
         return copy.deepcopy(self).__reduce_ex__(proto)  # a copy: pickling reads it after the parameter is freed
+
+
+class _Worn(NamedTuple):
+    """What an offloaded parameter wearing :func:`_offloaded_class` knows of its home (``p._memopt_offload``)."""
+
+    manager: StateManager
+    unit: int
+    slot: _Slot
 
 
 _OFFLOADED_CLASSES: dict[type, type] = {}
@@ -970,14 +978,14 @@ class StateManager:
         (:func:`_offloaded_class`); same objects, only ``__class__`` changes."""
         for s in self._param_slots[u]:
             p = s.tensor
-            held = p.__dict__.get("_memopt_offload")
-            if offloaded and held is None:
+            worn = "_memopt_offload" in p.__dict__
+            if offloaded and not worn:
                 sub = _offloaded_class(type(p))
                 if sub is not None:
-                    p._memopt_offload = (self, u, s, type(p))
+                    p._memopt_offload = _Worn(self, u, s)
                     p.__class__ = sub
-            elif not offloaded and held is not None:
-                p.__class__ = held[3]
+            elif not offloaded and worn:
+                p.__class__ = type(p).__bases__[0]  # the class it wore before: the one _offloaded_class derived from
                 del p._memopt_offload
 
     @contextlib.contextmanager
