@@ -144,7 +144,7 @@ def test_a_heuristic_start_that_wins_gives_the_plan(monkeypatch):
     """With the agents stopped early (64 timesteps), a baseline's polished plan beats theirs on this chain."""
     prof = add_save_sets(chain_profile(12, seed=0), 0)
     lo = solvers.min_peak(prof, "a100-40gb", STRATEGIES)
-    budget = int(lo + 0.3 * (prof.peak_bytes - lo))
+    budget = int(lo + 0.2 * (prof.peak_bytes - lo))
     kw = {"total_timesteps": 64, "seed": 0, "strategies": STRATEGIES, "device": "a100-40gb"}
     plan = memopt.search(prof, budget, **kw)
     name = plan.meta["polish_start"]

@@ -13,7 +13,7 @@ from pettingzoo.test import parallel_api_test
 import memopt_nb as memopt
 from memopt_nb import solvers
 from memopt_nb.errors import BudgetError, PlanError
-from memopt_nb.plan import STATE_CHOICES, STRATEGIES, Plan, state_choices
+from memopt_nb.plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan, state_choices
 from memopt_nb.rl import task as rl_task
 from memopt_nb.rl.env import MemoryPlanningEnv
 from memopt_nb.rl.task import TIMINGS, PlanningTask
@@ -43,6 +43,49 @@ def test_spaces_are_cached_and_masks_valid():
         m = obs[a]["action_mask"]
         assert m.dtype == np.int8 and m.ndim == 1 and m.any()
         assert env.observation_space(a).contains(obs[a])
+
+
+@pytest.mark.parametrize("offload_state", [False, True, {"optimizer", "grads"}])
+def test_action_parts_name_every_action_once(offload_state):
+    """A part-scoring policy can tell every action apart, and each row names what the env does with that action."""
+    prof = chain_profile(6, seed=1, state_bytes=2**20)
+    task = PlanningTask(prof, "70%", offload_state=offload_state, step_in_backward=offload_state is True)
+    env = MemoryPlanningEnv(task)
+    for agent in env.possible_agents:
+        parts = env.action_parts(agent)
+        assert parts.shape[0] == env.action_space(agent).n
+        assert len({tuple(r) for r in parts}) == parts.shape[0]  # distinct rows: no two actions share their parts
+        assert set(np.unique(parts)) == {0.0, 1.0} and (parts.sum(axis=0) > 0).all()
+    strategy = env.action_parts("strategy")
+    # one strategy, then (with placements) one place per state piece: optimizer state, gradients, parameters
+    assert (strategy.sum(axis=1) == (1 if task.C == 1 else 4)).all()
+    for a in range(strategy.shape[0]):  # the strategy part is the action's strategy: s = a // C
+        assert strategy[a, : task.n_strategies].argmax() == a // task.C
+    for a, (w, d) in enumerate(TIMINGS):  # window, then distance, each in the order TIMINGS first names it
+        row = env.action_parts("timing")[a]
+        assert row.sum() == 2 and row[:3].argmax() == WINDOWS.index(w) and row[3:].argmax() == DISTANCES.index(d)
+
+
+def test_a_part_scoring_agent_sums_its_parts_and_keeps_to_the_mask():
+    import torch
+
+    from memopt_nb.rl.ppo import Agent
+    parts = np.array([[1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1]], dtype=np.float32)
+    agent = Agent(5, 4, 8, torch.Generator().manual_seed(0), parts)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    scores = agent.actor(x)
+    assert scores.shape == (3, 4)
+    want = torch.stack([scores[:, 0] + scores[:, 2], scores[:, 0] + scores[:, 3], scores[:, 1] + scores[:, 2],
+                        scores[:, 1] + scores[:, 3]], dim=1)
+    assert torch.allclose(agent.logits(x), want)
+    mask = torch.tensor([[0, 1, 0, 1]] * 3, dtype=torch.int8)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        action, *_ = agent.get_action_and_value(x, mask, gen=gen)
+        assert mask.gather(1, action[:, None]).all()
+    assert mask.gather(1, agent.greedy(x, mask)[:, None]).all()
+    with pytest.raises(ValueError, match="3 rows for 4 actions"):
+        Agent(5, 4, 8, torch.Generator(), parts[:3])
 
 
 def rollout(env, seed, steps_seed):
@@ -136,20 +179,27 @@ def test_same_seed_same_plan_and_history():
     assert a.method == "memopt-ppo" and a.seed == 11
 
 
-@pytest.mark.parametrize("n,seed,frac,dev", [(5, 0, 0.3, None), (6, 1, 0.6, None), (8, 2, 0.4, None),
-                                             (10, 3, 0.5, None), (12, 4, 0.35, None), (8, 5, 0.5, "cpu")])
-def test_agents_reach_the_optimum_on_small_cases(n, seed, frac, dev):
-    device = None
-    if dev == "cpu":
-        device = memopt.DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9,
-                                   d2h_bytes_per_s=5e9, compute_flops=1e11, copy_overlap=False)
-    prof = chain_profile(n, seed=seed, device=device)
-    lo = solvers.min_peak(prof)
-    budget = int(lo + frac * (prof.peak_bytes - lo))
-    oracle = solvers.brute_force(prof, budget) if n <= 5 else solvers.optimal(prof, budget)
-    plan = memopt.search(prof, budget, seed=0, polish_plan=False)  # the default budget: 30k timesteps here
-    assert plan.feasible
-    assert plan.meta["agents_step_time"] <= 1.02 * oracle.predicted_step_time
+SMALL_CASES = [(5, 0, 0.3, None), (6, 1, 0.6, None), (8, 2, 0.4, None), (10, 3, 0.5, None), (12, 4, 0.35, None),
+               (8, 5, 0.5, "cpu")]
+
+
+def test_agents_reach_the_optimum_on_small_cases():
+    """The planner goal in the issues' form, on six small chains: the agents alone (no polish) within 1.02x of the
+    optimum at the median and 1.05x at worst."""
+    ratios = []
+    for n, seed, frac, dev in SMALL_CASES:
+        device = None
+        if dev == "cpu":
+            device = memopt.DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9,
+                                       d2h_bytes_per_s=5e9, compute_flops=1e11, copy_overlap=False)
+        prof = chain_profile(n, seed=seed, device=device)
+        lo = solvers.min_peak(prof)
+        budget = int(lo + frac * (prof.peak_bytes - lo))
+        oracle = solvers.brute_force(prof, budget) if n <= 5 else solvers.optimal(prof, budget)
+        plan = memopt.search(prof, budget, seed=0, polish_plan=False)  # the default budget: 30k timesteps here
+        assert plan.feasible, (n, seed)
+        ratios.append(plan.meta["agents_step_time"] / oracle.predicted_step_time)
+    assert np.median(ratios) <= 1.02 and max(ratios) <= 1.05, ratios
 
 
 def test_callback_history_and_interrupt():

@@ -31,6 +31,11 @@ the cost model has a state table — the optimizer step's share of the peak (the
 resident, the unit-by-unit step's points once any unit moves state). The state part is exactly the contract's
 separable form, so for placements the estimate is exact.
 
+What each action is made of (:meth:`MemoryPlanningEnv.action_parts`): a strategy action is its activation strategy
+plus where each state piece lives, a timing action its offload window plus its prefetch distance. The agents score
+those parts (:class:`~memopt_nb.rl.ppo.Agent`), so that what one action teaches carries over to the others that share a
+part.
+
 Action masks: only the activation strategies the task allows (``strategies=``; keep where none of them fits the unit),
 recompute/swap where the unit allows it, a save-set where the unit offers it, swap only with a host link, a placement
 only where the state table says it changes something (not for units without parameters), timings only for swapped units
@@ -61,6 +66,7 @@ from gymnasium import spaces
 from gymnasium.utils import seeding
 from pettingzoo import ParallelEnv
 
+from ..plan import STATE_CHOICES
 from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP
 from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
@@ -73,6 +79,12 @@ _N_LOOK = 7
 
 
 _TIMED = (SWAP, RECOMPUTE_OFFLOAD)  # strategies the timing agent times
+
+
+def _one_hot(labels: list) -> np.ndarray:
+    """One column per distinct label (in order of first appearance), one row per label."""
+    values = list(dict.fromkeys(labels))
+    return (np.array([values.index(v) for v in labels])[:, None] == np.arange(len(values))[None]).astype(np.float32)
 
 
 def _rowmax(x: np.ndarray) -> np.ndarray:
@@ -119,6 +131,22 @@ class MemoryPlanningEnv(ParallelEnv):
     @functools.cache  # noqa: B019
     def action_space(self, agent: str) -> spaces.Space:
         return spaces.Discrete(self._actions[agent])
+
+    @functools.cache  # noqa: B019
+    def action_parts(self, agent: str) -> np.ndarray:
+        """What each of ``agent``'s actions is made of, as a 0/1 matrix (actions × parts) for a policy that scores parts
+        (:class:`~memopt_nb.rl.ppo.Agent`): a strategy action is its activation strategy and, with placements, where
+        each state piece lives (one part per piece and place); a timing action is its offload window and its prefetch
+        distance."""
+        if agent == TIMING:
+            return np.concatenate([_one_hot([w for w, _ in TIMINGS]), _one_hot([d for _, d in TIMINGS])], axis=1)
+        task = self.task
+        K, C = task.n_strategies, task.C
+        cols = [_one_hot([s for s in range(K) for _ in range(C)])]
+        if C > 1:
+            places = [STATE_CHOICES[int(task.state_ids[j])] for _ in range(K) for j in range(C)]
+            cols += [_one_hot([p[piece] for p in places]) for piece in range(len(places[0]))]
+        return np.concatenate(cols, axis=1)
 
     # ------------------------------------------------------------------ episode
     def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:

@@ -3,7 +3,9 @@
 One actor-critic per agent: the strategy and timing agents see different observations and choose from different
 action sets, so a shared network would only have to learn to tell them apart. Each is trained on its own (difference)
 reward by the same loop: rollouts from ``num_envs`` copies of the environment, GAE, clipped policy and value losses, an
-entropy bonus, masked logits, Adam. No SuperSuit, no argument parsing: construct :class:`PPOConfig` directly.
+entropy bonus, masked logits, Adam. One departure from CleanRL: where the environment says what its actions are made
+of (``action_parts``), the actor scores the parts and an action's logit is the sum of its parts' (:class:`Agent`).
+No SuperSuit, no argument parsing: construct :class:`PPOConfig` directly.
 
 Randomness comes only from a ``torch.Generator`` and a NumPy generator seeded with ``config.seed``, so a search is
 reproducible and leaves the global RNG of the user's session untouched.
@@ -27,8 +29,9 @@ __all__ = ["PPOConfig", "Agent", "layer_init", "compute_gae", "ppo_losses", "upd
 class PPOConfig:
     total_timesteps: int = 60_000
     """total environment steps, summed over the vectorized copies"""
-    learning_rate: float = 2.5e-4
-    """Adam learning rate of both agents"""
+    learning_rate: float = 1e-3
+    """Adam learning rate of both agents (CleanRL's Atari 2.5e-4 learns too slowly in the ~100 updates a search
+    runs)"""
     num_envs: int = 16
     """number of environment copies stepped together"""
     num_steps: int | None = None
@@ -59,6 +62,9 @@ class PPOConfig:
     """stop an update early when the approximate KL exceeds this"""
     hidden: int = 64
     """width of the two hidden layers of actor and critic"""
+    score_parts: bool = True
+    """score the parts actions are made of, where the environment names them (``action_parts``; see :class:`Agent`),
+    rather than each action on its own"""
     seed: int = 0
     """seed of every random choice (initialization, sampling, minibatch order)"""
 
@@ -70,27 +76,44 @@ def layer_init(layer: nn.Linear, std: float, gen: torch.Generator, bias_const: f
 
 
 class Agent(nn.Module):
-    """Actor and critic MLPs (tanh), CleanRL's initialization: √2 hidden, 0.01 actor head, 1.0 critic head."""
+    """Actor and critic MLPs (tanh), CleanRL's initialization: √2 hidden, 0.01 actor head, 1.0 critic head.
 
-    def __init__(self, obs_dim: int, n_actions: int, hidden: int, gen: torch.Generator) -> None:
+    With ``parts`` (a 0/1 matrix, actions × parts, from the environment's :meth:`action_parts`) the actor's head scores
+    the *parts* an action is made of and an action's logit is the sum of its parts' scores: a strategy-and-placement
+    action is "recompute" + "optimizer state offloaded" + "gradients resident" + ..., so what the agent learns about
+    one part carries over to every action that has it (with one logit per action, each of the 24 combinations of a
+    unit would have to be learned on its own). The distribution is still over whole actions, masked as before.
+    """
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: int, gen: torch.Generator,
+                 parts: np.ndarray | None = None) -> None:
         super().__init__()
         self.critic = nn.Sequential(
             layer_init(nn.Linear(obs_dim, hidden), np.sqrt(2), gen), nn.Tanh(),
             layer_init(nn.Linear(hidden, hidden), np.sqrt(2), gen), nn.Tanh(),
             layer_init(nn.Linear(hidden, 1), 1.0, gen),
         )
+        if parts is not None and parts.shape[0] != n_actions:
+            raise ValueError(f"parts has {parts.shape[0]} rows for {n_actions} actions")
+        n_out = n_actions if parts is None else parts.shape[1]
         self.actor = nn.Sequential(
             layer_init(nn.Linear(obs_dim, hidden), np.sqrt(2), gen), nn.Tanh(),
             layer_init(nn.Linear(hidden, hidden), np.sqrt(2), gen), nn.Tanh(),
-            layer_init(nn.Linear(hidden, n_actions), 0.01, gen),
+            layer_init(nn.Linear(hidden, n_out), 0.01, gen),
         )
+        # (parts, actions): the actor's part scores times this are the action logits
+        self.register_buffer("parts", None if parts is None else torch.as_tensor(parts, dtype=torch.float32).T)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.actor(x)
+        return out if self.parts is None else out @ self.parts
 
     def get_value(self, x: torch.Tensor) -> torch.Tensor:
         return self.critic(x)
 
     def get_action_and_value(self, x: torch.Tensor, mask: torch.Tensor, action: torch.Tensor | None = None,
                              gen: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
-        logits = self.actor(x).masked_fill(mask == 0, -1e9)
+        logits = self.logits(x).masked_fill(mask == 0, -1e9)
         logp_all = torch.log_softmax(logits, dim=-1)
         probs = logp_all.exp()
         if action is None:
@@ -100,7 +123,7 @@ class Agent(nn.Module):
         return action, logprob, entropy, self.critic(x).squeeze(-1)
 
     def greedy(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.actor(x).masked_fill(mask == 0, -1e9).argmax(-1)
+        return self.logits(x).masked_fill(mask == 0, -1e9).argmax(-1)
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,
@@ -207,9 +230,10 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
     num_iterations = max(1, config.total_timesteps // batch_size)
     E = config.num_envs
 
-    # ---- agent setup: one actor-critic and one Adam per agent
+    # ---- agent setup: one actor-critic and one Adam per agent (scoring the actions' parts where the env names them)
+    action_parts = getattr(envs[0], "action_parts", None) if config.score_parts else None
     agents = {a: Agent(envs[0].observation_space(a)["observation"].shape[0], envs[0].action_space(a).n,
-                       config.hidden, gen) for a in names}
+                       config.hidden, gen, None if action_parts is None else action_parts(a)) for a in names}
     optims = {a: torch.optim.Adam(agents[a].parameters(), lr=config.learning_rate, eps=1e-5) for a in names}
 
     def stack(obs_list: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
