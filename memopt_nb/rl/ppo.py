@@ -30,7 +30,7 @@ class PPOConfig:
     total_timesteps: int = 60_000
     """total environment steps, summed over the vectorized copies"""
     learning_rate: float = 1e-3
-    """Adam learning rate of both agents (CleanRL's Atari 2.5e-4 learns too slowly in the ~100 updates a search
+    """Adam learning rate of both agents (CleanRL's default, 2.5e-4, learns too slowly in the ~100 updates a search
     runs)"""
     num_envs: int = 16
     """number of environment copies stepped together"""
