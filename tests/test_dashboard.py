@@ -340,9 +340,13 @@ def test_a_plan_polished_from_a_baseline_says_so(prof, budget):
     text = d._final_text()
     assert "starting from the sqrt_n baseline's plan" in text and "after 3 change(s)" in text
     assert "then changed" not in text
-    plan.meta.update(polish_start="agents")
+    for start in ("agents", "agents_placed", "polished_placed_again"):  # the agents' plan, its state placed again
+        plan.meta.update(polish_start=start)
+        d.finish(plan)
+        assert "then changed 3 unit decision(s)" in d._final_text()
+    plan.meta.update(polish_start="plain_placed_again")
     d.finish(plan)
-    assert "then changed 3 unit decision(s)" in d._final_text()
+    assert "starting from keep-all with its best state placement" in d._final_text()
 
 
 def test_a_plan_for_another_device_warns_once_when_applied():

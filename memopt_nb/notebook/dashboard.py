@@ -398,8 +398,9 @@ class SearchDashboard:
         polish = m.get("polish")
         agents = m.get("agents_step_time")
         start = m.get("polish_start", "agents")
-        if polish == "ran" and start not in ("agents", "agents_placed"):
-            origin = ("keep-all with its best state placement" if start == "plain_placed"
+        from_agents = start == "agents" or start.startswith(("agents_placed", "polished_placed"))
+        if polish == "ran" and not from_agents:
+            origin = ("keep-all with its best state placement" if start.startswith("plain_placed")
                       else f"the {start} baseline's plan")
             lines.append(f"the agents' best plan took {_fmt_ms(agents)}; a local search (polish) found a faster one "
                          f"starting from {origin}: {_fmt_ms(p.predicted_step_time)} after {m.get('polish_moves', 0)} "

@@ -55,13 +55,16 @@ PLACEMENT_SECONDS = 15.0
 
 def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int,
                              info: dict[str, Any] | None = None) -> tuple:
-    """Where placements may move, two more starts for the polish: the agents' activation decisions and keep-all (where
-    keep is not allowed, each unit's plainest allowed option: :meth:`~memopt_nb.rl.task.PlanningTask.plain_options`),
-    each with the fastest state placement that fits the budget for those activations (exact: the MILP with activations
-    fixed, :func:`~memopt_nb.solvers.place_states`). Returns the fastest feasible of the polished plans (``current``
-    first: ties keep it). Only for the cost model's own state table (a hand-made one is not the MILP's). The MILPs
-    share :data:`PLACEMENT_SECONDS`; ``info`` receives that budget, the number of starts skipped for lack of it and,
-    where one of these starts wins, ``polish_start`` (``"agents_placed"`` or ``"plain_placed"``)."""
+    """Where placements may move, more starts for the polish: the agents' activation decisions, keep-all (where keep
+    is not allowed, each unit's plainest allowed option: :meth:`~memopt_nb.rl.task.PlanningTask.plain_options`) and the
+    activations of ``current`` (the agents' plan polished), each with the fastest state placement that fits the budget
+    for those activations (exact: the MILP with activations fixed, :func:`~memopt_nb.solvers.place_states`), then
+    polished. A start whose polished plan is the best so far changed activations and placements together: its
+    activations are placed exactly and polished again (``"..._again"``), until that no longer helps. Returns the
+    fastest feasible of the polished plans (``current`` first: ties keep it). Only for the cost model's own state table
+    (a hand-made one is not the MILP's). The MILPs share :data:`PLACEMENT_SECONDS`; ``info`` receives that budget, the
+    number of starts skipped for lack of it and, where one of these starts wins, ``polish_start``
+    (``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, or one of them with ``"_again"``)."""
     if task.C == 1 or task.state_model is None or not task.state_model.native:
         return (*current, moves)
     from ..solvers.common import place_states
@@ -72,7 +75,15 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
 
     best, best_t = (*current, moves), time_of(*current)
     spent, skipped = 0.0, 0
-    for label, (c, w, d) in (("agents_placed", agents[:3]), ("plain_placed", _option_arrays(task.plain_options()))):
+    starts = [("agents_placed", agents[:3]), ("plain_placed", _option_arrays(task.plain_options())),
+              ("polished_placed", current[:3])]
+    seen: set[bytes] = set()
+    while starts:
+        label, (c, w, d) = starts.pop(0)
+        key = _to_options(c, w, d).tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
         left = PLACEMENT_SECONDS - spent
         if left < 1.0:
             skipped += 1
@@ -87,6 +98,8 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
             best, best_t = (c2, w2, d2, st2, moves + m + 1), t
             if info is not None:
                 info["polish_start"] = label
+            # the polish changed the activations too: place the state for those, exactly, and polish again
+            starts.append((label.removesuffix("_again") + "_again", (c2, w2, d2)))
     if info is not None:
         info.update(polish_placement_budget_s=PLACEMENT_SECONDS, polish_placement_skipped=skipped)
     return best
@@ -497,7 +510,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     ``polish_heuristic_starts`` (the baselines it also started from), ``polish_heuristic_skipped`` and
     ``polish_heuristic_cut`` (those left out, or polished only until :data:`HEURISTIC_SECONDS` ran out; normally
     none), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan
-    was returned: ``"agents"``, ``"agents_placed"``, ``"plain_placed"`` or a baseline's name). The plan's own
+    was returned: ``"agents"``, ``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, one of
+    those three with ``"_again"`` (see :func:`_polish_exact_placements`) or a baseline's name). The plan's own
     ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
