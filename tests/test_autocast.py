@@ -87,9 +87,27 @@ def _profile(name: str, dtype: torch.dtype = torch.bfloat16):
     return _CACHE[name, dtype]
 
 
+def _cpu_lstm_runs_under(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN has an LSTM kernel for ``dtype`` under autocast: without AVX-512 (an AVX2-only EPYC,
+    seen 2026-12-05) the plain step already fails with "could not create a primitive descriptor for the LSTM forward
+    propagation primitive", before memopt is involved."""
+    lstm = torch.nn.LSTM(4, 4)
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            out, _ = lstm(torch.zeros(2, 1, 4))
+        out.float().sum().backward()
+    except RuntimeError as exc:
+        if "primitive descriptor" in str(exc):
+            return False
+        raise
+    return True
+
+
 @pytest.mark.parametrize(("name", "dtype"), [("hf_gpt2", torch.bfloat16), ("zoo_gpt", torch.bfloat16),
                                              ("self_attention", torch.float16), ("lstm", torch.bfloat16)])
 def test_every_kind_of_plan_trains_bit_identically_and_peaks_where_predicted(name, dtype):
+    if name == "lstm" and not _cpu_lstm_runs_under(dtype):
+        pytest.skip(f"this CPU's oneDNN has no LSTM kernel under {dtype} autocast (plain training fails too)")
     model, opt, prof = _profile(name, dtype)
     build, args, kwargs, loss_fn = MODELS[name]
     assert prof.meta["autocast"] == {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
