@@ -184,11 +184,6 @@ def test_no_time_left_skips_the_heuristic_starts_and_says_so(wide_chain, monkeyp
     assert _decisions(plan) == _decisions(alone)
 
 
-def _time(task, c, w, d, st):
-    peak, t = task.evaluate(c[None], w[None], d[None], np.asarray(st, dtype=np.int64)[None])
-    return float(t[0]) if peak[0] <= task.budget else math.inf
-
-
 def test_exact_placements_follow_the_activations_the_polish_moved_to():
     """Where the polish changes activations and placements together, the placement is solved exactly again for the
     activations it reached, and polished again, until that stops helping: the result beats the agents' activations
@@ -202,12 +197,14 @@ def test_exact_placements_follow_the_activations_the_polish_moved_to():
     current = search_mod.polish(task, c, w, d, zeros)
     info = {}
     got = search_mod._polish_exact_placements(task, current[:4], (c, w, d, zeros), current[4], info)
-    got_t = _time(task, *got[:4])
-    before = _time(task, *current[:4])
+    got_t = search_mod._time_of(task, *got[:4])
+    before = search_mod._time_of(task, *current[:4])
     for start in ((c, w, d), search_mod._option_arrays(task.plain_options())):
         st = place_states(task.sim, task.budget, *start, offload_state=True)
-        before = min(before, _time(task, *search_mod.polish(task, *start, np.asarray(st, dtype=np.int64))[:4]))
+        polished = search_mod.polish(task, *start, np.asarray(st, dtype=np.int64))
+        before = min(before, search_mod._time_of(task, *polished[:4]))
     assert got_t < before * (1 - 1e-6)
     assert info["polish_start"] == "polished_placed" or info["polish_start"].endswith("_again")
     st = place_states(task.sim, task.budget, *got[:3], offload_state=True)
-    assert _time(task, *search_mod.polish(task, *got[:3], np.asarray(st, dtype=np.int64))[:4]) >= got_t * (1 - 1e-12)
+    again = search_mod.polish(task, *got[:3], np.asarray(st, dtype=np.int64))
+    assert search_mod._time_of(task, *again[:4]) >= got_t * (1 - 1e-12)

@@ -53,6 +53,12 @@ def _to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np
 PLACEMENT_SECONDS = 15.0
 
 
+def _time_of(task: PlanningTask, c: np.ndarray, w: np.ndarray, d: np.ndarray, st: np.ndarray) -> float:
+    """One plan's exact step time (codes, windows, distances, placements), ``inf`` where it misses the budget."""
+    peak, t = task.evaluate(c[None], w[None], d[None], np.asarray(st, dtype=np.int64)[None])
+    return float(t[0]) if peak[0] <= task.budget else math.inf
+
+
 def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int,
                              info: dict[str, Any] | None = None) -> tuple:
     """Where placements may move, more starts for the polish: the agents' activation decisions, keep-all (where keep
@@ -69,11 +75,7 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
         return (*current, moves)
     from ..solvers.common import place_states
 
-    def time_of(c: np.ndarray, w: np.ndarray, d: np.ndarray, st: np.ndarray) -> float:
-        peak, t = task.evaluate(c[None], w[None], d[None], np.asarray(st, dtype=np.int64)[None])
-        return float(t[0]) if peak[0] <= task.budget else math.inf
-
-    best, best_t = (*current, moves), time_of(*current)
+    best, best_t = (*current, moves), _time_of(task, *current)
     spent, skipped = 0.0, 0
     starts = [("agents_placed", agents[:3]), ("plain_placed", _option_arrays(task.plain_options())),
               ("polished_placed", current[:3])]
@@ -93,7 +95,7 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
                           step_in_backward=task.step_in_backward, time_limit=min(10.0, left))
         spent += time.perf_counter() - t0
         c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
-        t = time_of(c2, w2, d2, st2)
+        t = _time_of(task, c2, w2, d2, st2)
         if t < best_t * (1 - 1e-12):
             best, best_t = (c2, w2, d2, st2, moves + m + 1), t
             if info is not None:
@@ -163,8 +165,7 @@ def _polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str,
     t0 = time.perf_counter()
     deadline = t0 + HEURISTIC_SECONDS
     starts, late = _heuristic_starts(task, deadline)
-    peak, t = task.evaluate(*(x[None] for x in current[:3]), np.asarray(current[3], dtype=np.int64)[None])
-    best, best_t = current, float(t[0]) if peak[0] <= task.budget else math.inf
+    best, best_t = current, _time_of(task, *current[:4])
     seen = {(_to_options(*current[:3]).tobytes(), np.asarray(current[3], dtype=np.int64).tobytes())}
     used: list[str] = []
     cut: list[str] = []  # polished until the time ran out, perhaps short of where moves stop helping
@@ -179,9 +180,9 @@ def _polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str,
         c, w, d, st2, m = polish(task, *_option_arrays(opts), st, deadline=deadline)
         if time.perf_counter() > deadline:
             cut.append(name)
-        peak, t = task.evaluate(c[None], w[None], d[None], st2[None])
-        if peak[0] <= task.budget and t[0] < best_t * (1 - 1e-12):
-            best, best_t = (c, w, d, st2, m), float(t[0])
+        t = _time_of(task, c, w, d, st2)
+        if t < best_t * (1 - 1e-12):
+            best, best_t = (c, w, d, st2, m), t
             info["polish_start"] = name
     info.update(polish_heuristic_starts=used, polish_heuristic_skipped=late, polish_heuristic_cut=cut,
                 polish_heuristic_budget_s=HEURISTIC_SECONDS, polish_heuristic_seconds=time.perf_counter() - t0)
