@@ -1,7 +1,7 @@
 """Runtime overhead of applying a plan, on the zoo models (CPU).
 
 Four comparisons, each timed on real training steps (forward, loss, backward, Adam step, zero_grad) in one process, with
-the two variants interleaved A B A B ... so that drift of this (shared, noisy) machine hits both alike:
+the two variants interleaved A B, B A, A B, ... so that drift of this (shared, noisy) machine hits both alike:
 
 (a) ``Plan.uniform(profile, "keep")`` applied with ``with memopt.plan(p, model):`` vs. no plan — target ratio <= 1.03;
 (b) ``Plan.uniform(profile, "recompute")`` applied the same way vs. hand-applied non-reentrant checkpointing,
@@ -23,10 +23,13 @@ one ``with memopt.plan(p):``. The reference variants (no plan, hand checkpointin
 ``--first-step`` there is no settling step, so the timed step is the first under its plan. The timer covers only the
 timed step; what entering and leaving costs is reported separately ("apply+remove": keep and recompute plans). Ratios
 are ``median(plan) / median(reference)``; the "paired" column is the median of the per-pair ratios, which cancels drift
-even better. The plans are made from a profile of the model itself (``memopt.profile``, one timed repeat).
+even better, with a 95 % interval for it (order statistics, no assumption about the noise): where the interval is wider
+than the target's margin, more pairs (``--only c --reps 200``) narrow it. The plans are made from a profile of the
+model itself (``memopt.profile``, one timed repeat).
 
     python benchmarks/runtime_overhead.py            # zoo default batch sizes, 25 pairs per comparison (~6 min)
     python benchmarks/runtime_overhead.py --quick    # 7 pairs per comparison (~2 min)
+    python benchmarks/runtime_overhead.py --only c --reps 200   # one comparison, many pairs (~12 min)
 
 Both modes use the zoo's default batch sizes (``--batch-scale`` changes them) and one torch thread (``--threads``): on
 this shared 2-vCPU machine, 2-thread steps are at times 10-50x slower for seconds to minutes, 1-thread steps are not.
@@ -37,8 +40,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import _common
@@ -140,14 +144,38 @@ class Timed:
 
 
 def interleaved(a: Callable[[], float], b: Callable[[], float], reps: int) -> tuple[list[float], list[float]]:
-    """One untimed warm-up of each, then ``reps`` pairs A B A B ..."""
+    """One untimed warm-up of each, then ``reps`` pairs, in the order A B, B A, A B, ... (ABBA): a drift that is
+    linear over two pairs, and whatever the first of a pair leaves the second (a warm cache, a step's garbage), hits
+    both alike."""
     a()
     b()
     ta, tb = [], []
-    for _ in range(reps):
-        ta.append(a())
-        tb.append(b())
+    for i in range(reps):
+        if i % 2:
+            tb.append(b())
+            ta.append(a())
+        else:
+            ta.append(a())
+            tb.append(b())
     return ta, tb
+
+
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of ``values`` (order statistics and the binomial
+    distribution: no assumption about the noise's shape); ``(nan, nan)`` for fewer than 6 values, which have none at
+    0.95."""
+    xs = sorted(values)
+    n = len(xs)
+    # the largest k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2: then [x_(k), x_(n-k+1)] (1-based) covers it
+    tail, k, cdf = (1 - level) / 2, 0, 0.0
+    while True:
+        nxt = cdf + math.comb(n, k) / 2**n
+        if nxt > tail:
+            break
+        cdf, k = nxt, k + 1
+    if k == 0:
+        return math.nan, math.nan
+    return xs[k - 1], xs[n - k]
 
 
 def forwards_untouched(model: torch.nn.Module) -> bool:
@@ -167,51 +195,59 @@ def save_everything(prof: memopt.ModelProfile, model: torch.nn.Module, inputs: t
                        model_fingerprint=prof.meta.get("model_fingerprint"))
 
 
-def run_model(name: str, batch: int, reps: int, device: str = "cpu", first: bool = False) -> dict[str, Any]:
-    """The four comparisons on zoo model ``name`` at ``batch`` on ``device`` (``"cuda"``: the real device, its copy
-    engines and the simulator's copy time for it; run by ``cuda_check.py``); ``first``: time each plan's first step
-    (see :class:`Timed`)."""
+COMPARISONS = "abcd"
+
+
+def run_model(name: str, batch: int, reps: int, device: str = "cpu", first: bool = False,
+              comparisons: str = COMPARISONS) -> dict[str, Any]:
+    """The comparisons (``comparisons``: some of ``"abcd"``, see the module docs) on zoo model ``name`` at ``batch``
+    on ``device`` (``"cuda"``: the real device, its copy engines and the simulator's copy time for it; run by
+    ``cuda_check.py``); ``first``: time each plan's first step (see :class:`Timed`). Per comparison ``x``:
+    ``ratio_x`` (median ÷ median), ``paired_x`` (the median of the per-pair ratios) and ``ci_x`` (a 95 % interval for
+    that median, :func:`median_interval`)."""
     model, inputs, loss_fn, _ = zoo.build(name, batch_size=batch, device=device)
     opt = torch.optim.Adam(model.parameters())
     prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
-    keep = memopt.Plan.uniform(prof, "keep")
-    rc = memopt.Plan.uniform(prof, "recompute")
-    ro = memopt.Plan.uniform(prof, "recompute_offload", offload_window=1, prefetch_distance=1)
-    sim = memopt.Simulator(prof)
-    copy_s = float(sim.evaluate(*sim.encode(ro), details=True)["copy"][0])  # what the plan's transfers cost here
-    sac = save_everything(prof, model, inputs)
     units = prof.unit_names
-
     train_step(model, inputs, loss_fn, opt)  # creates the Adam state and warms the allocator
-    plain = Timed(model, first=first)
-    keep_t = Timed(model, keep, first=first)
-    hand_t = Timed(model, hand_units=units, first=first)
-    rc_t = Timed(model, rc, first=first)
-    ro_t = Timed(model, ro, first=first)
-    sac_t = Timed(model, sac, first=first)
 
     def step(t: Timed) -> Callable[[], float]:
         return lambda: t.step(inputs, loss_fn, opt)
 
-    t_plain, t_keep = interleaved(step(plain), step(keep_t), reps)
-    t_hand, t_rc = interleaved(step(hand_t), step(rc_t), reps)
-    t_rc2, t_ro = interleaved(step(rc_t), step(ro_t), reps)
-    t_keep2, t_sac = interleaved(step(keep_t), step(sac_t), reps)
-    assert forwards_untouched(model), "a variant left a wrapped forward behind"
     med = _common.median
-    return {
-        "model": name, "batch": batch, "units": len(units),
-        "plain": med(t_plain), "keep": med(t_keep), "hand": med(t_hand), "rc": med(t_rc),
-        "ratio_a": med(t_keep) / med(t_plain), "paired_a": med([k / p for k, p in zip(t_keep, t_plain)]),
-        "ratio_b": med(t_rc) / med(t_hand), "paired_b": med([r / h for r, h in zip(t_rc, t_hand)]),
-        "ro": med(t_ro), "copy": copy_s, "ratio_c": med(t_ro) / (med(t_rc2) + copy_s),
-        "paired_c": med([o / (r + copy_s) for o, r in zip(t_ro, t_rc2)]),
-        "sac": med(t_sac), "ratio_d": med(t_sac) / med(t_keep2),
-        "paired_d": med([a / k for a, k in zip(t_sac, t_keep2)]),
-        "spread_plain": (max(t_plain) - min(t_plain)) / med(t_plain),
-        "apply_us": med(keep_t.apply_s + rc_t.apply_s) * 1e6,
-        "n_pairs": reps,
-    }
+    out: dict[str, Any] = {"model": name, "batch": batch, "units": len(units), "n_pairs": reps,
+                           "comparisons": comparisons}
+
+    def compare(key: str, ref: Timed, plan: Timed, extra: float = 0.0) -> tuple[list[float], list[float]]:
+        t_ref, t_plan = interleaved(step(ref), step(plan), reps)
+        pairs = [p / (r + extra) for p, r in zip(t_plan, t_ref)]
+        out[f"ratio_{key}"] = med(t_plan) / (med(t_ref) + extra)
+        out[f"paired_{key}"] = med(pairs)
+        out[f"ci_{key}"] = median_interval(pairs)
+        return t_ref, t_plan
+
+    keep_t = Timed(model, memopt.Plan.uniform(prof, "keep"), first=first)
+    rc_t = Timed(model, memopt.Plan.uniform(prof, "recompute"), first=first)
+    if "a" in comparisons:
+        t_plain, t_keep = compare("a", Timed(model, first=first), keep_t)
+        out.update(plain=med(t_plain), keep=med(t_keep), spread_plain=(max(t_plain) - min(t_plain)) / med(t_plain))
+    if "b" in comparisons:
+        t_hand, t_rc = compare("b", Timed(model, hand_units=units, first=first), rc_t)
+        out.update(hand=med(t_hand), rc=med(t_rc))
+    if "c" in comparisons:
+        ro = memopt.Plan.uniform(prof, "recompute_offload", offload_window=1, prefetch_distance=1)
+        sim = memopt.Simulator(prof)
+        copy_s = float(sim.evaluate(*sim.encode(ro), details=True)["copy"][0])  # what its transfers cost here
+        t_rc2, t_ro = compare("c", rc_t, Timed(model, ro, first=first), extra=copy_s)
+        out.update(ro=med(t_ro), rc2=med(t_rc2), copy=copy_s)
+    if "d" in comparisons:
+        sac = save_everything(prof, model, inputs)
+        _, t_sac = compare("d", keep_t, Timed(model, sac, first=first))
+        out.update(sac=med(t_sac))
+    applied = keep_t.apply_s + rc_t.apply_s
+    out["apply_us"] = med(applied) * 1e6 if applied else math.nan
+    assert forwards_untouched(model), "a variant left a wrapped forward behind"
+    return out
 
 
 def main() -> None:
@@ -225,7 +261,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 = torch's default)")
     ap.add_argument("--first-step", action="store_true", help="time each plan's first step (no settling step inside "
                     "the block): what the plan costs before it settles")
+    ap.add_argument("--only", default=COMPARISONS, help="which comparisons to run, some of 'abcd' (default all), "
+                    "e.g. --only c --reps 200 to narrow one ratio's interval")
     args = ap.parse_args()
+    if not args.only or set(args.only) - set(COMPARISONS):
+        ap.error(f"--only takes letters of {COMPARISONS!r}, got {args.only!r}")
+    args.only = "".join(x for x in COMPARISONS if x in args.only)
     _common.set_threads(args.threads)
     args.reps = args.reps if args.reps is not None else (7 if args.quick else 25)
     if args.reps < 5:
@@ -238,48 +279,67 @@ def main() -> None:
     results = []
     for name in models:
         batch = max(1, round(zoo.build(name).inputs[0].shape[0] * args.batch_scale))
-        results.append(run_model(name, batch, args.reps, args.device, args.first_step))
+        results.append(run_model(name, batch, args.reps, args.device, args.first_step, args.only))
         r = results[-1]
-        print(f"  {name}: (a) {r['ratio_a']:.3f}  (b) {r['ratio_b']:.3f}  (c) {r['ratio_c']:.3f}  "
-              f"(d) {r['ratio_d']:.3f}", flush=True)
-    rows = []
-    for r in results:
-        ok_a, ok_b = r["ratio_a"] <= TARGET, r["ratio_b"] <= TARGET
-        rows.append([
-            r["model"], r["batch"], r["units"], f"{r['plain'] * 1e3:.1f}", f"{r['keep'] * 1e3:.1f}",
-            f"{r['ratio_a']:.3f}", f"{r['paired_a']:.3f}", f"{r['hand'] * 1e3:.1f}", f"{r['rc'] * 1e3:.1f}",
-            f"{r['ratio_b']:.3f}", f"{r['paired_b']:.3f}", f"{r['spread_plain'] * 100:.1f}",
-            f"{r['apply_us']:.0f}", f"{r['ro'] * 1e3:.1f}", f"{r['copy'] * 1e3:.2f}", f"{r['ratio_c']:.3f}",
-            f"{r['paired_c']:.3f}", f"{r['sac'] * 1e3:.1f}", f"{r['ratio_d']:.3f}", f"{r['paired_d']:.3f}",
-            " / ".join("ok" if ok else "MISS" for ok in (ok_a, ok_b, r["ratio_c"] <= TARGET, r["ratio_d"] <= TARGET)),
-        ])
+        print(f"  {name}: " + "  ".join(f"({x}) {r[f'ratio_{x}']:.3f}" for x in args.only), flush=True)
     print()
-    print(_common.md_table(
-        ["model", "batch", "units", "no plan ms", "keep plan ms", "(a) ratio", "(a) paired", "hand ckpt ms",
-         "rc plan ms", "(b) ratio", "(b) paired", "no-plan spread %", "apply+remove µs", "ro plan ms",
-         "ro copy ms (simulated)", "(c) ratio", "(c) paired", "sac-all ms", "(d) ratio", "(d) paired",
-         "(a) / (b) / (c) / (d)"],
-        rows, "lrrrrrrrrrrrrrrrrrrrc"))
-    miss_a = [r["model"] for r in results if r["ratio_a"] > TARGET]
-    miss_b = [r["model"] for r in results if r["ratio_b"] > TARGET]
-    miss_c = [r["model"] for r in results if r["ratio_c"] > TARGET]
-    miss_d = [r["model"] for r in results if r["ratio_d"] > TARGET]
+    print(table(results, args.only))
     print()
-    print("spread = (max - min) / median of the no-plan steps: the noise floor of this machine for that model. "
-          "(a): a keep-all plan that swaps nothing wraps no module, so its ratio is pure noise.")
-    print("(b) is not like for like on BatchNorm models (resnet, unet): plain checkpointing updates BatchNorm running "
-          "statistics a second time in the recomputation; memopt's recompute redirects that update to throw-away "
-          "copies, which costs a few clones per BatchNorm per step.")
-    print(f"summary: (a) keep-plan/no-plan <= {TARGET}: {len(results) - len(miss_a)}/{len(results)} met"
-          + (f" (missed: {', '.join(miss_a)})" if miss_a else "")
-          + f"; (b) recompute-plan/hand checkpoint <= {TARGET}: {len(results) - len(miss_b)}/{len(results)} met"
-          + (f" (missed: {', '.join(miss_b)})" if miss_b else "")
-          + f"; (c) recompute_offload/(recompute + copy) <= {TARGET}: {len(results) - len(miss_c)}/{len(results)} met"
-          + (f" (missed: {', '.join(miss_c)})" if miss_c else "")
-          + f"; (d) selective, everything saved/keep <= {TARGET}: {len(results) - len(miss_d)}/{len(results)} met"
-          + (f" (missed: {', '.join(miss_d)})" if miss_d else "")
-          + f" — {'ALL TARGETS MET' if not (miss_a or miss_b or miss_c or miss_d) else 'TARGETS MISSED'}"
-          + f" [{time.perf_counter() - t_start:.0f} s]")
+    print("ratio = median ÷ median; paired = the median of the per-pair ratios, with its 95 % interval (order "
+          "statistics): an interval reaching past the target says the machine's noise hides whether it is met.")
+    if "a" in args.only:
+        print("spread = (max - min) / median of the no-plan steps: the noise floor of this machine for that model. "
+              "(a): a keep-all plan that swaps nothing wraps no module, so its ratio is pure noise.")
+    if "b" in args.only:
+        print("(b) is not like for like on BatchNorm models (resnet, unet): plain checkpointing updates BatchNorm "
+              "running statistics a second time in the recomputation; memopt's recompute redirects that update to "
+              "throw-away copies, which costs a few clones per BatchNorm per step.")
+    parts, missed_any = [], False
+    for x in args.only:
+        miss = [r["model"] for r in results if r[f"ratio_{x}"] > TARGET]
+        missed_any |= bool(miss)
+        parts.append(f"({x}) {LABELS[x]} <= {TARGET}: {len(results) - len(miss)}/{len(results)} met"
+                     + (f" (missed: {', '.join(miss)})" if miss else ""))
+    print("summary: " + "; ".join(parts)
+          + f" — {'ALL TARGETS MET' if not missed_any else 'TARGETS MISSED'} [{time.perf_counter() - t_start:.0f} s]")
+
+
+LABELS = {"a": "keep-plan/no-plan", "b": "recompute-plan/hand checkpoint", "c": "recompute_offload/(recompute + copy)",
+          "d": "selective, everything saved/keep"}
+
+
+def table(results: list[dict[str, Any]], comparisons: str) -> str:
+    """The results as one Markdown table: the columns of the comparisons that ran."""
+    headers, align = ["model", "batch", "units"], "lrr"
+    cols: list[tuple[str, Callable[[dict], str]]] = []
+
+    def ms(key: str) -> Callable[[dict], str]:
+        return lambda r: f"{r[key] * 1e3:.1f}"
+
+    def ratio(x: str) -> list[tuple[str, Callable[[dict], str]]]:
+        return [(f"({x}) ratio", lambda r: f"{r[f'ratio_{x}']:.3f}"),
+                (f"({x}) paired", lambda r: f"{r[f'paired_{x}']:.3f}"),
+                (f"({x}) paired 95 % interval", lambda r: "{:.3f}–{:.3f}".format(*r[f"ci_{x}"]))]
+
+    if "a" in comparisons:
+        cols += [("no plan ms", ms("plain")), ("keep plan ms", ms("keep")), *ratio("a"),
+                 ("no-plan spread %", lambda r: f"{r['spread_plain'] * 100:.1f}")]
+    if "b" in comparisons:
+        cols += [("hand ckpt ms", ms("hand")), ("rc plan ms", ms("rc")), *ratio("b")]
+    if "a" in comparisons or "b" in comparisons:
+        cols += [("apply+remove µs", lambda r: f"{r['apply_us']:.0f}")]
+    if "c" in comparisons:
+        cols += [("rc ms (beside ro)", ms("rc2")), ("ro plan ms", ms("ro")),
+                 ("ro copy ms (simulated)", lambda r: f"{r['copy'] * 1e3:.2f}"), *ratio("c")]
+    if "d" in comparisons:
+        cols += [("sac-all ms", ms("sac")), *ratio("d")]
+    headers += [h for h, _ in cols]
+    align += "r" * len(cols)
+    headers.append(" / ".join(f"({x})" for x in comparisons))
+    align += "c"
+    rows = [[r["model"], r["batch"], r["units"], *(f(r) for _, f in cols),
+             " / ".join("ok" if r[f"ratio_{x}"] <= TARGET else "MISS" for x in comparisons)] for r in results]
+    return _common.md_table(headers, rows, align)
 
 
 if __name__ == "__main__":
