@@ -716,13 +716,24 @@ def overhead_section(cfg: Config, failures: list[str]) -> list[dict]:
                 name, batch, reps=5 if cfg.dry_run else 9, device=cfg.device.type), failures, f"overhead {name}")
         if got:
             rows.append({k: got[k] for k in ("model", "batch", "keep", "rc", "ro", "copy", "sac", "ratio_a",
-                                             "ratio_b", "ratio_c", "ratio_d", "paired_c", "paired_d")})
+                                             "ratio_b", "ratio_c", "ratio_d", "paired_c", "paired_d", "ci_c",
+                                             "ci_d")})
             print(f"{name}: (a) {got['ratio_a']:.3f} (b) {got['ratio_b']:.3f} (c) {got['ratio_c']:.3f} "
                   f"(d) {got['ratio_d']:.3f}")
     return rows
 
 
 # ---------------------------------------------------------------------- report
+def _paired(r: dict, x: str) -> str:
+    """Comparison ``x`` of a runtime-overhead row: its ratio, then the paired median and its interval when known."""
+    out = f"{r[f'ratio_{x}']:.3f}"
+    paired, ci = r.get(f"paired_{x}"), r.get(f"ci_{x}")
+    if paired is not None:
+        interval = (f", {ci[0]:.3f}–{ci[1]:.3f}" if ci is not None and all(v == v for v in ci) else "")
+        out += f" ({paired:.3f}{interval})"
+    return out
+
+
 def _ms(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}"
 
@@ -799,8 +810,9 @@ def tables(result: dict) -> str:
                   "recompute_offload ÷ (recompute + copies) | (d) selective, everything kept ÷ keep |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['batch']} | {r['keep'] * 1e3:.2f} | {r['ratio_a']:.3f} | {r['ratio_b']:.3f} "
-                  f"| {r['ratio_c']:.3f} | {r['ratio_d']:.3f} |" for r in ov]
-        lines.append("")
+                  f"| {_paired(r, 'c')} | {_paired(r, 'd')} |" for r in ov]
+        lines += ["", "(c) and (d): median ÷ median (the paired median; a 95 % interval for it where there are enough "
+                  "pairs): an interval reaching past 1.03 says this run cannot tell.", ""]
     pt = result.get("pytest")
     if pt:
         lines.append(f"- pytest `{pt.get('command')}`: {pt.get('passed')} passed, {pt.get('failed')} failed, "

@@ -67,7 +67,15 @@ def test_dry_run_checks_every_whole_step_plan_and_passes(cc, tmp_path: Path) -> 
     assert ov["model"] == "mlp" and all(r > 0 for k, r in ov.items() if k.startswith("ratio_"))
     text = (tmp_path / "cuda_check.md").read_text()
     assert "| mlp | adam (single) |" in text and "all checks passed" in text
-    assert "### Runtime overhead" in text and f"| {ov['ratio_d']:.3f} |" in text
+    # the dry run's 5 pairs give no 95 % interval for the paired median, so none is printed
+    assert "### Runtime overhead" in text and f"| {ov['ratio_d']:.3f} ({ov['paired_d']:.3f}) |" in text
+
+
+def test_the_overhead_table_shows_the_paired_median_and_its_interval(cc) -> None:
+    row = {"ratio_c": 1.0123, "paired_c": 1.0101, "ci_c": [0.995, 1.031]}
+    assert cc._paired(row, "c") == "1.012 (1.010, 0.995–1.031)"
+    assert cc._paired({**row, "ci_c": [float("nan")] * 2}, "c") == "1.012 (1.010)"
+    assert cc._paired({"ratio_c": 1.0}, "c") == "1.000"  # a result file from before the paired columns
 
 
 def test_a_difference_is_reported_as_a_failure(cc) -> None:
