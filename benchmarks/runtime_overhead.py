@@ -178,6 +178,12 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
     return xs[k - 1], xs[n - k]
 
 
+def interval_text(ci: Sequence[float]) -> str:
+    """An interval from :func:`median_interval` as ``"lo–hi"``; ``"–"`` where there were too few pairs for one."""
+    lo, hi = ci
+    return "–" if math.isnan(lo) else f"{lo:.3f}–{hi:.3f}"
+
+
 def forwards_untouched(model: torch.nn.Module) -> bool:
     return not any("forward" in m.__dict__ for m in model.modules())
 
@@ -319,7 +325,7 @@ def table(results: list[dict[str, Any]], comparisons: str) -> str:
     def ratio(x: str) -> list[tuple[str, Callable[[dict], str]]]:
         return [(f"({x}) ratio", lambda r: f"{r[f'ratio_{x}']:.3f}"),
                 (f"({x}) paired", lambda r: f"{r[f'paired_{x}']:.3f}"),
-                (f"({x}) paired 95 % interval", lambda r: "{:.3f}–{:.3f}".format(*r[f"ci_{x}"]))]
+                (f"({x}) paired 95 % interval", lambda r: interval_text(r[f"ci_{x}"]))]
 
     if "a" in comparisons:
         cols += [("no plan ms", ms("plain")), ("keep plan ms", ms("keep")), *ratio("a"),

@@ -63,6 +63,7 @@ def test_median_interval_is_the_order_statistics_interval(ro) -> None:
     assert (lo, hi) == (1, 6)
     lo, hi = ro.median_interval([1.0, 2.0, 3.0, 4.0, 5.0])
     assert lo != lo and hi != hi  # nan: five values have no 95 % interval
+    assert ro.interval_text((lo, hi)) == "–" and ro.interval_text((0.99, 1.0312)) == "0.990–1.031"
 
 
 def test_median_interval_covers_the_true_median_as_often_as_it_says(ro) -> None:
