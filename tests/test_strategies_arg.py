@@ -266,3 +266,29 @@ def test_search_with_recompute_offload_stays_in_its_space(chain):
     assert wide.feasible and wide.meta["allowed_strategies"] == list(STRATEGIES)
     again = memopt.search(chain, "50%", total_timesteps=400, seed=0, strategies=STRATEGIES[::-1])
     assert comparable(again) == comparable(wide)  # same seed, same plan
+
+
+def test_the_wide_space_gets_more_ppo_epochs_unless_the_config_says(chain, monkeypatch):
+    """default_update_epochs: 8 epochs where recompute_offload or a save-set may be chosen, 4 otherwise; a config
+    the caller passes keeps its own."""
+    import importlib
+
+    from memopt_nb.rl.ppo import PPOConfig
+    from memopt_nb.rl.search import default_update_epochs
+
+    assert default_update_epochs(PlanningTask(chain, "50%")) == 4
+    assert default_update_epochs(PlanningTask(chain, "50%", strategies=("keep", "recompute_offload"))) == 8
+    search_mod = importlib.import_module("memopt_nb.rl.search")  # the module (the package exports the function)
+    seen = []
+    real = search_mod.train
+
+    def spy(make_env, config, **kw):
+        seen.append(config.update_epochs)
+        return real(make_env, config, **kw)
+
+    monkeypatch.setattr(search_mod, "train", spy)
+    memopt.search(chain, "50%", total_timesteps=200, seed=0, restarts=1)
+    memopt.search(chain, "50%", total_timesteps=200, seed=0, restarts=1, strategies=STRATEGIES)
+    memopt.search(chain, "50%", total_timesteps=200, seed=0, restarts=1, strategies=STRATEGIES,
+                  config=PPOConfig(update_epochs=3))
+    assert seen == [4, 8, 3]

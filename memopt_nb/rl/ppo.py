@@ -45,7 +45,8 @@ class PPOConfig:
     num_minibatches: int = 4
     """minibatches per update epoch"""
     update_epochs: int = 4
-    """epochs over each rollout"""
+    """epochs over each rollout (``search`` without a config takes 8 where recompute_offload or selective may be
+    chosen: :func:`~memopt_nb.rl.search.default_update_epochs`)"""
     norm_adv: bool = True
     """normalize advantages within a minibatch"""
     clip_coef: float = 0.2

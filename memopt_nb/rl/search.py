@@ -24,7 +24,8 @@ from .env import STRATEGY, TIMING, MemoryPlanningEnv
 from .ppo import PPOConfig, train
 from .task import PlanningTask, code_options, option_codes
 
-__all__ = ["search", "polish", "plan_from_arrays", "SearchTracker", "default_timesteps", "default_restarts", "METHOD"]
+__all__ = ["search", "polish", "plan_from_arrays", "SearchTracker", "default_timesteps", "default_restarts",
+           "default_update_epochs", "METHOD"]
 
 METHOD = "memopt-ppo"
 
@@ -37,6 +38,18 @@ def default_timesteps(n_units: int) -> int:
 def default_restarts(n_units: int) -> int:
     """Independent agent pairs sharing the budget: two for small problems, where one pair settles early."""
     return 2 if n_units <= 24 else 1
+
+
+def default_update_epochs(task: PlanningTask) -> int:
+    """PPO epochs over each rollout: CleanRL's 4, and 8 where the strategy agent may also choose
+    ``recompute_offload`` or a selective save-set (``strategies=``).
+
+    Measured on the transformers cases of ``benchmarks/planner_quality.py --wide --hf vit,gpt2`` (RESULTS.md,
+    2026-12-05): with those strategies twice the epochs took the agents alone on ViT at 64 fine units from 0.97–1.10
+    of the MILP's plan over four seeds to 0.96–1.00, where twice the steps, a larger learning rate or more entropy did
+    not; over the whole-step space with keep / recompute / swap they moved as many cases up as down.
+    """
+    return 8 if task.n_strategies > 3 else 4
 
 
 def _option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -471,7 +484,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         seed: the same seed gives the same plan.
         callback: called with one history row per PPO iteration (for live widgets).
         config: a full :class:`~memopt_nb.rl.ppo.PPOConfig` (its ``total_timesteps``/``seed`` are overridden by the
-            arguments above when given).
+            arguments above when given). Without one: ``PPOConfig()`` with :func:`default_update_epochs`.
         polish_plan: run a local search on the agents' best plan (where state may move, also from their activation
             decisions and from keep-all, each with its exact best state placement), then from the plans of the
             classic baselines that fit the budget in this space (:data:`HEURISTIC_STARTS`, within
@@ -520,7 +533,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     t0 = time.perf_counter()
     task = PlanningTask(profile, budget, device, offload_state=offload_state, step_in_backward=step_in_backward,
                         strategies=strategies)
-    cfg = config or PPOConfig()
+    cfg = config or PPOConfig(update_epochs=default_update_epochs(task))
     cfg = PPOConfig(**{**cfg.__dict__, "seed": seed,
                        "total_timesteps": total_timesteps or (config.total_timesteps if config else
                                                               default_timesteps(task.n))})
