@@ -3,6 +3,8 @@
 Activation plans, per zoo model (GPT-style and ResNet-style by default) at a GPU-sized batch:
 
 1. loss and gradients under keep / recompute / swap / mixed plans equal plain training (deterministic algorithms on);
+   so do those under issue 12's ``recompute_offload``, ``selective`` and a plan on finer units (``units="fine"``, each
+   block's children a unit: ``fine_mixed``, every strategy mixed);
 2. the swap engine really uses its side copy streams and pinned pool (engine stats: bytes moved, pool reuse);
 3. ``torch.cuda.max_memory_allocated`` under each plan vs the simulator's predicted peak (the profile is taken on the
    GPU, so the allocator's view, workspaces included, is what the simulator starts from; a measured peak more than
@@ -324,8 +326,8 @@ def activation_section(cfg: Config, failures: list[str], save: Callable[[], None
 
 
 def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
-    """Keep / recompute / swap / recompute_offload / selective / mixed / searched activation-only plans on zoo model
-    ``name``."""
+    """Keep / recompute / swap / recompute_offload / selective / mixed / fine-unit / searched activation-only plans on
+    zoo model ``name``."""
     build = builder(name, cfg, whole=False)
     zm = build()
     model, inputs, loss_fn = zm.model, zm.inputs, zm.loss_fn
@@ -352,6 +354,17 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
                                                  for i, s in enumerate(sel)], offload_window=1, prefetch_distance=1),
     }
 
+    # issue 12: finer units, each block's children a unit of their own (units="fine"; the same units where a model's
+    # blocks have no children to split into), every new strategy mixed with the old ones on them
+    fine = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1 if cfg.dry_run else 3,
+                          units="fine", selective=True)
+    profiles = {"fine_mixed": fine}
+    cycle = [["recompute_offload", "swap", "keep",
+              "selective" if any(s["pareto"] for s in u.save_sets.values()) else "recompute"][i % 4]
+             for i, u in enumerate(fine.units)]
+    plans["fine_mixed"] = Plan.from_strategies(fine, cycle, offload_window=[i % 3 for i in range(fine.n_units)],
+                                               prefetch_distance=[(i + 1) % 4 for i in range(fine.n_units)])
+
     def search() -> Plan:  # half-way between the activation-only floor and keep-all
         floor = memopt.solvers.min_peak(prof, offload_state=False)
         budget = (floor + memopt.simulate(prof, plans["keep"]).peak_bytes) // 2
@@ -364,7 +377,8 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
     base = None
     for label, plan in plans.items():
         what = f"activation {name}/{label}"
-        sim = memopt.simulate(prof, plan)
+        pprof = profiles.get(label, prof)
+        sim = memopt.simulate(pprof, plan)
         with no_fill():
             m = guarded(lambda p=plan: memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, plan=p,
                                                       steps=cfg.measure_steps), failures, what)
@@ -379,10 +393,11 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
             if diff:
                 failures.append(f"{what}: differs from plain training: {', '.join(diff[:5])}")
         row = {
-            "model": name, "batch": inputs[0].shape[0], "plan": label, "sim_peak_MiB": sim.peak_bytes / MiB,
+            "model": name, "batch": inputs[0].shape[0], "plan": label, "units": pprof.n_units,
+            "sim_peak_MiB": sim.peak_bytes / MiB,
             "cuda_peak_MiB": m.peak_bytes / MiB,
             "peak_err_pct": 100 * (sim.peak_bytes - m.peak_bytes) / m.peak_bytes,
-            "sim_ms": sim.step_time * 1e3, "sim_cc_ms": costed_ms(prof, plan, cfg), "meas_ms": m.step_time * 1e3,
+            "sim_ms": sim.step_time * 1e3, "sim_cc_ms": costed_ms(pprof, plan, cfg), "meas_ms": m.step_time * 1e3,
             "time_ratio_vs_keep": m.step_time / base.step_time,
             "grads_equal": equal, "swap_stats": m.swap_stats, "other_MiB": m.other_bytes / MiB,
         }
@@ -678,6 +693,11 @@ def copy_cost_section(cfg: Config, failures: list[str], spec: Any) -> dict[str, 
     return got
 
 
+def _units(row: dict) -> str:
+    """How many units a fine-unit plan has, for its row in the report."""
+    return f" ({row['units']} units)" if row["plan"].startswith("fine") else ""
+
+
 def costed_ms(prof: Any, plan: Plan, cfg: Config) -> float | None:
     """The simulator's step time (ms) on this device with the measured per-storage copy cost, if it was measured."""
     if cfg.costed_device is None:
@@ -745,7 +765,7 @@ def tables(result: dict) -> str:
         lines += ["### Activation plans", "",
                   "| model | plan | sim peak MiB | cuda peak MiB | err % | sim ms | sim ms + copy cost "
                   "| meas ms | ×keep | grads equal | pool reuses |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['plan']} | {r['sim_peak_MiB']:.1f} | {r['cuda_peak_MiB']:.1f} | "
+        lines += [f"| {r['model']} | {r['plan']}{_units(r)} | {r['sim_peak_MiB']:.1f} | {r['cuda_peak_MiB']:.1f} | "
                   f"{r['peak_err_pct']:+.1f} | {r['sim_ms']:.2f} | {_ms(r.get('sim_cc_ms'))} | {r['meas_ms']:.2f} | "
                   f"{r['time_ratio_vs_keep']:.2f} | {r['grads_equal']} | {r['swap_stats'].get('pool_reuses', '-')} |"
                   for r in act]

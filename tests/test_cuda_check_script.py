@@ -57,7 +57,7 @@ def test_dry_run_checks_every_whole_step_plan_and_passes(cc, tmp_path: Path) -> 
     assert s["budget_MiB"] < s["floor_activation_only_MiB"] and mem["search"]["within_budget"]
     assert result["streams"] == [{"skipped": "needs CUDA (a profiler trace of the side streams)"}]
     assert {r["plan"] for r in result["activation"]} == {"keep", "recompute", "swap", "mixed", "recompute_offload",
-                                                         "mixed_ro", "selective", "mixed_sel", "search"}
+                                                         "mixed_ro", "selective", "mixed_sel", "fine_mixed", "search"}
     sel = {r["plan"]: r for r in result["activation"] if r["plan"] in ("selective", "mixed_sel")}
     assert all(abs(r["peak_err_pct"]) < 1e-9 for r in sel.values())  # the emulated device: exactly as predicted
     assert all(r["grads_equal"] for r in result["activation"] if r["plan"] != "search")
@@ -136,3 +136,17 @@ def test_a_check_that_raises_is_a_failure_and_the_run_goes_on(cc, tmp_path: Path
     assert rc == 1 and result["whole_equal"] == [] and result["activation"] == []
     assert result["failures"] == ["whole-step mlp: RuntimeError: deterministic algorithm missing (simulated)"]
     assert "1 check(s) failed" in (tmp_path / "cuda_check.md").read_text()
+
+
+def test_the_activation_section_checks_a_plan_on_finer_units(cc) -> None:
+    """Issue 12's finer units on a model whose blocks split (the zoo GPT: 6 blocks, 24 fine units): the plan mixing
+    every strategy on them is bit-identical to plain training, as predicted to the byte, and really offloads."""
+    cfg = cc.Config(device=torch.device("cpu"), dry_run=True, quick=True, models=["gpt"], whole_models=[], batch=None,
+                    optimizers=["adam"], measure_steps=2, search_timesteps=200)
+    failures: list[str] = []
+    rows = {r["plan"]: r for r in cc.activation_model("gpt", cfg, failures)}
+    assert failures == []
+    fine, keep = rows["fine_mixed"], rows["keep"]
+    assert fine["units"] > keep["units"]
+    assert fine["grads_equal"] and abs(fine["peak_err_pct"]) < 1e-9
+    assert fine["swap_stats"]["offloaded_bytes"] > 0
