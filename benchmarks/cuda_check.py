@@ -325,6 +325,11 @@ def activation_section(cfg: Config, failures: list[str], save: Callable[[], None
     return rows
 
 
+def selective_or_recompute(prof: Any) -> list[str]:
+    """Per unit of ``prof``: ``"selective"`` where it offers a Pareto save-set, else ``"recompute"``."""
+    return ["selective" if any(s["pareto"] for s in u.save_sets.values()) else "recompute" for u in prof.units]
+
+
 def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
     """Keep / recompute / swap / recompute_offload / selective / mixed / fine-unit / searched activation-only plans on
     zoo model ``name``."""
@@ -335,7 +340,7 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
     prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1 if cfg.dry_run else 3,
                           selective=True)
     n = prof.n_units
-    sel = ["selective" if any(s["pareto"] for s in u.save_sets.values()) else "recompute" for u in prof.units]
+    sel = selective_or_recompute(prof)
     plans = {
         "keep": Plan.uniform(prof, "keep"),
         "recompute": Plan.uniform(prof, "recompute"),
@@ -359,9 +364,7 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
     fine = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1 if cfg.dry_run else 3,
                           units="fine", selective=True)
     profiles = {"fine_mixed": fine}
-    cycle = [["recompute_offload", "swap", "keep",
-              "selective" if any(s["pareto"] for s in u.save_sets.values()) else "recompute"][i % 4]
-             for i, u in enumerate(fine.units)]
+    cycle = [("recompute_offload", "swap", "keep", s)[i % 4] for i, s in enumerate(selective_or_recompute(fine))]
     plans["fine_mixed"] = Plan.from_strategies(fine, cycle, offload_window=[i % 3 for i in range(fine.n_units)],
                                                prefetch_distance=[(i + 1) % 4 for i in range(fine.n_units)])
 

@@ -17,6 +17,7 @@ import torch
 from ..device import DeviceSpec
 from ..errors import MemoptError
 from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
+from ..simulate import RECOMPUTE_OFFLOAD
 from ..solvers.baselines import BASELINES
 from ..solvers.common import make_plan
 from ..solvers.space import plan_decisions
@@ -49,7 +50,7 @@ def default_update_epochs(task: PlanningTask) -> int:
     of the MILP's plan over four seeds to 0.96–1.00, where twice the steps, a larger learning rate or more entropy did
     not; over the whole-step space with keep / recompute / swap they moved as many cases up as down.
     """
-    return 8 if task.n_strategies > 3 else 4
+    return 8 if RECOMPUTE_OFFLOAD in task.timed_codes or task.selective else 4
 
 
 def _option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
