@@ -401,9 +401,11 @@ def test_state_offload_makes_a_budget_feasible_and_search_finds_the_optimum(with
     assert plan.predicted_step_time == pytest.approx(best, rel=1e-9)
 
 
-def test_masks_keep_the_optimum_reachable(with_table):
+@pytest.mark.parametrize("order", ["forward", "state", [2, 0, 1]])
+def test_masks_keep_the_optimum_reachable(with_table, order):
     """Played through the environment, the brute-force optimum's actions are all allowed by the masks (the marginal
-    model is exact for memory here: no shared boundaries, and the state part is separable by the contract)."""
+    model is exact for memory here: no shared boundaries, and the state part is separable by the contract), whatever
+    order the episode decides the units in."""
     for seed, frac in ((5, 0.4), (6, 0.2), (7, 0.6)):
         prof = chain_profile(3, seed=seed, shared_boundaries=0.0)
         table = with_table(prof, seed=seed)
@@ -411,16 +413,18 @@ def test_masks_keep_the_optimum_reachable(with_table):
         budget = int(lo - frac * (prof.optimizer_state_bytes + prof.grad_bytes))
         best, acts, states = brute_force_with_states(prof, table, budget, state_choices(True))
         assert np.isfinite(best)
-        env = MemoryPlanningEnv(PlanningTask(prof, budget))
+        env = MemoryPlanningEnv(PlanningTask(prof, budget), order=order)
         C = env.task.C
         obs, _ = env.reset(seed=0)
         for t in range(env.task.n + 1):
             a = {}
             if t < env.task.n:
-                a["strategy"] = int(acts[t, 0]) * C + list(env.task.state_ids).index(int(states[t]))
+                u = env.order[t]
+                a["strategy"] = int(acts[u, 0]) * C + list(env.task.state_ids).index(int(states[u]))
                 assert obs["strategy"]["action_mask"][a["strategy"]], (seed, t)
-            if t >= 1 and acts[t - 1, 0] == 2:
-                a["timing"] = TIMINGS.index((int(acts[t - 1, 1]), int(acts[t - 1, 2])))
+            if t >= 1 and acts[env.order[t - 1], 0] == 2:
+                p = env.order[t - 1]
+                a["timing"] = TIMINGS.index((int(acts[p, 1]), int(acts[p, 2])))
                 assert obs["timing"]["action_mask"][a["timing"]], (seed, t)
             obs, rew, term, trunc, info = env.step(a)
         assert info["strategy"]["feasible"] and info["strategy"]["time"] == pytest.approx(best, rel=1e-12)
@@ -488,7 +492,8 @@ def no_link_chain(n, seed):
     return chain_profile(n, seed=seed, shared_boundaries=0.0, device=dev)
 
 
-def test_marginal_model_is_exact_for_placements(with_table):
+@pytest.mark.parametrize("order", ["forward", "state"])
+def test_marginal_model_is_exact_for_placements(with_table, order):
     """After any episode of keep/recompute and placements, the environment's running estimate of the peak (segment
     levels and the optimizer step's points, updated one decision at a time) is the exact peak of the plan."""
     for seed in range(3):
@@ -497,7 +502,7 @@ def test_marginal_model_is_exact_for_placements(with_table):
         budget = int(lo - 0.3 * prof.optimizer_state_bytes)
         with_table(prof, seed=seed, plain_step_peak=budget + 2**20, chunk_saving=0)  # the optimizer step matters
         task = PlanningTask(prof, budget)
-        env = MemoryPlanningEnv(task)
+        env = MemoryPlanningEnv(task, order=order)
         moved = 0
         for ep in range(10):
             _, info = rollout(env, ep, 100 * seed + ep)
@@ -507,9 +512,11 @@ def test_marginal_model_is_exact_for_placements(with_table):
         assert moved >= 5
 
 
-def test_masks_never_exclude_a_feasible_completion(with_table):
+@pytest.mark.parametrize("order", ["forward", "state", [3, 1, 0, 2]])
+def test_masks_never_exclude_a_feasible_completion(with_table, order):
     """Every action the strategy mask forbids (where the unit could take it) leaves no plan within budget, checked by
-    brute force over all completions with the contract formula; and the masks do forbid some actions."""
+    brute force over all completions with the contract formula, in any order of decisions; and the masks do forbid
+    some actions."""
     n = 4
     forbidden = 0
     for seed in range(3):
@@ -529,8 +536,11 @@ def test_masks_never_exclude_a_feasible_completion(with_table):
         peak, _ = contract_peak_time(prof, table, codes, ones, ones, states)
         fits = [(tuple(map(int, c)), tuple(map(int, s))) for c, s, p in zip(codes, states, peak) if p <= budget]
         assert fits
-        reachable = {(c[:k], s[:k]) for c, s in fits for k in range(1, n + 1)}  # prefixes of plans within budget
-        env = MemoryPlanningEnv(task)
+        env = MemoryPlanningEnv(task, order=order)
+        o_ = [int(u) for u in env.order]
+        # the decisions of the first k steps of plans within budget
+        reachable = {(tuple(c[u] for u in o_[:k]), tuple(s[u] for u in o_[:k])) for c, s in fits
+                     for k in range(1, n + 1)}
         for ep in range(6):
             rng = np.random.default_rng(ep)
             obs, _ = env.reset(seed=ep)
@@ -541,8 +551,8 @@ def test_masks_never_exclude_a_feasible_completion(with_table):
                     if o == 2:
                         continue  # no swaps on this device
                     forbidden += 1
-                    prefix_c = tuple(int(x) for x in env.codes[:t]) + (o,)
-                    prefix_s = tuple(int(x) for x in env.states[:t]) + (ids[j],)
+                    prefix_c = tuple(int(env.codes[u]) for u in o_[:t]) + (o,)
+                    prefix_s = tuple(int(env.states[u]) for u in o_[:t]) + (ids[j],)
                     assert (prefix_c, prefix_s) not in reachable, (seed, ep, t)
                 obs, *_ = env.step({"strategy": int(rng.choice(np.flatnonzero(mask))), "timing": 0})
     assert forbidden > 20

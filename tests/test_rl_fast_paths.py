@@ -48,9 +48,11 @@ def _same(x, y):
     return x == y
 
 
-def test_step_many_is_step_on_each_copy(task):
-    plain = [MemoryPlanningEnv(task) for _ in range(4)]
-    batched = [MemoryPlanningEnv(task) for _ in range(4)]
+@pytest.mark.parametrize("order", ["forward", "state"])
+def test_step_many_is_step_on_each_copy(task, order):
+    plain = [MemoryPlanningEnv(task, order=order) for _ in range(4)]
+    batched = [MemoryPlanningEnv(task, order=order) for _ in range(4)]
+    assert (list(plain[0].order) == list(range(task.n))) == (order == "forward")
     obs = [env.reset(seed=i)[0] for i, env in enumerate(plain)]
     assert _same(obs, [env.reset(seed=i)[0] for i, env in enumerate(batched)])
     rng = np.random.default_rng(0)

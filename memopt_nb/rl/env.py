@@ -9,10 +9,12 @@ unchanged). With ``"recompute_offload"`` allowed (``strategies=``, opt-in) it is
 save-set of :data:`~memopt_nb.plan.SAVE_SETS` is one more strategy after those (``task.action_codes`` maps a strategy
 action to its code), untimed, allowed only where the unit offers that save-set as a Pareto one. ``"timing"`` picks the
 offload window and prefetch distance of each swapped (or recompute_offload) unit (the timing of state transfers is the
-runtime's). One episode walks the units in forward order, *pipelined*: at step ``t`` the strategy agent decides unit
-``t`` while the timing agent decides unit ``t − 1``, whose strategy it already sees. So both agents act at every step
-(``n + 1`` steps; at the two ends one agent has only a no-op), which is why this is a ParallelEnv rather than a
-turn-based AEC environment: no agent ever waits, and PPO batches both agents' transitions alike.
+runtime's). One episode walks the units in its decision order (``order=``, :func:`decision_order`: the model's
+forward order for activations only; where state may move, the units with the largest state first), *pipelined*: at
+step ``t`` the strategy agent decides the ``t``-th unit of that order while the timing agent times the one before,
+whose strategy it already sees. So both agents act at every step (``n + 1`` steps; at the two ends one agent has
+only a no-op), which is why this is a ParallelEnv rather than a turn-based AEC environment: no agent ever waits, and
+PPO batches both agents' transitions alike.
 
 Observations (``{"observation": float32 vector, "action_mask": int8 vector}``):
 
@@ -22,7 +24,8 @@ Observations (``{"observation": float32 vector, "action_mask": int8 vector}``):
   still possible is needed, the recent load of the copy engine, and the overhead so far;
 * per action, what it would take off the current peak and what it would cost in time (from the task's marginal model),
   and where the unit's cheapest way to save memory ranks among the units still ahead;
-* a look-ahead window of the next units; the device (copy overlap, link speed relative to compute via the ratio);
+* a look-ahead window of the next units to decide; the device (copy overlap, link speed relative to compute via the
+  ratio);
 * with placements (``C > 1``): the unit's largest state saving and cheapest state time, and per look-ahead unit what
   its most frugal placement would take off the peak.
 
@@ -59,6 +62,7 @@ agent's episode return is exactly its share (shaping that leaves the returns unc
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -66,11 +70,12 @@ from gymnasium import spaces
 from gymnasium.utils import seeding
 from pettingzoo import ParallelEnv
 
+from ..errors import PlanError
 from ..plan import STATE_CHOICES
 from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP
 from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
-__all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING"]
+__all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING", "ORDERS", "decision_order"]
 
 STRATEGY, TIMING = "strategy", "timing"
 _N_COMMON = 8
@@ -79,6 +84,41 @@ _N_LOOK = 7
 
 
 _TIMED = (SWAP, RECOMPUTE_OFFLOAD)  # strategies the timing agent times
+
+
+#: The decision orders :func:`decision_order` knows by name.
+ORDERS = ("state", "forward")
+
+
+def decision_order(task: PlanningTask, order: str | Sequence[int] = "state") -> np.ndarray:
+    """The units in the order an episode decides them.
+
+    ``"state"`` (the default): where the task lets state move, the units with the largest state first, then smaller
+    ones — by powers of two (what a unit's most frugal placement takes off a typical segment: 8–16 MiB before 4–8 MiB),
+    in forward order within each power — so that the largest placements are decided while the memory still to find is
+    open, not last. Walking forward, the agents met a ConvNeXt's largest states (its last blocks) after the blocks
+    before them had taken the cheap options, and had to offload them, which the optimum avoids (agents ÷ optimum 1.23
+    at 60 % of the way from the floor, see benchmarks/RESULTS.md). Units without state come last. Without placements
+    (activations only) it is the forward order. ``"forward"``: the model's order. A sequence: that permutation.
+
+    The masks and observations hold in any order: the marginal model is separable, and what the units still to decide
+    can take off is summed over them (:meth:`~memopt_nb.rl.task.PlanningTask.suffixes`).
+    """
+    n = task.n
+    if isinstance(order, str):
+        if order not in ORDERS:
+            raise PlanError(f"order={order!r}: expected one of {', '.join(ORDERS)} or a permutation of the units")
+        if order == "forward" or task.C == 1:
+            return np.arange(n)
+        # a unit's state bytes: what its most frugal placement takes off a typical segment (the median: moving any
+        # unit's state also switches the step to unit by unit, which takes the same off one segment for every unit)
+        saving = np.median(np.where(task.state_ok[:, 1:, None], -task.st_seg[:, 1:], 0.0), axis=2).max(axis=1)
+        power = np.where(saving >= 1.0, np.floor(np.log2(np.maximum(saving, 1.0))), -1.0)
+        return np.argsort(-power, kind="stable").astype(np.int64)
+    perm = np.asarray(order, dtype=np.int64)
+    if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
+        raise PlanError(f"order: expected a permutation of the {n} units, got {list(perm)[:8]}…")
+    return perm
 
 
 def _one_hot(labels: list) -> np.ndarray:
@@ -94,12 +134,23 @@ def _rowmax(x: np.ndarray) -> np.ndarray:
 
 class MemoryPlanningEnv(ParallelEnv):
     """Two agents plan keep/recompute/swap with each unit's state placement, and swap timing, for the units of one
-    profile under one budget."""
+    profile under one budget.
+
+    ``task``: the compiled problem; ``lookahead``: how many of the next units to decide each observation describes;
+    ``reward_scale``: what the returns are multiplied by; ``order``: the order the units are decided in
+    (:func:`decision_order`: ``"state"``, the default, ``"forward"`` or a permutation; a wrong one raises
+    ``PlanError``)."""
 
     metadata = {"name": "memopt_planning_v0", "render_modes": []}
 
-    def __init__(self, task: PlanningTask, lookahead: int = 4, reward_scale: float = 10.0) -> None:
+    def __init__(self, task: PlanningTask, lookahead: int = 4, reward_scale: float = 10.0,
+                 order: str | Sequence[int] = "state") -> None:
         self.task = task
+        #: the units in the order the episode decides them (``order=``, see :func:`decision_order`); ``_pos`` inverts it
+        self.order = decision_order(task, order)
+        self._pos = np.argsort(self.order)
+        self._order_key = self.order.tobytes()  # copies that walk the units alike are observed together
+        self._suffix_min, self._suffix_step, self._suffix_can_move, self._suffix_red = task.suffixes(self.order)
         self.lookahead = lookahead
         self.reward_scale = reward_scale
         self.possible_agents = [STRATEGY, TIMING]
@@ -187,10 +238,10 @@ class MemoryPlanningEnv(ParallelEnv):
             for r, i in enumerate(mine):
                 settled[i] = (peak[2 * r: 2 * r + 2], time[2 * r: 2 * r + 2])
         observed: dict[int, tuple[dict, dict]] = {}
-        groups: dict[tuple[int, int, int], list[int]] = {}
+        groups: dict[tuple[int, bytes, int, int], list[int]] = {}
         for i, env in enumerate(envs):
             if env.t < env.task.n:
-                groups.setdefault((id(env.task), env.t, env.lookahead), []).append(i)
+                groups.setdefault((id(env.task), env._order_key, env.t, env.lookahead), []).append(i)
         for mine in groups.values():
             observed.update(zip(mine, MemoryPlanningEnv._observe_many([envs[i] for i in mine])))
         return [env._conclude(rewards, done, settled.get(i), observed.get(i))
@@ -201,35 +252,37 @@ class MemoryPlanningEnv(ParallelEnv):
         task = self.task
         n, t = task.n, self.t
         rewards = {STRATEGY: 0.0, TIMING: 0.0}
-        # timing for unit t-1 (its strategy was chosen at the previous step)
-        if t >= 1 and self.codes[t - 1] in _TIMED:
+        # timing for the unit decided at the previous step (its strategy was chosen then)
+        p = int(self.order[t - 1]) if t >= 1 else -1
+        if t >= 1 and self.codes[p] in _TIMED:
             j = self._allowed(TIMING, actions.get(TIMING, 0))
-            b = task.timed_base[int(self.codes[t - 1])]
-            self.windows[t - 1], self.dists[t - 1] = TIMINGS[j]
-            self.level += task.marg_peak[t - 1, b + j]
-            cost = task.marg_time[t - 1, b + j] - task.marg_time[t - 1, b + DEFAULT_TIMING]
-            self.spent += task.marg_time[t - 1, b + j]
+            b = task.timed_base[int(self.codes[p])]
+            self.windows[p], self.dists[p] = TIMINGS[j]
+            self.level += task.marg_peak[p, b + j]
+            cost = task.marg_time[p, b + j] - task.marg_time[p, b + DEFAULT_TIMING]
+            self.spent += task.marg_time[p, b + j]
             rewards[TIMING] = -cost / task.base_time * self.reward_scale
-        # strategy for unit t
+        # strategy for the unit at step t
         if t < n:
+            u = int(self.order[t])
             s, j = divmod(self._allowed(STRATEGY, actions.get(STRATEGY, 0)), task.C)
             code = int(task.action_codes[s])
-            self.codes[t] = code
-            self.states[t] = task.state_ids[j]
+            self.codes[u] = code
+            self.states[u] = task.state_ids[j]
             st_cost = 0.0
             if j:  # the placement's exact, separable part
-                self.level += task.st_seg[t, j]
-                self.step_level += task.st_step[t, j]
-                st_cost = task.st_time[t, j] + (0.0 if self.moved else task.chunk_extra)
+                self.level += task.st_seg[u, j]
+                self.step_level += task.st_step[u, j]
+                st_cost = task.st_time[u, j] + (0.0 if self.moved else task.chunk_extra)
                 self.moved = True
                 self.spent += st_cost
             if code not in _TIMED:
                 o = int(task.action_option[s])
-                self.level += task.marg_peak[t, o]
-                self.spent += task.marg_time[t, o]
-                cost = task.marg_time[t, o] + st_cost
+                self.level += task.marg_peak[u, o]
+                self.spent += task.marg_time[u, o]
+                cost = task.marg_time[u, o] + st_cost
             else:  # optimistic: as if the timing agent picks the cheapest allowed timing
-                cost = self._static(t)["timed_cost"][code] + st_cost
+                cost = self._static(u)["timed_cost"][code] + st_cost
             rewards[STRATEGY] = -cost / task.base_time * self.reward_scale
         for a in rewards:
             self.shaped[a] += rewards[a]
@@ -331,7 +384,8 @@ class MemoryPlanningEnv(ParallelEnv):
         # the timing agent's frugal strategy assumption: per action o * C + j, its segments and step points
         frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(K) for j in range(C)])
         frugal_step = np.array([task.st_step[u, j] for o in range(K) for j in range(C)]).reshape(K * C, task.K)
-        look = [v for v in range(u + 1, u + 1 + self.lookahead) if v < n]
+        k = int(self._pos[u])
+        look = [int(v) for v in self.order[k + 1:k + 1 + self.lookahead]]  # the next units this episode decides
         look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
                                  task.profile.units[v].interior_bytes / self._b_unit,
                                  task.marg_time[v, RECOMPUTE] / self._t_unit,
@@ -349,23 +403,25 @@ class MemoryPlanningEnv(ParallelEnv):
 
     @staticmethod
     def _observe_many(envs: list[MemoryPlanningEnv]) -> list[tuple[dict, dict]]:
-        """``[env._observe() for env in envs]`` for copies at the same unit ``t < n`` of one task, computed together
-        (the same operations on stacked arrays, so the same numbers)."""
+        """``[env._observe() for env in envs]`` for copies at the same step ``t < n`` of one task and decision order,
+        computed together (the same operations on stacked arrays, so the same numbers)."""
         first = envs[0]
         task, t = first.task, first.t
+        u = int(first.order[t])  # the unit decided at this step; p, the one before (its timing still open)
+        p = int(first.order[t - 1]) if t >= 1 else -1
         n, C, E = task.n, task.C, len(envs)
         budget = task.budget
         tol = budget * (1 + 1e-9)
-        st = first._static(t)
+        st = first._static(u)
         base_level = np.stack([env.level for env in envs])
         step_level = np.stack([env.step_level for env in envs])
         was_moved = np.array([env.moved for env in envs])
-        pcode = np.array([env.codes[t - 1] if t >= 1 else -1 for env in envs])  # timed: its timing still open
+        pcode = np.array([env.codes[p] if t >= 1 else -1 for env in envs])  # timed: its timing still open
         pending = np.isin(pcode, _TIMED)
         level = base_level.copy()
         for code in np.unique(pcode[pending]):
             sel = pcode == code
-            level[sel] = base_level[sel] + first._static(t - 1)["pend_min"][int(code)]
+            level[sel] = base_level[sel] + first._static(p)["pend_min"][int(code)]
 
         def bound(seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
             seg_max = seg.max(axis=-1)
@@ -374,27 +430,27 @@ class MemoryPlanningEnv(ParallelEnv):
             return task.bounds(seg_max, _rowmax(step) if task.K else np.full(seg_max.shape, -np.inf), moved,
                                can_move)
 
-        rest = task.suffix_min[t + 1]
-        rest_step = task.suffix_step[t + 1]
-        rest_move = bool(task.suffix_can_move[t + 1])
+        rest = first._suffix_min[t + 1]
+        rest_step = first._suffix_step[t + 1]
+        rest_move = bool(first._suffix_can_move[t + 1])
         cur = bound(level, step_level, was_moved, False)
         need = np.maximum(cur - budget, 0.01 * budget)
-        need_ratio = np.maximum(cur - budget, 0.0) / max(float(task.suffix_red[t]), 1.0)
+        need_ratio = np.maximum(cur - budget, 0.0) / max(float(first._suffix_red[t]), 1.0)
         loads = []
         for env in envs:
-            load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in range(max(0, t - 3), t)
+            load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in range(max(0, u - 3), u)
                        if env.codes[v] == SWAP)
             loads.append(min(load / st["load_den"], 10.0))
-        least = bound(level + task.suffix_min[t], step_level + task.suffix_step[t], was_moved,
-                      bool(task.suffix_can_move[t]))
+        least = bound(level + first._suffix_min[t], step_level + first._suffix_step[t], was_moved,
+                      bool(first._suffix_can_move[t]))
         common = np.stack([np.full(E, t / n), np.full(E, (n - t) / n), (cur - budget) / budget,
                            (least - budget) / budget, np.array([env.spent for env in envs]) / task.base_time,
                            np.full(E, float(task.sim.device.copy_overlap)), np.minimum(need_ratio, 5.0),
                            np.array(loads)], axis=1)
-        # strategy agent, unit t: every (strategy o, placement j) of every copy, (E, K, C, S) and (E, C, K)
+        # strategy agent, unit u: every (strategy o, placement j) of every copy, (E, K, C, S) and (E, C, K)
         ok = st["ok"]
-        seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[t][None, None]
-        step = step_level[:, None, :] + task.st_step[t][None]
+        seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[u][None, None]
+        step = step_level[:, None, :] + task.st_step[u][None]
         moved = was_moved[:, None] | (np.arange(C) > 0)[None]  # (E, C)
         rest_max = _rowmax(step + rest_step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
         with_rest = (task.bounds((seg + rest).max(axis=3), rest_max, moved[:, None], rest_move) if task.has_step
@@ -425,12 +481,11 @@ class MemoryPlanningEnv(ParallelEnv):
                 look[:, :m, 7] = (c_ - st_est) / n_
         s_feat = np.concatenate([common, np.broadcast_to(st["unit_s"], (E, st["unit_s"].size)), per,
                                  look.reshape(E, -1)], axis=1).astype(np.float32)
-        # timing agent, unit t-1 (only where it is timed: per timed strategy, the copies that chose it)
+        # timing agent, unit p (only where it is timed: per timed strategy, the copies that chose it)
         T = len(TIMINGS)
         t_mask = np.zeros((E, T), dtype=np.int8)
         t_mask[:, 0] = 1
         t_feat = np.zeros((E, first._dims[TIMING]), dtype=np.float32)
-        p = t - 1
         for code in (int(c) for c in np.unique(pcode[pending])):
             sp = first._static(p)
             k = np.flatnonzero(pcode == code)
@@ -471,45 +526,47 @@ class MemoryPlanningEnv(ParallelEnv):
     def _observe(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
         task = self.task
         n, t = task.n, self.t
+        u = int(self.order[t]) if t < n else n  # the unit decided at this step (n: none, the episode's end)
+        p = int(self.order[t - 1]) if 1 <= t <= n else -1  # the unit decided before, its timing still open
         budget = task.budget
         tol = budget * (1 + 1e-9)
-        # pending unit t-1: a swap (or recompute_offload) whose timing is still open counts with its most frugal timing
+        # pending unit p: a swap (or recompute_offload) whose timing is still open counts with its most frugal timing
         level = self.level
         T = len(TIMINGS)
-        pcode = int(self.codes[t - 1]) if 1 <= t <= n else -1
+        pcode = int(self.codes[p]) if p >= 0 else -1
         pending = pcode in _TIMED
         if pending:
-            level = level + self._static(t - 1)["pend_min"][pcode]
-        rest = task.suffix_min[min(t + 1, n)]
-        rest_step = task.suffix_step[min(t + 1, n)]
-        rest_move = bool(task.suffix_can_move[min(t + 1, n)])
+            level = level + self._static(p)["pend_min"][pcode]
+        rest = self._suffix_min[min(t + 1, n)]
+        rest_step = self._suffix_step[min(t + 1, n)]
+        rest_move = bool(self._suffix_can_move[min(t + 1, n)])
         cur = task.bound(level, self.step_level, self.moved)
         need = max(cur - budget, 0.01 * budget)
         # how much of what the remaining units could still take off is needed, and the recent load of the copy engine
-        need_ratio = max(cur - budget, 0.0) / max(float(task.suffix_red[min(t, n)]), 1.0)
-        recent = [v for v in range(max(0, t - 3), min(t, n))]
+        need_ratio = max(cur - budget, 0.0) / max(float(self._suffix_red[min(t, n)]), 1.0)
+        recent = [v for v in range(max(0, u - 3), min(u, n))]  # undecided units keep (code 0) so far
         load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if self.codes[v] == SWAP)
-        load /= (self._static(t)["load_den"] if t < n else
-                 max(sum(task.sim.fwd_time[v] for v in range(max(0, t - 3), min(t + 1, n))), 1e-12))
+        load /= (self._static(u)["load_den"] if t < n else
+                 max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12))
         tt = min(t, n)
-        least = task.bound(level + task.suffix_min[tt], self.step_level + task.suffix_step[tt], self.moved,
-                           bool(task.suffix_can_move[tt]))  # the peak if every remaining unit is most frugal
+        least = task.bound(level + self._suffix_min[tt], self.step_level + self._suffix_step[tt], self.moved,
+                           bool(self._suffix_can_move[tt]))  # the peak if every remaining unit is most frugal
         common = np.array([t / n, (n - t) / n, (cur - budget) / budget, (least - budget) / budget,
                            self.spent / task.base_time, float(task.sim.device.copy_overlap), min(need_ratio, 5.0),
                            min(load, 10.0)], dtype=np.float64)
         obs: dict[str, dict[str, np.ndarray]] = {}
         masks: dict[str, np.ndarray] = {}
-        # strategy agent, unit t
+        # strategy agent, unit u
         C = task.C
         K = task.n_strategies
         s_mask = np.zeros(K * C, dtype=np.int8)
         s_feat = np.zeros(self._dims[STRATEGY])
         if t < n:
-            st = self._static(t)
+            st = self._static(u)
             ok = st["ok"]  # action o * C + j
             # every (strategy o, placement j) at once: segments (K, C, S) and the step's points (C, K)
-            seg = (level + st["choice"])[:, None] + task.st_seg[t][None]
-            step = self.step_level[None] + task.st_step[t]
+            seg = (level + st["choice"])[:, None] + task.st_seg[u][None]
+            step = self.step_level[None] + task.st_step[u]
             moved = self.moved | (np.arange(C) > 0)
             with_rest = task.bounds((seg + rest).max(axis=2), _rowmax(step + rest_step)[None], moved[None], rest_move)
             s_mask[:] = ok & (with_rest.ravel() <= tol)
@@ -538,13 +595,12 @@ class MemoryPlanningEnv(ParallelEnv):
             s_mask[KEEP] = 1
         obs[STRATEGY] = {"observation": s_feat.astype(np.float32), "action_mask": s_mask}
         masks[STRATEGY] = s_mask
-        # timing agent, unit t-1
+        # timing agent, unit p
         m = len(TIMINGS)
         t_mask = np.zeros(m, dtype=np.int8)
         t_feat = np.zeros(self._dims[TIMING])
-        p = t - 1
         if pending:
-            # unit t is being decided at the same step: like the strategy mask, assume it takes its most frugal
+            # unit u is being decided at the same step: like the strategy mask, assume it takes its most frugal
             # allowed option (a combination that still misses the budget ends the episode with a penalty)
             if t < n:
                 allowed = np.flatnonzero(s_mask)
@@ -578,7 +634,7 @@ class MemoryPlanningEnv(ParallelEnv):
     def _unit_features(self, u: int) -> np.ndarray:
         task = self.task
         unit = task.profile.units[u]
-        later = task.best_eff[u + 1:]
+        later = task.best_eff[self.order[int(self._pos[u]) + 1:]]  # the units decided after this one
         rank = lambda e: float((later < e).mean()) if later.size else 0.0  # noqa: E731 - share of cheaper units ahead
         return np.array([
             rank(task.rc_eff[u]),

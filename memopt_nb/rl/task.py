@@ -248,14 +248,6 @@ class PlanningTask:
         self.marg_time[~self.option_ok] = 0.0
         big = np.where(self.option_ok[:, :, None], self.marg_peak, np.inf)
         self.min_marg = big.min(axis=1)  # (n, S): the most any option of the unit can take off each segment
-        # ... and with its placements (separable: the most a placement takes off, added), per segment and step point
-        self.suffix_min = np.zeros((n + 1, self.S))
-        self.suffix_step = np.zeros((n + 1, self.K))
-        self.suffix_can_move = np.zeros(n + 1, dtype=bool)
-        for u in range(n - 1, -1, -1):
-            self.suffix_min[u] = self.suffix_min[u + 1] + (self.min_marg[u] + self.st_min_seg[u])
-            self.suffix_step[u] = self.suffix_step[u + 1] + self.st_min_step[u]
-            self.suffix_can_move[u] = self.suffix_can_move[u + 1] or bool(self.state_ok[u, 1:].any())
         # cost efficiency: seconds of overhead per byte taken off each unit's most loaded segment, cheapest option
         red = -self.marg_peak.min(axis=2)  # (n, options): the largest per-segment saving of each option
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -266,7 +258,8 @@ class PlanningTask:
         self.max_red = red.max(axis=1)  # (n,)
         if self.C > 1:  # the most a placement takes off a segment adds to it
             self.max_red = self.max_red + np.maximum(-self.st_seg.min(axis=2), 0.0).max(axis=1)
-        self.suffix_red = np.concatenate([np.cumsum(self.max_red[::-1])[::-1], [0.0]])
+        #: what the units from position ``k`` of the forward order on can still do at most (:meth:`suffixes`)
+        self.suffix_min, self.suffix_step, self.suffix_can_move, self.suffix_red = self.suffixes(np.arange(n))
         if self.C > 1:  # placements may lower the floor below the activation-only one: the enlarged space's floor
             self.budget = self._check_budget(budget)
         self._check_step_floor()
@@ -315,6 +308,24 @@ class PlanningTask:
         self.st_min_seg = seg.min(axis=1)  # (n, S): includes all-resident (0), so never positive
         step = np.where(self.state_ok[:, :, None], self.st_step, np.inf)
         self.st_min_step = step.min(axis=1) if self.K else np.zeros((n, 0))
+
+    def suffixes(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What the units from position ``k`` of ``order`` (a permutation of the units) on can still do at most, for
+        ``k = 0 .. n``: the most their options and placements take off each segment (``(n + 1, S)``, separable, so
+        added) and each point of the unit-by-unit step (``(n + 1, K)``), whether any of them may move state, and the
+        sum of their largest single-segment savings (``(n + 1,)``). The environment walks the units in an order of its
+        own; the task's ``suffix_*`` attributes are these over the forward order."""
+        n = self.n
+        smin = np.zeros((n + 1, self.S))
+        sstep = np.zeros((n + 1, self.K))
+        smove = np.zeros(n + 1, dtype=bool)
+        for k in range(n - 1, -1, -1):
+            u = int(order[k])
+            smin[k] = smin[k + 1] + (self.min_marg[u] + self.st_min_seg[u])
+            sstep[k] = sstep[k + 1] + self.st_min_step[u]
+            smove[k] = smove[k + 1] or bool(self.state_ok[u, 1:].any())
+        sred = np.concatenate([np.cumsum(self.max_red[np.asarray(order)][::-1])[::-1], [0.0]])
+        return smin, sstep, smove, sred
 
     def step_part(self, step: np.ndarray, moved: bool, can_move: bool = False) -> float:
         """The optimizer step's share of the peak: the plain step while nothing moved, else the unit-by-unit one.
