@@ -83,7 +83,8 @@ def random_sampling(sim, budget: int, evaluations: int, seed: int = 0, batch: in
 
 
 def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float, timesteps: int | None, *,
-                        offload_state=True, strategies=DEFAULT_STRATEGIES, step_in_backward: bool = False) -> dict:
+                        offload_state=True, strategies=DEFAULT_STRATEGIES, step_in_backward: bool = False,
+                        order: str = "state") -> dict:
     space = {"offload_state": offload_state, "strategies": strategies}
     if step_in_backward:
         space["step_in_backward"] = True
@@ -94,7 +95,7 @@ def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float
     opt = solvers.optimal(sim, budget, time_limit=time_limit, **space)
     opt_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plan = memopt.search(prof, budget, device, total_timesteps=timesteps, seed=0, **space)
+    plan = memopt.search(prof, budget, device, total_timesteps=timesteps, seed=0, order=order, **space)
     search_s = time.perf_counter() - t0
     agents = plan.meta["agents_step_time"] or math.inf
     ref = opt.predicted_step_time
@@ -112,7 +113,8 @@ def run_whole_step_case(label: str, prof, device, frac: float, time_limit: float
 
 def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tuple[int, ...] = (24, 48, 64),
                zoo_devices: tuple[str | None, ...] = (None, "a100-40gb"), wide: bool = False,
-               offload_state: bool = True, hf: tuple[str, ...] = (), step_in_backward: bool = False) -> None:
+               offload_state: bool = True, hf: tuple[str, ...] = (), step_in_backward: bool = False,
+               order: str = "state") -> None:
     real: set[str] = set()
     if wide:  # issue 12: every activation strategy, on chains with save-sets (and transformers models, measured)
         space = {"offload_state": offload_state, "strategies": STRATEGIES}
@@ -141,7 +143,7 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tu
         devices = ("a100-40gb",) if label.startswith("chain") else (None, "a100-40gb") if label in real else zoo_devices
         for device in devices:
             for frac in fractions:
-                r = run_whole_step_case(label, prof, device, frac, time_limit, timesteps, **space)
+                r = run_whole_step_case(label, prof, device, frac, time_limit, timesteps, order=order, **space)
                 rows.append(r)
                 proven = "yes" if r["proven"] else f"no (gap {r['gap']:.2%})"
                 print(f"| {r['case']} | {r['device']} | {r['budget']:.0%} | {r['units']} | {r['agents_vs_opt']:.4f} | "
@@ -200,6 +202,8 @@ def main() -> None:
     ap.add_argument("--step-in-backward", action="store_true", help="--whole-step: the opt-in step in backward too "
                     "(search, MILP and random sampling)")
     ap.add_argument("--offload-state", action="store_true", help="--wide: with state placements too")
+    ap.add_argument("--order", default="state", choices=("state", "forward"), help="--whole-step / --wide: the "
+                    "order the agents decide the units in (memopt.search's order=)")
     ap.add_argument("--hf", default="", help="--wide: transformers models too, e.g. vit,gpt2 (fine units, measured "
                     "save-sets)")
     ap.add_argument("--chains", default="24,48,64", help="--whole-step / --wide: synthetic chain sizes")
@@ -211,7 +215,7 @@ def main() -> None:
         whole_step(args.time_limit, args.timesteps, args.quick, tuple(int(x) for x in args.chains.split(",") if x),
                    tuple(None if d == "cpu" else d for d in args.zoo_devices.split(",")), wide=args.wide,
                    offload_state=args.offload_state, hf=tuple(x for x in args.hf.split(",") if x),
-                   step_in_backward=args.step_in_backward)
+                   step_in_backward=args.step_in_backward, order=args.order)
         return
     devices = (None, "a100-40gb", "v100-16gb")
     fractions = FRACTIONS

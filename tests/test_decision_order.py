@@ -4,7 +4,8 @@ Where state may move, the environment decides the units with the largest state f
 order (``test_rl.py``'s mask and marginal-model tests run over orders; ``test_rl_fast_paths.py`` checks the batched
 steps). Here: what the order is, that a wrong one is refused, and what it is for — on a ConvNeXt-Atto whose two last
 blocks hold most of the state, the agents alone, walking forward, offloaded those and ended 1.23× the optimum's step
-time at 60 % of the way from the floor (benchmarks/RESULTS.md); deciding them first, they come close to it.
+time at 60 % of the way from the floor (benchmarks/RESULTS.md); deciding them first, they come close to it. And
+``search(order=)`` passes its order to the environment and records it.
 """
 
 from pathlib import Path
@@ -49,6 +50,24 @@ def test_a_wrong_order_is_refused(convnext, order):
     task = PlanningTask(convnext, "80%", "a100-40gb", offload_state=True)
     with pytest.raises(PlanError, match="order"):
         MemoryPlanningEnv(task, order=order)
+
+
+def test_search_takes_the_order_records_it_and_refuses_a_wrong_one_before_training(convnext):
+    task = PlanningTask(convnext, "80%", "a100-40gb", offload_state=True)
+    state, forward = [int(u) for u in decision_order(task)], list(range(task.n))
+    rows = []
+    with pytest.raises(PlanError, match="order"):
+        memopt.search(convnext, "80%", "a100-40gb", total_timesteps=500, order="backward", callback=rows.append)
+    assert rows == []  # refused before any PPO iteration
+    kw = {"total_timesteps": 1000, "polish_plan": False, "restarts": 2}
+    plans = {o: memopt.search(convnext, "80%", "a100-40gb", order=o, **kw) for o in ("state", "forward")}
+    assert plans["state"].meta["decision_order"] == state and plans["forward"].meta["decision_order"] == forward
+    assert memopt.search(convnext, "80%", "a100-40gb", **kw).meta["decision_order"] == state  # the default
+    assert plans["state"].meta["best_restart"] in (0, 1)
+    returns = [[r["reward_strategy"] for r in plan.meta["history"]] for plan in plans.values()]
+    assert returns[0] != returns[1]  # the order reached the agents' environment
+    mine = state[::-1]
+    assert memopt.search(convnext, "80%", "a100-40gb", order=mine, **kw).meta["decision_order"] == mine
 
 
 def test_deciding_the_largest_states_first_brings_the_agents_near_the_optimum(convnext):

@@ -102,7 +102,8 @@ def decision_order(task: PlanningTask, order: str | Sequence[int] = "state") -> 
     (activations only) it is the forward order. ``"forward"``: the model's order. A sequence: that permutation.
 
     The masks and observations hold in any order: the marginal model is separable, and what the units still to decide
-    can take off is summed over them (:meth:`~memopt_nb.rl.task.PlanningTask.suffixes`).
+    can take off is summed over them (:meth:`~memopt_nb.rl.task.PlanningTask.suffixes`). ``memopt.search`` passes its
+    ``order=`` here.
     """
     n = task.n
     if isinstance(order, str):

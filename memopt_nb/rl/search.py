@@ -8,7 +8,7 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ from ..simulate import RECOMPUTE_OFFLOAD
 from ..solvers.baselines import BASELINES
 from ..solvers.common import make_plan
 from ..solvers.space import plan_decisions
-from .env import STRATEGY, TIMING, MemoryPlanningEnv
+from .env import STRATEGY, TIMING, MemoryPlanningEnv, decision_order
 from .ppo import PPOConfig, train
 from .task import PlanningTask, code_options, option_codes
 
@@ -470,7 +470,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
            config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None,
            reward_scale: float = 10.0, offload_state: bool | str | Iterable[str] = True,
-           step_in_backward: bool = False, strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> Plan:
+           step_in_backward: bool = False, strategies: str | Iterable[str] = DEFAULT_STRATEGIES,
+           order: str | Sequence[int] = "state") -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
 
     The plan decides per unit its activation strategy (keep, recompute, swap and the swap's timing) and where the
@@ -511,23 +512,30 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             strategy per save-set (masked where the unit does not offer it), and the polish moves between them.
         reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
             are next to PPO's fixed clipping and entropy coefficients.
+        order: the order an episode decides the units in (:func:`~memopt_nb.rl.env.decision_order`): ``"state"``
+            (the default: where state may move, the units with the largest state first; else the model's order),
+            ``"forward"`` (the model's order) or a permutation of the units. Which suits a model varies: a ConvNeXt's
+            two large last blocks must be decided first, while chains with the step in backward did better forward
+            (benchmarks/RESULTS.md, 2026-12-05). A bad value raises :class:`~memopt_nb.errors.PlanError` before any
+            training.
 
     The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak the
     agents found so far, feasible fraction; ``total_timesteps`` in a row is what PPO really runs — whole iterations —
     not the number asked for, which is ``meta["requested_timesteps"]``), ``timesteps_run``, ``agents_step_time`` and
-    ``agents_peak`` (what the agents alone reached), ``polish`` (``"ran"``, ``"off"`` or ``"skipped: ..."``),
-    ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds``, ``interrupted`` (Ctrl-C returns the
-    best plan so far), ``state_choices`` (the placements the agents could choose from; only all-resident when the
-    cost model has no state table), ``allowed_strategies`` (the activation strategies searched, as ``optimal``
-    records them), ``agents_states`` (the agents' placements before the polish) and, where the polish started from
-    exact placements, ``polish_placement_budget_s`` (the seconds their MILPs share, :data:`PLACEMENT_SECONDS`) and
-    ``polish_placement_skipped`` (starts left out when it ran out; normally 0); where the polish ran,
-    ``polish_heuristic_starts`` (the baselines it also started from), ``polish_heuristic_skipped`` and
-    ``polish_heuristic_cut`` (those left out, or polished only until :data:`HEURISTIC_SECONDS` ran out; normally
-    none), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan
-    was returned: ``"agents"``, ``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, one of
-    those three with ``"_again"`` (see :func:`_polish_exact_placements`) or a baseline's name). The plan's own
-    ``predicted_peak_bytes`` / ``predicted_step_time`` are the final figures.
+    ``agents_peak`` (what the agents alone reached), ``decision_order`` (the units in the order the agents decided
+    them), ``best_restart`` (the restart whose episode was the agents' best plan), ``polish`` (``"ran"``,
+    ``"off"`` or ``"skipped: ..."``), ``polished_step_time`` (``None`` unless the polish ran), ``search_seconds``,
+    ``interrupted`` (Ctrl-C returns the best plan so far), ``state_choices`` (the placements the agents could choose
+    from; only all-resident when the cost model has no state table), ``allowed_strategies`` (the activation strategies
+    searched, as ``optimal`` records them), ``agents_states`` (the agents' placements before the polish) and, where the
+    polish started from exact placements, ``polish_placement_budget_s`` (the seconds their MILPs share,
+    :data:`PLACEMENT_SECONDS`) and ``polish_placement_skipped`` (starts left out when it ran out; normally 0); where the
+    polish ran, ``polish_heuristic_starts`` (the baselines it also started from), ``polish_heuristic_skipped`` and
+    ``polish_heuristic_cut`` (those left out, or polished only until :data:`HEURISTIC_SECONDS` ran out; normally none),
+    ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan was returned: ``"agents"``,
+    ``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, one of those three with ``"_again"`` (see
+    :func:`_polish_exact_placements`) or a baseline's name). The plan's own ``predicted_peak_bytes`` /
+    ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
     """
@@ -539,8 +547,10 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
                        "total_timesteps": total_timesteps or (config.total_timesteps if config else
                                                               default_timesteps(task.n))})
     runs = max(1, int(restarts if restarts is not None else default_restarts(task.n)))
+    units_order = decision_order(task, order)  # a bad order is refused here, before any training
     tracker = SearchTracker(task, cfg, runs, t0, callback)
-    make_env = functools.partial(MemoryPlanningEnv, task, reward_scale=reward_scale)
+    tracker.order = [int(u) for u in units_order]
+    make_env = functools.partial(MemoryPlanningEnv, task, reward_scale=reward_scale, order=units_order)
     interrupted = False
     # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
     # machine (so a seed gives the same plan everywhere). The user's setting is restored afterwards.
@@ -572,11 +582,13 @@ class SearchTracker:
         self.task = task
         self.t0 = t0
         self.callback = callback
-        self.best: dict[str, Any] = {"time": math.inf, "peak": math.inf, "plan": None, "episode": None}
+        self.best: dict[str, Any] = {"time": math.inf, "peak": math.inf, "plan": None, "episode": None,
+                                     "restart": None}
         self.least_bad: dict[str, Any] = {"objective": math.inf, "plan": None, "peak": math.inf, "time": math.inf}
         self.history: list[dict[str, Any]] = []
         self.episodes = 0
         self.restart = 0
+        self.order: list[int] = list(range(task.n))  # the units in the order the agents decide them
         self._window = {"episodes": 0, "feasible": 0}  # episodes since the last history row
         self._offset = {"iterations": 0, "steps": 0}  # where the current agent pair's numbering starts
         # What PPO will really run: whole iterations of num_envs x num_steps per agent pair (the progress bar's 100%).
@@ -592,7 +604,8 @@ class SearchTracker:
         if info["feasible"]:
             self._window["feasible"] += 1
             if info["time"] < self.best["time"]:
-                self.best.update(time=info["time"], peak=info["peak"], plan=plan, episode=self.episodes)
+                self.best.update(time=info["time"], peak=info["peak"], plan=plan, episode=self.episodes,
+                                 restart=self.restart)
         elif info["objective"] < self.least_bad["objective"]:
             self.least_bad.update(objective=info["objective"], plan=plan, peak=info["peak"], time=info["time"])
 
@@ -631,7 +644,8 @@ class SearchTracker:
                 "timesteps_run": history[-1]["global_step"] if history else 0, "restarts": self.runs,
                 "episodes": self.episodes, "best_episode": self.best["episode"], "base_step_time": self.task.base_time,
                 "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids],
-                "allowed_strategies": list(self.task.strategies)}
+                "allowed_strategies": list(self.task.strategies), "decision_order": list(self.order),
+                "best_restart": self.best["restart"]}
 
 
 def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
