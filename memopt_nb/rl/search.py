@@ -548,8 +548,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
                                                               default_timesteps(task.n))})
     runs = max(1, int(restarts if restarts is not None else default_restarts(task.n)))
     units_order = decision_order(task, order)  # a bad order is refused here, before any training
-    tracker = SearchTracker(task, cfg, runs, t0, callback)
-    tracker.order = [int(u) for u in units_order]
+    tracker = SearchTracker(task, cfg, runs, t0, callback, order=units_order)
     make_env = functools.partial(MemoryPlanningEnv, task, reward_scale=reward_scale, order=units_order)
     interrupted = False
     # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
@@ -578,7 +577,7 @@ class SearchTracker:
     """
 
     def __init__(self, task: PlanningTask, cfg: PPOConfig, runs: int, t0: float,
-                 callback: Callable[[dict], None] | None) -> None:
+                 callback: Callable[[dict], None] | None, order: Sequence[int] | None = None) -> None:
         self.task = task
         self.t0 = t0
         self.callback = callback
@@ -588,7 +587,8 @@ class SearchTracker:
         self.history: list[dict[str, Any]] = []
         self.episodes = 0
         self.restart = 0
-        self.order: list[int] = list(range(task.n))  # the units in the order the agents decide them
+        #: the units in the order the agents decide them (default: the model's)
+        self.order = [int(u) for u in (range(task.n) if order is None else order)]
         self._window = {"episodes": 0, "feasible": 0}  # episodes since the last history row
         self._offset = {"iterations": 0, "steps": 0}  # where the current agent pair's numbering starts
         # What PPO will really run: whole iterations of num_envs x num_steps per agent pair (the progress bar's 100%).
