@@ -3,8 +3,11 @@
 One actor-critic per agent: the strategy and timing agents see different observations and choose from different
 action sets, so a shared network would only have to learn to tell them apart. Each is trained on its own (difference)
 reward by the same loop: rollouts from ``num_envs`` copies of the environment, GAE, clipped policy and value losses, an
-entropy bonus, masked logits, Adam. One departure from CleanRL: where the environment says what its actions are made
-of (``action_parts``), the actor scores the parts and an action's logit is the sum of its parts' (:class:`Agent`).
+entropy bonus, masked logits, Adam. Two departures from CleanRL: where the environment says what its actions are made
+of (``action_parts``), the actor scores the parts and an action's logit is the sum of its parts' (:class:`Agent`); and
+with ``risk_quantile`` the policy learns only from the best episodes of each rollout (the risk-seeking policy gradient
+of Petersen et al., "Deep symbolic regression", ICLR 2021; :func:`risk_seeking_advantages`), for searches that keep
+the best episode they see rather than the policy's average one.
 No SuperSuit, no argument parsing: construct :class:`PPOConfig` directly.
 
 Randomness comes only from a ``torch.Generator`` and a NumPy generator seeded with ``config.seed``, so a search is
@@ -22,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-__all__ = ["PPOConfig", "Agent", "layer_init", "compute_gae", "ppo_losses", "update_agent", "train"]
+__all__ = ["PPOConfig", "Agent", "layer_init", "compute_gae", "risk_seeking_advantages", "ppo_losses", "update_agent",
+           "train"]
 
 
 @dataclass
@@ -66,6 +70,14 @@ class PPOConfig:
     score_parts: bool = True
     """score the parts actions are made of, where the environment names them (``action_parts``; see :class:`Agent`),
     rather than each action on its own"""
+    risk_quantile: float | None = None
+    """risk-seeking: each agent's policy learns only from the best ``risk_quantile`` share of the rollout's episodes
+    (by that agent's return), each of their steps with the advantage (episode return − the share's threshold) / the
+    returns' standard deviation (:func:`risk_seeking_advantages`); the other episodes still train the critic, which
+    then only reports. Needs one episode per environment copy per rollout (``num_steps=None``). ``None``: ordinary
+    PPO (GAE advantages, normalized per minibatch)"""
+    risk_agents: tuple[str, ...] | None = None
+    """the agents ``risk_quantile`` applies to (``None``: all); the others learn by ordinary PPO"""
     seed: int = 0
     """seed of every random choice (initialization, sampling, minibatch order)"""
 
@@ -150,21 +162,46 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor
     return advantages, advantages + values
 
 
+def risk_seeking_advantages(episode_returns: torch.Tensor, quantile: float,
+                            num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and policy-loss weights, both ``(num_steps, num_envs)``, of the risk-seeking policy gradient for a
+    rollout holding one episode per environment copy (``episode_returns``: ``(num_envs,)``).
+
+    The episodes whose return reaches the ``1 − quantile`` quantile of the rollout's returns get weight 1 and, at
+    every step, the advantage ``(return − quantile threshold) / std(returns)`` (zero where all returns are equal); the
+    others get weight 0 and advantage 0. The advantages are never negative: the policy is pulled towards its best
+    episodes and nothing pushes it away from the rest, so it keeps exploring around its best plan instead of settling
+    on a safe average one.
+    """
+    if not 0.0 < quantile <= 1.0:
+        raise ValueError(f"risk_quantile={quantile!r}: expected a share of the episodes in (0, 1], e.g. 0.25")
+    threshold = torch.quantile(episode_returns, 1.0 - quantile)
+    weight = (episode_returns >= threshold).float()
+    spread = episode_returns.std() if episode_returns.numel() > 1 else episode_returns.new_tensor(0.0)
+    adv = torch.where(spread > 0, (episode_returns - threshold) / spread.clamp_min(1e-12), torch.zeros(()))
+    adv = adv * weight
+    return adv.expand(num_steps, -1).clone(), weight.expand(num_steps, -1).clone()
+
+
 def ppo_losses(agent: Agent, config: PPOConfig, obs: torch.Tensor, mask: torch.Tensor, actions: torch.Tensor,
                old_logprobs: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
-               old_values: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The clipped PPO objective on one minibatch: ``loss`` plus its parts and the diagnostics CleanRL logs."""
+               old_values: torch.Tensor, weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The clipped PPO objective on one minibatch: ``loss`` plus its parts and the diagnostics CleanRL logs.
+
+    ``weights`` (risk-seeking, see :func:`risk_seeking_advantages`): the policy loss is the weighted mean over the
+    minibatch and the advantages are used as given; without them, CleanRL's mean with normalized advantages."""
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, mask, actions)
     logratio = newlogprob - old_logprobs
     ratio = logratio.exp()
     with torch.no_grad():
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > config.clip_coef).float().mean()
-    if config.norm_adv and advantages.numel() > 1:
+    if weights is None and config.norm_adv and advantages.numel() > 1:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     # policy loss
-    pg_loss = torch.max(-advantages * ratio,
-                        -advantages * torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef)).mean()
+    pg_terms = torch.max(-advantages * ratio,
+                         -advantages * torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef))
+    pg_loss = pg_terms.mean() if weights is None else (weights * pg_terms).sum() / weights.sum().clamp_min(1.0)
     # value loss
     if config.clip_vloss:
         v_unclipped = (newvalue - returns) ** 2
@@ -180,8 +217,9 @@ def ppo_losses(agent: Agent, config: PPOConfig, obs: torch.Tensor, mask: torch.T
 
 def update_agent(agent: Agent, optimizer: torch.optim.Optimizer, config: PPOConfig, buf: dict[str, torch.Tensor],
                  advantages: torch.Tensor, returns: torch.Tensor, rng: np.random.Generator,
-                 minibatch_size: int) -> dict[str, float]:
-    """``config.update_epochs`` epochs of minibatch PPO updates of one agent on its rollout; returns the last stats."""
+                 minibatch_size: int, weights: torch.Tensor | None = None) -> dict[str, float]:
+    """``config.update_epochs`` epochs of minibatch PPO updates of one agent on its rollout; returns the last stats.
+    ``weights``: the risk-seeking policy-loss weights, shaped like the rewards (see :func:`ppo_losses`)."""
     batch_size = buf["rewards"].numel()
     b_obs = buf["obs"].reshape(batch_size, -1)
     b_mask = buf["mask"].reshape(batch_size, -1)
@@ -190,13 +228,14 @@ def update_agent(agent: Agent, optimizer: torch.optim.Optimizer, config: PPOConf
     b_adv = advantages.reshape(-1)
     b_returns = returns.reshape(-1)
     b_values = buf["values"].reshape(-1)
+    b_weights = None if weights is None else weights.reshape(-1)
     clipfracs = []
     for _epoch in range(config.update_epochs):
         order = rng.permutation(batch_size)
         for lo in range(0, batch_size, minibatch_size):
             mb = torch.as_tensor(order[lo: lo + minibatch_size])
             out = ppo_losses(agent, config, b_obs[mb], b_mask[mb], b_actions[mb], b_logprobs[mb], b_adv[mb],
-                             b_returns[mb], b_values[mb])
+                             b_returns[mb], b_values[mb], None if b_weights is None else b_weights[mb])
             clipfracs.append(out["clipfrac"].item())
             optimizer.zero_grad()
             out["loss"].backward()
@@ -230,6 +269,13 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
     minibatch_size = max(1, batch_size // config.num_minibatches)
     num_iterations = max(1, config.total_timesteps // batch_size)
     E = config.num_envs
+    if config.risk_quantile is not None:
+        if config.num_steps is not None:
+            raise ValueError("risk_quantile needs one episode per environment copy per rollout: leave num_steps=None")
+        risk_seeking_advantages(torch.zeros(1), config.risk_quantile, 1)  # a wrong quantile is refused here
+        unknown = set(config.risk_agents or ()) - set(names)
+        if unknown:
+            raise ValueError(f"risk_agents names {sorted(unknown)}; the environment's agents are {names}")
 
     # ---- agent setup: one actor-critic and one Adam per agent (scoring the actions' parts where the env names them)
     action_parts = getattr(envs[0], "action_parts", None) if config.score_parts else None
@@ -310,8 +356,14 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
                 next_value = agents[a].get_value(next_obs[a]).reshape(1, -1)
                 advantages, returns = compute_gae(b["rewards"], b["values"], b["dones"], next_value, next_done,
                                                   config.gamma, config.gae_lambda)
+            weights = None
+            if config.risk_quantile is not None and (config.risk_agents is None or a in config.risk_agents):
+                if not bool(next_done.all()) or bool(b["dones"][1:].any()):
+                    raise RuntimeError("risk_quantile: a rollout did not hold exactly one episode per copy (the "
+                                       "environment's episodes must all be task.n + 1 steps long)")
+                advantages, weights = risk_seeking_advantages(b["rewards"].sum(0), config.risk_quantile, num_steps)
             # ---- optimize the policy and value networks
-            update = update_agent(agents[a], optims[a], config, b, advantages, returns, rng, minibatch_size)
+            update = update_agent(agents[a], optims[a], config, b, advantages, returns, rng, minibatch_size, weights)
             # ---- logging
             stats[f"{a}/episodic_return"] = float(np.mean(finished[a])) if finished[a] else float("nan")
             for key, value in update.items():
