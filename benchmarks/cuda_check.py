@@ -75,7 +75,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
-from memopt_nb.plan import Plan, optimizer_fingerprint  # noqa: E402
+from memopt_nb.core.plan import Plan, optimizer_fingerprint  # noqa: E402
 from memopt_nb.runtime.state import HostTensor  # noqa: E402
 
 MiB = 2**20
@@ -680,7 +680,7 @@ def copy_cost_section(cfg: Config, failures: list[str], spec: Any) -> dict[str, 
     """The training thread's cost per storage copied by the swap engine on this device, beyond the bytes (the chain
     that detection calibrates ``DeviceSpec.copy_overhead_s`` with), median of three runs. Measured first: the plan
     tables show the simulator's step time with it (``sim_cc_ms``) next to the one with the profile's device."""
-    from memopt_nb.device import _calibrate_copy_overhead
+    from memopt_nb.runtime.detect import _calibrate_copy_overhead
 
     bandwidth = min(spec.h2d_bytes_per_s, spec.d2h_bytes_per_s)
     runs = [guarded(lambda: _calibrate_copy_overhead(bandwidth, cfg.device), failures, "copy cost")

@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
-from memopt_nb.floor import explain_floor  # noqa: E402
-from memopt_nb.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
+from memopt_nb.core.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
+from memopt_nb.planners.floor import explain_floor  # noqa: E402
 
 BASELINES = ("recompute_all", "sqrt_n", "swap_all", "capuchin", "selective_layer", "recompute_offload_all", "op_sac")
 DEVICES = (None, "a100-40gb")

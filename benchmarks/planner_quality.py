@@ -20,7 +20,8 @@ same space given 4x the plan evaluations the agents made (best feasible plan fou
 
 ``--wide``: the same comparison over the wider activation space of issue 12 (``strategies=STRATEGIES``: keep,
 recompute, swap, recompute_offload with its timings, selective with each Pareto save-set), activations only
-(``offload_state=False``), on synthetic chains with synthetic save-sets (:func:`memopt_nb.synthetic.with_save_sets`),
+(``offload_state=False``), on synthetic chains with synthetic save-sets
+(:func:`memopt_nb.harness.synthetic.with_save_sets`),
 at budgets between that space's floor and the unoptimized peak; ``--wide --offload-state`` adds state placements too
 (the chains then have parameters, gradients and Adam-like state). ``--wide --hf vit`` (or ``gpt2``) adds a model this
 project did not write: the transformers model of ``benchmarks/fine_units.py`` (ViT-Tiny at batch 32, GPT-2 6×192 at
@@ -44,9 +45,9 @@ import torch  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
-from memopt_nb.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
-from memopt_nb.solvers.space import evaluate_arrays, unit_options, unit_states  # noqa: E402
-from memopt_nb.synthetic import chain_profile, with_save_sets  # noqa: E402
+from memopt_nb.core.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
+from memopt_nb.harness.synthetic import chain_profile, with_save_sets  # noqa: E402
+from memopt_nb.planners.space import evaluate_arrays, unit_options, unit_states  # noqa: E402
 
 FRACTIONS = (0.40, 0.55, 0.70, 0.85)
 

@@ -11,7 +11,8 @@ the two variants interleaved A B, B A, A B, ... so that drift of this (shared, n
     plan of (b) plus the copy time the simulator charges the plan on this emulated device (its inputs to the host and
     back) — target ratio <= 1.03;
 (d) a ``selective`` plan that keeps the output of every op call of every unit that makes a new tensor (issue 12; a
-    save-set of all of them, from :func:`memopt_nb.opsets.record_ops`, outputs changed in place later included, such
+    save-set of all of them, from :func:`memopt_nb.profiling.opsets.record_ops`, outputs changed in place later
+    included, such
     as a dropout mask scaled in place) vs. the keep plan — target ratio <= 1.03. Its recomputation runs no op again,
     so after a unit's first forward under the plan, calls made the same way run as a keep unit's do
     (``memopt_nb.runtime.apply.PlannedForward``): (d) measures that the machinery gets out of the way; with
@@ -51,8 +52,8 @@ from torch.utils.checkpoint import checkpoint
 
 import memopt_nb as memopt
 from memopt_nb import zoo
-from memopt_nb.opsets import record_ops
-from memopt_nb.plan import Decision
+from memopt_nb.core.plan import Decision
+from memopt_nb.profiling.opsets import record_ops
 from memopt_nb.runtime.step import preserved_state
 
 TARGET = 1.03

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
-from memopt_nb.synthetic import chain_profile  # noqa: E402
+from memopt_nb.harness.synthetic import chain_profile  # noqa: E402
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ import torch
 
 import memopt_nb as memopt
 from memopt_nb import solvers, zoo
-from memopt_nb.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, WINDOWS
+from memopt_nb.core.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, WINDOWS
 
 PEAK_TOL = 2.0  # percent
 TIME_TOL = 20.0  # percent

@@ -1,6 +1,7 @@
 """Simulator throughput: plan evaluations per second of ``Simulator.evaluate`` on one core.
 
-A 48-unit synthetic chain (``memopt_nb.synthetic.chain_profile(48, seed=0)``) is compiled into a ``Simulator`` for its
+A 48-unit synthetic chain (``memopt_nb.harness.synthetic.chain_profile(48, seed=0)``) is compiled into a ``Simulator``
+for its
 own (synthetic GPU) device and for the ``a100-40gb`` preset, then ``evaluate(strategies, windows, distances)`` is timed
 on random ``(B, 48)`` integer arrays (strategy 0..2, window 0..2, distance 0..3) for each batch size ``B``.
 Evaluations/s = B / median seconds per call. Target: >= 10,000 evaluations/s.
@@ -27,8 +28,8 @@ import time  # noqa: E402
 import _common  # noqa: E402
 import numpy as np  # noqa: E402
 
-from memopt_nb.simulate import Simulator, simulate_reference  # noqa: E402
-from memopt_nb.synthetic import chain_profile  # noqa: E402
+from memopt_nb.harness.synthetic import chain_profile  # noqa: E402
+from memopt_nb.sim.simulator import Simulator, simulate_reference  # noqa: E402
 
 TARGET = 10_000.0
 BATCHES = (1, 64, 1024, 4096)

@@ -1,6 +1,7 @@
-"""Solve time of the exact MILP planner (``memopt_nb.solvers.optimal``) on synthetic chains of growing length.
+"""Solve time of the exact MILP planner (``memopt_nb.planners.optimal``) on synthetic chains of growing length.
 
-For chains of 12, 24, 48 and 96 units (``memopt_nb.synthetic.chain_profile(n, seed)``) and budgets 40 % and 70 % of
+For chains of 12, 24, 48 and 96 units (``memopt_nb.harness.synthetic.chain_profile(n, seed)``) and budgets 40 % and 70
+% of
 the way from the smallest feasible peak (``solvers.min_peak``) to the unoptimized peak (``profile.peak_bytes``), the
 script solves with all strategies and with ``strategies=("keep", "recompute")`` only, and prints the solve time,
 whether optimality was proven within the time limit (``plan.meta["proven_optimal"]``; otherwise the limit was hit and
@@ -39,8 +40,8 @@ import _common
 import scipy
 
 from memopt_nb import solvers
-from memopt_nb.errors import BudgetError
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.errors import BudgetError
+from memopt_nb.harness.synthetic import chain_profile
 
 FRACTIONS = (0.4, 0.7)
 SETS = {"all": ("keep", "recompute", "swap"), "keep+rc": ("keep", "recompute")}

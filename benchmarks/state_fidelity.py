@@ -23,8 +23,8 @@ from _common import small_gpt2
 
 import memopt_nb as memopt
 from memopt_nb import zoo
-from memopt_nb.budget import format_bytes
-from memopt_nb.plan import STATE_CHOICES, Plan
+from memopt_nb.core.budget import format_bytes
+from memopt_nb.core.plan import STATE_CHOICES, Plan
 from memopt_nb.runtime.apply import AppliedPlan
 from memopt_nb.runtime.memory import meter_for
 from memopt_nb.runtime.step import preserved_state, training_step
@@ -121,7 +121,7 @@ def main(argv: list[str]) -> None:
 
 
 def floor_figures() -> None:
-    from memopt_nb.floor import explain_floor
+    from memopt_nb.planners.floor import explain_floor
 
     model, inputs, loss_fn = heavy_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

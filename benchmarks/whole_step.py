@@ -28,10 +28,10 @@ from _common import small_gpt2  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
-from memopt_nb.floor import explain_floor  # noqa: E402
-from memopt_nb.plan import STATE_CHOICES  # noqa: E402
-from memopt_nb.simulate import RECOMPUTE, SWAP  # noqa: E402
-from memopt_nb.solvers.space import make_plan, uniform_arrays, unit_states  # noqa: E402
+from memopt_nb.core.plan import STATE_CHOICES  # noqa: E402
+from memopt_nb.planners.floor import explain_floor  # noqa: E402
+from memopt_nb.planners.space import make_plan, uniform_arrays, unit_states  # noqa: E402
+from memopt_nb.sim.simulator import RECOMPUTE, SWAP  # noqa: E402
 
 MiB = 2**20
 GPUS = ("a100-40gb", "h100-80gb")
@@ -256,7 +256,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--max-batch", action="store_true")
     ap.add_argument("--models", default=None, help="comma-separated (default per part)")
     ap.add_argument("--timesteps", type=int, default=None, help="PPO timesteps per search (default: memopt's own, "
-                    "memopt.rl.search.default_timesteps)")
+                    "memopt_nb.planners.rl.search.default_timesteps)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="MILP time limit (s)")
     ap.add_argument("--fractions", default="0.1,0.4,0.7", help="budgets, from the whole-step floor (0) to the "
                     "unoptimized peak (1)")

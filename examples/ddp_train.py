@@ -31,7 +31,7 @@ except ImportError:  # run from a checkout that is not installed: the package is
     import memopt_nb as memopt
 
 from memopt_nb import distributed as mdist
-from memopt_nb.plan import Plan
+from memopt_nb.core.plan import Plan
 
 # a mixed plan: repeated over the units
 PATTERN = ["swap", "recompute", "keep", "swap", "recompute", "keep"]

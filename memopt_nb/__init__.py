@@ -14,25 +14,49 @@ In IPython/Jupyter: ``%load_ext memopt_nb`` for the ``%memopt_profile`` and ``%m
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from . import distributed, solvers, zoo  # noqa: E402,I001
-
-# NB: `plan` must be bound after `.plan` (the module) is imported, so that `memopt.plan` is the context manager.
-from .budget import format_bytes, parse_bytes, resolve_budget
-from .device import DeviceSpec
-from .errors import BudgetError, MemoptError, PlanError, ProfileError, WrapOrderError
-from .evaluate import Evaluation, evaluate
-from .plan import Decision, Plan
-from .profile import ModelProfile, UnitProfile
-from .profile import profile as profile
-from .rl.search import search
-from .runtime.apply import AppliedPlan
-from .runtime.apply import plan as plan
+from . import planners
+from .core import plan as _plan_module
+from .core import profile as _profile_data
+from .core.budget import format_bytes, parse_bytes, resolve_budget
+from .core.device import DeviceSpec
+from .core.errors import BudgetError, MemoptError, PlanError, ProfileError, WrapOrderError
+from .core.plan import Decision, Plan
+from .core.profile import ModelProfile, UnitProfile
+from .harness import zoo
+from .harness.evaluate import Evaluation, evaluate
+from .planners.rl.search import search
+from .profiling import profile as _profile_module
+from .profiling.profile import profile
+from .runtime import detect as _detect  # noqa: F401 - installs DeviceSpec.detect
+from .runtime import distributed
+from .runtime.apply import AppliedPlan, plan
 from .runtime.measure import Measurement, measure
 from .runtime.state import StateError, StepInBackwardError
-from .simulate import SimResult, Simulator
-from .simulate import simulate as simulate
+from .sim.simulator import SimResult, Simulator, simulate
+
+
+# The profile's notebook table quotes the planners' floor, so it is drawn from the notebook layer; the data types
+# below it only hold the hook.
+def _profile_html(prof: ModelProfile) -> str:
+    from .notebook.profile_html import profile_html  # matplotlib and widgets load only when a notebook draws one
+
+    return profile_html(prof)
+
+
+_profile_data.set_html_renderer(_profile_html)
+
+#: ``memopt.solvers`` is the planners' package under the name it had before the layers.
+solvers = planners
+# Module paths from before the layers keep importing: ``from memopt_nb.core.plan import Plan``,
+# ``from memopt_nb.profiling.profile import ModelProfile``, ``from memopt_nb.planners import optimal``. Aliased in
+# sys.modules
+# (not as attributes), so ``memopt.plan`` and ``memopt.profile`` stay the functions.
+sys.modules[__name__ + ".solvers"] = planners
+sys.modules[__name__ + ".plan"] = _plan_module
+sys.modules[__name__ + ".profile"] = _profile_module
 
 __version__ = "0.1.0"
 

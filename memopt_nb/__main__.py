@@ -22,11 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="a small suite for CI")
     bench.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
-    from .errors import MemoptError
+    from .core.errors import MemoptError
 
     try:
         if args.command == "demo":
-            from .demo import run_demo, run_whole_step_demo
+            from .harness.demo import run_demo, run_whole_step_demo
 
             if args.whole_step:
                 model = args.model if args.model != "gpt" else "vit_tiny"
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0 if res["matched"] and res["within_budget"] else 1
             res = run_demo(args.model, args.budget, args.steps, args.seed)
             return 0 if res["loss_matched"] else 1
-        from .bench import run_bench  # noqa: PLC0415
+        from .harness.bench import run_bench  # noqa: PLC0415
 
         run_bench(quick=args.quick, out=args.out)
         return 0

@@ -15,8 +15,8 @@ import test_whole_step_apply as ws
 import torch
 
 import memopt_nb as memopt
-from memopt_nb.errors import ProfileError
-from memopt_nb.plan import Plan
+from memopt_nb.core.errors import ProfileError
+from memopt_nb.core.plan import Plan
 
 transformers = pytest.importorskip("transformers")
 

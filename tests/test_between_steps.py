@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 
 import memopt_nb as memopt
-from memopt_nb.errors import PlanError
-from memopt_nb.plan import Plan
+from memopt_nb.core.errors import PlanError
+from memopt_nb.core.plan import Plan
 from memopt_nb.runtime.state import StateError, StepInBackwardError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,7 +1,7 @@
 import pytest
 
-from memopt_nb.budget import format_bytes, parse_bytes, resolve_budget
-from memopt_nb.errors import BudgetError
+from memopt_nb.core.budget import format_bytes, parse_bytes, resolve_budget
+from memopt_nb.core.errors import BudgetError
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memopt_nb as memopt
 import memopt_nb.runtime.recompute as rec
-from memopt_nb.plan import Plan
+from memopt_nb.core.plan import Plan
 from memopt_nb.runtime.recompute import caching_modes, checkpointed, save_policy
 
 

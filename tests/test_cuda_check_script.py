@@ -90,7 +90,7 @@ def test_a_difference_is_reported_as_a_failure(cc) -> None:
         next(got[0].parameters()).view(-1)[0] += 1e-6
     assert any(d.startswith("param ") for d in cc.differences(ref, got))
     import memopt_nb as memopt
-    from memopt_nb.plan import Plan
+    from memopt_nb.core.plan import Plan
 
     zm = build()
     prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, repeats=1)

@@ -5,7 +5,7 @@ import torch
 
 import memopt_nb as memopt
 from memopt_nb.__main__ import main
-from memopt_nb.demo import run_demo
+from memopt_nb.harness.demo import run_demo
 
 
 def train(plan, steps, seed=0):

@@ -16,8 +16,8 @@ import torch.nn as nn
 
 import memopt_nb as memopt
 from memopt_nb import distributed as mdist
-from memopt_nb.errors import ProfileError, WrapOrderError
-from memopt_nb.plan import Plan
+from memopt_nb.core.errors import ProfileError, WrapOrderError
+from memopt_nb.core.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")

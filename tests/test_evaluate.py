@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 
 import memopt_nb as memopt
-from memopt_nb.bench import run_bench
-from memopt_nb.evaluate import evaluate, fit_latency, fit_memory
+from memopt_nb.harness.bench import run_bench
+from memopt_nb.harness.evaluate import evaluate, fit_latency, fit_memory
 
-evaluate_module = importlib.import_module("memopt_nb.evaluate")  # the package exports the function under this name
+evaluate_module = importlib.import_module("memopt_nb.harness.evaluate")  # the function has this name too
 
 
 def verdict_class(verdict):

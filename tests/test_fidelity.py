@@ -9,10 +9,11 @@ import torch
 
 import memopt_nb as memopt
 from memopt_nb import solvers, zoo
-from memopt_nb.device import DeviceSpec, _calibrate_copy_overhead, _usable_cores
-from memopt_nb.errors import MemoptError
-from memopt_nb.simulate import Simulator, simulate_reference
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.device import DeviceSpec
+from memopt_nb.core.errors import MemoptError
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.runtime.detect import _calibrate_copy_overhead, _usable_cores
+from memopt_nb.sim.simulator import Simulator, simulate_reference
 
 
 def _cpu(overhead: float, overlap: bool) -> DeviceSpec:

@@ -11,9 +11,9 @@ from test_third_party import assert_same, gpt2, train
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.errors import ProfileError
-from memopt_nb.plan import Decision, Plan
-from memopt_nb.profile import FINE_MAX_CHILD, FINE_MAX_UNITS
+from memopt_nb.core.errors import ProfileError
+from memopt_nb.core.plan import Decision, Plan
+from memopt_nb.profiling.units import FINE_MAX_CHILD, FINE_MAX_UNITS
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_fine_splits_only_blocks_whose_children_hold_what_they_save():
 def test_fine_stops_at_the_unit_cap(monkeypatch):
     import sys
 
-    monkeypatch.setattr(sys.modules["memopt_nb.profile"], "FINE_MAX_UNITS", 6)  # the module, not the function
+    monkeypatch.setattr(sys.modules["memopt_nb.profiling.profile"], "FINE_MAX_UNITS", 6)  # the module, not the function
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(Split() for _ in range(4)))
     names = [u.name for u in memopt.profile(model, torch.randn(8, 16), units="fine", repeats=1).units]

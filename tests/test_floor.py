@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 
 import memopt_nb as memopt
-import memopt_nb.floor
-from memopt_nb.floor import FIXED_STATE, KEPT_ACTIVATIONS, LARGEST_UNIT, explain_floor
+import memopt_nb.planners.floor
+from memopt_nb.planners.floor import FIXED_STATE, KEPT_ACTIVATIONS, LARGEST_UNIT, explain_floor
 
 
 class Blocks(nn.Module):
@@ -56,8 +56,9 @@ def test_one_huge_unit_bounds_the_floor_and_finer_units_are_advised():
 
 
 def test_kept_activations_advice_is_a_smaller_batch_only():
-    f = memopt.floor.Floor(floor_bytes=100, fixed_bytes=10, largest_unit="u", largest_unit_bytes=20, kept_bytes=70,
-                           bound=KEPT_ACTIVATIONS, advice=["a smaller batch (kept activations grow with it)"])
+    f = memopt.planners.floor.Floor(floor_bytes=100, fixed_bytes=10, largest_unit="u", largest_unit_bytes=20,
+                                    kept_bytes=70, bound=KEPT_ACTIVATIONS,
+                                    advice=["a smaller batch (kept activations grow with it)"])
     assert "kept activations" in f.bound_text() and "70%" in f.bound_text()
 
 

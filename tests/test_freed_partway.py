@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.simulate import Simulator, simulate_reference
+from memopt_nb.sim.simulator import Simulator, simulate_reference
 
 MASK_BYTES = 64 * 16 * 4
 
@@ -166,7 +166,7 @@ def test_late_bytes_are_exact_for_one_storage_and_never_short_for_any_set(seed):
     """Random levels in one segment with storages dying in it: a plan holding any set of them to the segment's end
     peaks at most at the segment's peak plus their late bytes, and exactly there when it holds the first to die (a
     later one's share leaves out only the room the earlier ones' shares took, so alone it may be over)."""
-    from memopt_nb.profile import _Run, _SInfo
+    from memopt_nb.profiling.tracer import _Run, _SInfo
 
     rng = np.random.default_rng(seed)
     meter = _FakeMeter(int(rng.integers(0, 100)))

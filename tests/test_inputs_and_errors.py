@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 import memopt_nb as memopt
-from memopt_nb.errors import BudgetError, ProfileError
+from memopt_nb.core.errors import BudgetError, ProfileError
+from memopt_nb.harness.synthetic import chain_profile
 from memopt_nb.runtime.step import training_step
-from memopt_nb.synthetic import chain_profile
 
 
 def _state(model):

@@ -8,8 +8,8 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 import memopt_nb as memopt
-from memopt_nb.floor import explain_floor
 from memopt_nb.notebook import magics
+from memopt_nb.planners.floor import explain_floor
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import memopt_nb as memopt
-from memopt_nb.plan import Plan
+from memopt_nb.core.plan import Plan
 from memopt_nb.runtime.memory import StorageTracker
 from memopt_nb.runtime.step import training_step
 

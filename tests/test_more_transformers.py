@@ -27,7 +27,7 @@ import torch
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.plan import STRATEGIES, Plan, optimizer_fingerprint
+from memopt_nb.core.plan import STRATEGIES, Plan, optimizer_fingerprint
 
 transformers = pytest.importorskip("transformers")
 
@@ -269,7 +269,7 @@ def test_a_dead_storage_keeps_its_record_when_a_new_one_gets_its_id():
     attention mask and ``cache_position`` (passed to every block, dropped before the loss inside the model's forward)
     lost their group when the loss's storages reused their ids, and the predicted peak came out 128-384 bytes low,
     in some runs only."""
-    prof_mod = importlib.import_module("memopt_nb.profile")
+    prof_mod = importlib.import_module("memopt_nb.profiling.tracer")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     run = prof_mod._Run(model, ["0", "1"], lambda label: None, observe=True, recompute=False)
     mask = torch.ones(32)
@@ -287,7 +287,7 @@ def test_a_dead_storage_keeps_its_record_when_a_new_one_gets_its_id():
     if reused is None:
         pytest.skip("no new storage object got the dead one's id")
     run._info(reused, -1).consumers.add(1)
-    groups = prof_mod._groups_from(run)
+    groups = prof_mod.groups_from(run)
     assert sorted((g.nbytes, g.consumers) for g in groups) == [(8, (1,)), (128, (0, 1))]
 
 
@@ -347,7 +347,7 @@ def test_every_output_kept_runs_as_keep_after_the_first_step(name, placed, monke
     block (position embeddings, masks, a new cache object each step, T5's position bias) match call to call. Also with
     optimizer state, gradients and parameters placed per unit (the swap engine and the state manager around it)."""
     import memopt_nb.runtime.apply as apply_mod
-    from memopt_nb.opsets import record_ops
+    from memopt_nb.profiling.opsets import record_ops
     from memopt_nb.runtime.step import preserved_state
 
     model, _, prof = _profile(name, "auto")

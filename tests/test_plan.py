@@ -4,8 +4,8 @@ import pytest
 import torch.nn as nn
 
 import memopt_nb as memopt
-from memopt_nb.errors import PlanError
-from memopt_nb.plan import DEFAULT_STRATEGIES, STRATEGIES, Decision, Plan, effective_triggers
+from memopt_nb.core.errors import PlanError
+from memopt_nb.core.plan import DEFAULT_STRATEGIES, STRATEGIES, Decision, Plan, effective_triggers
 
 
 def small_plan(profile):
@@ -222,8 +222,8 @@ def test_json_roundtrip_keeps_what_the_plan_was_made_for(tmp_path):
     """A file keeps more than the decisions (``==`` compares only those): the budget, device, method, seed, what the
     simulator predicted and whether the plan fits, each checked against figures computed here."""
     from memopt_nb import solvers
-    from memopt_nb.device import DeviceSpec
-    from memopt_nb.synthetic import chain_profile
+    from memopt_nb.core.device import DeviceSpec
+    from memopt_nb.harness.synthetic import chain_profile
 
     prof = chain_profile(6, seed=3)
     budget = (solvers.min_peak(prof) + prof.peak_bytes) // 2
@@ -256,7 +256,7 @@ def test_a_schema_1_plan_loads_with_every_unit_resident():
 
 
 def test_placements_round_trip_and_change_equality(tmp_path):
-    from memopt_nb.plan import STATE_CHOICES
+    from memopt_nb.core.plan import STATE_CHOICES
     d = [Decision("a", "recompute", optimizer="offload", grads="offload"), Decision("b", params="offload"),
          Decision("c", "swap", 2, 0, grads="step")]
     p = Plan(tuple(d), step_in_backward=True, optimizer_fingerprint={"class": "AdamW", "groups": []})
@@ -283,7 +283,7 @@ def test_step_in_backward_must_be_asked_for_and_wrong_places_are_refused():
 
 
 def test_state_choices_parses_offload_state():
-    from memopt_nb.plan import STATE_CHOICES, state_choices
+    from memopt_nb.core.plan import STATE_CHOICES, state_choices
     assert state_choices(True) == tuple(c for c in STATE_CHOICES if c[1] != "step")
     assert state_choices(False) == (STATE_CHOICES[0],)
     assert state_choices({"optimizer"}) == (STATE_CHOICES[0], ("offload", "resident", "resident"))
@@ -300,7 +300,7 @@ def test_state_choices_parses_offload_state():
 def test_optimizer_fingerprint_names_what_differs_but_not_a_scheduled_lr():
     import torch
 
-    from memopt_nb.plan import optimizer_differences, optimizer_fingerprint
+    from memopt_nb.core.plan import optimizer_differences, optimizer_fingerprint
     m = nn.Linear(3, 4)
     want = optimizer_fingerprint(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
     assert optimizer_differences(want, optimizer_fingerprint(torch.optim.SGD(m.parameters(), lr=0.01,

@@ -10,11 +10,11 @@ from test_selective_planning import add_save_sets
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.plan import STRATEGIES
-from memopt_nb.rl.task import PlanningTask
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.plan import STRATEGIES
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.planners.rl.task import PlanningTask
 
-search_mod = importlib.import_module("memopt_nb.rl.search")
+search_mod = importlib.import_module("memopt_nb.planners.rl.search")
 
 
 def reference_polish(task, codes, windows, dists, states=None, max_rounds=100):
@@ -189,7 +189,7 @@ def test_exact_placements_follow_the_activations_the_polish_moved_to():
     activations it reached, and polished again, until that stops helping: the result beats the agents' activations
     placed and keep-all placed (each polished) — the starts before this — and placing its own activations again
     gains nothing."""
-    from memopt_nb.solvers.common import place_states
+    from memopt_nb.planners.milp import place_states
 
     task = _task(8, 3, "a100-40gb", 0.6, ("keep", "recompute", "swap"), offload_state=True)
     c, w, d = _starts(task)[0]

@@ -5,9 +5,9 @@ import torch
 import torch.nn as nn
 
 import memopt_nb as memopt
-from memopt_nb.errors import ProfileError
-from memopt_nb.plan import Plan
-from memopt_nb.profile import ModelProfile
+from memopt_nb.core.errors import ProfileError
+from memopt_nb.core.plan import Plan
+from memopt_nb.core.profile import ModelProfile
 
 EXPECTED_UNITS = {
     "gpt": [f"blocks.{i}" for i in range(6)],

@@ -12,7 +12,7 @@ import torch
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.plan import STRATEGIES, Decision, Plan
+from memopt_nb.core.plan import STRATEGIES, Decision, Plan
 
 RO = "recompute_offload"
 # the small zoo models' checks (every timing, BatchNorm, dropout, the floor) are in test_runtime_small.py

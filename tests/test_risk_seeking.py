@@ -11,7 +11,7 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from memopt_nb.rl.ppo import PPOConfig, risk_seeking_advantages, train
+from memopt_nb.planners.rl.ppo import PPOConfig, risk_seeking_advantages, train
 
 
 def test_the_best_share_of_episodes_gets_its_excess_return_and_the_rest_nothing():
@@ -91,9 +91,9 @@ def test_wrong_risk_settings_are_refused_before_training():
 
 
 def test_search_makes_the_strategy_agent_risk_seeking_only_where_state_may_move(monkeypatch):
-    from memopt_nb.synthetic import chain_profile
+    from memopt_nb.harness.synthetic import chain_profile
 
-    sm = importlib.import_module("memopt_nb.rl.search")  # the module: ``memopt_nb.rl.search`` is also the function
+    sm = importlib.import_module("memopt_nb.planners.rl.search")  # the module, not the function
     seen = []
     real_train = sm.train
 

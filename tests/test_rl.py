@@ -12,14 +12,14 @@ from pettingzoo.test import parallel_api_test
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.errors import BudgetError, PlanError
-from memopt_nb.plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan, state_choices
-from memopt_nb.rl import task as rl_task
-from memopt_nb.rl.env import MemoryPlanningEnv
-from memopt_nb.rl.task import TIMINGS, PlanningTask
-from memopt_nb.simulate import Simulator
-from memopt_nb.solvers.common import unit_options
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.errors import BudgetError, PlanError
+from memopt_nb.core.plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan, state_choices
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.planners.rl import task as rl_task
+from memopt_nb.planners.rl.env import MemoryPlanningEnv
+from memopt_nb.planners.rl.task import TIMINGS, PlanningTask
+from memopt_nb.planners.space import unit_options
+from memopt_nb.sim.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_action_parts_name_every_action_once(offload_state):
 def test_a_part_scoring_agent_sums_its_parts_and_keeps_to_the_mask():
     import torch
 
-    from memopt_nb.rl.ppo import Agent
+    from memopt_nb.planners.rl.ppo import Agent
     parts = np.array([[1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1]], dtype=np.float32)
     agent = Agent(5, 4, 8, torch.Generator().manual_seed(0), parts)
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
@@ -237,7 +237,7 @@ def test_same_seed_same_plan_in_another_process(tmp_path):
     """A saved profile and a seed give the same plan in two fresh processes whose string hashing differs
     (PYTHONHASHSEED): nothing in the search may depend on set or dict order of hashed keys, or on the process."""
     path = chain_profile(8, seed=2).save(tmp_path / "profile.json")
-    code = ("import json, sys\nimport memopt_nb as memopt\nfrom memopt_nb.profile import ModelProfile\n"
+    code = ("import json, sys\nimport memopt_nb as memopt\nfrom memopt_nb.profiling.profile import ModelProfile\n"
             "p = memopt.search(ModelProfile.load(sys.argv[1]), '70%', total_timesteps=1500, seed=11)\n"
             "print(json.dumps({'decisions': [d.to_dict() for d in p.decisions], 'rewards': "
             "[r['reward_strategy'] for r in p.meta['history']]}))\n")
@@ -264,7 +264,7 @@ def test_reward_scale_reaches_the_environment_from_search():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # State placements (issue 11), on a hand-made state table in the form of STATE_CONTRACT.md: the real StateTable comes
-# from the simulator; these tests point memopt_nb.rl.task.state_model_for at a fake with made-up numbers.
+# from the simulator; these tests point memopt_nb.planners.rl.task.state_model_for at a fake with made-up numbers.
 @dataclass(frozen=True)
 class FakeStateTable:
     choices: tuple

@@ -13,12 +13,12 @@ import pytest
 from test_selective_planning import add_save_sets
 
 from memopt_nb import solvers
-from memopt_nb.plan import STRATEGIES
-from memopt_nb.rl.env import MemoryPlanningEnv
-from memopt_nb.rl.task import PlanningTask
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.plan import STRATEGIES
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.planners.rl.env import MemoryPlanningEnv
+from memopt_nb.planners.rl.task import PlanningTask
 
-search_mod = importlib.import_module("memopt_nb.rl.search")
+search_mod = importlib.import_module("memopt_nb.planners.rl.search")
 
 
 @pytest.fixture(scope="module", params=[(0.25, None), (0.6, None), (0.25, STRATEGIES), (0.25, "selective")],

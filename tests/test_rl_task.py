@@ -2,7 +2,7 @@
 
 ``PlanningTask`` holds, per unit and option, which options exist and a *marginal model*: how the per-segment peaks
 and the step time change when only that unit leaves "keep". Here every entry is checked against the independent
-reference replay (``memopt_nb.reference_sim``) of the one-unit plan, and the option table against cases worked out by
+reference replay (``memopt_nb.sim.replay``) of the one-unit plan, and the option table against cases worked out by
 hand, so that a wrong marginal, a wrong de-duplication of timings or a wrong summary (the suffix sums and cost
 efficiencies the agents observe) fails a test, not only a planner's quality.
 """
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from memopt_nb import solvers
-from memopt_nb.device import DeviceSpec
-from memopt_nb.plan import STRATEGIES
-from memopt_nb.reference_sim import replay
-from memopt_nb.rl.task import N_OPTIONS, TIMINGS, PlanningTask
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.device import DeviceSpec
+from memopt_nb.core.plan import STRATEGIES
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.planners.rl.task import N_OPTIONS, TIMINGS, PlanningTask
+from memopt_nb.sim.replay import replay
 
 KEEP, RECOMPUTE = 0, 1
 

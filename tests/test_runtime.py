@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import memopt_nb as memopt
-from memopt_nb.errors import PlanError
-from memopt_nb.plan import Plan
+from memopt_nb.core.errors import PlanError
+from memopt_nb.core.plan import Plan
 
 MIXED = ["swap", "recompute", "keep", "swap", "swap", "recompute", "keep", "swap", "recompute"]
 

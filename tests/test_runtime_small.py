@@ -13,7 +13,7 @@ import torch
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.plan import DISTANCES, STRATEGIES, WINDOWS, Plan
+from memopt_nb.core.plan import DISTANCES, STRATEGIES, WINDOWS, Plan
 
 SMALL = {"gpt": dict(n_layers=4, batch_size=2, seq_len=16, d_model=32, n_heads=2),  # dropout in every unit
          "resnet": dict(batch_size=4, widths=(8, 16, 32), blocks_per_stage=1)}  # BatchNorm
@@ -205,8 +205,8 @@ def test_host_pool_reports_what_it_holds():
 def test_plans_that_cannot_apply_are_refused_with_the_model_unchanged(small, tmp_path):
     """Nested units, a model that checkpoints itself, a plan with no model to go to, wrong argument types: each a
     PlanError saying what to do, and the model's modules as before."""
-    from memopt_nb.errors import PlanError
-    from memopt_nb.plan import Decision
+    from memopt_nb.core.errors import PlanError
+    from memopt_nb.core.plan import Decision
 
     def named(names):
         return Plan(decisions=tuple(Decision(n, "recompute") for n in names), method="recompute_all")
@@ -271,8 +271,8 @@ def test_a_unit_that_sets_an_attribute_of_an_argument_is_not_recomputed():
     """Recomputing it would set the attribute a second time (the count would be off by the recomputations): the
     profile marks such a unit not recomputable, naming the argument, and a recompute plan given anyway is refused at
     its first forward instead of training differently."""
-    from memopt_nb.errors import PlanError
-    from memopt_nb.plan import Decision
+    from memopt_nb.core.errors import PlanError
+    from memopt_nb.core.plan import Decision
 
     net, x = _BoxedNet(), torch.randn(4, 8)
     prof = memopt.profile(net, x, _Box(), units=["a", "b"], repeats=1)

@@ -13,9 +13,9 @@ import torch.nn as nn
 
 import memopt_nb as memopt
 from memopt_nb import zoo
-from memopt_nb.errors import PlanError
-from memopt_nb.opsets import OpRecorder, mark_pareto, op_kind, propose_save_sets
-from memopt_nb.plan import SAVE_SETS, Decision, Plan
+from memopt_nb.core.errors import PlanError
+from memopt_nb.core.plan import SAVE_SETS, Decision, Plan
+from memopt_nb.profiling.opsets import OpRecorder, mark_pareto, op_kind, propose_save_sets
 from memopt_nb.runtime.recompute import checkpointed
 
 
@@ -65,7 +65,7 @@ def test_a_dead_outputs_address_reused_by_an_in_place_op_is_not_a_change_of_it()
     for by a recorded call whose storage is gone and whose address is the written tensor's."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from memopt_nb.opsets import OpCall
+    from memopt_nb.profiling.opsets import OpCall
 
     gone = torch.empty(16)
     ref = StorageWeakRef(gone.untyped_storage())
@@ -139,7 +139,8 @@ def test_profile_without_selective_has_no_save_sets():
 
 
 def test_selective_time_is_scaled_by_what_recompute_adds():
-    from memopt_nb.profile import Segment, _selective_time
+    from memopt_nb.core.profile import Segment
+    from memopt_nb.profiling.profile import _selective_time
 
     segs = [Segment(label="fwd 0", kind="fwd", unit=0, start_level=0, rel_peak=0, time=0.010),
             Segment(label="bwd 0", kind="bwd", unit=0, start_level=0, rel_peak=0, time=0.020)]
@@ -220,7 +221,7 @@ def test_hf_gpt2_every_output_kept_runs_as_keep_after_the_first_step(monkeypatch
     what it holds) — bit-identical, the returned cache extended once."""
     transformers = pytest.importorskip("transformers")
     import memopt_nb.runtime.apply as apply_mod
-    from memopt_nb.opsets import record_ops
+    from memopt_nb.profiling.opsets import record_ops
     from memopt_nb.runtime.step import preserved_state
 
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -14,21 +14,12 @@ import pytest
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.device import DeviceSpec
-from memopt_nb.plan import DEFAULT_STRATEGIES, SAVE_SETS, STRATEGIES, Decision, Plan
-from memopt_nb.profile import ModelProfile
-from memopt_nb.reference_sim import replay
-from memopt_nb.simulate import (
-    CODES,
-    NAMES,
-    RECOMPUTE,
-    SELECTIVE,
-    SWAP,
-    Simulator,
-    code_of,
-    save_set_of,
-)
-from memopt_nb.synthetic import chain_profile, with_save_sets
+from memopt_nb.core.device import DeviceSpec
+from memopt_nb.core.plan import DEFAULT_STRATEGIES, SAVE_SETS, STRATEGIES, Decision, Plan
+from memopt_nb.core.profile import ModelProfile
+from memopt_nb.harness.synthetic import chain_profile, with_save_sets
+from memopt_nb.sim.replay import replay
+from memopt_nb.sim.simulator import CODES, NAMES, RECOMPUTE, SELECTIVE, SWAP, Simulator, code_of, save_set_of
 
 DATA = Path(__file__).parent / "data"
 CPU_LIKE = DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
@@ -38,7 +29,8 @@ SLOW_LINK = DeviceSpec.preset("a100-40gb").with_changes(name="a100-slow-link", h
 
 
 def add_save_sets(prof, seed=0, offered=0.8, pareto=0.8):
-    """``prof`` with synthetic save-sets (:func:`memopt_nb.synthetic.with_save_sets`), at least one unit offering."""
+    """``prof`` with synthetic save-sets (:func:`memopt_nb.harness.synthetic.with_save_sets`), at least one unit
+    offering."""
     out = with_save_sets(prof, seed, offered, pareto)
     assert any(u.save_sets for u in out.units)
     return out
@@ -240,7 +232,7 @@ def test_selective_is_chosen_where_it_wins_and_its_plan_carries_the_ops():
 
 
 def test_unit_options_offer_the_pareto_save_sets_of_recomputable_units_only_when_asked():
-    from memopt_nb.solvers.common import unit_options
+    from memopt_nb.planners.space import unit_options
 
     prof = add_save_sets(chain_profile(5, seed=6), 6, offered=0.7, pareto=0.6)
     units = list(prof.units)
@@ -290,7 +282,7 @@ def test_default_space_plans_are_unchanged_by_save_sets():
 def test_op_sac_is_torchtitans_op_level_sac():
     """Every recomputable unit selective with 'alternate' where its profile has it (Pareto or not), else 'matmuls',
     else recompute; a unit that cannot be recomputed keeps. An ecosystem baseline the bench accepts."""
-    from memopt_nb.evaluate import _RULES, ECOSYSTEM_METHODS, KNOWN_METHODS
+    from memopt_nb.harness.evaluate import _RULES, ECOSYSTEM_METHODS, KNOWN_METHODS
 
     assert "op_sac" in solvers.BASELINES and "op_sac" not in solvers.CLASSIC_BASELINES
     assert "op_sac" in ECOSYSTEM_METHODS and "op_sac" in KNOWN_METHODS and "op_sac" in _RULES
@@ -324,8 +316,8 @@ def test_the_agents_offer_selective_when_asked():
     of STRATEGIES, the task is what it was."""
     from pettingzoo.test import parallel_api_test
 
-    from memopt_nb.rl.env import MemoryPlanningEnv
-    from memopt_nb.rl.task import SELECTIVE_BASE, TIMINGS, PlanningTask, code_options, option_codes
+    from memopt_nb.planners.rl.env import MemoryPlanningEnv
+    from memopt_nb.planners.rl.task import SELECTIVE_BASE, TIMINGS, PlanningTask, code_options, option_codes
 
     bare = chain_profile(5, seed=3)
     prof = add_save_sets(bare, 3, offered=0.7, pareto=0.7)
@@ -362,8 +354,8 @@ def test_masks_keep_the_selective_optimum_reachable():
     exact time is the optimum's."""
     from test_strategies_arg import play
 
-    from memopt_nb.rl.env import MemoryPlanningEnv
-    from memopt_nb.rl.task import PlanningTask
+    from memopt_nb.planners.rl.env import MemoryPlanningEnv
+    from memopt_nb.planners.rl.task import PlanningTask
 
     used = set()
     space = {"strategies": ("keep", "recompute", "swap", "selective"), "offload_state": False}
@@ -404,7 +396,7 @@ def test_a_selective_plan_shows_its_save_sets():
     and HTML count and name them; the demo's shorthand has a letter for them; the magic's --strategies takes it."""
     import matplotlib
 
-    from memopt_nb.demo import _short
+    from memopt_nb.harness.demo import _short
     from memopt_nb.notebook import plots
     from memopt_nb.notebook.magics import _parse_strategies
 
@@ -436,7 +428,7 @@ def test_a_refused_budget_names_the_selective_space():
     with pytest.raises(memopt.BudgetError, match="using only keep, recompute, selective") as err:
         solvers.optimal(prof, lo - 1, strategies=space)
     assert memopt.format_bytes(lo) in str(err.value)
-    from memopt_nb.floor import state_floor
+    from memopt_nb.planners.floor import state_floor
 
     found, plan = state_floor(prof, None, space)
     assert found >= lo and memopt.simulate(prof, plan).peak_bytes == found

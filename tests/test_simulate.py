@@ -1,6 +1,6 @@
 """The simulator against an independent reference, against measured peaks, and its result fields.
 
-``memopt_nb.reference_sim.replay`` is written from the profile alone (it reads none of the fast simulator's compiled
+``memopt_nb.sim.replay.replay`` is written from the profile alone (it reads none of the fast simulator's compiled
 arrays), so a slip in compiling them shows up here as a difference on some plan.
 """
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import memopt_nb as memopt
-from memopt_nb.device import DeviceSpec
-from memopt_nb.plan import DISTANCES, WINDOWS, Plan, effective_triggers
-from memopt_nb.reference_sim import prefetch_triggers, replay
-from memopt_nb.simulate import RECOMPUTE_OFFLOAD, SWAP, Simulator, simulate_reference
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.device import DeviceSpec
+from memopt_nb.core.plan import DISTANCES, WINDOWS, Plan, effective_triggers
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.sim.replay import prefetch_triggers, replay
+from memopt_nb.sim.simulator import RECOMPUTE_OFFLOAD, SWAP, Simulator, simulate_reference
 
 CPU_LIKE = DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
                       compute_flops=1e11, copy_overlap=False)

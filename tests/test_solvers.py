@@ -9,11 +9,11 @@ from test_selective_planning import add_save_sets
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.errors import BudgetError, PlanError
-from memopt_nb.plan import DEFAULT_STRATEGIES, STATE_CHOICES, STRATEGIES, state_choices
-from memopt_nb.reference_sim import replay
-from memopt_nb.simulate import RECOMPUTE_OFFLOAD, Simulator
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.errors import BudgetError, PlanError
+from memopt_nb.core.plan import DEFAULT_STRATEGIES, STATE_CHOICES, STRATEGIES, state_choices
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.sim.replay import replay
+from memopt_nb.sim.simulator import RECOMPUTE_OFFLOAD, Simulator
 
 CASES = (
     [("keep-recompute", n, seed, frac) for n in (6, 9, 12) for seed in range(3) for frac in (0.15, 0.6)]
@@ -65,7 +65,7 @@ def test_min_peak_is_the_true_minimum():
     sim = Simulator(prof)
     import itertools
 
-    from memopt_nb.solvers.common import unit_options
+    from memopt_nb.planners.space import unit_options
     opts = [unit_options(sim, u) for u in range(prof.n_units)]
     arr = np.array(list(itertools.product(*opts)))
     peaks, _ = sim.evaluate(arr[:, :, 0], arr[:, :, 1], arr[:, :, 2])
@@ -306,8 +306,8 @@ def test_exact_solver_falls_back_to_checkpointing_when_swaps_cannot_win(small_zo
 
 def test_unit_options_list_each_distinct_timing_once():
     """Windows reaching past the forward's end, or distances past the last unit, act alike: one option each."""
-    from memopt_nb.plan import DISTANCES, WINDOWS
-    from memopt_nb.solvers.common import unit_options
+    from memopt_nb.core.plan import DISTANCES, WINDOWS
+    from memopt_nb.planners.space import unit_options
 
     for n in (1, 2, 3, 5):
         sim = Simulator(chain_profile(n, seed=n))
@@ -465,7 +465,7 @@ def offered(sim, offload_state, step_in_backward):
 
 def enumerate_plans(sim, strategies, offload_state, step_in_backward, fixed=None):
     """Every plan as rows (code, window, distance, placement) per unit, with its peak and time by the formula."""
-    from memopt_nb.solvers.common import unit_options
+    from memopt_nb.planners.space import unit_options
 
     places = offered(sim, offload_state, step_in_backward)
     acts = fixed or [unit_options(sim, u, strategies) for u in range(sim.n)]
@@ -692,7 +692,7 @@ def test_solver_modules_import_in_one_direction():
 
 
 def test_the_bench_runs_the_state_baselines_when_asked():
-    from memopt_nb.evaluate import BASELINE_METHODS, DEFAULT_METHODS, evaluate
+    from memopt_nb.harness.evaluate import BASELINE_METHODS, DEFAULT_METHODS, evaluate
 
     assert not set(solvers.STATE_BASELINES) & set(DEFAULT_METHODS)  # the published default runs stay as they were
     assert set(solvers.BASELINES) <= set(BASELINE_METHODS)  # and count as baselines when run
@@ -798,7 +798,7 @@ def test_recompute_offload_frees_the_inputs_recompute_keeps():
 
 def test_recompute_offload_is_opt_in():
     """Every default space stays keep / recompute / swap: no planner offers recompute_offload unless asked."""
-    from memopt_nb.solvers.common import unit_options
+    from memopt_nb.planners.space import unit_options
 
     sim = Simulator(chain_profile(4, seed=1))
     assert allowed_strategies_default() == DEFAULT_STRATEGIES
@@ -814,7 +814,7 @@ def test_recompute_offload_is_opt_in():
 
 
 def allowed_strategies_default():
-    from memopt_nb.solvers.common import allowed_strategies
+    from memopt_nb.planners.space import allowed_strategies
 
     return allowed_strategies()
 
@@ -822,7 +822,7 @@ def allowed_strategies_default():
 def test_recompute_offload_all_is_fairscale_offload_to_cpu(small_zoo):
     """Every recomputable unit recompute_offload, offload window 0 and prefetch distance 0; an ecosystem baseline (not
     classic); its floor check is the whole space's; the bench accepts it."""
-    from memopt_nb.evaluate import ECOSYSTEM_METHODS, KNOWN_METHODS
+    from memopt_nb.harness.evaluate import ECOSYSTEM_METHODS, KNOWN_METHODS
 
     assert "recompute_offload_all" in solvers.BASELINES and "recompute_offload_all" not in solvers.CLASSIC_BASELINES
     assert "recompute_offload_all" in ECOSYSTEM_METHODS and "recompute_offload_all" in KNOWN_METHODS

@@ -11,14 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memopt_nb as memopt
-from memopt_nb.errors import PlanError
-from memopt_nb.floor import explain_floor
-from memopt_nb.plan import STATE_CHOICES, Plan, optimizer_fingerprint
-from memopt_nb.reference_sim import replay
+from memopt_nb.core.errors import PlanError
+from memopt_nb.core.plan import STATE_CHOICES, Plan, optimizer_fingerprint
+from memopt_nb.planners.floor import explain_floor
 from memopt_nb.runtime.apply import AppliedPlan
 from memopt_nb.runtime.memory import meter_for
 from memopt_nb.runtime.step import preserved_state, training_step
-from memopt_nb.simulate import Simulator, StateTable
+from memopt_nb.sim.replay import replay
+from memopt_nb.sim.simulator import Simulator, StateTable
 
 
 def _small_mlp():

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from memopt_nb import zoo
-from memopt_nb.errors import PlanError
+from memopt_nb.core.errors import PlanError
 from memopt_nb.runtime.memory import meter_for
 from memopt_nb.runtime.state import HostTensor, Placement, StateError, StateManager, StepInBackwardError
 
@@ -584,7 +584,7 @@ def test_cuda_peak_drops_by_the_offloaded_state() -> None:  # pragma: no cover -
 def test_composes_with_activation_plans_bit_equal(strategy: str) -> None:
     """StateManager inside ``memopt.plan(p)``: recomputed and swapped units, everything else offloaded too."""
     import memopt_nb as memopt
-    from memopt_nb.plan import Plan
+    from memopt_nb.core.plan import Plan
 
     zm = _mlp()
     prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn,

@@ -9,14 +9,14 @@ from pettingzoo.test import parallel_api_test
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.errors import BudgetError, PlanError
-from memopt_nb.plan import STRATEGIES
-from memopt_nb.rl.env import MemoryPlanningEnv
-from memopt_nb.rl.search import polish
-from memopt_nb.rl.task import PlanningTask
-from memopt_nb.simulate import KEEP, RECOMPUTE, SWAP
-from memopt_nb.solvers.common import allowed_strategies
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.errors import BudgetError, PlanError
+from memopt_nb.core.plan import STRATEGIES
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.planners.rl.env import MemoryPlanningEnv
+from memopt_nb.planners.rl.search import polish
+from memopt_nb.planners.rl.task import PlanningTask
+from memopt_nb.planners.space import allowed_strategies
+from memopt_nb.sim.simulator import KEEP, RECOMPUTE, SWAP
 
 CHECKPOINTING = ("keep", "recompute")
 SWAPPING = ("keep", "swap")
@@ -183,9 +183,9 @@ def test_the_exact_solvers_validate_the_space_alike(chain):
 def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
     """With recompute_offload allowed the strategy agent has four strategies (timed by the timing agent like swap),
     random allowed episodes use it, and the option tables map it to its code and timings both ways."""
-    from memopt_nb.rl.search import _option_arrays, _to_options
-    from memopt_nb.rl.task import TIMINGS
-    from memopt_nb.simulate import RECOMPUTE_OFFLOAD
+    from memopt_nb.planners.rl.search import _option_arrays, _to_options
+    from memopt_nb.planners.rl.task import TIMINGS
+    from memopt_nb.sim.simulator import RECOMPUTE_OFFLOAD
 
     task = PlanningTask(chain, "60%", strategies=STRATEGIES)
     assert task.n_strategies == 4 and task.n_options == 2 + 2 * len(TIMINGS)
@@ -221,7 +221,7 @@ def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
 def play(env, plan, actions):
     """Play ``plan`` through ``env`` with the strategy agent's ``actions`` (one per unit) and the plan's timings;
     every action must be allowed by the masks. Returns the last step's infos."""
-    from memopt_nb.rl.task import TIMINGS
+    from memopt_nb.planners.rl.task import TIMINGS
 
     obs, _ = env.reset(seed=0)
     for t in range(env.task.n + 1):
@@ -273,12 +273,12 @@ def test_the_wide_space_gets_more_ppo_epochs_unless_the_config_says(chain, monke
     the caller passes keeps its own."""
     import importlib
 
-    from memopt_nb.rl.ppo import PPOConfig
-    from memopt_nb.rl.search import default_update_epochs
+    from memopt_nb.planners.rl.ppo import PPOConfig
+    from memopt_nb.planners.rl.search import default_update_epochs
 
     assert default_update_epochs(PlanningTask(chain, "50%")) == 4
     assert default_update_epochs(PlanningTask(chain, "50%", strategies=("keep", "recompute_offload"))) == 8
-    search_mod = importlib.import_module("memopt_nb.rl.search")  # the module (the package exports the function)
+    search_mod = importlib.import_module("memopt_nb.planners.rl.search")  # the module, not the function
     seen = []
     real = search_mod.train
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.plan import Plan
-from memopt_nb.solvers.space import unit_states
-from memopt_nb.synthetic import chain_profile
+from memopt_nb.core.plan import Plan
+from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.planners.space import unit_states
 
 
 def test_default_chain_has_no_unit_state():

@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import memopt_nb as memopt
-from memopt_nb.errors import PlanError, ProfileError
-from memopt_nb.plan import Decision, Plan
+from memopt_nb.core.errors import PlanError, ProfileError
+from memopt_nb.core.plan import Decision, Plan
 
 
 def make_plan(names, strategy, **timing):

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.plan import Plan
+from memopt_nb.core.plan import Plan
 from memopt_nb.runtime.storages import dense, exclusive
 
 pytestmark = pytest.mark.usefixtures("one_thread")

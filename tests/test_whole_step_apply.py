@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 import memopt_nb as memopt
-from memopt_nb.errors import PlanError
-from memopt_nb.plan import Decision, Plan, optimizer_fingerprint
+from memopt_nb.core.errors import PlanError
+from memopt_nb.core.plan import Decision, Plan, optimizer_fingerprint
 from memopt_nb.runtime.state import HostTensor, StepInBackwardError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -585,8 +585,8 @@ DDP_SCRIPT = r'''
 import json, sys, dataclasses
 import torch, torch.distributed as dist, torch.nn as nn
 import memopt_nb as memopt
-from memopt_nb.plan import Decision, Plan
-from memopt_nb.errors import PlanError
+from memopt_nb.core.plan import Decision, Plan
+from memopt_nb.core.errors import PlanError
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -678,7 +678,7 @@ def test_runtime_modules_declare_all_and_share_the_storage_helpers() -> None:
     n = storages.use_count(st)
     alias = t.view(12)  # noqa: F841 - another tensor on the storage
     assert storages.use_count(st) == n + 1
-    from memopt_nb.plan import GRAD_PLACES
+    from memopt_nb.core.plan import GRAD_PLACES
 
     assert not hasattr(state, "GRAD_CHOICES") and state.GRAD_PLACES is GRAD_PLACES
     assert Decision("x", grads="step").grads in GRAD_PLACES
@@ -711,8 +711,8 @@ def test_plans_for_a_rank_place_only_what_the_rank_may_move():
     """per_rank tells the planners what a rank may move: nothing under FSDP2, no gradients under DDP (which
     check_state_placements would refuse when the plan is entered)."""
     import memopt_nb as memopt
-    from memopt_nb.distributed import per_rank
-    from memopt_nb.plan import STATE_CHOICES
+    from memopt_nb.core.plan import STATE_CHOICES
+    from memopt_nb.runtime.distributed import per_rank
 
     zm = memopt.zoo.build("mlp", batch_size=8, width=64, depth=3)
     opt = torch.optim.Adam(zm.model.parameters())

@@ -21,9 +21,9 @@ import torch
 torch.set_num_threads(1)
 
 import memopt_nb as memopt  # noqa: E402
-from memopt_nb.device import DeviceSpec  # noqa: E402
-from memopt_nb.plan import DISTANCES, WINDOWS, Plan  # noqa: E402
-from memopt_nb.synthetic import chain_profile  # noqa: E402
+from memopt_nb.core.device import DeviceSpec  # noqa: E402
+from memopt_nb.core.plan import DISTANCES, WINDOWS, Plan  # noqa: E402
+from memopt_nb.harness.synthetic import chain_profile  # noqa: E402
 
 CPU_LIKE = DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
                       compute_flops=1e11, copy_overlap=False)
@@ -86,7 +86,7 @@ def arrays(n: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def probe_simulate() -> None:
-    from memopt_nb.simulate import Simulator, simulate_reference
+    from memopt_nb.sim.simulator import Simulator, simulate_reference
 
     profs = {**chains(), **{k: v[2] for k, v in small_profiles().items()}}
     for name, prof in profs.items():
@@ -116,8 +116,8 @@ def probe_simulate() -> None:
 
 def probe_solvers() -> None:
     from memopt_nb import solvers
-    from memopt_nb.simulate import Simulator
-    from memopt_nb.solvers.common import uniform_arrays, unit_options
+    from memopt_nb.planners.space import uniform_arrays, unit_options
+    from memopt_nb.sim.simulator import Simulator
 
     profs = {"chain4": chain_profile(4, seed=1, shared_boundaries=0.6), "chain6": chain_profile(6, seed=5),
              **{k: v[2] for k, v in small_profiles().items()}}
@@ -216,7 +216,7 @@ def probe_runtime_effects() -> None:
     """Recompute's side-effect handling (buffers, attributes, arguments, caches) and plan application's refusals."""
     from torch import nn
 
-    from memopt_nb.plan import Decision
+    from memopt_nb.core.plan import Decision
 
     def named_plan(names: list[str], strategy: str) -> Plan:
         return Plan(decisions=tuple(Decision(n, strategy) for n in names), method=f"{strategy}_all")
@@ -349,7 +349,7 @@ def probe_runtime_effects() -> None:
 
 
 def probe_rl() -> None:
-    from memopt_nb.rl.task import PlanningTask
+    from memopt_nb.planners.rl.task import PlanningTask
 
     profs = {**chains(), **{k: v[2] for k, v in small_profiles().items()}}
     for name, prof in profs.items():

@@ -44,8 +44,9 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 import memopt_nb as memopt
 
-from ..floor import explain_floor
-from ..plan import DEFAULT_STRATEGIES
+from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES
+from ..planners.floor import explain_floor
+from ..planners.space import allowed_strategies
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
 from .plots import figure_png, unit_chart
 
@@ -97,8 +98,6 @@ def _optimizer_classes() -> dict[str, type]:
 
 def _parse_offload_state(text: str) -> bool | set[str]:
     """``--offload-state``: ``all``, ``none`` or a comma-separated list of the pieces (see ``memopt.search``)."""
-    from ..plan import STATE_PIECES
-
     value = (_unquote(text.strip()) or "").strip().lower()
     if value == "all":
         return True
@@ -116,9 +115,6 @@ def _parse_offload_state(text: str) -> bool | set[str]:
 def _parse_strategies(text: str) -> tuple[str, ...]:
     """``--strategies``: a comma-separated list of the activation strategies the search may use (see
     ``memopt.search``)."""
-    from ..plan import STRATEGIES
-    from ..solvers.common import allowed_strategies
-
     value = (_unquote(text.strip()) or "").strip()
     try:
         return allowed_strategies([p.strip() for p in value.split(",")] if value else [])

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..distributed import check_state_placements, order_guard, unwrap
-from ..errors import PlanError
-from ..plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
+from ..core.errors import PlanError
+from ..core.plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
+from .distributed import check_state_placements, order_guard, unwrap
 from .hooks import uncopied
 from .recompute import ReplayGuard, cache_tensors, checkpointed, is_cache
 from .state import Placement, StateManager
@@ -509,6 +509,6 @@ def plan(p: Plan, model: nn.Module | None = None, *, optimizer: torch.optim.Opti
     operator on one between steps (an EMA, a norm, ``copy.deepcopy``) brings its unit's parameters back for itself,
     and one that would return a view raises :class:`~memopt_nb.runtime.state.StateError`; for a block of code that
     needs the parameters themselves use ``with applied.state.gathered():``. Under DDP and FSDP2 see
-    :mod:`memopt_nb.distributed` for what may move.
+    :mod:`memopt_nb.runtime.distributed` for what may move.
     """
     return AppliedPlan(p, model, optimizer)

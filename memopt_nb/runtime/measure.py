@@ -13,10 +13,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..budget import format_bytes
-from ..errors import PlanError, ProfileError
-from ..plan import Plan
+from ..core.budget import format_bytes
+from ..core.errors import PlanError, ProfileError
+from ..core.plan import Plan
 from .apply import AppliedPlan
+from .distributed import ddp_bucket_bytes, ddp_bucket_view, is_ddp, resized_storages
 from .memory import meter_for
 from .step import model_keywords, preserved_state, resolve_autocast, step_autocast, training_step
 
@@ -77,8 +78,6 @@ def _ddp_buckets_untracked(model: nn.Module) -> int:
     """Bytes of DDP's gradient buckets that no tensor reachable from the model holds: all of them, unless the
     gradients are views into them (``gradient_as_bucket_view``) and present. DDP allocates them when it wraps the
     model, so the CUDA meter would otherwise count them as other tensors' memory (0 for a model that is not DDP)."""
-    from ..distributed import ddp_bucket_bytes, ddp_bucket_view, is_ddp
-
     if not is_ddp(model):
         return 0
     if ddp_bucket_view(model) and any(p.grad is not None for p in model.parameters()):
@@ -109,7 +108,8 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
     then) for the measured steps, so the peak and time include the state's transfers and the unit-by-unit step.
 
     ``autocast=torch.bfloat16`` (or ``torch.float16``, ``"bf16"``, ``"fp16"``) runs each step's forward and loss under
-    ``torch.autocast`` and its backward and optimizer step outside, as :func:`memopt_nb.profile`'s ``autocast=`` does:
+    ``torch.autocast`` and its backward and optimizer step outside, as :func:`memopt_nb.profiling.profile`'s
+    ``autocast=`` does:
     measure as you profiled.
     """
     if not isinstance(model, nn.Module):
@@ -141,7 +141,6 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
             if warmup > 0:
                 losses.append(training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs).item())
             if hasattr(meter, "watch"):  # FSDP2 resizes its unsharded parameters where a dispatch mode cannot see it
-                from ..distributed import resized_storages
 
                 meter.watch(resized_storages(model))
             meter.reset_peak()

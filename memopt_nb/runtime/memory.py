@@ -144,7 +144,7 @@ class StorageTracker(_MeterBase, TorchDispatchMode):
         """Follow storages whose size changes outside the dispatcher: re-read them before and after every operator.
 
         FSDP2 frees and re-allocates its unsharded parameters with ``UntypedStorage.resize_``, which no dispatch mode
-        sees (``memopt_nb.distributed.resized_storages`` lists them).
+        sees (``memopt_nb.runtime.distributed.resized_storages`` lists them).
         """
         for st in storages:
             if st.device.type == self.device.type:

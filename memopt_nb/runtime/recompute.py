@@ -14,7 +14,7 @@ checkpointing gets several things wrong; here:
   the recomputation appends to a throw-away copy of the cache as it was before the first forward, so the returned
   cache is not extended twice.
 * Other objects passed in and changed by the forward (a list appended to, an object's attribute set) cannot be put
-  back exactly: the first forward raises :class:`~memopt_nb.errors.PlanError` naming the unit and the argument.
+  back exactly: the first forward raises :class:`~memopt_nb.core.errors.PlanError` naming the unit and the argument.
 * The unit's own keyword arguments go to the unit, never to ``torch.utils.checkpoint`` (whose options ``debug``,
   ``use_reentrant``, ``context_fn``… would otherwise swallow them).
 * ``selective`` units keep the outputs of their save-set's op calls with two lean dispatch modes
@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..errors import PlanError
+from ..core.errors import PlanError
 from .storages import is_plain
 
 __all__ = ["ForwardEffects", "ReplayGuard", "argument_changes", "cache_tensors", "caching_modes", "checkpointed",
@@ -648,7 +648,7 @@ def caching_modes(save_ops: Any) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     first keeps the outputs of the ``save_ops`` calls, the second hands them back instead of running those calls.
 
     ``save_ops``: ``(op name, call index)`` pairs, the index counted per op over the unit's forward
-    (``("aten.mm.default", 1)`` is its second ``mm``), as :func:`memopt_nb.profile` lists them in a unit's
+    (``("aten.mm.default", 1)`` is its second ``mm``), as :func:`memopt_nb.profiling.profile` lists them in a unit's
     ``save_sets``; every op not listed is recomputed in backward. What torch's selective checkpointing
     (``create_selective_checkpoint_contexts`` with a policy saving these calls, :func:`save_policy`) does, with the same
     results and memory, at a fraction of its per-op cost (see :class:`_KeepCalls`)."""

@@ -50,7 +50,7 @@ placeholder gradients replaced by real ones, parameters refilled, hooks removed,
 ``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted.
 
 Schedule (fixed, so that what is on the device at any moment depends on each unit's own placement only — the cost
-model of :mod:`memopt_nb.simulate` sums over units and relies on it):
+model of :mod:`memopt_nb.sim.simulator` sums over units and relies on it):
 
 * with any unit's ``params="offload"``, every unit's forward pre-hook fetches unit ``u + 1``'s offloaded parameters
   ahead, and backward reaching unit ``u`` fetches unit ``u - 1``'s (the fixed neighbour, whatever the placements in
@@ -85,8 +85,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..errors import PlanError
-from ..plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
+from ..core.errors import PlanError
+from ..core.plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
 from .hooks import uncopied
 from .memory import note_device_storage
 from .storages import byte_view as _u8

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from ..errors import ProfileError
+from ..core.errors import ProfileError
 
 __all__ = ["AUTOCAST_DTYPES", "autocast_name", "default_loss", "forward_autocast", "model_keywords",
            "preserved_state", "resolve_autocast", "step_autocast", "training_step"]

@@ -4,7 +4,7 @@ It works on storages, not tensors: every tensor autograd saves inside a managed 
 ``torch.autograd.graph.saved_tensors_hooks``) by a handle to a *record* of its storage, so views share one copy and a
 storage saved by several units moves once. Parameters and buffers are never offloaded.
 
-Life of a record in one forward pass (see :mod:`memopt_nb.plan` for the timing knobs):
+Life of a record in one forward pass (see :mod:`memopt_nb.core.plan` for the timing knobs):
 
 1. **pending** — saved by one or more units; its *owner* is the last unit that saved it.
 2. At every unit boundary (before and after each unit's forward) pending records whose storage nobody else references
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..plan import OFFLOADING
+from ..core.plan import OFFLOADING
 from .memory import note_device_storage
 from .storages import byte_view, drop_storage, is_plain, tensor_on, use_count
 

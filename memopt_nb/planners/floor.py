@@ -2,7 +2,7 @@
 
 A per-unit plan (keep, recompute or swap each unit's saved activations) lowers the activation memory of a training
 step. It cannot touch what every step holds regardless of the plan, and it cannot split a unit. The smallest peak any
-plan reaches (:func:`memopt_nb.solvers.min_peak`, "the floor") is therefore roughly the sum of three parts:
+plan reaches (:func:`memopt_nb.planners.min_peak`, "the floor") is therefore roughly the sum of three parts:
 
 * **fixed state** — parameters, gradients, optimizer state and buffers, held through the step;
 * **the largest unit's working set** — the memory one unit needs while it is recomputed and back-propagated;
@@ -12,7 +12,7 @@ plan reaches (:func:`memopt_nb.solvers.min_peak`, "the floor") is therefore roug
 :func:`explain_floor` computes the split and names the largest part (what *bounds* the floor), with advice that would
 lower that part. The split is an estimate from the profile's totals; the floor itself is exact (the MILP's minimum).
 
-**Optimizer state, gradients and parameters.** With ``offload_state`` (see :func:`memopt_nb.plan.state_choices`) a
+**Optimizer state, gradients and parameters.** With ``offload_state`` (see :func:`memopt_nb.core.plan.state_choices`) a
 plan also decides, per unit, where its optimizer state, gradients and parameters live, so the fixed state shrinks to
 what stays on the device: the parameters, gradients and state outside units (and buffers), the units left resident,
 and the one or two units whose state is on the device at the peak. The floor is then the smallest peak a search over
@@ -27,7 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .budget import format_bytes
+from ..core.budget import format_bytes
+from ..core.plan import DEFAULT_STRATEGIES as every
+from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan, state_choices
+from ..sim.simulator import CODES, SELECTIVE, Simulator
+from .milp import min_peak
+from .space import plan_decisions
 
 __all__ = ["FIXED_STATE", "KEPT_ACTIVATIONS", "LARGEST_UNIT", "Floor", "explain_floor", "state_floor"]
 
@@ -42,7 +47,7 @@ class Floor:
     """The smallest reachable peak and what it is made of (bytes).
 
     Attributes:
-        floor_bytes: the smallest peak any plan reaches (:func:`memopt_nb.solvers.min_peak`).
+        floor_bytes: the smallest peak any plan reaches (:func:`memopt_nb.planners.min_peak`).
         fixed_bytes: parameters + gradients + optimizer state + buffers (capped at the floor).
         largest_unit: the unit with the largest working set; largest_unit_bytes: that working set (capped at what is
             left of the floor after the fixed state).
@@ -120,14 +125,11 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
 
     A search with the simulator, not a proof: every uniform plan (each strategy with each allowed placement), then
     unit-by-unit improvement (``passes`` sweeps, each trying every strategy and placement of one unit at a time).
-    The exact minimum over the enlarged space is the MILP's (:func:`memopt_nb.solvers.min_peak` with
+    The exact minimum over the enlarged space is the MILP's (:func:`memopt_nb.planners.min_peak` with
     ``offload_state=``); this is an upper bound on it, and a plan that reaches it.
     """
     import numpy as np
 
-    from .plan import SAVE_SETS, STATE_CHOICES, Plan, state_choices
-    from .simulate import CODES, SELECTIVE, Simulator
-    from .solvers.space import plan_decisions
 
     sim = Simulator(profile, device)
     tab = sim.state_table()
@@ -193,8 +195,6 @@ def _moved_bytes(profile: Any, plan: Any) -> int:
 
 
 def _grads_may_move(offload_state: Any) -> bool:
-    from .plan import state_choices
-
     return any(g != "resident" for _, g, _ in state_choices(offload_state))
 
 
@@ -204,9 +204,9 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     """Split the smallest reachable peak of ``profile`` (on ``device``) into fixed state, the largest unit's working set
     and kept activations, and say which bounds it and what would lower it.
 
-    ``floor_bytes``: the floor if already known (else :func:`memopt_nb.solvers.min_peak` computes it, or with
+    ``floor_bytes``: the floor if already known (else :func:`memopt_nb.planners.min_peak` computes it, or with
     ``offload_state`` :func:`state_floor`). ``offload_state`` / ``step_in_backward``: the state placements a plan may
-    use (as in :func:`memopt_nb.plan.state_choices`; ``False``: activations only).
+    use (as in :func:`memopt_nb.core.plan.state_choices`; ``False``: activations only).
     """
     plan = None
     state_floor_bytes = None
@@ -214,15 +214,12 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     if offload_state is not False and _has_state(profile):
         found, plan = state_floor(profile, device, strategies, offload_state, step_in_backward)
         if floor_bytes is None:  # the exact floor (the MILP's); the search above gives the plan reaching ~it
-            from .solvers import min_peak
 
             floor_bytes = min(found, min_peak(profile, device, strategies, offload_state=offload_state,
                                               step_in_backward=step_in_backward))
         state_floor_bytes = int(floor_bytes)
         moved = _moved_bytes(profile, plan)
     if floor_bytes is None:
-        from .solvers import min_peak
-
         floor_bytes = min_peak(profile, device, strategies, offload_state=False)
     floor = int(floor_bytes)
     fixed = int(profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes + profile.buffer_bytes)
@@ -238,10 +235,8 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     bound = max(parts, key=lambda k: parts[k])
     activations = work + kept
     advice: list[str] = []
-    from .plan import DEFAULT_STRATEGIES as every
 
     if not set(every) <= set(strategies):  # a restricted activation space: what the whole default one reaches
-        from .solvers import min_peak
 
         wider = min_peak(profile, device, every, offload_state=offload_state, step_in_backward=step_in_backward)
         if wider < floor:
@@ -272,7 +267,7 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
         advice.append("a smaller batch (kept activations grow with it)")
         if "recompute_offload" not in strategies:
             advice.append("recompute_offload, which offloads the unit inputs recompute keeps (opt-in: "
-                          "strategies=memopt_nb.plan.STRATEGIES)")
+                          "strategies=memopt_nb.core.plan.STRATEGIES)")
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
                  bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
                  state_floor_bytes=state_floor_bytes, plan=plan)

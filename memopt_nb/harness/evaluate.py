@@ -29,15 +29,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from .budget import format_bytes, resolve_budget
-from .device import DeviceSpec
-from .errors import BudgetError, MemoptError
-from .plan import Plan
-from .profile import profile as profile_model
-from .runtime.measure import measure
-from .simulate import Simulator
-from .solvers import BASELINES, min_peak, optimal
-from .zoo import build
+from ..core.budget import format_bytes, resolve_budget
+from ..core.device import DeviceSpec
+from ..core.errors import BudgetError, MemoptError
+from ..core.plan import Plan
+from ..planners import BASELINES, optimal
+from ..planners.milp import min_peak
+from ..planners.rl.search import search
+from ..profiling.profile import profile as profile_model
+from ..runtime.measure import measure, model_device
+from ..runtime.step import forward_autocast, preserved_state, resolve_autocast, step_autocast
+from ..sim.simulator import Simulator
+from .zoo import BUILDERS, build
 
 DEFAULT_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "optimal", "memopt-ppo", "grad_accum")
 #: The whole-step baselines (issue 11): accepted by ``methods=``, not run by default (the published runs did not).
@@ -267,8 +270,6 @@ def _builder_for(model_or_builder: Any) -> tuple[Builder, str, int | None]:
     import inspect
 
     if isinstance(model_or_builder, str):
-        from .zoo import BUILDERS
-
         name = model_or_builder
         build(name)  # validates the name
         default = inspect.signature(BUILDERS[name]).parameters["batch_size"].default
@@ -297,10 +298,7 @@ def _unpack(built: Any) -> tuple[torch.nn.Module, tuple[tuple, dict], Any, torch
 def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn: Any, opt: torch.optim.Optimizer,
                      accum: int, repeats: int = 3, autocast: Any = None) -> float:
     """Median seconds of one optimizer step made of ``accum`` micro-batches (forward+backward each; the forward and
-    the loss under ``torch.autocast`` with ``autocast=``, as :func:`~memopt_nb.profile` runs them)."""
-    from .runtime.measure import model_device
-    from .runtime.step import forward_autocast, preserved_state, resolve_autocast, step_autocast
-
+    the loss under ``torch.autocast`` with ``autocast=``, as :func:`~memopt_nb.profiling.profile` runs them)."""
     device = model_device(model, inputs[0], inputs[1])
     times = []
     with preserved_state(model, opt), step_autocast(device.type, resolve_autocast(autocast, device, "evaluate")):
@@ -334,8 +332,6 @@ def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, 
         if method == "optimal":
             return optimal(sim, budget, time_limit=60.0)
         if method == "memopt-ppo":
-            from .rl.search import search
-
             return search(prof, budget, device, total_timesteps=search_timesteps, seed=seed)
     except BudgetError:
         if method in _RULES:
@@ -369,7 +365,7 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
         steps: timed steps per measurement (medians are reported).
         autocast: mixed precision as your loop uses it (``torch.bfloat16``, ``torch.float16``, ``"bf16"``, ``"fp16"``):
             every profile, measurement and accumulation step runs its forward and loss under ``torch.autocast`` and
-            its backward and optimizer step outside (see :func:`~memopt_nb.profile`).
+            its backward and optimizer step outside (see :func:`~memopt_nb.profiling.profile`).
 
     Returns an :class:`Evaluation` whose ``verdict`` says whether any plan pays off against plain training at its own
     largest batch and against plain training with gradient accumulation.

@@ -18,7 +18,7 @@
   ``selective_ac_option="op"``): every recomputable unit ``selective`` with the save-set ``"alternate"`` (attention
   kernels and every other matmul, torchtitan's rule) when its profile has it (Pareto or not), else ``"matmuls"``, else
   plain ``recompute``; units that cannot be recomputed keep. It needs a profile made with ``selective=True``
-  (:class:`~memopt_nb.errors.PlanError` otherwise). Its budget check is against the floor of the whole space. An
+  (:class:`~memopt_nb.core.errors.PlanError` otherwise). Its budget check is against the floor of the whole space. An
   ecosystem baseline.
 * ``capuchin`` — a Capuchin-style greedy (Peng et al., ASPLOS 2020): until the budget holds, first swap the units whose
   copies the surrounding compute hides (largest first, with the shortest timing that hides them), then recompute in
@@ -39,7 +39,7 @@ budget; each refuses one below the floor of its own space (the state it may move
 The classic heuristics decide activations only. They take ``offload_state=`` (and ``step_in_backward=``) as the
 planners do: their activation decisions stay their own, and when state may move *and a budget is given* the state
 placement is the fastest allowed one that fits the budget with those activations fixed (exact:
-:func:`~memopt_nb.solvers.milp.place_states`, the MILP with activations fixed; the one with the smallest peak if none
+:func:`~memopt_nb.planners.milp.place_states`, the MILP with activations fixed; the one with the smallest peak if none
 fits). Without a budget everything stays resident. Their default is ``offload_state=False`` — activations only,
 today's space and the numbers the bench has published — so that comparing them with the planners in the enlarged space
 is asked for explicitly (``offload_state=True``: the same state options for every method).
@@ -54,11 +54,12 @@ from typing import Any
 
 import numpy as np
 
-from ..device import DeviceSpec
-from ..plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan
-from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator, code_of
-from .common import as_simulator, check_budget, make_plan, place_states, uniform_arrays, unit_states
-from .space import OffloadState, check_save_sets
+from ..core.device import DeviceSpec
+from ..core.plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan
+from ..sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator, code_of
+from .checks import check_budget
+from .milp import place_states
+from .space import OffloadState, as_simulator, check_save_sets, make_plan, uniform_arrays, unit_states
 
 __all__ = ["BASELINES", "CLASSIC_BASELINES", "ECOSYSTEM_BASELINES", "STATE_BASELINES", "capuchin", "none",
            "op_sac", "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",

@@ -27,6 +27,7 @@ class WrapOrderError(PlanError, ProfileError):
     """A DDP-wrapped or FSDP-sharded model where memopt needs the plain one, or a model sharded while a plan is applied.
 
     The order that works: profile and plan the plain model, wrap or shard it, then apply the plan to the wrapped model
-    (see :mod:`memopt_nb.distributed`). It is a :class:`PlanError` and a :class:`ProfileError`, so either ``except``
+    (see :mod:`memopt_nb.runtime.distributed`). It is a :class:`PlanError` and a :class:`ProfileError`, so either
+    ``except``
     catches it.
     """

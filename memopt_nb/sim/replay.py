@@ -1,8 +1,10 @@
-"""``memopt_nb.reference_sim``: the cost model written a second time, as a plain replay of one training step.
+"""``memopt_nb.sim.replay``: the cost model written a second time, as a plain replay of one training step.
 
-The planners use :class:`memopt_nb.simulate.Simulator`, which compiles a profile into arrays to score thousands of plans
-at once. This module states the same model once more, directly from the :class:`~memopt_nb.profile.ModelProfile` (its
-segments, units and storage groups), the plan and the :class:`~memopt_nb.device.DeviceSpec`: it walks the step one
+The planners use :class:`memopt_nb.sim.simulator.Simulator`, which compiles a profile into arrays to score thousands
+of plans
+at once. This module states the same model once more, directly from the :class:`~memopt_nb.core.profile.ModelProfile`
+(its
+segments, units and storage groups), the plan and the :class:`~memopt_nb.core.device.DeviceSpec`: it walks the step one
 segment boundary at a time and keeps a ledger of what is on the device and what the two copy engines are doing. It
 imports nothing from ``simulate.py``, so a slip in compiling the fast simulator's arrays cannot hide behind a reference
 that reads the same arrays; the test suite checks the two agree on random plans, and both against measured peaks.
@@ -86,9 +88,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .device import DeviceSpec
-from .errors import PlanError, ProfileError
-from .plan import SAVE_SETS, STATE_CHOICES, STRATEGIES, Plan
+from ..core.device import DeviceSpec
+from ..core.errors import PlanError, ProfileError
+from ..core.plan import SAVE_SETS, STATE_CHOICES, STRATEGIES, Plan
 
 __all__ = ["CopyJob", "Replay", "copy_seconds", "prefetch_triggers", "replay", "thread_seconds"]
 
@@ -407,11 +409,11 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
            states: Sequence[Any] | None = None) -> Replay:
     """Replay one training step of ``profile`` under a plan on ``device`` (default: the profiled device).
 
-    ``plan`` is a :class:`~memopt_nb.plan.Plan` (its placements count), or a list of strategies (names, with
+    ``plan`` is a :class:`~memopt_nb.core.plan.Plan` (its placements count), or a list of strategies (names, with
     ``"selective:<save-set>"`` for selective, or codes 0 keep / 1 recompute / 2 swap / 3 recompute_offload /
     ``4 + j`` selective with ``SAVE_SETS[j]``) given with ``windows`` and ``distances``, and optionally
     ``states``: per unit an ``(optimizer, grads, params)`` placement or an index into
-    :data:`~memopt_nb.plan.STATE_CHOICES`. See the module docstring for the rules.
+    :data:`~memopt_nb.core.plan.STATE_CHOICES`. See the module docstring for the rules.
     """
     dev = DeviceSpec.resolve(device, profile.device)
     strategies, windows_, distances_, save_sets = _decode(profile, plan, windows, distances)

@@ -20,9 +20,9 @@ import dataclasses
 
 import numpy as np
 
-from .device import DeviceSpec
-from .plan import SAVE_SETS
-from .profile import ModelProfile, Segment, StorageGroup, UnitProfile
+from ..core.device import DeviceSpec
+from ..core.plan import SAVE_SETS
+from ..core.profile import ModelProfile, Segment, StorageGroup, UnitProfile
 
 __all__ = ["chain_profile", "with_save_sets", "SAVE_SET_SHARES"]
 
@@ -139,7 +139,8 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
 
 def with_save_sets(prof: ModelProfile, seed: int = 0, offered: float = 0.8, pareto: float = 0.8) -> ModelProfile:
     """``prof`` with synthetic save-sets on its recomputable units: each unit offers each set of
-    :data:`~memopt_nb.plan.SAVE_SETS` with probability ``offered`` (so some units offer none), each Pareto (a planner's
+    :data:`~memopt_nb.core.plan.SAVE_SETS` with probability ``offered`` (so some units offer none), each Pareto (a
+    planner's
     option) with probability ``pareto``. A set holds a share of the unit's interior saved bytes and recomputes in a
     share of its forward time (:data:`SAVE_SET_SHARES`), so that selective is sometimes the best choice."""
     rng = np.random.default_rng(seed)

@@ -6,13 +6,14 @@ from collections.abc import Callable
 
 import torch
 
-from .budget import format_bytes
-from .plan import OFFLOADING, Plan
-from .profile import profile
-from .runtime.apply import AppliedPlan
-from .runtime.measure import measure
-from .simulate import simulate
-from .solvers import min_peak
+from ..core.budget import format_bytes
+from ..core.plan import OFFLOADING, Plan
+from ..planners.milp import min_peak
+from ..planners.rl.search import search
+from ..profiling.profile import profile
+from ..runtime.apply import AppliedPlan
+from ..runtime.measure import measure
+from ..sim.simulator import simulate
 from .zoo import build
 
 
@@ -61,8 +62,6 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
                         out: Callable[[str], None] = print) -> dict[str, object]:
     """A model whose parameters + gradients + Adam state are ``state_over_budget`` × the budget trains under a
     searched whole-step plan; parameters, buffers and optimizer state are compared with plain training."""
-    from .rl.search import search
-
     zm = build(model, seed=seed)
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
     out(f"memopt_nb whole-step demo: built-in '{model}' model, {sum(p.numel() for p in zm.model.parameters()):,} "
@@ -107,7 +106,7 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
     lowest = min_peak(prof)
     budget = max(int(budget_fraction * prof.peak_bytes), lowest)
     if planner is None:
-        from .rl.search import search as planner
+        planner = search
     out(f"searching a plan under {budget / prof.peak_bytes:.0%} of the peak with the two PPO agents ...")
     plan = planner(prof, budget)
     sim = simulate(prof, plan)

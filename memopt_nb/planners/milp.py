@@ -41,8 +41,8 @@ The objective is the simulated step time. The returned plan is re-evaluated by t
 ``plan.meta``), and the brute-force enumerator in the test suite checks that they agree with the true optimum.
 
 :class:`Formulation` holds one program (variables, memory constraints, time objective, solve, read-back);
-:func:`optimal`, :func:`solve_min_peak` and :func:`place_states` use it. The budget checks that every planner makes
-against the smallest reachable peak (:func:`check_budget`) live here too, since that peak is this MILP's.
+:func:`~memopt_nb.planners.optimal.optimal`, :func:`solve_min_peak` and :func:`place_states` use it; the budget check
+every planner makes against the smallest reachable peak is :func:`~memopt_nb.planners.checks.check_budget`.
 """
 
 from __future__ import annotations
@@ -50,18 +50,17 @@ from __future__ import annotations
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from ..budget import format_bytes, resolve_budget
-from ..device import DeviceSpec
-from ..errors import BudgetError
-from ..plan import DEFAULT_STRATEGIES, OFFLOADING, STATE_CHOICES, Plan, effective_triggers
-from ..simulate import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
+from ..core.device import DeviceSpec
+from ..core.errors import BudgetError
+from ..core.plan import DEFAULT_STRATEGIES, effective_triggers
+from ..sim.simulator import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
 from .space import (
     OffloadState,
     Option,
@@ -69,13 +68,12 @@ from .space import (
     allowed_strategies,
     as_simulator,
     evaluate_arrays,
-    make_plan,
     state_table_of,
     unit_options,
     unit_states,
 )
 
-__all__ = ["Formulation", "cached_min_peak", "check_budget", "optimal", "place_states", "solve_min_peak"]
+__all__ = ["Formulation", "cached_min_peak", "min_peak", "place_states", "solve_min_peak"]
 
 Expr = dict[int, float]
 _RC_LIKE = (RECOMPUTE, RECOMPUTE_OFFLOAD)  # recomputed in backward (and every selective code, >= SELECTIVE)
@@ -156,7 +154,7 @@ class Formulation:
     Args:
         sim: the compiled profile.
         strategies: the activation strategies allowed (ignored where ``options`` are given).
-        offload_state, step_in_backward: the state placements allowed (:func:`~memopt_nb.plan.state_choices`).
+        offload_state, step_in_backward: the state placements allowed (:func:`~memopt_nb.core.plan.state_choices`).
         options: per unit the activation options to choose from (default: :func:`unit_options`); one option per
             unit fixes the activations (:func:`place_states`).
     """
@@ -651,7 +649,7 @@ _MIN_PEAK: dict[tuple[Any, ...], tuple[weakref.ref, int]] = {}
 
 def cached_min_peak(sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
                     offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
-    """:func:`memopt_nb.solvers.min_peak` for a compiled simulator, cached per profile, device, simulator class,
+    """:func:`memopt_nb.planners.min_peak` for a compiled simulator, cached per profile, device, simulator class,
     strategies and allowed state placements."""
     allowed = allowed_states(offload_state, step_in_backward)
     key = (id(sim.profile), repr(sim.device), type(sim), tuple(sorted(strategies)), allowed)
@@ -663,46 +661,6 @@ def cached_min_peak(sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGI
     return value
 
 
-def _space_text(sim: Simulator, strategies: Sequence[str], offload_state: OffloadState,
-                step_in_backward: bool) -> str:
-    """How a refused budget's space was restricted, for the message ('' for the whole default space)."""
-    parts = []
-    if set(strategies) != set(DEFAULT_STRATEGIES):
-        parts.append(f"using only {', '.join(strategies)}")
-    allowed = allowed_states(offload_state, step_in_backward)
-    if state_table_of(sim) is not None:
-        moved = {piece for c in allowed for piece, place in zip(("optimizer state", "gradients", "parameters"),
-                                                               STATE_CHOICES[c], strict=True) if place != "resident"}
-        kept = [p for p in ("optimizer state", "gradients", "parameters") if p not in moved]
-        if kept:
-            parts.append(f"with {', '.join(kept)} resident")
-    return (" " + " ".join(parts)) if parts else ""
-
-
-def check_budget(sim: Simulator, budget: Any, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
-                 offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
-    """Parse ``budget`` (bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak; ``None``: the device's capacity) and
-    refuse one no plan in the given space (``strategies``, ``offload_state``, ``step_in_backward``) can meet."""
-    if budget is None:
-        budget = sim.device.capacity_bytes
-    value = resolve_budget(budget, reference=sim.profile.peak_bytes)
-    lowest = cached_min_peak(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
-    if value < lowest:
-        from ..floor import explain_floor
-
-        using = _space_text(sim, strategies, offload_state, step_in_backward)
-        floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=strategies,
-                              offload_state=offload_state, step_in_backward=step_in_backward)
-        raise BudgetError(
-            f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches for this "
-            f"profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes) = {floor.breakdown_text()}. "
-            f"{floor.bound_text()} Ask for at least {format_bytes(lowest)}; to lower the floor: "
-            f"{'; '.join(floor.advice)}."
-        )
-    return value
-
-
-# ---------------------------------------------------------------------- planners
 def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: Sequence[int],
                  distances: Sequence[int], *, offload_state: OffloadState = True, step_in_backward: bool = False,
                  time_limit: float = 60.0) -> list[int]:
@@ -730,74 +688,12 @@ def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: S
     return form.read_back(res.x)[3]
 
 
-def _fallback(sim: Simulator, b: int, strategies: Sequence[str], time_limit: float,
-              space: dict[str, Any]) -> tuple[Plan | None, str]:
-    """A smaller problem's optimum that bounds the full one from above (a cut-off that prunes the search, and the
-    answer of last resort if the full problem runs out of time), and what it means when nothing beats it.
-
-    Where state may move, the activation-only optimum (when it fits); otherwise, or if it does not fit, the
-    checkpointing-only optimum in the same state space (quick to prove)."""
-    if any(len(c) > 1 for c in unit_states(sim, **space)):
-        try:
-            return (optimal(sim, b, strategies=strategies, time_limit=time_limit / 4, offload_state=False),
-                    "no plan moving state beat the activation-only optimum")
-        except BudgetError:
-            pass
-    if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
-        rc_only = tuple(x for x in strategies if x not in OFFLOADING
-                        and (x != "selective" or bool(np.any(sim.sel_has))))  # no selective it cannot offer
-        try:
-            return (optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space),
-                    "no plan with swaps beat the checkpointing-only optimum")
-        except BudgetError:
-            pass
-    return None, ""
-
-
-def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
-            strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 120.0, *,
-            offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
-    """The plan with the smallest simulated step time whose simulated peak fits ``budget``.
-
-    Solved exactly (to HiGHS tolerances) as a MILP over the simulator's model; ``strategies`` restricts the activation
-    options (e.g. ``("keep", "recompute")`` for checkpointing only; a bad value raises
-    :class:`~memopt_nb.errors.PlanError`). ``offload_state`` says which state may leave the
-    device: ``True`` (optimizer state, gradients, parameters), ``False`` (activations only) or a set of
-    ``"optimizer"``, ``"grads"``, ``"params"``; ``step_in_backward=True`` also allows stepping units inside backward
-    (the plan then forbids gradient accumulation and clipping). ``plan.meta`` has the solver status, the MILP
-    objective, the simulated time of the plan, the solve time and whether optimality was proven within ``time_limit``.
-    """
-    strategies = allowed_strategies(strategies)  # PlanError on a bad value
-    sim = as_simulator(profile, device)
-    space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
-    b = check_budget(sim, budget, strategies, **space)
-    allowed = [list(STATE_CHOICES[c]) for c in allowed_states(offload_state, step_in_backward)]
-    t0 = time.perf_counter()
-    fallback, note = _fallback(sim, b, strategies, time_limit, space)
-    form = Formulation(sim, strategies, **space)
-    form.limit_memory(b)
-    objective, const, tscale = form.time_objective()
-    offset = form.time_offset
-    if fallback is not None and fallback.feasible:
-        form.cap(objective, (fallback.predicted_step_time - offset) / tscale * (1 + 1e-7) - const)
-    res = form.solve(objective, max(time_limit - (time.perf_counter() - t0), 1.0))
-    solve_time = time.perf_counter() - t0
-    if res.x is None or (fallback is not None and fallback.feasible
-                         and (float(res.fun) + const) * tscale + offset >= fallback.predicted_step_time):
-        if fallback is not None and fallback.feasible:
-            proven = res.status in (0, 2)  # solved, or infeasible under the cut-off: nothing beats checkpointing
-            meta = {"solver": "highs-milp", "proven_optimal": proven, "solve_seconds": solve_time,
-                    "milp_step_time": fallback.predicted_step_time, "allowed_strategies": list(strategies),
-                    "allowed_placements": allowed, "mip_gap": 0.0 if proven else float("nan"),
-                    "note": note + ("" if proven else " within the time limit")}
-            return fallback.with_meta(method="optimal", step_in_backward=fallback.step_in_backward or step_in_backward,
-                                      meta=meta)
-        raise BudgetError(f"the exact solver found no plan within {time_limit:.0f} s ({res.message}); raise "
-                          f"time_limit or the budget")
-    codes, ws, ds, states = form.read_back(res.x)
-    milp_time = (float(res.fun) + const) * tscale + offset
-    return make_plan(sim, codes, ws, ds, budget=b, method="optimal", states=states,
-                     step_in_backward=step_in_backward, solver="highs-milp",
-                     proven_optimal=bool(res.status == 0), milp_step_time=milp_time, solve_seconds=solve_time,
-                     mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0), allowed_strategies=list(strategies),
-                     allowed_placements=allowed)
+def min_peak(profile: Any, device: DeviceSpec | str | None = None,
+             strategies: str | Sequence[str] = DEFAULT_STRATEGIES, *,
+             offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False) -> int:
+    """The smallest peak memory (bytes) any plan reaches for ``profile`` on ``device``, using only ``strategies`` for
+    activations (a non-empty set of keep, recompute, swap, recompute_offload, selective, else
+    :class:`~memopt_nb.core.errors.PlanError`; default keep, recompute, swap; selective needs a profile made with
+    ``selective=True``) and moving only the state ``offload_state`` allows (``False``: activations only)."""
+    return cached_min_peak(as_simulator(profile, device), allowed_strategies(strategies), offload_state=offload_state,
+                           step_in_backward=step_in_backward)

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from ..device import DeviceSpec
-from ..errors import MemoptError
-from ..plan import DEFAULT_STRATEGIES, Plan
-from .common import as_simulator, check_budget, evaluate_arrays, make_plan, unit_options, unit_states
-from .space import OffloadState
+from ..core.device import DeviceSpec
+from ..core.errors import MemoptError
+from ..core.plan import DEFAULT_STRATEGIES, Plan
+from .checks import check_budget
+from .space import OffloadState, as_simulator, evaluate_arrays, make_plan, unit_options, unit_states
 
 __all__ = ["MAX_PLANS", "MAX_UNITS", "brute_force"]
 
@@ -24,7 +24,7 @@ def brute_force(profile: Any, budget: Any = None, device: DeviceSpec | str | Non
                 strategies: Sequence[str] = DEFAULT_STRATEGIES, batch: int = 20000, *,
                 offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
     """Simulate every combination of unit options (activation option × state placement) and return the fastest plan
-    that fits ``budget``; the space is the one :func:`~memopt_nb.solvers.optimal` searches for the same arguments."""
+    that fits ``budget``; the space is the one :func:`~memopt_nb.planners.optimal` searches for the same arguments."""
     sim = as_simulator(profile, device)
     b = check_budget(sim, budget, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
     if sim.n > MAX_UNITS:

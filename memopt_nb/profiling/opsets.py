@@ -4,7 +4,7 @@ Selective activation checkpointing (torch's ``create_selective_checkpoint_contex
 :func:`memopt_nb.runtime.recompute.caching_modes`, follow its rules) recomputes a unit in backward
 like ``recompute`` but keeps the outputs of chosen op calls, so the expensive ops are not run twice. This module
 records a unit's ops (:class:`OpRecorder`: name, call index, new bytes, seconds) during a forward run under plain
-checkpointing, and proposes the save-sets of :data:`~memopt_nb.plan.SAVE_SETS`:
+checkpointing, and proposes the save-sets of :data:`~memopt_nb.core.plan.SAVE_SETS`:
 
 * ``"matmuls"`` — every matmul-like op (``mm``, ``addmm``, ``bmm``, ``baddbmm``, convolutions, ``_scaled_mm``) and
   every attention kernel (``_scaled_dot_product_*``);
@@ -36,9 +36,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .plan import SAVE_SETS
-from .runtime.recompute import checkpointed_call, sac_counts_op
-from .runtime.step import forward_autocast
+from ..core.plan import SAVE_SETS
+from ..runtime.recompute import checkpointed_call, sac_counts_op
+from ..runtime.step import forward_autocast
 
 __all__ = ["OpCall", "OpRecorder", "mark_pareto", "op_kind", "propose_save_sets", "record_ops"]
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import MemoptError
+from ..core.errors import MemoptError
 
 
 class ZooModel(NamedTuple):

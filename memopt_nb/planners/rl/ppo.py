@@ -50,7 +50,7 @@ class PPOConfig:
     """minibatches per update epoch"""
     update_epochs: int = 4
     """epochs over each rollout (``search`` without a config takes 8 where recompute_offload or selective may be
-    chosen: :func:`~memopt_nb.rl.search.default_update_epochs`)"""
+    chosen: :func:`~memopt_nb.planners.rl.search.default_update_epochs`)"""
     norm_adv: bool = True
     """normalize advantages within a minibatch"""
     clip_coef: float = 0.2

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..device import DeviceSpec
-from ..errors import MemoptError
-from ..plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
-from ..simulate import RECOMPUTE_OFFLOAD
-from ..solvers.baselines import BASELINES
-from ..solvers.common import make_plan
-from ..solvers.space import plan_decisions
+from ...core.device import DeviceSpec
+from ...core.errors import MemoptError
+from ...core.plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
+from ...sim.simulator import RECOMPUTE_OFFLOAD
+from ..baselines import BASELINES
+from ..milp import place_states
+from ..space import make_plan, plan_decisions
 from .env import STRATEGY, TIMING, MemoryPlanningEnv, decision_order
 from .ppo import PPOConfig, train
 from .task import PlanningTask, code_options, option_codes
@@ -50,7 +50,8 @@ RISK_QUANTILE = 0.25
 
 def default_risk_quantile(task: PlanningTask) -> float | None:
     """Where state may move (``task.C > 1``): :data:`RISK_QUANTILE` — the strategy agent learns only from the best
-    quarter of each rollout's episodes (:attr:`~memopt_nb.rl.ppo.PPOConfig.risk_quantile`, the risk-seeking policy
+    quarter of each rollout's episodes (:attr:`~memopt_nb.planners.rl.ppo.PPOConfig.risk_quantile`, the risk-seeking
+    policy
     gradient of Petersen et al. 2021); elsewhere ``None`` (ordinary PPO, as before).
 
     The search returns the best plan the agents ever sampled, so it is their best episodes that should improve, not
@@ -82,7 +83,8 @@ def default_update_epochs(task: PlanningTask) -> int:
 
 
 def _option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Option indices (see :class:`~memopt_nb.rl.task.PlanningTask`) as strategy codes, windows and distances."""
+    """Option indices (see :class:`~memopt_nb.planners.rl.task.PlanningTask`) as strategy codes, windows and
+    distances."""
     return option_codes(opt_idx)
 
 
@@ -104,9 +106,10 @@ def _time_of(task: PlanningTask, c: np.ndarray, w: np.ndarray, d: np.ndarray, st
 def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int,
                              info: dict[str, Any] | None = None) -> tuple:
     """Where placements may move, more starts for the polish: the agents' activation decisions, keep-all (where keep
-    is not allowed, each unit's plainest allowed option: :meth:`~memopt_nb.rl.task.PlanningTask.plain_options`) and the
+    is not allowed, each unit's plainest allowed option:
+    :meth:`~memopt_nb.planners.rl.task.PlanningTask.plain_options`) and the
     activations of ``current`` (the agents' plan polished), each with the fastest state placement that fits the budget
-    for those activations (exact: the MILP with activations fixed, :func:`~memopt_nb.solvers.place_states`), then
+    for those activations (exact: the MILP with activations fixed, :func:`~memopt_nb.planners.place_states`), then
     polished. A start whose polished plan is the best so far changed activations and placements together: its
     activations are placed exactly and polished again (``"..._again"``), until that no longer helps. Returns the
     fastest feasible of the polished plans (``current`` first: ties keep it). Only for the cost model's own state table
@@ -115,7 +118,6 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
     (``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, or one of them with ``"_again"``)."""
     if task.C == 1 or task.state_model is None or not task.state_model.native:
         return (*current, moves)
-    from ..solvers.common import place_states
 
     best, best_t = (*current, moves), _time_of(task, *current)
     spent, skipped = 0.0, 0
@@ -155,7 +157,7 @@ def _polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, 
 #: about a minute at 48 units on 2 cores. Normally all of them run to the end; then a seed gives the same plan.
 HEURISTIC_SECONDS = 10.0
 
-#: The baselines (:data:`memopt_nb.solvers.BASELINES`) whose plans the polish also starts from, where their plan fits
+#: The baselines (:data:`memopt_nb.planners.BASELINES`) whose plans the polish also starts from, where their plan fits
 #: the budget and lies in the search's space.
 HEURISTIC_STARTS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "selective_layer", "op_sac",
                     "recompute_offload_all", "state_offload", "state_offload_recompute", "step_in_backward",
@@ -291,7 +293,8 @@ def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: 
     (row 0 and ``inf`` if none fits).
 
     The same answer as simulating every row, simulating fewer: the rows whose lower bound on the time
-    (:meth:`~memopt_nb.rl.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their bound:
+    (:meth:`~memopt_nb.planners.rl.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their
+    bound:
     the first ``block`` (default :data:`MOVE_BLOCK`), then at once every other row whose bound does not exceed the
     fastest time found, as the rest cannot be faster than it or tie with it.
     """
@@ -447,7 +450,7 @@ def plan_from_arrays(task: PlanningTask, codes: np.ndarray, windows: np.ndarray,
     """The plan of these arrays, with the task's prediction (placements and the optimizer step included).
 
     Without a state model and without ``step_in_backward`` this is exactly
-    :func:`~memopt_nb.solvers.common.make_plan`; otherwise the decisions carry the placements, the predicted peak and
+    :func:`~memopt_nb.planners.space.make_plan`; otherwise the decisions carry the placements, the predicted peak and
     step time come from the task's state-aware evaluation, and the plan records ``step_in_backward``.
     """
     plan = make_plan(task.sim, codes, windows, dists, budget=task.budget, method=METHOD, seed=seed, **meta)
@@ -503,17 +506,18 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
 
     The plan decides per unit its activation strategy (keep, recompute, swap and the swap's timing) and where the
-    unit's optimizer state, gradients and parameters live (:attr:`~memopt_nb.plan.Plan.placements`).
+    unit's optimizer state, gradients and parameters live (:attr:`~memopt_nb.core.plan.Plan.placements`).
 
     Args:
-        profile: a :class:`~memopt_nb.profile.ModelProfile`.
+        profile: a :class:`~memopt_nb.core.profile.ModelProfile`.
         budget: bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak, or ``None`` for the device's capacity. A budget
-            below the minimum feasible peak raises :class:`~memopt_nb.errors.BudgetError` before any training.
+            below the minimum feasible peak raises :class:`~memopt_nb.core.errors.BudgetError` before any training.
         device: the device to plan for (default: the profiled one), e.g. ``"a100-40gb"``.
         total_timesteps: PPO environment steps (default :func:`default_timesteps`, more where state may move).
         seed: the same seed gives the same plan.
         callback: called with one history row per PPO iteration (for live widgets).
-        config: a full :class:`~memopt_nb.rl.ppo.PPOConfig` (its ``total_timesteps``/``seed`` are overridden by the
+        config: a full :class:`~memopt_nb.planners.rl.ppo.PPOConfig` (its ``total_timesteps``/``seed`` are overridden
+        by the
             arguments above when given). Without one: ``PPOConfig()`` with :func:`default_update_epochs` and, for the
             strategy agent, :func:`default_risk_quantile`.
         polish_plan: run a local search on the agents' best plan (where state may move, also from their activation
@@ -526,26 +530,28 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         offload_state: which state the plan may move off the device: ``True`` (optimizer state, gradients and
             parameters; the default), ``False`` (activations only: the plans of the activation-only search), or a set
             of ``"optimizer"``, ``"grads"``, ``"params"`` (also as a comma-separated string). Read by
-            :func:`memopt_nb.plan.state_choices`; a bad value raises :class:`~memopt_nb.errors.PlanError`.
+            :func:`memopt_nb.core.plan.state_choices`; a bad value raises :class:`~memopt_nb.core.errors.PlanError`.
         step_in_backward: also allow ``grads="step"`` (the unit's optimizer step runs in backward, then its gradients
             are freed). Opt-in: under such a plan the loop may no longer accumulate gradients over several backwards
-            or clip their global norm. The plan records it (:attr:`~memopt_nb.plan.Plan.step_in_backward`).
+            or clip their global norm. The plan records it (:attr:`~memopt_nb.core.plan.Plan.step_in_backward`).
         strategies: the activation strategies the agents may choose from: a non-empty set of ``"keep"``,
             ``"recompute"``, ``"swap"`` (also as a comma-separated string; order and duplicates do not matter), e.g.
             ``("keep", "recompute")`` for checkpointing only. The other strategies are masked out of the strategy
             agent's actions, the polish never introduces them, and the budget is checked against the floor of this
             space (``solvers.min_peak(..., strategies)``). A unit none of them fits keeps its activations. A bad
-            value raises :class:`~memopt_nb.errors.PlanError`; the default is all three. ``"recompute_offload"`` is
+            value raises :class:`~memopt_nb.core.errors.PlanError`; the default is all three. ``"recompute_offload"`` is
             opt-in: with it the strategy agent has a fourth strategy, timed by the timing agent like swap. So is
             ``"selective"`` (for a profile made with ``selective=True``): the strategy agent then has one more
             strategy per save-set (masked where the unit does not offer it), and the polish moves between them.
-        reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.rl.env`); it sets how large the rewards
+        reward_scale: the factor on both agents' returns (see :mod:`memopt_nb.planners.rl.env`); it sets how large the
+        rewards
             are next to PPO's fixed clipping and entropy coefficients.
-        order: the order an episode decides the units in (:func:`~memopt_nb.rl.env.decision_order`): ``"state"``
+        order: the order an episode decides the units in (:func:`~memopt_nb.planners.rl.env.decision_order`):
+        ``"state"``
             (the default: where state may move, the units with the largest state first; else the model's order),
             ``"forward"`` (the model's order) or a permutation of the units. Which suits a model varies: a ConvNeXt's
             two large last blocks must be decided first, while chains with the step in backward did better forward
-            (benchmarks/RESULTS.md, 2026-12-05). A bad value raises :class:`~memopt_nb.errors.PlanError` before any
+            (benchmarks/RESULTS.md, 2026-12-05). A bad value raises :class:`~memopt_nb.core.errors.PlanError` before any
             training.
 
     The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak the

@@ -1,11 +1,11 @@
 """The plan space every planner shares: per unit its activation options and the state placements it may take, and
-turning the chosen arrays into a :class:`~memopt_nb.plan.Plan` with the simulator's prediction.
+turning the chosen arrays into a :class:`~memopt_nb.core.plan.Plan` with the simulator's prediction.
 
-This module depends on nothing else in :mod:`memopt_nb.solvers`; the MILP (:mod:`.milp`) builds on it, and the budget
+This module depends on nothing else in :mod:`memopt_nb.planners`; the MILP (:mod:`.milp`) builds on it, and the budget
 checks (which need the MILP's minimum peak) sit above both.
 
-State placements are indices into :data:`~memopt_nb.plan.STATE_CHOICES` (0: everything resident). Which ones a plan
-may use is :func:`memopt_nb.plan.state_choices` of the planner's ``offload_state=`` and ``step_in_backward=``
+State placements are indices into :data:`~memopt_nb.core.plan.STATE_CHOICES` (0: everything resident). Which ones a plan
+may use is :func:`memopt_nb.core.plan.state_choices` of the planner's ``offload_state=`` and ``step_in_backward=``
 arguments; which ones a *unit* may use also depends on the simulator's :class:`StateTable` (the cost model of the
 state part, ``Simulator.state_table()``): a placement that changes nothing for the unit (a unit without parameters, a
 piece of state the unit does not have) is not offered, since all it could do is switch the whole step to the
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ..device import DeviceSpec
-from ..errors import BudgetError, MemoptError, PlanError
-from ..plan import (
+from ..core.device import DeviceSpec
+from ..core.errors import BudgetError, MemoptError, PlanError
+from ..core.plan import (
     DEFAULT_STRATEGIES,
     DISTANCES,
     STATE_CHOICES,
@@ -33,7 +33,7 @@ from ..plan import (
     state_choices,
     with_autocast,
 )
-from ..simulate import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator, save_set_of
+from ..sim.simulator import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator, save_set_of
 
 __all__ = ["Option", "allowed_states", "allowed_strategies", "as_simulator", "check_save_sets", "evaluate_arrays",
            "make_plan", "plan_decisions", "state_table_of", "uniform_arrays", "unit_options", "unit_states"]
@@ -44,17 +44,19 @@ _FETCH: Any = object()  # unit_states: fetch the state table from the simulator
 
 
 def allowed_strategies(strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> tuple[str, ...]:
-    """The activation strategies ``strategies=`` allows, in the canonical order of :data:`~memopt_nb.plan.STRATEGIES`,
+    """The activation strategies ``strategies=`` allows, in the canonical order of
+    :data:`~memopt_nb.core.plan.STRATEGIES`,
     ``("keep", "recompute", "swap", "recompute_offload", "selective")`` (order and duplicates of the argument do not
     matter).
 
     ``strategies``: a non-empty set of ``"keep"``, ``"recompute"``, ``"swap"``, ``"recompute_offload"``,
     ``"selective"``, or the same as a comma-separated string (``"keep,recompute"``). The planners' default is
-    :data:`~memopt_nb.plan.DEFAULT_STRATEGIES` (keep, recompute, swap: ``"recompute_offload"`` and ``"selective"`` are
+    :data:`~memopt_nb.core.plan.DEFAULT_STRATEGIES` (keep, recompute, swap: ``"recompute_offload"`` and
+    ``"selective"`` are
     opt-in; ``"selective"`` needs a profile made with ``selective=True``, see :func:`check_save_sets`). A unit none of
     them
     fits (say only ``"swap"`` allowed and the unit cannot be swapped) keeps its activations. Anything else raises
-    :class:`~memopt_nb.errors.PlanError` naming the allowed strategies.
+    :class:`~memopt_nb.core.errors.PlanError` naming the allowed strategies.
     """
     if isinstance(strategies, str):
         strategies = strategies.split(",")
@@ -74,8 +76,9 @@ def check_save_sets(sim: Simulator, strategies: Sequence[str]) -> None:
     """Refuse ``"selective"`` asked for on a profile without save-sets (every planner's options go through here).
 
     ``strategies`` asks for selective explicitly when it names it without being the whole of
-    :data:`~memopt_nb.plan.STRATEGIES` (which stands for "everything this profile offers": with a profile made without
-    ``selective=True`` it simply offers no selective option). Raises :class:`~memopt_nb.errors.PlanError` when it
+    :data:`~memopt_nb.core.plan.STRATEGIES` (which stands for "everything this profile offers": with a profile made
+    without
+    ``selective=True`` it simply offers no selective option). Raises :class:`~memopt_nb.core.errors.PlanError` when it
     does and no unit of the profile has any save-set.
     """
     if "selective" not in strategies or set(strategies) >= set(STRATEGIES):
@@ -173,7 +176,7 @@ def state_table_of(sim: Simulator) -> Any | None:
 def allowed_states(offload_state: OffloadState = True, step_in_backward: bool = False) -> tuple[int, ...]:
     """Indices into :data:`STATE_CHOICES` that ``offload_state=`` / ``step_in_backward=`` allow (0 first).
 
-    A value :func:`~memopt_nb.plan.state_choices` does not accept raises :class:`~memopt_nb.errors.PlanError`.
+    A value :func:`~memopt_nb.core.plan.state_choices` does not accept raises :class:`~memopt_nb.core.errors.PlanError`.
     """
     return tuple(STATE_CHOICES.index(c) for c in state_choices(offload_state, step_in_backward=step_in_backward))
 

@@ -3,10 +3,12 @@
 Agents: ``"strategy"`` picks keep / recompute / swap for each unit and, where the task allows state placements
 (``offload_state=``), where the unit's optimizer state, gradients and parameters live: its action is
 ``strategy * C + j`` for the task's ``C`` allowed placements (``task.state_ids[j]`` indexes
-:data:`~memopt_nb.plan.STATE_CHOICES`; ``C == 1`` — activations only — leaves today's three actions and observations
+:data:`~memopt_nb.core.plan.STATE_CHOICES`; ``C == 1`` — activations only — leaves today's three actions and
+observations
 unchanged). With ``"recompute_offload"`` allowed (``strategies=``, opt-in) it is a fourth strategy (actions
 ``3 * C + j``), timed like a swap. With ``"selective"`` allowed (opt-in; a profile made with ``selective=True``) each
-save-set of :data:`~memopt_nb.plan.SAVE_SETS` is one more strategy after those (``task.action_codes`` maps a strategy
+save-set of :data:`~memopt_nb.core.plan.SAVE_SETS` is one more strategy after those (``task.action_codes`` maps a
+strategy
 action to its code), untimed, allowed only where the unit offers that save-set as a Pareto one. ``"timing"`` picks the
 offload window and prefetch distance of each swapped (or recompute_offload) unit (the timing of state transfers is the
 runtime's). One episode walks the units in its decision order (``order=``, :func:`decision_order`: the model's
@@ -36,7 +38,8 @@ separable form, so for placements the estimate is exact.
 
 What each action is made of (:meth:`MemoryPlanningEnv.action_parts`): a strategy action is its activation strategy
 plus where each state piece lives, a timing action its offload window plus its prefetch distance. The agents score
-those parts (:class:`~memopt_nb.rl.ppo.Agent`), so that what one action teaches carries over to the others that share a
+those parts (:class:`~memopt_nb.planners.rl.ppo.Agent`), so that what one action teaches carries over to the others
+that share a
 part.
 
 Action masks: only the activation strategies the task allows (``strategies=``; keep where none of them fits the unit),
@@ -70,9 +73,9 @@ from gymnasium import spaces
 from gymnasium.utils import seeding
 from pettingzoo import ParallelEnv
 
-from ..errors import PlanError
-from ..plan import STATE_CHOICES
-from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP
+from ...core.errors import PlanError
+from ...core.plan import STATE_CHOICES
+from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP
 from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
 __all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING", "ORDERS", "decision_order"]
@@ -102,7 +105,8 @@ def decision_order(task: PlanningTask, order: str | Sequence[int] = "state") -> 
     (activations only) it is the forward order. ``"forward"``: the model's order. A sequence: that permutation.
 
     The masks and observations hold in any order: the marginal model is separable, and what the units still to decide
-    can take off is summed over them (:meth:`~memopt_nb.rl.task.PlanningTask.suffixes`). ``memopt.search`` passes its
+    can take off is summed over them (:meth:`~memopt_nb.planners.rl.task.PlanningTask.suffixes`). ``memopt.search``
+    passes its
     ``order=`` here.
     """
     n = task.n
@@ -187,7 +191,8 @@ class MemoryPlanningEnv(ParallelEnv):
     @functools.cache  # noqa: B019
     def action_parts(self, agent: str) -> np.ndarray:
         """What each of ``agent``'s actions is made of, as a 0/1 matrix (actions × parts) for a policy that scores parts
-        (:class:`~memopt_nb.rl.ppo.Agent`): a strategy action is its activation strategy and, with placements, where
+        (:class:`~memopt_nb.planners.rl.ppo.Agent`): a strategy action is its activation strategy and, with
+        placements, where
         each state piece lives (one part per piece and place); a timing action is its offload window and its prefetch
         distance."""
         if agent == TIMING:

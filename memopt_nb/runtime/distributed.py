@@ -19,7 +19,7 @@ The order
    FSDP2 keeps names but swaps every sharded module's class for ``FSDP<Class>`` and its parameters for DTensor shards;
    plan validation looks through both (:func:`plain_module_type`; DTensor shapes are the global ones).
 
-Why this order, and what raises :class:`~memopt_nb.errors.WrapOrderError` instead:
+Why this order, and what raises :class:`~memopt_nb.core.errors.WrapOrderError` instead:
 
 * ``memopt.profile`` of a wrapped or sharded model. FSDP2's DTensor parameters have no storage the profiler can read
   (it failed with ``RuntimeError: Attempted to access the data pointer on an invalid python storage``); a DDP model
@@ -49,7 +49,7 @@ Whole-step plans (optimizer state, gradients, parameters)
 ---------------------------------------------------------
 A schema-2 plan may also place each unit's optimizer state, gradients and parameters on the host
 (:mod:`memopt_nb.runtime.state`). What applies where, checked by :func:`check_state_placements` when the plan is
-entered (a :class:`~memopt_nb.errors.PlanError`, with nothing changed):
+entered (a :class:`~memopt_nb.core.errors.PlanError`, with nothing changed):
 
 * **DDP** — placements apply per rank, to that rank's replica and optimizer: ``optimizer="offload"`` and
   ``params="offload"`` work as on one device and train bit-identically to DDP without a plan. ``grads="offload"`` and
@@ -82,9 +82,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .errors import PlanError, ProfileError, WrapOrderError
-from .plan import Plan, plain_module_type
-from .runtime.hooks import uncopied
+from ..core.errors import PlanError, ProfileError, WrapOrderError
+from ..core.plan import Plan, plain_module_type
+from .hooks import uncopied
 
 __all__ = [
     "broadcast_plan", "check_plain", "check_state_placements", "ddp_bucket_bytes", "ddp_bucket_view",
@@ -134,7 +134,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def check_state_placements(wrapped: nn.Module, model: nn.Module, plan: Plan) -> None:
-    """Raise :class:`~memopt_nb.errors.PlanError` if ``plan``'s state placements cannot apply to this (wrapped or
+    """Raise :class:`~memopt_nb.core.errors.PlanError` if ``plan``'s state placements cannot apply to this (wrapped or
     sharded) model; see "Whole-step plans" in this module's docs. ``wrapped`` is what the user passed, ``model`` the
     module the plan's names refer to."""
     if not plan.moves_state:
@@ -165,7 +165,8 @@ def check_state_placements(wrapped: nn.Module, model: nn.Module, plan: Plan) -> 
 def check_plain(model: nn.Module, what: str = "profile") -> None:
     """Raise :class:`WrapOrderError` unless ``model`` is plain: not DDP-wrapped, nothing in it sharded."""
     hint = (f"memopt.{what}() needs the plain model: {what} it before wrapping/sharding, then wrap or shard it and "
-            "apply the plan to the wrapped model — `with memopt.plan(p, wrapped_model):` (see memopt_nb.distributed)")
+            "apply the plan to the wrapped model — `with memopt.plan(p, wrapped_model):` (see "
+            "memopt_nb.runtime.distributed)")
     if is_ddp(model):
         raise WrapOrderError(f"got a DistributedDataParallel-wrapped model; {hint}. (Profiling it would run "
                              "all-reduces inside the profiler's steps and name units 'module.…'.)")

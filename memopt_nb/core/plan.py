@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .budget import format_bytes
 from .errors import PlanError
 
 SCHEMA_VERSION = 2
@@ -455,7 +456,7 @@ class Plan:
             candidate units (e.g. 6 blocks where the plan knew 4) or another module tree is refused. ``None`` for
             plans saved by older versions, which are checked by their units only.
         budget_bytes: the memory budget the plan was made for, if any.
-        device: the :class:`~memopt_nb.device.DeviceSpec` (as a dict) the plan targets, if any.
+        device: the :class:`~memopt_nb.core.device.DeviceSpec` (as a dict) the plan targets, if any.
         method: who made it (``"memopt-ppo"``, ``"optimal"``, ``"recompute_all"``, ``"manual"`` …).
         seed: the seed of a randomized search.
         predicted_peak_bytes: simulated peak memory of one training step under the plan.
@@ -775,8 +776,6 @@ class Plan:
     # ------------------------------------------------------------------ display
     def summary(self) -> str:
         """One line: method, the device it is for, strategy counts and predictions."""
-        from .budget import format_bytes
-
         c = self.counts()
         name = (self.device or {}).get("name")
         device = f" for {name}" if name else ""
@@ -848,7 +847,8 @@ def _jsonable(obj: Any) -> Any:
 
 def selective_decision(unit: Any, save_set: str, window: int = 1, distance: int = 1,
                        placement: tuple[str, str, str] = STATE_CHOICES[0]) -> Decision:
-    """A ``selective`` decision for ``unit`` (a :class:`~memopt_nb.profile.UnitProfile`) carrying the ops its profile
+    """A ``selective`` decision for ``unit`` (a :class:`~memopt_nb.core.profile.UnitProfile`) carrying the ops its
+    profile
     lists for ``save_set``, so the plan applies without the profile; :class:`PlanError` naming what the unit offers
     when it has no such save-set."""
     sets = getattr(unit, "save_sets", None) or {}

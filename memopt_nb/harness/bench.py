@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .evaluate import BASELINE_METHODS, Evaluation, evaluate
+from .zoo import BUILDERS
 
 FULL = {"models": ("gpt", "resnet", "vit", "unet", "mlp"), "devices": (None, "a100-40gb", "v100-16gb"),
         "multipliers": (0.125, 0.25, 0.5, 1, 2), "search_timesteps": None}
@@ -66,8 +67,6 @@ def headline(ev: Evaluation) -> dict[str, Any]:
 def run_bench(quick: bool = False, out: str | Path = "results", progress: Callable[[str], None] = print,
               suite: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the suite and write the three result files; returns what was written to bench.json."""
-    from .zoo import BUILDERS
-
     cfg = dict(suite or (QUICK if quick else FULL))
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)

@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from ..budget import format_bytes, resolve_budget
-from ..device import DeviceSpec
-from ..errors import BudgetError, PlanError
-from ..plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, STATE_CHOICES, WINDOWS, state_choices
-from ..simulate import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
-from ..solvers.common import allowed_strategies, as_simulator, check_budget
-from ..solvers.space import check_save_sets
+from ...core.budget import format_bytes, resolve_budget
+from ...core.device import DeviceSpec
+from ...core.errors import BudgetError, PlanError
+from ...core.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, STATE_CHOICES, WINDOWS, state_choices
+from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
+from ..checks import check_budget
+from ..space import allowed_strategies, as_simulator, check_save_sets
 
 __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS", "SELECTIVE_BASE",
            "code_options", "option_codes"]
@@ -89,7 +89,7 @@ class StateModel:
         self.table = table
         self.native = native
         if tuple(map(tuple, table.choices)) != STATE_CHOICES:
-            raise PlanError("the simulator's state table lists other placements than memopt_nb.plan.STATE_CHOICES")
+            raise PlanError("the simulator's state table lists other placements than memopt_nb.core.plan.STATE_CHOICES")
         C = len(STATE_CHOICES)
         self.seg_delta = np.asarray(table.seg_delta, dtype=np.float64).reshape(n, C, sim.S)
         self.step_base = np.asarray(table.step_base, dtype=np.float64).reshape(-1)
@@ -135,18 +135,18 @@ def state_model_for(sim: Simulator) -> StateModel | None:
 class PlanningTask:
     """A (profile, budget, device, allowed strategies and placements) compiled for the environment and the search.
 
-    ``strategies`` (read by :func:`~memopt_nb.solvers.common.allowed_strategies`) restricts the activation options:
+    ``strategies`` (read by :func:`~memopt_nb.planners.space.allowed_strategies`) restricts the activation options:
     ``option_ok`` leaves out the strategies not allowed, and a unit none of the allowed ones fits keeps its
-    activations (as in the MILP's :func:`~memopt_nb.solvers.common.unit_options`). ``offload_state`` and
-    ``step_in_backward`` are read by :func:`memopt_nb.plan.state_choices`; the allowed placements are ``state_ids``
-    (indices into :data:`~memopt_nb.plan.STATE_CHOICES`, 0 first). Without a state model (:func:`state_model_for`
+    activations (as in the MILP's :func:`~memopt_nb.planners.space.unit_options`). ``offload_state`` and
+    ``step_in_backward`` are read by :func:`memopt_nb.core.plan.state_choices`; the allowed placements are ``state_ids``
+    (indices into :data:`~memopt_nb.core.plan.STATE_CHOICES`, 0 first). Without a state model (:func:`state_model_for`
     returns ``None``) only 0 is allowed, whatever ``offload_state`` says.
 
     Options (the columns of ``option_ok``, ``marg_peak``, ``marg_time``): 0 keep, 1 recompute, ``2 + j`` swap with
     ``TIMINGS[j]`` and, only when ``strategies`` has it, ``2 + len(TIMINGS) + j`` recompute_offload with ``TIMINGS[j]``
     and, only when ``strategies`` has ``"selective"`` and some unit offers a save-set, ``SELECTIVE_BASE + j``
     selective with save-set ``SAVE_SETS[j]`` (where the unit is recomputable and the save-set is one of its Pareto
-    ones, as :func:`~memopt_nb.solvers.space.unit_options` offers them); ``n_options`` in all; ``timed_base`` maps a
+    ones, as :func:`~memopt_nb.planners.space.unit_options` offers them); ``n_options`` in all; ``timed_base`` maps a
     timed strategy's code to its first option; :func:`option_codes` maps options to codes.
 
     The strategy agent's actions are ``action_codes`` (keep, recompute, the timed strategies ``timed_codes``, then the
@@ -366,7 +366,7 @@ class PlanningTask:
                           bool(self.suffix_can_move[0]))
 
     def _check_budget(self, budget: Any) -> int:
-        """:func:`~memopt_nb.solvers.common.check_budget` over this task's space: exact (the MILP's floor with the
+        """:func:`~memopt_nb.planners.checks.check_budget` over this task's space: exact (the MILP's floor with the
         placements allowed) for the simulator's own state table; for another table (tests, what-if studies), below the
         activation-only floor the marginal model's floor over the enlarged space decides."""
         if self.state_model is not None and self.state_model.native:

@@ -4,7 +4,7 @@ The step is the profiled sequence of *segments* (each unit's forward and backwar
 compute stream, plus two copy engines (device→host, host→device), each first-in-first-out at the device's bandwidth.
 
 **Memory** is the profiled level at the start of each segment (every unit kept) corrected by what the plan changes for
-every storage group (see :class:`~memopt_nb.profile.StorageGroup`), plus the segment's own peak above its start
+every storage group (see :class:`~memopt_nb.core.profile.StorageGroup`), plus the segment's own peak above its start
 (measured with the unit kept, or with the unit recomputed). For a group saved by units:
 
 * it stays until the backward of the last holder in time: a unit that saves it (unless that unit is its producer and
@@ -18,7 +18,7 @@ every storage group (see :class:`~memopt_nb.profile.StorageGroup`), plus the seg
   again. Without ``recompute_offload`` in a plan the owner is simply the last unit that saves it.
 
 A ``selective`` unit (selective checkpointing with one of its profiled save-sets, see
-:data:`~memopt_nb.plan.SAVE_SETS`) is recomputed for every rule above, like plain ``recompute`` (it does not hold
+:data:`~memopt_nb.core.plan.SAVE_SETS`) is recomputed for every rule above, like plain ``recompute`` (it does not hold
 what it produced, its checkpoint holds its inputs, which are therefore never offloaded); in addition the outputs its
 save-set keeps, ``held_bytes``, are on the device in every segment after its forward up to and including its
 backward, its forward and backward segments peak by the save-set's ``fwd_rel_peak`` / ``bwd_rel_peak``, and its
@@ -66,7 +66,7 @@ unit's forward in its backward (a selective unit's ``recompute_time``), plus the
 * without it (the CPU when compute uses every core) the whole round trip of every offloaded storage group,
   ``copy_seconds(bytes, storages, "both")``, is added to the step.
 
-The same model is written a second time, plainly and from the profile alone, in :mod:`memopt_nb.reference_sim`; the
+The same model is written a second time, plainly and from the profile alone, in :mod:`memopt_nb.sim.replay`; the
 tests hold this compiled one to it. :meth:`Simulator.run` takes its timeline and ``bytes_prefetched`` from that replay.
 """
 
@@ -79,14 +79,15 @@ from typing import Any
 
 import numpy as np
 
-from .budget import format_bytes
-from .device import DeviceSpec
-from .errors import PlanError, ProfileError
-from .plan import SAVE_SETS, STATE_CHOICES, Plan
-from .reference_sim import Replay, replay
+from ..core.budget import format_bytes
+from ..core.device import DeviceSpec
+from ..core.errors import PlanError, ProfileError
+from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan
+from .replay import Replay, replay
 
 KEEP, RECOMPUTE, SWAP, RECOMPUTE_OFFLOAD, SELECTIVE = 0, 1, 2, 3, 4
-#: Strategy name -> its code (``"selective"``: the base code; save-set ``j`` of :data:`~memopt_nb.plan.SAVE_SETS` is
+#: Strategy name -> its code (``"selective"``: the base code; save-set ``j`` of :data:`~memopt_nb.core.plan.SAVE_SETS`
+# is
 #: ``SELECTIVE + j``, see :func:`code_of`).
 CODES = {"keep": KEEP, "recompute": RECOMPUTE, "swap": SWAP, "recompute_offload": RECOMPUTE_OFFLOAD,
          "selective": SELECTIVE}
@@ -130,7 +131,7 @@ def save_set_of(code: int) -> str:
 class StateTable:
     """The state part of the cost model, in the separable form the planners use (one row per unit and placement).
 
-    With ``c_u`` each unit's index into ``choices`` (:data:`~memopt_nb.plan.STATE_CHOICES`) and ``act_peak[s]`` the
+    With ``c_u`` each unit's index into ``choices`` (:data:`~memopt_nb.core.plan.STATE_CHOICES`) and ``act_peak[s]`` the
     peak of segment ``s`` under the activation plan alone::
 
         peak = max( max_s (act_peak[s] + sum_u seg_delta[u, c_u, s]),
@@ -151,7 +152,7 @@ class StateTable:
         time: ``(n, C)`` seconds unit ``u``'s choice ``c`` adds to the step.
         chunked_step_extra: seconds the unit-by-unit step costs over the plain one.
         allowed: ``(n, C)`` whether unit ``u`` can take choice ``c`` at all (has parameters the optimizer steps; its
-            parameters can be offloaded); planners also apply :func:`~memopt_nb.plan.state_choices`.
+            parameters can be offloaded); planners also apply :func:`~memopt_nb.core.plan.state_choices`.
         step_segment: index of the plain step's segment (``-1``: the profile has none).
     """
 
@@ -220,9 +221,9 @@ class Simulator:
 
     ``Simulator(profile, device).evaluate(strategies, windows, distances)`` takes ``(B, n)`` integer arrays (strategy
     codes 0 keep, 1 recompute, 2 swap, 3 recompute_offload, ``SELECTIVE + j`` selective with save-set ``j`` of
-    :data:`~memopt_nb.plan.SAVE_SETS`, see :func:`code_of`) and returns peak bytes and step seconds, each shape
+    :data:`~memopt_nb.core.plan.SAVE_SETS`, see :func:`code_of`) and returns peak bytes and step seconds, each shape
     ``(B,)``. A selective code for a save-set the unit's profile does not have raises
-    :class:`~memopt_nb.errors.PlanError`.
+    :class:`~memopt_nb.core.errors.PlanError`.
     """
 
     def __init__(self, profile: Any, device: DeviceSpec | str | None = None) -> None:
@@ -332,7 +333,7 @@ class Simulator:
         step_t = [float(getattr(prof, "outside_step_time", 0.0)) * self.factor] + [
             float(getattr(u, "step_time", 0.0)) * self.factor for u in units]
         seg_idx = np.arange(S)
-        # what the runtime may move for this profile (memopt_nb.distributed.per_rank: nothing under FSDP2, no
+        # what the runtime may move for this profile (memopt_nb.runtime.distributed.per_rank: nothing under FSDP2, no
         # gradients under DDP); a choice that moves anything else is left out (all-zero rows, not allowed)
         movable = prof.meta.get("state_movable")
         movable = None if movable is None else set(movable)
@@ -499,7 +500,7 @@ class Simulator:
                  details: bool = False) -> tuple[np.ndarray, np.ndarray] | dict[str, np.ndarray]:
         """Peak bytes and step seconds for a batch of plans (arrays of shape ``(B, n)``).
 
-        ``states``: ``(B, n)`` indices into :data:`~memopt_nb.plan.STATE_CHOICES` (``None``: everything resident);
+        ``states``: ``(B, n)`` indices into :data:`~memopt_nb.core.plan.STATE_CHOICES` (``None``: everything resident);
         the state part follows :class:`StateTable` exactly.
         """
         s = np.atleast_2d(np.asarray(strategies, dtype=np.int64))
@@ -708,7 +709,7 @@ class Simulator:
 
 def simulate_reference(sim: Simulator | Any, strategies: Sequence[Any], windows: Sequence[int],
                        distances: Sequence[int], device: DeviceSpec | str | None = None) -> dict[str, Any]:
-    """One plan through the independent reference (:func:`memopt_nb.reference_sim.replay`), as a dict.
+    """One plan through the independent reference (:func:`memopt_nb.sim.replay.replay`), as a dict.
 
     ``sim`` is a :class:`Simulator` (its profile and device are used; nothing it compiled) or a ModelProfile.
     Keys: ``peak``, ``time``, ``peaks``, ``levels``, ``fwd_stall``, ``bwd_stall``, ``offloaded``, ``prefetched``,
@@ -732,6 +733,7 @@ def simulate(profile: Any, plan: Plan, device: DeviceSpec | str | None = None,
     whether the peak is in the forward, the backward or the optimizer step).
 
     ``device`` is the device to predict for (default: the profiled one); a preset name such as ``"a100-40gb"`` rescales
-    compute times by the FLOP/s ratio (see :class:`~memopt_nb.device.DeviceSpec`). ``budget`` defaults to the plan's.
+    compute times by the FLOP/s ratio (see :class:`~memopt_nb.core.device.DeviceSpec`). ``budget`` defaults to the
+    plan's.
     """
     return Simulator(profile, device).run(plan, budget)

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .budget import format_bytes
 from .errors import MemoptError
 
 GB = 10**9
@@ -176,17 +176,13 @@ class DeviceSpec:
 
     @classmethod
     def detect(cls, device: Any = None) -> DeviceSpec:
-        """Measure the device tensors live on: a CUDA GPU if given or available, else the CPU as an emulated device."""
-        import torch
+        """Measure the device tensors live on: a CUDA GPU if given or available, else the CPU as an emulated device.
 
-        dev = torch.device(device) if device is not None else None
-        if dev is None:
-            dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        if dev.type == "cuda":
-            return _detect_cuda(dev)
-        if dev.type != "cpu":
-            raise MemoptError(f"memopt_nb supports CPU and CUDA devices, not {dev.type!r}")
-        return _detect_cpu()
+        The measuring runs real kernels and the swap engine, so it lives in :mod:`memopt_nb.runtime.detect`, which
+        installs itself here when the package is imported."""
+        if _detector is None:  # pragma: no cover - the package installs it on import
+            raise MemoptError("no device detector installed: import memopt_nb (it installs memopt_nb.runtime.detect)")
+        return _detector(device)
 
     @classmethod
     def resolve(cls, device: DeviceSpec | str | None, default: DeviceSpec) -> DeviceSpec:
@@ -216,7 +212,8 @@ class DeviceSpec:
         the device); ``"both"`` is the round trip a swap makes, the sum of the two. The bytes term is what occupies a
         copy engine; the per-storage term is spent by the training thread. Without ``copy_overlap`` both add to the
         step; with it, the simulator queues the bytes term on the copy engines and adds only the per-storage term (see
-        :mod:`memopt_nb.simulate`). ``copy_seconds(nbytes, 0, d)`` and ``copy_seconds(0, n_storages, d)`` give the two
+        :mod:`memopt_nb.sim.simulator`). ``copy_seconds(nbytes, 0, d)`` and ``copy_seconds(0, n_storages, d)`` give
+        the two
         terms alone. The formula is linear: the arguments may be numpy arrays, and the solvers read its coefficients
         as ``copy_seconds(1.0, 0, d)`` per byte and ``copy_seconds(0.0, 1, d)`` per storage. A device without a host
         link never copies; its bytes term is 0.
@@ -249,194 +246,17 @@ class DeviceSpec:
         return cls(**data)
 
     def __str__(self) -> str:
-        from .budget import format_bytes
-
         link = f"{self.h2d_bytes_per_s / GB:.1f} GB/s host link" if self.has_host_link else "no host link"
         if self.has_host_link and self.copy_overhead_s:
             link += f" + {self.copy_overhead_s * 1e6:.0f} µs per storage copied"
         return f"{self.name} ({format_bytes(self.capacity_bytes)}, {link}, {self.compute_flops / TFLOP:.2f} TFLOP/s)"
 
 
-# ---------------------------------------------------------------------- detection helpers
-def _host_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 * GiB
+#: Measures a device (``DeviceSpec.detect``); installed by :mod:`memopt_nb.runtime.detect`.
+_detector: Callable[[Any], DeviceSpec] | None = None
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
-def _matmul_flops(device: Any, n: int, repeats: int = 8) -> float:
-    """Achieved fp32 matmul FLOP/s: the best of several runs (a shared machine only ever slows a run down)."""
-    import torch
-
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        if a.is_cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        if a.is_cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / min(times[1:])
-
-
-_CPU_CACHE: dict[tuple[int, int], DeviceSpec] = {}
-
-#: Shape of the copy-overhead calibration: units of storages saved for backward, each this many float32 elements.
-_CAL_UNITS, _CAL_STORAGES, _CAL_NUMEL, _CAL_REPEATS = 32, 8, 1024, 5
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
-
-
-def _calibrate_copy_overhead(bandwidth: float, device: Any = "cpu") -> float:
-    """Seconds per storage and direction that the real CPU swap path costs beyond moving the bytes.
-
-    Runs a chain of ``_CAL_UNITS`` units, each saving ``_CAL_STORAGES`` small storages, forward and backward with the
-    swap engine (every unit swapped, offload window 1, prefetch distance 1) and without it, interleaved, and takes the
-    difference of the fastest runs (a shared machine only ever slows a run down), less the bytes' own copy time, per
-    storage and direction. About 0.1-0.4 s; leaves torch's random state alone. ``device``: where the chain runs (on
-    CUDA: the engine's side streams, events and pinned pool).
-    """
-    import torch
-
-    from .plan import effective_triggers
-    from .runtime.swap import SwapEngine
-
-    n, k = _CAL_UNITS, _CAL_STORAGES
-    device = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    strategies = ["swap"] * n
-    engine = SwapEngine(strategies, [1] * n, effective_triggers(strategies, [1] * n))
-
-    def unit(h: Any) -> Any:
-        for _ in range(k):
-            h = torch.sigmoid(h)  # saves its output: one storage per op, dropped by the unit once it returns
-        return h * 2.0
-
-    def step(swap: bool) -> float:
-        x = torch.ones(_CAL_NUMEL, device=device, requires_grad=True)
-        sync()
-        t0 = time.perf_counter()
-        h = x
-        for i in range(n):
-            if swap:
-                p = engine.begin_unit(i)
-                with engine.hooks(p, i, set()):
-                    y = unit(h)
-                engine.end_unit(p, i, y)
-            else:
-                y = unit(h)
-            h = y
-        h.sum().backward()
-        sync()
-        return time.perf_counter() - t0
-
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            step(True), step(False)  # warm-up: copy threads, host pool
-            swapped, plain = [], []
-            for _ in range(_CAL_REPEATS):
-                swapped.append(step(True))
-                plain.append(step(False))
-    finally:
-        engine.close()
-    copies = 2 * n * k  # each storage goes to the host and back
-    nbytes = _CAL_NUMEL * 4
-    per_copy = (min(swapped) - min(plain)) / copies - nbytes / bandwidth
-    return max(0.0, per_copy)
-
-
-def _detect_cpu() -> DeviceSpec:
-    import ctypes
-
-    import torch
-
-    threads, cores = torch.get_num_threads(), _usable_cores()
-    cached = _CPU_CACHE.get((threads, cores))
-    if cached is not None:
-        return cached
-    # the emulated copy engine is a worker thread doing a single-threaded memmove: measure exactly that (the best of
-    # the timed runs, as for compute: a shared machine only ever slows a run down)
-    src = torch.ones(64 * 2**20, dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
-        times.append(time.perf_counter() - t0)
-    del src, dst
-    bandwidth = 64 * 2**20 / min(times[1:])
-    try:
-        overhead = _calibrate_copy_overhead(bandwidth)
-        how = f"per-storage copy cost {overhead * 1e6:.1f} µs measured on the swap engine"
-    except Exception as exc:  # pragma: no cover - defensive: detection must not fail over a refinement
-        overhead = 0.0
-        how = f"per-storage copy cost not measured ({type(exc).__name__}: {exc})"
-    spare = threads < cores
-    spec = DeviceSpec(
-        name="cpu (emulated device)",
-        kind="cpu",
-        capacity_bytes=_host_memory_bytes(),
-        h2d_bytes_per_s=bandwidth,
-        d2h_bytes_per_s=bandwidth,
-        compute_flops=_matmul_flops("cpu", 512),
-        copy_overlap=spare,
-        copy_overhead_s=overhead,
-        note="CPU as an emulated training device: link = measured single-thread memmove, compute = measured fp32 "
-        f"matmul, {how}; torch uses {threads} of {cores} cores, so the copy threads "
-        + ("have a spare core: copies overlap compute" if spare else "share the cores with compute: copies add to "
-           "the step"),
-    )
-    _CPU_CACHE[(threads, cores)] = spec
-    return spec
-
-
-def _detect_cuda(dev: Any) -> DeviceSpec:  # pragma: no cover - needs a GPU
-    import torch
-
-    props = torch.cuda.get_device_properties(dev)
-    n = 64 * 2**20
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    gpu = torch.empty(n, dtype=torch.uint8, device=dev)
-
-    def bw(dst: Any, src: Any) -> float:
-        times = []
-        for _ in range(5):
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize(dev)
-            times.append(time.perf_counter() - t0)
-        return n / _median(times[1:])
-
-    h2d, d2h = bw(gpu, host), bw(host, gpu)
-    del host, gpu
-    try:  # the swap engine's side streams, events and pinned pool: 62-80 µs per storage on an H200 (2026-12-04)
-        overhead = _calibrate_copy_overhead(min(h2d, d2h), dev)
-        how = f"per-storage copy cost {overhead * 1e6:.1f} µs measured on the swap engine"
-    except Exception as exc:  # defensive: detection must not fail over a refinement
-        overhead = 0.0
-        how = f"per-storage copy cost not measured ({type(exc).__name__}: {exc})"
-    return DeviceSpec(
-        name=props.name,
-        kind="cuda",
-        capacity_bytes=int(props.total_memory),
-        h2d_bytes_per_s=h2d,
-        d2h_bytes_per_s=d2h,
-        compute_flops=_matmul_flops(dev, 4096),
-        copy_overhead_s=overhead,
-        note=f"detected: pinned-memory copy bandwidth and fp32 matmul throughput measured at profile time, {how}",
-    )
+def set_detector(detect: Callable[[Any], DeviceSpec]) -> None:
+    """Install the function :meth:`DeviceSpec.detect` measures a device with."""
+    global _detector
+    _detector = detect

@@ -1,0 +1,84 @@
+"""The profile as a table in a notebook: per unit time and memory, the hierarchy of split units, the totals and the
+smallest peak any plan reaches (from :mod:`memopt_nb.planners.floor`)."""
+
+
+from __future__ import annotations
+
+import html
+
+from ..core.budget import format_bytes
+from ..core.profile import ModelProfile, UnitProfile
+from ..planners.floor import explain_floor
+
+
+def _floor_html(prof: ModelProfile) -> str:
+    """The smallest peak any plan reaches on the profiled device and what bounds it (:mod:`..planners.floor`)."""
+    try:
+        floor = explain_floor(prof, offload_state=True)  # the planners' default space
+    except Exception as exc:  # noqa: BLE001 - a display must not fail
+        return f"<p>smallest reachable peak: not computed ({html.escape(type(exc).__name__)}: " \
+               f"{html.escape(str(exc))})</p>"
+    advice = ("<br>To lower it: " + html.escape("; ".join(floor.advice)) + ".") if floor.advice else ""
+    return (f"<p><b>Smallest reachable peak (any plan): {format_bytes(floor.floor_bytes)}</b> = "
+            f"{html.escape(floor.breakdown_text())}.<br>{html.escape(floor.bound_text())}{advice}</p>")
+
+
+def profile_html(prof: ModelProfile) -> str:
+    """The profile's notebook table (``ModelProfile._repr_html_``)."""
+    numbered = any(u.name != str(u.index) for u in prof.units)  # nn.Sequential children: the name is the index
+    split = prof.meta.get("split") or {}
+    parents: list[str] = []
+    cells = []
+    for depth, name, index in prof.hierarchy():
+        parents = parents[:depth]
+        label = name[len(parents[-1]) + 1:] if parents else name
+        if index is None:
+            cells.append(f'<tr><td colspan="{10 if numbered else 9}" style="text-align:left;padding-left:'
+                         f'{1.2 * depth:.1f}em"><b>{html.escape(label)}</b> ({html.escape(split.get(name, ""))}, '
+                         "split into the units below)</td></tr>")
+            parents.append(name)
+        else:
+            cells.append(_unit_row(prof.units[index], numbered, depth, label))
+    rows = "".join(cells)
+    totals = (f"peak {format_bytes(prof.peak_bytes)} · step {prof.step_time * 1e3:.1f} ms · params "
+              f"{format_bytes(prof.param_bytes)} · optimizer state {format_bytes(prof.optimizer_state_bytes)} · "
+              f"not in units {format_bytes(prof.unattributed_bytes)} · units cover {prof.coverage:.0%} of saved "
+              f"bytes · device {html.escape(prof.device.name)}")
+    excluded = ""
+    if prof.excluded:
+        excluded = "<p>excluded: " + "; ".join(html.escape(f"{e['name']} ({e['reason']})")
+                                               for e in prof.excluded) + "</p>"
+    head = ("<th>#</th>" if numbered else "") + (
+        "<th>unit</th><th>type</th><th>fwd ms</th><th>bwd ms</th>"
+        '<th title="activations the unit saves for backward">saved</th>'
+        '<th title="saved bytes that recomputing the unit frees (made and used only inside it)">freed by '
+        "recompute</th><th>output</th><th>params</th>"
+        '<th title="random ops (dropout): recompute replays their random numbers; running stats (BatchNorm): '
+        'recompute does not update them twice">notes</th>')
+    return (
+        f"<div><b>{html.escape(prof.summary())}</b><p>{totals}</p>{_floor_html(prof)}{excluded}<table><thead>"
+        f"<tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
+    )
+
+
+
+def _unit_row(u: UnitProfile, numbered: bool, depth: int = 0, label: str | None = None) -> str:
+    pad = f' style="padding-left:{1.2 * depth:.1f}em" title="{html.escape(u.name)}"' if depth else ""
+    return (
+        "<tr>" + (f"<td>{u.index}</td>" if numbered else "") +
+        f"<td{pad}>{html.escape(label if label is not None else u.name)}</td><td>{html.escape(u.type)}</td>"
+        f"<td>{u.fwd_time * 1e3:.2f}</td><td>{u.bwd_time * 1e3:.2f}</td><td>{format_bytes(u.saved_bytes)}</td>"
+        f"<td>{format_bytes(u.interior_bytes)}</td><td>{format_bytes(u.output_bytes)}</td>"
+        f"<td>{format_bytes(u.param_bytes)}</td>"
+        f"<td>{', '.join(f for f, on in (('random ops', u.has_rng), ('running stats', u.has_running_stats)) if on)}"
+        f"{_effects_html(u)}</td></tr>")
+
+
+def _effects_html(u: UnitProfile) -> str:
+    out = ""
+    if u.side_effects:
+        out += f' <span title="{html.escape(u.side_effects)}">state</span>'
+    if not u.recomputable:
+        reason = u.not_recomputable_reason or "marked so"
+        out += f" <b>not recomputable</b>: {html.escape(reason)}"
+    return out

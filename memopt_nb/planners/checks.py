@@ -1,0 +1,60 @@
+"""The budget check every planner makes: a budget below the smallest peak any plan in the space reaches is refused
+with what bounds that floor and how to lower it (:mod:`.floor`)."""
+
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..core.budget import format_bytes, resolve_budget
+from ..core.errors import BudgetError
+from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES
+from ..sim.simulator import Simulator
+from .floor import explain_floor
+from .milp import cached_min_peak
+from .space import (
+    OffloadState,
+    allowed_states,
+    state_table_of,
+)
+
+
+def _space_text(sim: Simulator, strategies: Sequence[str], offload_state: OffloadState,
+                step_in_backward: bool) -> str:
+    """How a refused budget's space was restricted, for the message ('' for the whole default space)."""
+    parts = []
+    if set(strategies) != set(DEFAULT_STRATEGIES):
+        parts.append(f"using only {', '.join(strategies)}")
+    allowed = allowed_states(offload_state, step_in_backward)
+    if state_table_of(sim) is not None:
+        moved = {piece for c in allowed for piece, place in zip(("optimizer state", "gradients", "parameters"),
+                                                               STATE_CHOICES[c], strict=True) if place != "resident"}
+        kept = [p for p in ("optimizer state", "gradients", "parameters") if p not in moved]
+        if kept:
+            parts.append(f"with {', '.join(kept)} resident")
+    return (" " + " ".join(parts)) if parts else ""
+
+
+def check_budget(sim: Simulator, budget: Any, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
+                 offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
+    """Parse ``budget`` (bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak; ``None``: the device's capacity) and
+    refuse one no plan in the given space (``strategies``, ``offload_state``, ``step_in_backward``) can meet."""
+    if budget is None:
+        budget = sim.device.capacity_bytes
+    value = resolve_budget(budget, reference=sim.profile.peak_bytes)
+    lowest = cached_min_peak(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+    if value < lowest:
+        using = _space_text(sim, strategies, offload_state, step_in_backward)
+        floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=strategies,
+                              offload_state=offload_state, step_in_backward=step_in_backward)
+        raise BudgetError(
+            f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches for this "
+            f"profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes) = {floor.breakdown_text()}. "
+            f"{floor.bound_text()} Ask for at least {format_bytes(lowest)}; to lower the floor: "
+            f"{'; '.join(floor.advice)}."
+        )
+    return value
+
+
+# ---------------------------------------------------------------------- planners

@@ -1,0 +1,99 @@
+"""The exact planner: the fastest plan under a budget, by MILP (:mod:`.milp`), with a smaller problem's optimum as
+the cut-off and the answer of last resort."""
+
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..core.device import DeviceSpec
+from ..core.errors import BudgetError
+from ..core.plan import DEFAULT_STRATEGIES, OFFLOADING, STATE_CHOICES, Plan
+from ..sim.simulator import Simulator
+from .checks import check_budget
+from .milp import Formulation
+from .space import (
+    OffloadState,
+    allowed_states,
+    allowed_strategies,
+    as_simulator,
+    make_plan,
+    unit_states,
+)
+
+
+def _fallback(sim: Simulator, b: int, strategies: Sequence[str], time_limit: float,
+              space: dict[str, Any]) -> tuple[Plan | None, str]:
+    """A smaller problem's optimum that bounds the full one from above (a cut-off that prunes the search, and the
+    answer of last resort if the full problem runs out of time), and what it means when nothing beats it.
+
+    Where state may move, the activation-only optimum (when it fits); otherwise, or if it does not fit, the
+    checkpointing-only optimum in the same state space (quick to prove)."""
+    if any(len(c) > 1 for c in unit_states(sim, **space)):
+        try:
+            return (optimal(sim, b, strategies=strategies, time_limit=time_limit / 4, offload_state=False),
+                    "no plan moving state beat the activation-only optimum")
+        except BudgetError:
+            pass
+    if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
+        rc_only = tuple(x for x in strategies if x not in OFFLOADING
+                        and (x != "selective" or bool(np.any(sim.sel_has))))  # no selective it cannot offer
+        try:
+            return (optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space),
+                    "no plan with swaps beat the checkpointing-only optimum")
+        except BudgetError:
+            pass
+    return None, ""
+
+
+def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
+            strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 120.0, *,
+            offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
+    """The plan with the smallest simulated step time whose simulated peak fits ``budget``.
+
+    Solved exactly (to HiGHS tolerances) as a MILP over the simulator's model; ``strategies`` restricts the activation
+    options (e.g. ``("keep", "recompute")`` for checkpointing only; a bad value raises
+    :class:`~memopt_nb.core.errors.PlanError`). ``offload_state`` says which state may leave the
+    device: ``True`` (optimizer state, gradients, parameters), ``False`` (activations only) or a set of
+    ``"optimizer"``, ``"grads"``, ``"params"``; ``step_in_backward=True`` also allows stepping units inside backward
+    (the plan then forbids gradient accumulation and clipping). ``plan.meta`` has the solver status, the MILP
+    objective, the simulated time of the plan, the solve time and whether optimality was proven within ``time_limit``.
+    """
+    strategies = allowed_strategies(strategies)  # PlanError on a bad value
+    sim = as_simulator(profile, device)
+    space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
+    b = check_budget(sim, budget, strategies, **space)
+    allowed = [list(STATE_CHOICES[c]) for c in allowed_states(offload_state, step_in_backward)]
+    t0 = time.perf_counter()
+    fallback, note = _fallback(sim, b, strategies, time_limit, space)
+    form = Formulation(sim, strategies, **space)
+    form.limit_memory(b)
+    objective, const, tscale = form.time_objective()
+    offset = form.time_offset
+    if fallback is not None and fallback.feasible:
+        form.cap(objective, (fallback.predicted_step_time - offset) / tscale * (1 + 1e-7) - const)
+    res = form.solve(objective, max(time_limit - (time.perf_counter() - t0), 1.0))
+    solve_time = time.perf_counter() - t0
+    if res.x is None or (fallback is not None and fallback.feasible
+                         and (float(res.fun) + const) * tscale + offset >= fallback.predicted_step_time):
+        if fallback is not None and fallback.feasible:
+            proven = res.status in (0, 2)  # solved, or infeasible under the cut-off: nothing beats checkpointing
+            meta = {"solver": "highs-milp", "proven_optimal": proven, "solve_seconds": solve_time,
+                    "milp_step_time": fallback.predicted_step_time, "allowed_strategies": list(strategies),
+                    "allowed_placements": allowed, "mip_gap": 0.0 if proven else float("nan"),
+                    "note": note + ("" if proven else " within the time limit")}
+            return fallback.with_meta(method="optimal", step_in_backward=fallback.step_in_backward or step_in_backward,
+                                      meta=meta)
+        raise BudgetError(f"the exact solver found no plan within {time_limit:.0f} s ({res.message}); raise "
+                          f"time_limit or the budget")
+    codes, ws, ds, states = form.read_back(res.x)
+    milp_time = (float(res.fun) + const) * tscale + offset
+    return make_plan(sim, codes, ws, ds, budget=b, method="optimal", states=states,
+                     step_in_backward=step_in_backward, solver="highs-milp",
+                     proven_optimal=bool(res.status == 0), milp_step_time=milp_time, solve_seconds=solve_time,
+                     mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0), allowed_strategies=list(strategies),
+                     allowed_placements=allowed)

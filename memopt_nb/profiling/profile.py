@@ -1,0 +1,334 @@
+"""``memopt.profile``: what a model's training step costs, per unit.
+
+A *unit* is a module on which a plan decides (a transformer block, a ResNet block). The profiler runs a few real
+training steps (and restores the model, optimizer and RNG afterwards) to measure:
+
+* per unit: forward and backward time, bytes autograd saves inside it (each storage once, parameters excluded), its
+  internal ("interior") bytes that recompute or swap can free, input/output/parameter bytes, and flags (RNG ops,
+  running statistics);
+* the step as a timeline of *segments* — each unit's forward and backward, and the code between units — with the
+  memory level at the start of each segment and its peak above that level, with every unit kept and with every unit
+  recomputed;
+* *storage groups*: saved or unit-input storages with the same producer, savers and consumers, and the unit boundary at
+  which nothing but autograd refers to them any more. This is what lets the simulator predict swap and recompute
+  exactly, skip connections and shared boundary tensors included;
+* totals: parameter, gradient, optimizer-state bytes, the measured peak and the bytes not attributed to units.
+"""
+
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core.device import DeviceSpec
+from ..core.errors import ProfileError
+from ..core.plan import SAVE_SETS, model_fingerprint, optimizer_fingerprint, unit_fingerprint
+from ..core.profile import ModelProfile, Segment, UnitProfile
+from ..runtime.distributed import check_plain
+from ..runtime.measure import model_device
+from ..runtime.recompute import (
+    ForwardEffects,
+    forward_side_effects,
+    running_stat_modules,
+)
+from ..runtime.step import (
+    autocast_name,
+    model_keywords,
+    preserved_state,
+    resolve_autocast,
+    step_autocast,
+    training_step,
+)
+from .opsets import mark_pareto, propose_save_sets, record_ops
+from .tracer import (
+    chunked_step,
+    discover,
+    forward,
+    groups_from,
+    segments_from,
+    static_bytes,
+    timed_step,
+    tracked_step,
+    unique_bytes,
+    unit_state_bytes,
+)
+from .units import select_units
+
+
+# ====================================================================== forward side effects
+def _refuse_own_checkpointing(model: nn.Module, effects: ForwardEffects) -> None:
+    """A model that checkpoints its own blocks cannot be profiled: the profile would see recompute as "keep"."""
+    if not effects.own_checkpointing:
+        return
+    shown = ", ".join(repr(n) for n in effects.own_checkpointing[:4]) + (
+        " …" if len(effects.own_checkpointing) > 4 else "")
+    how = ("call model.gradient_checkpointing_disable() (Hugging Face models) before profiling"
+           if hasattr(model, "gradient_checkpointing_disable") else
+           "remove the torch.utils.checkpoint call from its forward (or the option that enables it)")
+    raise ProfileError(
+        f"{type(model).__name__} already runs {shown} under torch.utils.checkpoint (its own activation "
+        f"checkpointing); memopt cannot profile or plan a model that checkpoints itself. Turn that off — {how} — "
+        "and let a plan choose recompute where it pays (Plan.uniform(profile, 'recompute') does what it did)")
+
+
+def _mark_side_effects(prof: ModelProfile, effects: ForwardEffects) -> None:
+    """Record each unit's forward side effects; a unit whose recomputation cannot be exact is not recomputable.
+
+    The reason also goes into the unit's fingerprint entry, so a plan made from this profile carries it and applying
+    a plan that recomputes the unit is refused before anything runs.
+    """
+    for u, fp in zip(prof.units, prof.fingerprint, strict=True):
+        u.side_effects, reason = effects.for_unit(u.name)
+        if reason:
+            u.recomputable = False
+            u.not_recomputable_reason = reason
+            fp["not_recomputable"] = reason
+
+
+
+def _save_sets(proposed: dict[int, dict[str, dict[str, Any]]], sac_marks: dict[str, list], rc_marks: list,
+               labels_ref: list, segs: list[Segment], fwd_seg: dict, bwd_seg: dict,
+               rc_time: list[float] | None = None,
+               sac_time: dict[str, list[float]] | None = None) -> tuple[dict[int, dict], list]:
+    """Each unit's measured save-sets from the selective steps' marks against the all-recompute step's, and what
+    could not be measured (as notes).
+
+    ``recompute_time``: the simulator charges a recomputed unit its forward time; a selective unit is charged that
+    times what selective adds to the unit's forward and backward over keeping, divided by what recompute adds (timed
+    steps, medians; within 0..2), and the op-time estimate (the share of the unit's op time its kept calls do not
+    save) where recompute added nothing measurable."""
+    out: dict[int, dict[str, dict[str, Any]]] = {i: {} for i in proposed}
+    notes = []
+    for name, marks in sac_marks.items():
+        if [m[0] for m in marks] != labels_ref or [m[0] for m in rc_marks] != labels_ref:
+            notes.append(f"{name}: the step ran differently under selective checkpointing; not offered")
+            continue
+        diff = [m[1] - r[1] for m, r in zip(marks, rc_marks, strict=True)]  # kept bytes at each mark
+        for i, sets in proposed.items():
+            if name not in sets:
+                continue
+            f, b = fwd_seg[i], bwd_seg[i]
+            held = diff[f + 1] - diff[f]
+            if held < 0 or diff[b + 1] - diff[b] != -held:  # not held from its forward to its backward alone
+                notes.append(f"{name} of unit {i}: kept bytes not released at its backward; not offered")
+                continue
+            out[i][name] = {
+                "ops": sets[name]["ops"],
+                "held_bytes": int(held),
+                "recompute_time": _selective_time(sets[name]["fraction"], segs, f, b, rc_time,
+                                                  (sac_time or {}).get(name)),
+                "fwd_rel_peak": int(max(0, marks[f + 1][2] - marks[f][1])),
+                "bwd_rel_peak": int(max(0, marks[b + 1][2] - marks[b][1])),
+            }
+    for sets in out.values():
+        mark_pareto(sets)
+    return out, notes
+
+
+def _selective_time(fraction: float, segs: list[Segment], f: int, b: int, rc_time: list[float] | None,
+                    sel_time: list[float] | None) -> float:
+    """Seconds a selective unit adds (see :func:`_save_sets`)."""
+    fwd = segs[f].time
+    estimate = (1.0 - fraction) * fwd
+    if rc_time is None or sel_time is None:
+        return estimate
+    keep = segs[f].time + segs[b].time
+    rc_extra = rc_time[f] + rc_time[b] - keep
+    if rc_extra <= 0.02 * keep:  # recompute added nothing measurable: nothing to scale by
+        return estimate
+    return fwd * min(2.0, max(0.0, (sel_time[f] + sel_time[b] - keep) / rc_extra))
+
+
+#: profile()'s own keyword options; every other keyword goes to the model.
+PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective", "autocast")
+
+
+def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+            optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
+            device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
+            selective: bool = False, autocast: torch.dtype | str | None = None, **example_kwargs: Any) -> ModelProfile:
+    """Profile one training step of ``model`` on ``example_inputs``.
+
+    The model is called as ``model(*example_inputs, **example_kwargs)``, as you call it in training:
+    ``memopt.profile(model, input_ids=ids, attention_mask=mask, labels=ids, loss_fn=lambda out: out.loss)``.
+
+    Args:
+        model: the model, on the device it trains on.
+        example_inputs: positional inputs of ``model(...)``, at the batch size you train with.
+        example_kwargs: keyword inputs of ``model(...)``: every keyword that is not one of profile()'s own options
+            (``loss_fn``, ``optimizer``, ``units``, ``repeats``, ``device``, ``model_kwargs``, ``selective``,
+            ``autocast``) goes to the model.
+        model_kwargs: the same as a dict, for a model keyword named like one of those options
+            (``model_kwargs={"device": ...}``); may be combined with ``example_kwargs``.
+        loss_fn: ``loss_fn(output) -> scalar``; by default the output itself if scalar, else its sum.
+        optimizer: the optimizer you train with (its state counts towards memory); optional.
+        units: ``"auto"`` (repeated blocks: children of ModuleList/Sequential containers, about 4–64 of them),
+            ``"fine"`` (those blocks, then the unit that saves the most split into its submodules while that lowers
+            the largest unit, up to 64 units; a transformer block becomes attention, MLP and norms — plans reach a
+            lower floor and can recompute the cheap parts only; see ``_split_largest``), a list of qualified module
+            names (units must not contain each other), or an int depth in the module tree.
+        repeats: timed steps; times are medians.
+        device: the DeviceSpec of the device measured (detected by default).
+        selective: also measure, per unit, the save-sets selective checkpointing may keep (``UnitProfile.save_sets``,
+            see :mod:`memopt_nb.profiling.opsets`): what planners need for ``strategies=`` with ``"selective"``. Costs
+            one
+            forward, one profiled step per save-set found (up to three) and ``repeats`` timed steps each of plain
+            recompute and of every save-set.
+        autocast: mixed precision as your loop uses it: ``torch.bfloat16`` or ``torch.float16`` (or ``"bf16"``,
+            ``"fp16"``) runs every forward and the loss under ``torch.autocast(device_type, dtype=...)`` and backward
+            and the optimizer step outside, as ``with torch.autocast(...): loss = loss_fn(model(x))`` then
+            ``loss.backward()`` does. Profile the way you train: a profile made without autocast does not predict a
+            loop with it. Calling ``profile`` inside ``torch.autocast`` raises :class:`ProfileError` (its backward
+            would run under autocast too, and autocast's weight cache would live through it).
+
+    The model, optimizer and RNG state are restored afterwards. Modules that run more than once per forward, not at
+    all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
+
+    check_plain(model, "profile")  # DDP / FSDP2: profile the plain model, then wrap it (memopt_nb.runtime.distributed)
+    kwargs = model_keywords(model, "profile", PROFILE_OPTIONS, model_kwargs, example_kwargs)
+    if not example_inputs and not kwargs:
+        raise ProfileError("profile() needs example inputs: memopt.profile(model, x) with x a batch of inputs, or "
+                           "keyword inputs as the model takes them, e.g. memopt.profile(model, input_ids=ids)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ProfileError("loss_fn must be callable: loss_fn(output) -> scalar tensor")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ProfileError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ProfileError(f"repeats must be a positive int, got {repeats!r}")
+    dev = model_device(model, example_inputs, kwargs)
+    amp = resolve_autocast(autocast, dev, "profile")
+    spec = device if device is not None else DeviceSpec.detect(dev)
+    inputs = tuple(example_inputs)
+    t_start = time.perf_counter()
+    with preserved_state(model, optimizer), step_autocast(dev.type, amp):
+        try:
+            training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)  # warm-up: optimizer state, lazy init
+        except ProfileError:
+            raise
+        except Exception as exc:
+            raise ProfileError(f"a training step of the model failed before profiling: {type(exc).__name__}: {exc}"
+                               ) from exc
+        effects = forward_side_effects(model, lambda: forward(model, inputs, kwargs))
+        _refuse_own_checkpointing(model, effects)
+        info, total_saved = discover(model, inputs, kwargs)
+        split: dict[str, str] = {}
+        names, excluded = select_units(model, units, info, split)
+        n = len(names)
+        keep_marks, run, peak = tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=True,
+                                              recompute=False, kwargs=kwargs)
+        rc_marks, _, _ = tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True,
+                                       kwargs=kwargs)
+        timings: list[list[float]] = []
+        labels_ref = [m[0] for m in keep_marks]
+        proposed: dict[int, dict[str, dict[str, Any]]] = {}
+        set_ops: dict[str, dict[int, Any]] = {}  # per save-set, the ops each unit that has it keeps
+        if selective:
+            calls = record_ops(model, inputs, kwargs, names)
+            proposed = {i: propose_save_sets(calls.get(i, [])) for i in range(n)}
+            set_ops = {k: ops for k in SAVE_SETS if (ops := {i: p[k]["ops"] for i, p in proposed.items() if k in p})}
+        sac_marks = {k: tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True,
+                                      kwargs=kwargs, save_ops=ops)[0] for k, ops in set_ops.items()}
+        # untimed: the tracked steps leave caches cold
+        timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
+        for _ in range(repeats):
+            labels, durations = timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
+            if labels != labels_ref:
+                raise ProfileError("the step ran differently between repeats (data-dependent control flow?)")
+            timings.append(durations)
+        sac_times: dict[str, list[list[float]]] = {k: [] for k in set_ops}
+        rc_times: list[list[float]] = []
+        for _ in range(repeats if set_ops else 0):  # what selective costs, against recompute, measured
+            rc_times.append(timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, recompute=True)[1])
+            for k, ops in set_ops.items():
+                sac_times[k].append(timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, recompute=True,
+                                                save_ops=ops)[1])
+        static = static_bytes(model, optimizer)
+        modules = dict(model.named_modules())
+        unit_params = [list(modules[nm].parameters()) for nm in names]
+        state_bytes = unit_state_bytes(model, optimizer, unit_params, [modules[nm] for nm in names])
+        chunked = (chunked_step(model, inputs, loss_fn, optimizer, unit_params, dev, kwargs)
+                   if optimizer is not None else None)
+    segs, fwd_seg, bwd_seg = segments_from(keep_marks, n)
+    for i, seg in enumerate(segs):
+        seg.time = statistics.median(t[i] for t in timings)
+    rc_rel = {}
+    if [m[0] for m in rc_marks] == labels_ref:
+        for i in range(len(rc_marks) - 1):
+            rc_rel[i] = max(0, rc_marks[i + 1][2] - rc_marks[i][1])
+    groups = groups_from(run)
+    median = lambda runs: [statistics.median(t[i] for t in runs) for i in range(len(segs))]  # noqa: E731
+    save_sets, sac_notes = _save_sets(proposed, sac_marks, rc_marks, labels_ref, segs, fwd_seg, bwd_seg,
+                                      median(rc_times) if rc_times else None,
+                                      {k: median(v) for k, v in sac_times.items() if v})
+    spec_link = spec.has_host_link
+    unit_list = []
+    for i, name in enumerate(names):
+        mod = modules[name]
+        saved = sum(g.nbytes for g in groups if i in g.savers)
+        interior = sum(g.nbytes for g in groups if g.savers == (i,) and g.producer == i and not g.outside_saver)
+        in_shapes, out_shapes, in_bytes, out_bytes = run.unit_io.get(i, ([], [], 0, 0))
+        unit_list.append(UnitProfile(
+            name=name, index=i, type=type(mod).__name__, fwd_time=segs[fwd_seg[i]].time, bwd_time=segs[bwd_seg[i]].time,
+            saved_bytes=saved, interior_bytes=interior, input_bytes=in_bytes, output_bytes=out_bytes,
+            param_bytes=sum(p.numel() * p.element_size() for p in mod.parameters()),
+            has_rng=bool(info[name].get("rng")), has_running_stats=bool(running_stat_modules(mod)),
+            recomputable=True, swappable=spec_link, fwd_segment=fwd_seg[i], bwd_segment=bwd_seg[i],
+            rc_fwd_rel_peak=rc_rel.get(fwd_seg[i], segs[fwd_seg[i]].rel_peak),
+            rc_bwd_rel_peak=rc_rel.get(bwd_seg[i], segs[bwd_seg[i]].rel_peak + 0),
+            input_shapes=in_shapes, output_shapes=out_shapes, **state_bytes[i],
+            step_time=chunked[0][i + 1] if chunked else 0.0, step_rel_peak=chunked[1][i + 1] if chunked else 0,
+            save_sets=save_sets.get(i, {}),
+            grads_done_extra=(run.grads_done[i] - segs[bwd_seg[i] + 1].start_level
+                              if i in run.grads_done and bwd_seg[i] + 1 < len(segs) else 0),
+        ))
+    unit_saved = sum(g.nbytes for g in groups if g.savers)
+    batch = None  # the first dimension of the first batched input tensor, positional first, then keyword
+    first = next((x for x in [*inputs, *kwargs.values()] if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if first is not None:
+        batch = int(first.shape[0])
+    prof = ModelProfile(
+        units=unit_list, segments=segs, groups=groups, device=spec, peak_bytes=peak,
+        step_time=sum(s.time for s in segs), start_level=keep_marks[0][1], param_bytes=static["params"],
+        grad_bytes=static["params_trainable"], optimizer_state_bytes=static["optimizer"],
+        buffer_bytes=static["buffers"],
+        input_bytes=unique_bytes([x for x in [*inputs, *kwargs.values()] if isinstance(x, torch.Tensor)]),
+        unattributed_bytes=max(0, peak - static["params"] - static["params_trainable"] - static["optimizer"]
+                               - static["buffers"] - unit_saved),
+        batch_size=batch, fingerprint=tuple(unit_fingerprint(nm, modules[nm]) for nm in names), excluded=excluded,
+        coverage=(unit_saved / total_saved) if total_saved else 1.0,
+        meta={
+            "model_class": type(model).__name__,
+            "torch_version": torch.__version__,
+            "repeats": repeats,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "profile_seconds": round(time.perf_counter() - t_start, 3),
+            "rc_marks_matched": bool(rc_rel),
+            "model_fingerprint": model_fingerprint(model, names),  # a plan made from this profile refuses other models
+            "optimizer_fingerprint": optimizer_fingerprint(optimizer) if optimizer is not None else None,
+            "units_rule": units if units in ("auto", "fine") else "depth" if isinstance(units, int) else "names",
+            "split": split,  # units="fine": module split into its children -> its class (the table's hierarchy)
+            "selective": ({"measured": True, "notes": sac_notes} if selective else None),
+            "autocast": autocast_name(amp),  # the forward's, if any
+        },
+        step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
+        outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,
+        chunked_step_time=chunked[2] if chunked else 0.0,
+    )
+    _mark_side_effects(prof, effects)
+    prof._model_ref = weakref.ref(model)
+    if optimizer is not None:
+        prof._optimizer_ref = weakref.ref(optimizer)
+    return prof
+
