@@ -15,14 +15,15 @@ from memopt_nb.harness.synthetic import chain_profile
 from memopt_nb.planners.rl.task import PlanningTask
 
 search_mod = importlib.import_module("memopt_nb.planners.rl.search")
+polish_mod = importlib.import_module("memopt_nb.planners.polish")
 
 
 def reference_polish(task, codes, windows, dists, states=None, max_rounds=100):
     """The polish as it was before its moves were pruned: every allowed single-unit move simulated every round."""
     n = task.n
-    cur = search_mod._to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
+    cur = polish_mod.to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
     cur_st = np.zeros(n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64).copy()
-    peak, t = task.evaluate(*[a[None] for a in search_mod._option_arrays(cur)], cur_st[None])
+    peak, t = task.evaluate(*[a[None] for a in polish_mod.option_arrays(cur)], cur_st[None])
     best_t = float(t[0]) if peak[0] <= task.budget else math.inf
     moves = 0
     last: dict = {}
@@ -34,17 +35,17 @@ def reference_polish(task, codes, windows, dists, states=None, max_rounds=100):
         cand[np.arange(n * N), units] = opts
         cand = cand[task.option_ok[units, opts]]
         if task.C > 1:
-            cand, cand_st = search_mod._best_pairs(task, cur, cur_st, cand, last=last)
+            cand, cand_st = polish_mod._best_pairs(task, cur, cur_st, cand, last=last)
         else:
             cand_st = np.repeat(cur_st[None], cand.shape[0], axis=0)
-        peak, t = task.evaluate(*search_mod._option_arrays(cand), cand_st)
+        peak, t = task.evaluate(*polish_mod.option_arrays(cand), cand_st)
         t = np.where(peak <= task.budget, t, math.inf)
         i = int(np.argmin(t))
         if not t[i] < best_t * (1 - 1e-12):
             break
         cur, cur_st, best_t = cand[i], cand_st[i], float(t[i])
         moves += 1
-    c, w, d = search_mod._option_arrays(cur)
+    c, w, d = polish_mod.option_arrays(cur)
     return c, w, d, cur_st, moves
 
 
@@ -77,16 +78,16 @@ def _starts(task, count=4, seed=0):
     n = task.n
     out = [task.plain_options(), np.where(task.option_ok[:, 1], 1, task.plain_options())]
     out += [np.array([rng.choice(np.flatnonzero(task.option_ok[u])) for u in range(n)]) for _ in range(count)]
-    return [search_mod._option_arrays(o) for o in out]
+    return [polish_mod.option_arrays(o) for o in out]
 
 
 @pytest.mark.parametrize("block", [None, 3], ids=["default-block", "small-blocks"])
 def test_polish_makes_the_moves_of_simulating_every_move(task, block, monkeypatch):
     if block:  # small first batches: the bound decides which moves are simulated at all
-        monkeypatch.setattr(search_mod, "MOVE_BLOCK", block)
+        monkeypatch.setattr(polish_mod, "MOVE_BLOCK", block)
     moved = 0
     for c, w, d in _starts(task):
-        got = search_mod.polish(task, c, w, d)
+        got = polish_mod.polish(task, c, w, d)
         want = reference_polish(task, c, w, d)
         assert got[4] == want[4]
         for a, b in zip(got[:4], want[:4], strict=True):
@@ -99,7 +100,7 @@ def test_polish_with_placements_is_unchanged():
     task = _task(10, 4, "a100-40gb", 0.4, ("keep", "recompute", "swap"), offload_state=True)
     assert task.C > 1
     for c, w, d in _starts(task, count=2):
-        got, want = search_mod.polish(task, c, w, d), reference_polish(task, c, w, d)
+        got, want = polish_mod.polish(task, c, w, d), reference_polish(task, c, w, d)
         assert got[4] == want[4] and all(np.array_equal(a, b) for a, b in zip(got[:4], want[:4], strict=True))
 
 
@@ -108,7 +109,7 @@ def test_time_floor_never_exceeds_the_simulated_time(task):
     opts = np.array([[rng.choice(np.flatnonzero(task.option_ok[u])) for u in range(task.n)] for _ in range(300)])
     floor = task.time_floor(opts)
     assert floor is not None
-    _, t = task.evaluate(*search_mod._option_arrays(opts), np.zeros_like(opts))
+    _, t = task.evaluate(*polish_mod.option_arrays(opts), np.zeros_like(opts))
     assert (floor <= t).all()
     assert (floor > 0.5 * t).any()  # a bound, not zero
 
@@ -128,9 +129,9 @@ def test_heuristic_starts_never_make_the_plan_worse_and_are_recorded(wide_chain,
     meta = plan.meta
     assert plan.feasible and meta["polish"] == "ran"
     assert meta["polish_heuristic_starts"] and meta["polish_heuristic_skipped"] == []
-    assert set(meta["polish_heuristic_starts"]) <= set(search_mod.HEURISTIC_STARTS)
+    assert set(meta["polish_heuristic_starts"]) <= set(polish_mod.HEURISTIC_STARTS)
     assert meta["polish_start"] in {"agents", *meta["polish_heuristic_starts"]}
-    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    monkeypatch.setattr(polish_mod, "HEURISTIC_STARTS", ())
     alone = memopt.search(wide_chain, "40%", **kw)
     assert alone.meta["polish_heuristic_starts"] == [] and alone.meta["polish_start"] == "agents"
     assert plan.predicted_step_time <= alone.predicted_step_time
@@ -149,10 +150,10 @@ def test_a_heuristic_start_that_wins_gives_the_plan(monkeypatch):
     plan = memopt.search(prof, budget, **kw)
     name = plan.meta["polish_start"]
     assert name in plan.meta["polish_heuristic_starts"]
-    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", (name,))
+    monkeypatch.setattr(polish_mod, "HEURISTIC_STARTS", (name,))
     again = memopt.search(prof, budget, **kw)
     assert again.meta["polish_start"] == name and _decisions(again) == _decisions(plan)
-    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    monkeypatch.setattr(polish_mod, "HEURISTIC_STARTS", ())
     alone = memopt.search(prof, budget, **kw)
     assert alone.meta["polish_start"] == "agents" and alone.predicted_step_time > plan.predicted_step_time
 
@@ -174,10 +175,10 @@ def test_same_seed_same_plan_with_heuristic_starts(wide_chain):
 
 def test_no_time_left_skips_the_heuristic_starts_and_says_so(wide_chain, monkeypatch):
     kw = {"total_timesteps": 300, "seed": 3, "strategies": STRATEGIES, "device": "a100-40gb"}
-    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ())
+    monkeypatch.setattr(polish_mod, "HEURISTIC_STARTS", ())
     alone = memopt.search(wide_chain, "40%", **kw)
-    monkeypatch.setattr(search_mod, "HEURISTIC_STARTS", ("recompute_all", "swap_all"))
-    monkeypatch.setattr(search_mod, "HEURISTIC_SECONDS", 0.0)
+    monkeypatch.setattr(polish_mod, "HEURISTIC_STARTS", ("recompute_all", "swap_all"))
+    monkeypatch.setattr(polish_mod, "HEURISTIC_SECONDS", 0.0)
     plan = memopt.search(wide_chain, "40%", **kw)
     assert plan.meta["polish_heuristic_starts"] == [] and plan.meta["polish_start"] == "agents"
     assert plan.meta["polish_heuristic_skipped"] == ["recompute_all", "swap_all"]
@@ -194,17 +195,17 @@ def test_exact_placements_follow_the_activations_the_polish_moved_to():
     task = _task(8, 3, "a100-40gb", 0.6, ("keep", "recompute", "swap"), offload_state=True)
     c, w, d = _starts(task)[0]
     zeros = np.zeros(task.n, dtype=np.int64)
-    current = search_mod.polish(task, c, w, d, zeros)
+    current = polish_mod.polish(task, c, w, d, zeros)
     info = {}
-    got = search_mod._polish_exact_placements(task, current[:4], (c, w, d, zeros), current[4], info)
-    got_t = search_mod._time_of(task, *got[:4])
-    before = search_mod._time_of(task, *current[:4])
-    for start in ((c, w, d), search_mod._option_arrays(task.plain_options())):
+    got = polish_mod.polish_exact_placements(task, current[:4], (c, w, d, zeros), current[4], info)
+    got_t = polish_mod._time_of(task, *got[:4])
+    before = polish_mod._time_of(task, *current[:4])
+    for start in ((c, w, d), polish_mod.option_arrays(task.plain_options())):
         st = place_states(task.sim, task.budget, *start, offload_state=True)
-        polished = search_mod.polish(task, *start, np.asarray(st, dtype=np.int64))
-        before = min(before, search_mod._time_of(task, *polished[:4]))
+        polished = polish_mod.polish(task, *start, np.asarray(st, dtype=np.int64))
+        before = min(before, polish_mod._time_of(task, *polished[:4]))
     assert got_t < before * (1 - 1e-6)
     assert info["polish_start"] == "polished_placed" or info["polish_start"].endswith("_again")
     st = place_states(task.sim, task.budget, *got[:3], offload_state=True)
-    again = search_mod.polish(task, *got[:3], np.asarray(st, dtype=np.int64))
-    assert search_mod._time_of(task, *again[:4]) >= got_t * (1 - 1e-12)
+    again = polish_mod.polish(task, *got[:3], np.asarray(st, dtype=np.int64))
+    assert polish_mod._time_of(task, *again[:4]) >= got_t * (1 - 1e-12)

@@ -19,6 +19,7 @@ from memopt_nb.planners.rl.env import MemoryPlanningEnv
 from memopt_nb.planners.rl.task import PlanningTask
 
 search_mod = importlib.import_module("memopt_nb.planners.rl.search")
+polish_mod = importlib.import_module("memopt_nb.planners.polish")
 
 
 @pytest.fixture(scope="module", params=[(0.25, None), (0.6, None), (0.25, STRATEGIES), (0.25, "selective")],
@@ -85,7 +86,7 @@ def _best_pairs_by_scoring_all(task, cur, cur_st, cand, keep=8):
     moved = (sts != 0).any(axis=1)
     step_max = task.step_part_many(task.step_base[None] + task.st_step[units, local].sum(axis=1), moved)
     st_time = task.st_time[units, local].sum(axis=1) + np.where(moved, task.chunk_extra, 0.0)
-    det = task.sim.evaluate(*search_mod._option_arrays(acts), details=True)
+    det = task.sim.evaluate(*polish_mod.option_arrays(acts), details=True)
     peak = np.maximum((det["peaks"][:, None, :] + seg[None]).max(axis=2), step_max[None])
     time = det["time"][:, None] + st_time[None]
     best = sorted((float(time[a, z]), a, z) for a, z in zip(*np.nonzero(peak <= task.budget)))[:keep]
@@ -136,6 +137,6 @@ def test_polish_moves_are_those_of_scoring_every_pair(task):
         cand = np.repeat(cur[None], n * N, axis=0)
         cand[np.arange(n * N), units] = opts
         cand = cand[task.option_ok[units, opts]]
-        got = search_mod._best_pairs(task, cur, cur_st, cand)
+        got = polish_mod._best_pairs(task, cur, cur_st, cand)
         want = _best_pairs_by_scoring_all(task, cur, cur_st, cand)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])

@@ -12,8 +12,8 @@ from memopt_nb import solvers
 from memopt_nb.core.errors import BudgetError, PlanError
 from memopt_nb.core.plan import STRATEGIES
 from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.planners.polish import polish
 from memopt_nb.planners.rl.env import MemoryPlanningEnv
-from memopt_nb.planners.rl.search import polish
 from memopt_nb.planners.rl.task import PlanningTask
 from memopt_nb.planners.space import allowed_strategies
 from memopt_nb.sim.simulator import KEEP, RECOMPUTE, SWAP
@@ -183,7 +183,8 @@ def test_the_exact_solvers_validate_the_space_alike(chain):
 def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
     """With recompute_offload allowed the strategy agent has four strategies (timed by the timing agent like swap),
     random allowed episodes use it, and the option tables map it to its code and timings both ways."""
-    from memopt_nb.planners.rl.search import _option_arrays, _to_options
+    from memopt_nb.planners.polish import option_arrays as _option_arrays
+    from memopt_nb.planners.polish import to_options as _to_options
     from memopt_nb.planners.rl.task import TIMINGS
     from memopt_nb.sim.simulator import RECOMPUTE_OFFLOAD
 

@@ -170,7 +170,7 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if self.strategy != "selective":  # plans without selective units read as before
+        if self.strategy != "selective":  # the save-set fields only where they mean something
             del d["save_set"], d["save_ops"]
         else:
             d["save_ops"] = [list(x) for x in self.save_ops]

@@ -43,9 +43,9 @@ from ..sim.simulator import Simulator
 from .zoo import BUILDERS, build
 
 DEFAULT_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "optimal", "memopt-ppo", "grad_accum")
-#: The whole-step baselines (issue 11): accepted by ``methods=``, not run by default (the published runs did not).
+#: The whole-step baselines: accepted by ``methods=``, not run by default.
 STATE_BASELINE_METHODS = ("state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute")
-#: Ecosystem baselines (issue 12): accepted by ``methods=``, not run by default.
+#: Ecosystem baselines: accepted by ``methods=``, not run by default.
 ECOSYSTEM_METHODS = ("selective_layer", "recompute_offload_all", "op_sac")
 KNOWN_METHODS = DEFAULT_METHODS + STATE_BASELINE_METHODS + ECOSYSTEM_METHODS
 BASELINE_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin") + STATE_BASELINE_METHODS \

@@ -24,7 +24,7 @@
   copies the surrounding compute hides (largest first, with the shortest timing that hides them), then recompute in
   order of memory saved per second of recompute.
 
-Where the optimizer state, gradients and parameters live (issue 11):
+Where the optimizer state, gradients and parameters live:
 
 * ``state_offload`` — every unit's optimizer state and gradients offloaded to the host, the step still on the device
   with the user's optimizer (ZeRO-Offload or torchao's ``CPUOffloadOptimizer(offload_gradients=True)``, but stepping
@@ -40,9 +40,9 @@ The classic heuristics decide activations only. They take ``offload_state=`` (an
 planners do: their activation decisions stay their own, and when state may move *and a budget is given* the state
 placement is the fastest allowed one that fits the budget with those activations fixed (exact:
 :func:`~memopt_nb.planners.milp.place_states`, the MILP with activations fixed; the one with the smallest peak if none
-fits). Without a budget everything stays resident. Their default is ``offload_state=False`` — activations only,
-today's space and the numbers the bench has published — so that comparing them with the planners in the enlarged space
-is asked for explicitly (``offload_state=True``: the same state options for every method).
+fits). Without a budget everything stays resident. Their default is ``offload_state=False`` — activations only, as
+the classic methods were published — so that comparing them with the planners in the enlarged space is asked for
+explicitly (``offload_state=True``: the same state options for every method).
 
 A plan that misses its budget is returned with ``feasible=False`` — never silently presented as fitting.
 """
@@ -50,12 +50,13 @@ A plan that misses its budget is returned with ``feasible=False`` — never sile
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..core.device import DeviceSpec
-from ..core.plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan
+from ..core.plan import DEFAULT_STRATEGIES, DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan
 from ..sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator, code_of
 from .checks import check_budget
 from .milp import place_states
@@ -66,70 +67,52 @@ __all__ = ["BASELINES", "CLASSIC_BASELINES", "ECOSYSTEM_BASELINES", "STATE_BASEL
            "state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]
 
 
-def _finish(sim: Simulator, arrays: tuple[list, list, list], budget: Any, b: int, method: str,
-            offload_state: OffloadState, in_backward: bool) -> Plan:
-    """A classic baseline's plan: its activation arrays, and state placed within the budget when allowed."""
-    states = None
-    if budget is not None:
-        states = place_states(sim, b, *arrays, offload_state=offload_state, step_in_backward=in_backward)
-    return make_plan(sim, *arrays, budget=b, method=method, states=states, step_in_backward=in_backward)
+#: A classic heuristic's rule: ``rule(sim, budget, b) -> ((codes, windows, distances), meta)`` — its activation
+#: arrays for the simulator's units, given the budget asked for (``None``: none given) and its value in bytes ``b``.
+Rule = Callable[[Simulator, Any, int], tuple[tuple[list, list, list], dict[str, Any]]]
 
 
-def none(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-         offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
-    """Plain training: keep every unit."""
-    sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
-    return _finish(sim, uniform_arrays(sim, KEEP), budget, b, "none", offload_state, step_in_backward)
+def _classic(name: str, rule: Rule, doc: str, space: Sequence[str] | None = None,
+             needs_save_sets: bool = False) -> Callable[..., Plan]:
+    """The baseline ``name(profile, budget=None, device=None, *, offload_state=False, step_in_backward=False)``.
+
+    Every classic heuristic does the same around its rule: the budget is checked against the floor of the space its
+    actions need (``space``: the default strategies, or ``STRATEGIES`` for one that uses an opt-in strategy), the rule
+    decides the activations, and where state may move and a budget is given the placements are the fastest that fit
+    with those activations fixed (:func:`~memopt_nb.planners.milp.place_states`)."""
+
+    def baseline(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+                 offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
+        sim = as_simulator(profile, device)
+        if needs_save_sets:
+            check_save_sets(sim, ("selective",))  # PlanError: this profile has no save-sets
+        strategies = tuple(space) if space is not None else DEFAULT_STRATEGIES
+        b = check_budget(sim, budget, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+        arrays, meta = rule(sim, budget, b)
+        states = None
+        if budget is not None:
+            states = place_states(sim, b, *arrays, offload_state=offload_state, step_in_backward=step_in_backward)
+        plan = make_plan(sim, *arrays, budget=b, method=name, states=states, step_in_backward=step_in_backward)
+        plan.meta.update(meta)
+        return plan
+
+    baseline.__name__ = baseline.__qualname__ = name
+    baseline.__doc__ = doc
+    return baseline
 
 
-def recompute_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-                  offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
-    """Activation checkpointing of every unit."""
-    sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
-    return _finish(sim, uniform_arrays(sim, RECOMPUTE), budget, b, "recompute_all", offload_state, step_in_backward)
+def _ones(sim: Simulator, codes: list[int]) -> tuple[tuple[list, list, list], dict[str, Any]]:
+    return (codes, [1] * sim.n, [1] * sim.n), {}
 
 
-def sqrt_n(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-           offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
-    """Chen et al. √n rule over units (keeps every ⌈n/⌈√n⌉⌉-th unit, recomputes the rest)."""
-    sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
+def _sqrt_n(sim: Simulator, budget: Any, b: int) -> tuple[tuple[list, list, list], dict[str, Any]]:
     n = sim.n
-    segments = max(1, math.ceil(math.sqrt(n)))
-    size = math.ceil(n / segments)
+    size = math.ceil(n / max(1, math.ceil(math.sqrt(n))))
     codes = [KEEP if (u + 1) % size == 0 or u == n - 1 else RECOMPUTE for u in range(n)]
-    codes = [c if (c != RECOMPUTE or sim.recomputable[u]) else KEEP for u, c in enumerate(codes)]
-    return _finish(sim, (codes, [1] * n, [1] * n), budget, b, "sqrt_n", offload_state, step_in_backward)
+    return _ones(sim, [c if (c != RECOMPUTE or sim.recomputable[u]) else KEEP for u, c in enumerate(codes)])
 
 
-def swap_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-             offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
-    """Offload every unit, reload on demand (like ``save_on_cpu``)."""
-    sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
-    return _finish(sim, uniform_arrays(sim, SWAP, window=0, distance=0), budget, b, "swap_all", offload_state,
-                   step_in_backward)
-
-
-def recompute_offload_all(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-                          offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
-    """Recompute every unit and offload its inputs, at once, back on demand (FairScale's
-    ``checkpoint_wrapper(offload_to_cpu=True)``)."""
-    sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, STRATEGIES, offload_state=offload_state, step_in_backward=step_in_backward)
-    return _finish(sim, uniform_arrays(sim, RECOMPUTE_OFFLOAD, window=0, distance=0), budget, b,
-                   "recompute_offload_all", offload_state, step_in_backward)
-
-
-def op_sac(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-           offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
-    """torchtitan's op-level SAC: every recomputable unit selective with ``"alternate"`` (else ``"matmuls"``, else
-    plain recompute). Needs a profile made with ``memopt.profile(..., selective=True)``."""
-    sim = as_simulator(profile, device)
-    check_save_sets(sim, ("selective",))  # PlanError: this profile has no save-sets
-    b = check_budget(sim, budget, STRATEGIES, offload_state=offload_state, step_in_backward=step_in_backward)
+def _op_sac(sim: Simulator, budget: Any, b: int) -> tuple[tuple[list, list, list], dict[str, Any]]:
     codes = []
     for u, up in enumerate(sim.profile.units):
         sets = getattr(up, "save_sets", None) or {}
@@ -138,17 +121,10 @@ def op_sac(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             codes.append(code_of("selective", name))
         else:
             codes.append(RECOMPUTE if sim.recomputable[u] else KEEP)
-    windows = dists = [1] * len(codes)
-    return _finish(sim, (codes, windows, dists), budget, b, "op_sac", offload_state, step_in_backward)
+    return _ones(sim, codes)
 
 
-def selective_layer(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-                    offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
-    """Recompute every ``k``-th unit (torchtitan's selective layer checkpointing), the best ``k`` for the budget.
-
-    ``plan.meta["k"]`` is the chosen frequency (1: every unit recomputed)."""
-    sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
+def _selective_layer(sim: Simulator, budget: Any, b: int) -> tuple[tuple[list, list, list], dict[str, Any]]:
     n = sim.n
     ks = list(range(1, n + 1))
     codes = np.array([[RECOMPUTE if u % k == 0 and sim.recomputable[u] else KEEP for u in range(n)] for k in ks])
@@ -160,17 +136,10 @@ def selective_layer(profile: Any, budget: Any = None, device: DeviceSpec | str |
         i = int(np.argmin(np.where(peak <= b, t, np.inf)))
     else:
         i = int(np.argmin(peak))
-    plan = _finish(sim, (codes[i].tolist(), [1] * n, [1] * n), budget, b, "selective_layer", offload_state,
-                   step_in_backward)
-    plan.meta["k"] = ks[i]
-    return plan
+    return (codes[i].tolist(), [1] * n, [1] * n), {"k": ks[i]}
 
 
-def capuchin(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
-             offload_state: OffloadState = False, step_in_backward: bool = False) -> Plan:
-    """Capuchin-style greedy: hidden swaps first, then recompute by memory saved per second."""
-    sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, offload_state=offload_state, step_in_backward=step_in_backward)
+def _capuchin(sim: Simulator, budget: Any, b: int) -> tuple[tuple[list, list, list], dict[str, Any]]:
     n = sim.n
     prof = sim.profile
     codes, windows, dists = [KEEP] * n, [1] * n, [1] * n
@@ -214,7 +183,31 @@ def capuchin(profile: Any, budget: Any = None, device: DeviceSpec | str | None =
             codes[u] = RECOMPUTE
             if peak_of(codes, windows, dists) <= b:
                 break
-    return _finish(sim, (codes, windows, dists), budget, b, "capuchin", offload_state, step_in_backward)
+    return (codes, windows, dists), {}
+
+
+
+none = _classic("none", lambda sim, budget, b: (uniform_arrays(sim, KEEP), {}), "Plain training: keep every unit.")
+recompute_all = _classic("recompute_all", lambda sim, budget, b: (uniform_arrays(sim, RECOMPUTE), {}),
+                         "Activation checkpointing of every unit.")
+sqrt_n = _classic("sqrt_n", _sqrt_n,
+                  "Chen et al. √n rule over units (keeps every ⌈n/⌈√n⌉⌉-th unit, recomputes the rest).")
+swap_all = _classic("swap_all", lambda sim, budget, b: (uniform_arrays(sim, SWAP, window=0, distance=0), {}),
+                    "Offload every unit, reload on demand (like ``save_on_cpu``).")
+recompute_offload_all = _classic(
+    "recompute_offload_all", lambda sim, budget, b: (uniform_arrays(sim, RECOMPUTE_OFFLOAD, window=0, distance=0), {}),
+    "Recompute every unit and offload its inputs, at once, back on demand (FairScale's "
+    "``checkpoint_wrapper(offload_to_cpu=True)``).", space=STRATEGIES)
+op_sac = _classic(
+    "op_sac", _op_sac, "torchtitan's op-level SAC: every recomputable unit selective with ``\"alternate\"`` (else "
+    "``\"matmuls\"``, else plain recompute). Needs a profile made with ``memopt.profile(..., selective=True)``.",
+    space=STRATEGIES, needs_save_sets=True)
+selective_layer = _classic(
+    "selective_layer", _selective_layer, "Recompute every ``k``-th unit (torchtitan's selective layer "
+    "checkpointing), the best ``k`` for the budget.\n\n``plan.meta[\"k\"]`` is the chosen frequency (1: every unit "
+    "recomputed).")
+capuchin = _classic("capuchin", _capuchin,
+                    "Capuchin-style greedy: hidden swaps first, then recompute by memory saved per second.")
 
 
 def _everywhere(profile: Any, budget: Any, device: DeviceSpec | str | None, code: int,
@@ -256,10 +249,10 @@ def step_in_backward_recompute(profile: Any, budget: Any = None, device: DeviceS
 #: The activation heuristics (they take ``offload_state=``, default ``False``).
 CLASSIC_BASELINES = {"none": none, "recompute_all": recompute_all, "sqrt_n": sqrt_n, "swap_all": swap_all,
                      "capuchin": capuchin, "selective_layer": selective_layer}
-#: The fixed-state baselines (issue 11).
+#: The fixed-state baselines.
 STATE_BASELINES = {"state_offload": state_offload, "state_offload_recompute": state_offload_recompute,
                    "step_in_backward": step_in_backward, "step_in_backward_recompute": step_in_backward_recompute}
-#: Baselines from the ecosystem that need a strategy outside the default space (issue 12).
+#: Baselines from the ecosystem that need a strategy outside the default space.
 ECOSYSTEM_BASELINES = {"recompute_offload_all": recompute_offload_all, "op_sac": op_sac}
 #: Every baseline, ``name(profile, budget, device=None) -> Plan``.
 BASELINES = {**CLASSIC_BASELINES, **STATE_BASELINES, **ECOSYSTEM_BASELINES}

@@ -17,8 +17,8 @@ plan also decides, per unit, where its optimizer state, gradients and parameters
 what stays on the device: the parameters, gradients and state outside units (and buffers), the units left resident,
 and the one or two units whose state is on the device at the peak. The floor is then the smallest peak a search over
 strategies *and* placements finds with the simulator (:func:`state_floor`; a lower bound is the MILP's job). With
-``offload_state=False`` (the default, today's activation-only space) the floor is as before, and when the fixed state
-bounds it the advice gives the floor the state placements would reach.
+``offload_state=False`` (activations only) the fixed state stays on the device, and when it bounds the floor the
+advice gives the floor the state placements would reach.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ segment after its forward through its backward, replaces the segment peaks of it
 save-set's, and adds the save-set's recompute time (instead of the forward's) to its backward — all linear in that
 binary, so the program stays exact.
 
-Where the optimizer state, gradients and parameters live (issue 11) is separable in the simulator's cost model (its
+Where the optimizer state, gradients and parameters live is separable in the simulator's cost model (its
 ``StateTable``, see ``STATE_CONTRACT.md``), so it enters exactly as well:
 
 * a binary per (unit, allowed placement other than all-resident), at most one per unit, and one continuous indicator

@@ -206,7 +206,7 @@ def unit_states(sim: Simulator, offload_state: OffloadState = True, step_in_back
 def evaluate_arrays(sim: Simulator, strategies: Any, windows: Any, distances: Any,
                     states: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """``sim.evaluate`` on ``(B, n)`` arrays; ``states`` (indices into STATE_CHOICES) are passed only when some unit
-    moves state, so that a simulator without a state model evaluates activation-only plans as before."""
+    moves state, so that a simulator without a state model still evaluates activation-only plans."""
     if states is not None and np.any(np.asarray(states)):
         return sim.evaluate(strategies, windows, distances, states=np.atleast_2d(np.asarray(states, dtype=np.int64)))
     return sim.evaluate(strategies, windows, distances)

@@ -181,7 +181,7 @@ def _detect_cuda(dev: Any) -> DeviceSpec:  # pragma: no cover - needs a GPU
 
     h2d, d2h = bw(gpu, host), bw(host, gpu)
     del host, gpu
-    try:  # the swap engine's side streams, events and pinned pool: 62-80 µs per storage on an H200 (2026-12-04)
+    try:  # the swap engine's side streams, events and pinned pool
         overhead = _calibrate_copy_overhead(min(h2d, d2h), dev)
         how = f"per-storage copy cost {overhead * 1e6:.1f} µs measured on the swap engine"
     except Exception as exc:  # defensive: detection must not fail over a refinement

@@ -343,10 +343,8 @@ def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, dd
 
       Each rank computes on its own batch, so activations and the plan's savings are the plain profile's.
 
-    Measured on CPU/gloo (2 ranks, GPT zoo model, :func:`memopt.measure`'s tracker on each rank, 2026-12-02): the
-    predicted per-rank peak was within 0.01% of the measured one with and without a mixed plan, for both shardings.
-    Segments where FSDP2 frees an all-gather buffer early are over-predicted by at most one unit's parameters.
-    ``tests/test_distributed.py`` checks the 10% bound.
+    Segments where FSDP2 frees an all-gather buffer early are over-predicted by at most one unit's parameters;
+    ``tests/test_distributed.py`` checks the per-rank prediction against :func:`memopt.measure` on CPU/gloo.
     Not modelled: mixed precision (``param_dtype``), ``reshard_after_forward=False``, CPU offload, hybrid sharding,
     explicit prefetching, and other layouts than :func:`fully_shard_units`.
     """

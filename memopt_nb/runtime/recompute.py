@@ -574,7 +574,7 @@ class _DirectSaves:
     them directly: checkpoint's holders are never unpacked, so the unit is never run again, and at its first unpack the
     kept outputs nothing saved are dropped (where the recomputation would have taken them). Otherwise nothing
     changes: the direct references are dropped when the forward ends and every unpack goes through checkpoint, which
-    recomputes as before.
+    recomputes.
 
     The values are the tensors autograd saved, at the versions it saved them (what training without a plan uses; the
     recomputation, replaying the same ops from the same state, would produce the same values), so results are

@@ -184,7 +184,7 @@ class _ThreadMover:
             pool.shutdown(wait=True)
 
 
-class _CudaMover:  # pragma: no cover - needs a GPU (run on an H200: benchmarks/cuda_check.py, 2026-12-04)
+class _CudaMover:  # pragma: no cover - needs a GPU (benchmarks/cuda_check.py runs it)
     """Copies of a CUDA device: a device-to-host and a host-to-device side stream, pinned host buffers, events."""
 
     def __init__(self, device: torch.device) -> None:

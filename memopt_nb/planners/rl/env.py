@@ -3,9 +3,8 @@
 Agents: ``"strategy"`` picks keep / recompute / swap for each unit and, where the task allows state placements
 (``offload_state=``), where the unit's optimizer state, gradients and parameters live: its action is
 ``strategy * C + j`` for the task's ``C`` allowed placements (``task.state_ids[j]`` indexes
-:data:`~memopt_nb.core.plan.STATE_CHOICES`; ``C == 1`` — activations only — leaves today's three actions and
-observations
-unchanged). With ``"recompute_offload"`` allowed (``strategies=``, opt-in) it is a fourth strategy (actions
+:data:`~memopt_nb.core.plan.STATE_CHOICES`; ``C == 1`` — activations only — leaves three actions and no placement
+features). With ``"recompute_offload"`` allowed (``strategies=``, opt-in) it is a fourth strategy (actions
 ``3 * C + j``), timed like a swap. With ``"selective"`` allowed (opt-in; a profile made with ``selective=True``) each
 save-set of :data:`~memopt_nb.core.plan.SAVE_SETS` is one more strategy after those (``task.action_codes`` maps a
 strategy
@@ -165,7 +164,7 @@ class MemoryPlanningEnv(ParallelEnv):
         self._t_unit = task.base_time / n
         self._b_unit = task.budget / n
         C = task.C
-        self._states = C > 1  # placements to choose: a few more features (none when C == 1, as before placements)
+        self._states = C > 1  # placements to choose: a few more features (none when C == 1)
         self._n_look = _N_LOOK + (1 if self._states else 0)
         K = task.n_strategies  # 3, 4 with recompute_offload, + 3 save-sets with selective
         self._dims = {

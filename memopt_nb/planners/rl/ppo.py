@@ -95,7 +95,7 @@ class Agent(nn.Module):
     the *parts* an action is made of and an action's logit is the sum of its parts' scores: a strategy-and-placement
     action is "recompute" + "optimizer state offloaded" + "gradients resident" + ..., so what the agent learns about
     one part carries over to every action that has it (with one logit per action, each of the 24 combinations of a
-    unit would have to be learned on its own). The distribution is still over whole actions, masked as before.
+    unit would have to be learned on its own). The distribution is still over whole actions, masked.
     """
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: int, gen: torch.Generator,

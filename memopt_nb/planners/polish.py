@@ -1,0 +1,392 @@
+"""The polish: local search on the simulator's exact evaluation that finishes a plan the agents found.
+
+It tries the best single and paired moves (a unit's activation option, its state placement), places the state of the
+agents' plan exactly by MILP (:func:`~memopt_nb.planners.milp.place_states`, within :data:`PLACEMENT_SECONDS`), and
+also polishes the classic baselines that fit (:data:`HEURISTIC_STARTS`, within :data:`HEURISTIC_SECONDS`); the
+fastest result wins. The deadlines bound its cost; with the same inputs it returns the same plan while it finishes
+within them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import MemoptError
+from ..core.plan import STATE_CHOICES
+from .baselines import BASELINES
+from .milp import place_states
+from .rl.task import PlanningTask, code_options, option_codes
+
+__all__ = ["HEURISTIC_SECONDS", "HEURISTIC_STARTS", "PLACEMENT_SECONDS", "option_arrays", "polish",
+           "polish_exact_placements", "polish_heuristic_starts", "to_options"]
+
+
+def option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Option indices (see :class:`~memopt_nb.planners.rl.task.PlanningTask`) as strategy codes, windows and
+    distances."""
+    return option_codes(opt_idx)
+
+
+def to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.ndarray:
+    return code_options(codes, windows, dists)
+
+
+#: Seconds the polish's exact-placement MILPs (:func:`polish_exact_placements`) may take together; each solve gets at
+#: most 10 s of it, and a start left with under 1 s is skipped (``meta["polish_placement_skipped"]``).
+PLACEMENT_SECONDS = 15.0
+
+
+def _time_of(task: PlanningTask, c: np.ndarray, w: np.ndarray, d: np.ndarray, st: np.ndarray) -> float:
+    """One plan's exact step time (codes, windows, distances, placements), ``inf`` where it misses the budget."""
+    peak, t = task.evaluate(c[None], w[None], d[None], np.asarray(st, dtype=np.int64)[None])
+    return float(t[0]) if peak[0] <= task.budget else math.inf
+
+
+def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int,
+                             info: dict[str, Any] | None = None) -> tuple:
+    """Where placements may move, more starts for the polish: the agents' activation decisions, keep-all (where keep
+    is not allowed, each unit's plainest allowed option:
+    :meth:`~memopt_nb.planners.rl.task.PlanningTask.plain_options`) and the
+    activations of ``current`` (the agents' plan polished), each with the fastest state placement that fits the budget
+    for those activations (exact: the MILP with activations fixed, :func:`~memopt_nb.planners.place_states`), then
+    polished. A start whose polished plan is the best so far changed activations and placements together: its
+    activations are placed exactly and polished again (``"..._again"``), until that no longer helps. Returns the
+    fastest feasible of the polished plans (``current`` first: ties keep it). Only for the cost model's own state table
+    (a hand-made one is not the MILP's). The MILPs share :data:`PLACEMENT_SECONDS`; ``info`` receives that budget, the
+    number of starts skipped for lack of it and, where one of these starts wins, ``polish_start``
+    (``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, or one of them with ``"_again"``)."""
+    if task.C == 1 or task.state_model is None or not task.state_model.native:
+        return (*current, moves)
+
+    best, best_t = (*current, moves), _time_of(task, *current)
+    spent, skipped = 0.0, 0
+    starts = [("agents_placed", agents[:3]), ("plain_placed", option_arrays(task.plain_options())),
+              ("polished_placed", current[:3])]
+    seen: set[bytes] = set()
+    while starts:
+        label, (c, w, d) = starts.pop(0)
+        key = to_options(c, w, d).tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
+        left = PLACEMENT_SECONDS - spent
+        if left < 1.0:
+            skipped += 1
+            continue
+        t0 = time.perf_counter()
+        st = place_states(task.sim, task.budget, c, w, d, offload_state=task.offload_state,
+                          step_in_backward=task.step_in_backward, time_limit=min(10.0, left))
+        spent += time.perf_counter() - t0
+        c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
+        t = _time_of(task, c2, w2, d2, st2)
+        if t < best_t * (1 - 1e-12):
+            best, best_t = (c2, w2, d2, st2, moves + m + 1), t
+            if info is not None:
+                info["polish_start"] = label
+            # the polish changed the activations too: place the state for those, exactly, and polish again
+            starts.append((label.removesuffix("_again") + "_again", (c2, w2, d2)))
+    if info is not None:
+        info.update(polish_placement_budget_s=PLACEMENT_SECONDS, polish_placement_skipped=skipped)
+    return best
+
+
+#: Seconds the polish's heuristic starts (:func:`polish_heuristic_starts`) may take together, making their plans
+#: included: a start is begun only while some of it is left (``meta["polish_heuristic_skipped"]`` lists the others)
+#: and its polish stops when it runs out (``meta["polish_heuristic_cut"]``), so that the whole search stays within
+#: about a minute at 48 units on 2 cores. Normally all of them run to the end; then a seed gives the same plan.
+HEURISTIC_SECONDS = 10.0
+
+#: The baselines (:data:`memopt_nb.planners.BASELINES`) whose plans the polish also starts from, where their plan fits
+#: the budget and lies in the search's space.
+HEURISTIC_STARTS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "selective_layer", "op_sac",
+                    "recompute_offload_all", "state_offload", "state_offload_recompute", "step_in_backward",
+                    "step_in_backward_recompute")
+
+
+def _heuristic_starts(task: PlanningTask, deadline: float) -> tuple[list[tuple[str, np.ndarray, np.ndarray, float]],
+                                                                     list[str]]:
+    """The plans of :data:`HEURISTIC_STARTS` that fit the budget in the task's space, fastest first (ties: the order
+    of the list), as (name, options, placements, step time); and the names left out for lack of time.
+
+    A baseline's plan is used as it is: activation decisions (the classic heuristics, all-resident) or its fixed
+    placements (the state baselines); it is left out when it needs a strategy, timing or placement the task does not
+    allow, refuses the budget, or misses it."""
+    n, found, late = task.n, [], []
+    allowed = np.zeros((n, len(STATE_CHOICES)), dtype=bool)
+    allowed[:, 0] = True
+    allowed[:, task.state_ids] = task.state_ok
+    for name in HEURISTIC_STARTS:
+        if time.perf_counter() > deadline:
+            late.append(name)
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = BASELINES[name](task.sim, task.budget)
+            c, w, d = (x[0] for x in task.sim.encode(plan))
+        except MemoptError:  # outside its own space (no save-sets, a budget below its floor)
+            continue
+        opts = to_options(c, w, d)
+        st = np.asarray(plan.state_indices, dtype=np.int64)
+        inside = (opts < task.n_options) & task.option_ok[np.arange(n), np.minimum(opts, task.n_options - 1)]
+        if not (inside.all() and allowed[np.arange(n), st].all()):
+            continue
+        peak, t = task.evaluate(c[None], w[None], d[None], st[None])
+        if peak[0] <= task.budget:
+            found.append((name, opts, st, float(t[0])))
+    found.sort(key=lambda x: x[3])
+    return found, late
+
+
+def polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, Any]) -> tuple:
+    """Polish from the baselines' plans too (:func:`_heuristic_starts`, fastest first, each one not already among the
+    starts) while :data:`HEURISTIC_SECONDS` last; returns the fastest feasible plan, ``current`` (codes, windows,
+    distances, placements, moves) on ties. ``info`` receives ``polish_heuristic_starts`` (the baselines polished),
+    ``polish_heuristic_skipped`` (left out for lack of time), ``polish_heuristic_cut`` (polished until the time ran
+    out), ``polish_heuristic_budget_s``, ``polish_heuristic_seconds`` (what they took) and, where one of them wins,
+    ``polish_start`` (its name)."""
+    t0 = time.perf_counter()
+    deadline = t0 + HEURISTIC_SECONDS
+    starts, late = _heuristic_starts(task, deadline)
+    best, best_t = current, _time_of(task, *current[:4])
+    seen = {(to_options(*current[:3]).tobytes(), np.asarray(current[3], dtype=np.int64).tobytes())}
+    used: list[str] = []
+    cut: list[str] = []  # polished until the time ran out, perhaps short of where moves stop helping
+    for name, opts, st, _ in starts:
+        if (opts.tobytes(), st.tobytes()) in seen:
+            continue
+        if time.perf_counter() > deadline:
+            late.append(name)
+            continue
+        seen.add((opts.tobytes(), st.tobytes()))
+        used.append(name)
+        c, w, d, st2, m = polish(task, *option_arrays(opts), st, deadline=deadline)
+        if time.perf_counter() > deadline:
+            cut.append(name)
+        t = _time_of(task, c, w, d, st2)
+        if t < best_t * (1 - 1e-12):
+            best, best_t = (c, w, d, st2, m), t
+            info["polish_start"] = name
+    info.update(polish_heuristic_starts=used, polish_heuristic_skipped=late, polish_heuristic_cut=cut,
+                polish_heuristic_budget_s=HEURISTIC_SECONDS, polish_heuristic_seconds=time.perf_counter() - t0)
+    return best
+
+
+def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
+           states: np.ndarray | None = None, max_rounds: int = 100, deadline: float | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Best-improvement local search while the simulator says it helps; returns codes, windows, distances, placements
+    (indices into STATE_CHOICES) and the number of moves made. ``deadline`` (a ``time.perf_counter()`` value): no
+    round starts after it (the plan so far is returned).
+
+    A move changes one unit's option (strategy and timing). Each round takes the fastest move within budget (ties: the
+    earlier unit, then the earlier option) if it is faster than the current plan. Where placements may be chosen, a
+    move may also change one unit's placement, alone or together with one unit's option (so a faster activation option
+    that needs a little more memory can be paid for by moving some state). Pairs are scored with the cost model's
+    separable state part (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is
+    taken. Without placements, a move is simulated only where a lower bound on its time does not already rule it out
+    (:func:`_best_move`): the same moves as simulating every one.
+    """
+    n = task.n
+    cur = to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
+    cur_st = np.zeros(n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64).copy()
+    peak, t = task.evaluate(*[a[None] for a in option_arrays(cur)], cur_st[None])
+    best_t = float(t[0]) if peak[0] <= task.budget else math.inf
+    moves = 0
+    last: dict = {}  # the option moves' simulation, while the options stay
+    units, opts = np.nonzero(task.option_ok)  # every allowed (unit, option), unit-major
+    rows = np.arange(units.size)
+    simulated = 0  # moves the last round simulated
+    for _ in range(max_rounds):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        cand = np.repeat(cur[None], units.size, axis=0)
+        cand[rows, units] = opts
+        if task.C > 1:
+            cand, cand_st = _best_pairs(task, cur, cur_st, cand, last=last)
+            peak, t = task.evaluate(*option_arrays(cand), cand_st)
+            t = np.where(peak <= task.budget, t, math.inf)
+            i = int(np.argmin(t))
+            found = float(t[i])
+        else:  # where the bound left most moves in the running last round, one batch of all (fewer simulator calls)
+            i, found, simulated = _best_move(task, cand, cur_st, best_t * (1 - 1e-12),
+                                             block=cand.shape[0] if simulated > 0.75 * cand.shape[0] else None)
+            cand_st = np.repeat(cur_st[None], i + 1, axis=0)
+        if not found < best_t * (1 - 1e-12):
+            break
+        cur, cur_st, best_t = cand[i], cand_st[i], found
+        moves += 1
+    c, w, d = option_arrays(cur)
+    return c, w, d, cur_st, moves
+
+
+#: Rows :func:`_best_move` simulates in its first batch (then 4x more each time): few enough that a bound that rules
+#: most moves out saves most of the work, enough that the simulator's per-call overhead stays small.
+MOVE_BLOCK = 128
+
+
+def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: float,
+               block: int | None = None) -> tuple[int, float, int]:
+    """Of the plans ``cand`` (option indices, all with placements ``states``), the fastest within budget if it is
+    faster than ``below`` (ties: the first), as (row, time, rows simulated); else a row no faster than ``below``
+    (row 0 and ``inf`` if none fits).
+
+    The same answer as simulating every row, simulating fewer: the rows whose lower bound on the time
+    (:meth:`~memopt_nb.planners.rl.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their
+    bound:
+    the first ``block`` (default :data:`MOVE_BLOCK`), then at once every other row whose bound does not exceed the
+    fastest time found, as the rest cannot be faster than it or tie with it.
+    """
+    block = block or MOVE_BLOCK
+    floor = task.time_floor(cand) if not states.any() else None
+    if floor is None:  # no bound: simulate every row
+        floor = np.full(cand.shape[0], -math.inf)
+        block = cand.shape[0]
+    order = np.argsort(floor, kind="stable")
+    all_st = np.repeat(states[None], cand.shape[0], axis=0)
+    best_i, best, simulated = 0, math.inf, 0
+    lo = 0
+    while lo < order.size:
+        idx = order[lo: lo + block]
+        lo += block
+        block = order.size  # then every row the fastest found so far leaves in the running, at once
+        idx = idx[(floor[idx] <= best) & (floor[idx] < below)]
+        if not idx.size:
+            break  # the bounds ascend: every row left is slower than the fastest found, or no faster than ``below``
+        simulated += idx.size
+        c, w, d = option_arrays(cand[idx])
+        peak, t = task.evaluate(c, w, d, all_st[: idx.size])
+        t = np.where(peak <= task.budget, t, math.inf)
+        m = float(t.min())
+        at = int(idx[t == m].min())
+        if m < best or (m == best and at < best_i):
+            best_i, best = at, m
+    return best_i, best, simulated
+
+
+def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
+                keep: int = 8, last: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The ``keep`` fastest moves within budget among (one unit's option changed, or none) x (one unit's placement
+    changed, or none), scored by the separable state part; as option and placement arrays for exact evaluation.
+
+    Ties go to the earlier option, then the earlier placement. The time of every pair is cheap; the peak is exact only
+    for the pairs a bound has not ruled out (:func:`_may_fit`), in order of time until ``keep`` fit
+    (:func:`_first_feasible`). ``last`` keeps the simulation of the option moves for the next call: after a move that
+    changed only placements, the options and so the option moves are the same.
+    """
+    n = task.n
+    acts = np.concatenate([cur[None], cand])  # row 0: no option changed
+    st_units, st_local = np.nonzero(task.state_ok)
+    sts = np.repeat(cur_st[None], st_units.size + 1, axis=0)  # row 0: no placement changed
+    sts[np.arange(1, st_units.size + 1), st_units] = task.state_ids[st_local]
+    local = np.searchsorted(task.state_ids, sts)  # placements as local choices j
+    units = np.arange(n)[None]
+    seg = task.st_seg[units, local].sum(axis=1)  # (Z, S)
+    moved = (sts != 0).any(axis=1)
+    step_max = task.step_part_many(task.step_base[None] + task.st_step[units, local].sum(axis=1), moved)
+    st_time = task.st_time[units, local].sum(axis=1) + np.where(moved, task.chunk_extra, 0.0)
+    key = acts.tobytes()
+    det = last.get(key) if last is not None else None
+    if det is None:
+        det = task.sim.evaluate(*option_arrays(acts), details=True)
+        if last is not None:
+            last.clear()
+            last[key] = det
+    peaks = det["peaks"]
+    time = det["time"][:, None] + st_time[None]  # (A, Z)
+    may = _may_fit(peaks, seg, task.budget) & (step_max <= task.budget)[None]
+
+    def fits(flat: np.ndarray) -> np.ndarray:
+        a, z = np.divmod(flat, time.shape[1])
+        return np.maximum((peaks[a] + seg[z]).max(axis=1), step_max[z]) <= task.budget
+
+    flat = _first_feasible(time.ravel(), np.flatnonzero(may), fits, keep)
+    a, z = np.divmod(flat, time.shape[1])
+    if not flat.size:
+        a, z = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    out_a, out_s = acts[a], sts[z]
+    # two units' placements changed at once, options unchanged (e.g. two units trading what they offload)
+    pairs = _best_state_pairs(task, peaks[0], float(det["time"][0]), cur_st, st_units, task.state_ids[st_local],
+                              keep)
+    if pairs.size:
+        out_a = np.concatenate([out_a, np.repeat(cur[None], pairs.shape[0], axis=0)])
+        out_s = np.concatenate([out_s, pairs])
+    return out_a, out_s
+
+
+def _may_fit(rows: np.ndarray, cols: np.ndarray, budget: float) -> np.ndarray:
+    """``(A, Z)``: False where ``max_s (rows[a, s] + cols[z, s])`` certainly exceeds ``budget``, judged by two of its
+    own terms (never False where it does not). Rounding is monotone, so a row plus every column's smallest entry bounds
+    that row's terms from below; the segment where this bound peaks is tried with every column, likewise per column."""
+    A, Z = rows.shape[0], cols.shape[0]
+    if not A or not Z:
+        return np.zeros((A, Z), dtype=bool)
+    s_a = (rows + cols.min(axis=0)[None]).argmax(axis=1)
+    s_z = (rows.min(axis=0)[None] + cols).argmax(axis=1)
+    by_row = rows[np.arange(A), s_a][:, None] + cols[:, s_a].T
+    by_col = rows[:, s_z] + cols[np.arange(Z), s_z][None]
+    return (by_row <= budget) & (by_col <= budget)
+
+
+def _first_feasible(time: np.ndarray, cand: np.ndarray, fits: Callable[[np.ndarray], np.ndarray], keep: int,
+                    block: int = 256) -> np.ndarray:
+    """Of the flat indices ``cand`` (ascending), the ``keep`` with the smallest finite ``time`` (ties: the lower index)
+    that ``fits``, checking them in that order a block at a time (blocks growing 4x), so most are never checked."""
+    cand = cand[np.isfinite(time[cand])]
+    order = cand[np.argsort(time[cand], kind="stable")]
+    found: list[np.ndarray] = []
+    count, lo = 0, 0
+    while count < keep and lo < order.size:
+        idx = order[lo: lo + block]
+        ok = idx[fits(idx)][: keep - count]
+        found.append(ok)
+        count += ok.size
+        lo += block
+        block *= 4
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
+
+def _best_state_pairs(task: PlanningTask, peaks: np.ndarray, time0: float, cur_st: np.ndarray, units: np.ndarray,
+                      ids: np.ndarray, keep: int) -> np.ndarray:
+    """The ``keep`` fastest placements within budget that change two units' placements of ``cur_st`` (options fixed,
+    their per-segment peaks ``peaks`` and time ``time0``), scored by the separable state part (ties: the earlier
+    pair)."""
+    n = task.n
+    loc = np.searchsorted(task.state_ids, cur_st)
+    new_loc = np.searchsorted(task.state_ids, ids)
+    d_seg = task.st_seg[units, new_loc] - task.st_seg[units, loc[units]]  # (Z, S) each single change's difference
+    d_step = task.st_step[units, new_loc] - task.st_step[units, loc[units]]
+    d_time = task.st_time[units, new_loc] - task.st_time[units, loc[units]]
+    r = np.arange(n)
+    seg0 = peaks + task.st_seg[r, loc].sum(axis=0)
+    step0 = task.step_base + task.st_step[r, loc].sum(axis=0)
+    time_base = time0 + task.st_time[r, loc].sum()
+    nonzero = int((cur_st != 0).sum())
+    d_nz = (ids != 0).astype(int) - (cur_st[units] != 0).astype(int)
+    Z = units.size
+    moved = nonzero + d_nz[:, None] + d_nz[None, :] > 0  # (Z, Z): pair (i, j)
+    time = (time_base + d_time)[:, None] + d_time[None, :] + np.where(moved, task.chunk_extra, 0.0)
+    pair = (units[:, None] != units[None, :]) & (np.arange(Z)[:, None] < np.arange(Z)[None, :])
+    may = pair & _may_fit(seg0[None] + d_seg, d_seg, task.budget)
+    if task.has_step and task.K:  # the step's points likewise once anything moves; the plain step is exact
+        may &= np.where(moved, _may_fit(step0[None] + d_step, d_step, task.budget), task.plain_step <= task.budget)
+
+    def fits(flat: np.ndarray) -> np.ndarray:
+        i, j = np.divmod(flat, Z)
+        seg = (seg0[None] + d_seg[i]) + d_seg[j]
+        step = task.step_part_many((step0[None] + d_step[i]) + d_step[j], moved[i, j])
+        return np.maximum(seg.max(axis=1), step) <= task.budget
+
+    i, j = np.divmod(_first_feasible(time.ravel(), np.flatnonzero(may), fits, keep), Z)
+    out = np.repeat(cur_st[None], i.size, axis=0)
+    out[np.arange(i.size), units[i]] = ids[i]
+    out[np.arange(i.size), units[j]] = ids[j]
+    return out
+
+
