@@ -46,6 +46,7 @@ import torch  # noqa: E402
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
 from memopt_nb.core.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
+from memopt_nb.core.space import PlanSpace
 from memopt_nb.harness.synthetic import chain_profile, with_save_sets  # noqa: E402
 from memopt_nb.planners.space import evaluate_arrays, unit_options, unit_states  # noqa: E402
 
@@ -65,7 +66,8 @@ def random_sampling(sim, budget: int, evaluations: int, seed: int = 0, batch: in
     activation option of ``strategies`` and every offered placement per unit), and the feasible fraction."""
     rng = np.random.default_rng(seed)
     opts = [np.array(unit_options(sim, u, strategies)) for u in range(sim.n)]
-    sts = [np.array(x) for x in unit_states(sim, offload_state=offload_state, step_in_backward=step_in_backward)]
+    sts = [np.array(x) for x in unit_states(
+        sim, PlanSpace.of(offload_state=offload_state, step_in_backward=step_in_backward))]
     best, feasible, done = math.inf, 0, 0
     while done < evaluations:
         b = min(batch, evaluations - done)

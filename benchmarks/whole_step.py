@@ -29,6 +29,7 @@ from _common import small_gpt2  # noqa: E402
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
 from memopt_nb.core.plan import STATE_CHOICES  # noqa: E402
+from memopt_nb.core.space import PlanSpace
 from memopt_nb.planners.floor import explain_floor  # noqa: E402
 from memopt_nb.planners.space import make_plan, uniform_arrays, unit_states  # noqa: E402
 from memopt_nb.sim.simulator import RECOMPUTE, SWAP  # noqa: E402
@@ -107,7 +108,7 @@ def floor_table(names: list[str]) -> None:
 def offload_everything(sim: memopt.Simulator, budget: int):
     """Every unit's optimizer state, gradients and parameters offloaded; activations swap-all or recompute-all
     (the faster one that fits; the smaller peak if neither does)."""
-    offered = unit_states(sim, offload_state=True)
+    offered = unit_states(sim, PlanSpace())
     states = [EVERYTHING if EVERYTHING in offered[u] else
               STATE_CHOICES.index(("offload", "offload", "resident")) if
               STATE_CHOICES.index(("offload", "offload", "resident")) in offered[u] else 0 for u in range(sim.n)]

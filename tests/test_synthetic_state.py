@@ -5,6 +5,7 @@ from __future__ import annotations
 import memopt_nb as memopt
 from memopt_nb import solvers
 from memopt_nb.core.plan import Plan
+from memopt_nb.core.space import PlanSpace
 from memopt_nb.harness.synthetic import chain_profile
 from memopt_nb.planners.space import unit_states
 
@@ -13,7 +14,7 @@ def test_default_chain_has_no_unit_state():
     p = chain_profile(8, seed=3)
     assert all(u.grad_bytes == 0 and u.param_bytes == 0 for u in p.units)
     assert p.step_segment == -1
-    assert unit_states(memopt.Simulator(p), offload_state=True) == [[0]] * 8
+    assert unit_states(memopt.Simulator(p), PlanSpace()) == [[0]] * 8
 
 
 def test_default_chain_draws_unchanged_by_the_option():
@@ -26,6 +27,6 @@ def test_state_chain_is_consistent_and_has_placements():
     p = chain_profile(8, seed=3, state_bytes=8 * 2**20)
     assert all(u.grad_bytes > 0 and u.optimizer_bytes == 2 * u.grad_bytes for u in p.units)
     assert memopt.simulate(p, Plan.uniform(p, "keep")).peak_bytes == p.peak_bytes
-    offered = unit_states(memopt.Simulator(p), offload_state=True)
+    offered = unit_states(memopt.Simulator(p), PlanSpace())
     assert all(len(o) > 1 for o in offered)
-    assert solvers.min_peak(p, offload_state=True) < solvers.min_peak(p, offload_state=False)
+    assert solvers.min_peak(p, PlanSpace()) < solvers.min_peak(p, offload_state=False)

@@ -7,7 +7,6 @@ of the step's timeline (a unit's forward or backward, or the code between units)
 profile round-trips through JSON; its notebook table is drawn by :mod:`memopt_nb.notebook.profile_html`.
 """
 
-
 from __future__ import annotations
 
 import copy

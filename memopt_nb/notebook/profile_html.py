@@ -1,7 +1,6 @@
 """The profile as a table in a notebook: per unit time and memory, the hierarchy of split units, the totals and the
 smallest peak any plan reaches (from :mod:`memopt_nb.planners.floor`)."""
 
-
 from __future__ import annotations
 
 import html

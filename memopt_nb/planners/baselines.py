@@ -57,6 +57,7 @@ import numpy as np
 
 from ..core.device import DeviceSpec
 from ..core.plan import DEFAULT_STRATEGIES, DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan
+from ..core.space import PlanSpace
 from ..sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator, code_of
 from .checks import check_budget
 from .milp import place_states
@@ -86,12 +87,12 @@ def _classic(name: str, rule: Rule, doc: str, space: Sequence[str] | None = None
         sim = as_simulator(profile, device)
         if needs_save_sets:
             check_save_sets(sim, ("selective",))  # PlanError: this profile has no save-sets
-        strategies = tuple(space) if space is not None else DEFAULT_STRATEGIES
-        b = check_budget(sim, budget, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+        within = PlanSpace.of(space if space is not None else DEFAULT_STRATEGIES, offload_state, step_in_backward)
+        b = check_budget(sim, budget, within)
         arrays, meta = rule(sim, budget, b)
         states = None
         if budget is not None:
-            states = place_states(sim, b, *arrays, offload_state=offload_state, step_in_backward=step_in_backward)
+            states = place_states(sim, b, *arrays, within)
         plan = make_plan(sim, *arrays, budget=b, method=name, states=states, step_in_backward=step_in_backward)
         plan.meta.update(meta)
         return plan
@@ -215,10 +216,10 @@ def _everywhere(profile: Any, budget: Any, device: DeviceSpec | str | None, code
     """Activation ``code`` and state ``placement`` on every unit that can take them."""
     sim = as_simulator(profile, device)
     stepped = placement[1] == "step"
-    space = {"offload_state": False if stepped else {"optimizer", "grads"}, "step_in_backward": stepped}
-    b = check_budget(sim, budget, **space)
+    space = PlanSpace.of(offload_state=False if stepped else {"optimizer", "grads"}, step_in_backward=stepped)
+    b = check_budget(sim, budget, space)
     c = STATE_CHOICES.index(placement)
-    offered = unit_states(sim, **space)
+    offered = unit_states(sim, space)
     states = [c if c in offered[u] else 0 for u in range(sim.n)]
     return make_plan(sim, *uniform_arrays(sim, code), budget=b, method=method, states=states,
                      step_in_backward=stepped)

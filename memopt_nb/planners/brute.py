@@ -11,6 +11,7 @@ import numpy as np
 from ..core.device import DeviceSpec
 from ..core.errors import MemoptError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
+from ..core.space import PlanSpace
 from .checks import check_budget
 from .space import OffloadState, as_simulator, evaluate_arrays, make_plan, unit_options, unit_states
 
@@ -26,11 +27,12 @@ def brute_force(profile: Any, budget: Any = None, device: DeviceSpec | str | Non
     """Simulate every combination of unit options (activation option × state placement) and return the fastest plan
     that fits ``budget``; the space is the one :func:`~memopt_nb.planners.optimal` searches for the same arguments."""
     sim = as_simulator(profile, device)
-    b = check_budget(sim, budget, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+    space = PlanSpace.of(strategies, offload_state, step_in_backward)
+    b = check_budget(sim, budget, space)
     if sim.n > MAX_UNITS:
         raise MemoptError(f"brute force is for at most {MAX_UNITS} units, this profile has {sim.n}")
-    places = unit_states(sim, offload_state, step_in_backward)
-    opts = [[(*o, c) for c in places[u] for o in unit_options(sim, u, strategies)] for u in range(sim.n)]
+    places = unit_states(sim, space)
+    opts = [[(*o, c) for c in places[u] for o in unit_options(sim, u, space.strategies)] for u in range(sim.n)]
     total = int(np.prod([len(o) for o in opts]))
     if total > MAX_PLANS:
         raise MemoptError(f"{total} plans are too many to enumerate (limit {MAX_PLANS}); restrict strategies= or "

@@ -1,32 +1,28 @@
 """The budget check every planner makes: a budget below the smallest peak any plan in the space reaches is refused
 with what bounds that floor and how to lower it (:mod:`.floor`)."""
 
-
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from ..core.budget import format_bytes, resolve_budget
 from ..core.errors import BudgetError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES
+from ..core.space import PlanSpace
 from ..sim.simulator import Simulator
 from .floor import explain_floor
 from .milp import cached_min_peak
-from .space import (
-    OffloadState,
-    allowed_states,
-    state_table_of,
-)
+from .space import state_table_of
+
+__all__ = ["check_budget"]
 
 
-def _space_text(sim: Simulator, strategies: Sequence[str], offload_state: OffloadState,
-                step_in_backward: bool) -> str:
+def _space_text(sim: Simulator, space: PlanSpace) -> str:
     """How a refused budget's space was restricted, for the message ('' for the whole default space)."""
     parts = []
-    if set(strategies) != set(DEFAULT_STRATEGIES):
-        parts.append(f"using only {', '.join(strategies)}")
-    allowed = allowed_states(offload_state, step_in_backward)
+    if set(space.strategies) != set(DEFAULT_STRATEGIES):
+        parts.append(f"using only {', '.join(space.strategies)}")
+    allowed = space.placements
     if state_table_of(sim) is not None:
         moved = {piece for c in allowed for piece, place in zip(("optimizer state", "gradients", "parameters"),
                                                                STATE_CHOICES[c], strict=True) if place != "resident"}
@@ -36,18 +32,17 @@ def _space_text(sim: Simulator, strategies: Sequence[str], offload_state: Offloa
     return (" " + " ".join(parts)) if parts else ""
 
 
-def check_budget(sim: Simulator, budget: Any, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
-                 offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
+def check_budget(sim: Simulator, budget: Any, space: PlanSpace) -> int:
     """Parse ``budget`` (bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak; ``None``: the device's capacity) and
-    refuse one no plan in the given space (``strategies``, ``offload_state``, ``step_in_backward``) can meet."""
+    refuse one no plan in ``space`` can meet."""
     if budget is None:
         budget = sim.device.capacity_bytes
     value = resolve_budget(budget, reference=sim.profile.peak_bytes)
-    lowest = cached_min_peak(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+    lowest = cached_min_peak(sim, space)
     if value < lowest:
-        using = _space_text(sim, strategies, offload_state, step_in_backward)
-        floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=strategies,
-                              offload_state=offload_state, step_in_backward=step_in_backward)
+        using = _space_text(sim, space)
+        floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=space.strategies,
+                              offload_state=space.offload_state, step_in_backward=space.step_in_backward)
         raise BudgetError(
             f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches for this "
             f"profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes) = {floor.breakdown_text()}. "

@@ -60,12 +60,10 @@ from scipy.sparse import coo_matrix
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError
 from ..core.plan import DEFAULT_STRATEGIES, effective_triggers
+from ..core.space import PlanSpace
 from ..sim.simulator import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
 from .space import (
-    OffloadState,
     Option,
-    allowed_states,
-    allowed_strategies,
     as_simulator,
     evaluate_arrays,
     state_table_of,
@@ -153,22 +151,19 @@ class Formulation:
 
     Args:
         sim: the compiled profile.
-        strategies: the activation strategies allowed (ignored where ``options`` are given).
-        offload_state, step_in_backward: the state placements allowed (:func:`~memopt_nb.core.plan.state_choices`).
+        space: the activation strategies (ignored where ``options`` are given) and state placements allowed.
         options: per unit the activation options to choose from (default: :func:`unit_options`); one option per
             unit fixes the activations (:func:`place_states`).
     """
 
-    def __init__(self, sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
-                 offload_state: OffloadState = False, step_in_backward: bool = False,
-                 options: Sequence[Sequence[Option]] | None = None) -> None:
+    def __init__(self, sim: Simulator, space: PlanSpace, *, options: Sequence[Sequence[Option]] | None = None) -> None:
         self.sim = sim
         self.p = _Program()
         self.mem_scale = float(max(sim.start_level.max() + sim.rel.max(), 1.0))
         self.opts = [list(o) for o in options] if options is not None else [
-            unit_options(sim, u, strategies) for u in range(sim.n)]
+            unit_options(sim, u, space.strategies) for u in range(sim.n)]
         self.table = state_table_of(sim)
-        self.states = unit_states(sim, offload_state, step_in_backward, table=self.table)
+        self.states = unit_states(sim, space, table=self.table)
         self.time_offset = 0.0  # set by time_objective
         self._activation_variables()
         self._memory()
@@ -629,10 +624,9 @@ class Formulation:
 
 
 # ---------------------------------------------------------------------- the floor and budget checks
-def solve_min_peak(sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 60.0, *,
-                   offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
-    """The smallest peak any plan reaches (bytes), by MILP, checked with the simulator."""
-    form = Formulation(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+def solve_min_peak(sim: Simulator, space: PlanSpace, time_limit: float = 60.0) -> int:
+    """The smallest peak any plan in ``space`` reaches (bytes), by MILP, checked with the simulator."""
+    form = Formulation(sim, space)
     objective = form.minimize_peak()
     res = form.solve(objective, time_limit)
     if res.x is None:  # pragma: no cover - solver failure
@@ -647,41 +641,37 @@ def solve_min_peak(sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGIE
 _MIN_PEAK: dict[tuple[Any, ...], tuple[weakref.ref, int]] = {}
 
 
-def cached_min_peak(sim: Simulator, strategies: Sequence[str] = DEFAULT_STRATEGIES, *,
-                    offload_state: OffloadState = True, step_in_backward: bool = False) -> int:
-    """:func:`memopt_nb.planners.min_peak` for a compiled simulator, cached per profile, device, simulator class,
-    strategies and allowed state placements."""
-    allowed = allowed_states(offload_state, step_in_backward)
-    key = (id(sim.profile), repr(sim.device), type(sim), tuple(sorted(strategies)), allowed)
+def cached_min_peak(sim: Simulator, space: PlanSpace) -> int:
+    """:func:`min_peak` for a compiled simulator, cached per profile, device, simulator class and space."""
+    key = (id(sim.profile), repr(sim.device), type(sim), space)
     hit = _MIN_PEAK.get(key)
     if hit is not None and hit[0]() is sim.profile:
         return hit[1]
-    value = solve_min_peak(sim, strategies, offload_state=offload_state, step_in_backward=step_in_backward)
+    value = solve_min_peak(sim, space)
     _MIN_PEAK[key] = (weakref.ref(sim.profile), value)
     return value
 
 
 def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: Sequence[int],
-                 distances: Sequence[int], *, offload_state: OffloadState = True, step_in_backward: bool = False,
-                 time_limit: float = 60.0) -> list[int]:
+                 distances: Sequence[int], space: PlanSpace, *, time_limit: float = 60.0) -> list[int]:
     """The fastest state placement per unit (indices into STATE_CHOICES) that fits ``budget`` with the activation
     decisions fixed (exact: the MILP with one option per unit); if none fits, the one with the smallest peak.
 
-    Everything stays resident when no placement may move (``offload_state=False``, or no state model).
+    Everything stays resident when ``space`` moves no state, or the simulator has no state model.
     """
     n = sim.n
     trig = effective_triggers([NAMES[int(c)] for c in codes], list(distances))
     # a swap's distance as the trigger it really gets, so the MILP's monotone-trigger rows hold
     options = [[(int(c), int(w), int(t - u) if t is not None else int(d))]
                for u, (c, w, d, t) in enumerate(zip(codes, windows, distances, trig, strict=True))]
-    form = Formulation(sim, options=options, offload_state=offload_state, step_in_backward=step_in_backward)
+    form = Formulation(sim, space, options=options)
     if form.any_state is None:
         return [0] * n
     form.limit_memory(budget)
     objective, _, _ = form.time_objective()
     res = form.solve(objective, time_limit)
     if res.x is None:
-        form = Formulation(sim, options=options, offload_state=offload_state, step_in_backward=step_in_backward)
+        form = Formulation(sim, space, options=options)
         res = form.solve(form.minimize_peak(), time_limit)
         if res.x is None:  # pragma: no cover - solver failure
             return [0] * n
@@ -695,5 +685,4 @@ def min_peak(profile: Any, device: DeviceSpec | str | None = None,
     activations (a non-empty set of keep, recompute, swap, recompute_offload, selective, else
     :class:`~memopt_nb.core.errors.PlanError`; default keep, recompute, swap; selective needs a profile made with
     ``selective=True``) and moving only the state ``offload_state`` allows (``False``: activations only)."""
-    return cached_min_peak(as_simulator(profile, device), allowed_strategies(strategies), offload_state=offload_state,
-                           step_in_backward=step_in_backward)
+    return cached_min_peak(as_simulator(profile, device), PlanSpace.of(strategies, offload_state, step_in_backward))

@@ -1,7 +1,6 @@
 """The exact planner: the fastest plan under a budget, by MILP (:mod:`.milp`), with a smaller problem's optimum as
 the cut-off and the answer of last resort."""
 
-
 from __future__ import annotations
 
 import time
@@ -13,37 +12,37 @@ import numpy as np
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError
 from ..core.plan import DEFAULT_STRATEGIES, OFFLOADING, STATE_CHOICES, Plan
+from ..core.space import PlanSpace
 from ..sim.simulator import Simulator
 from .checks import check_budget
 from .milp import Formulation
 from .space import (
     OffloadState,
-    allowed_states,
-    allowed_strategies,
     as_simulator,
     make_plan,
     unit_states,
 )
 
+__all__ = ["optimal", "solve_optimal"]
 
-def _fallback(sim: Simulator, b: int, strategies: Sequence[str], time_limit: float,
-              space: dict[str, Any]) -> tuple[Plan | None, str]:
+
+def _fallback(sim: Simulator, b: int, space: PlanSpace, time_limit: float) -> tuple[Plan | None, str]:
     """A smaller problem's optimum that bounds the full one from above (a cut-off that prunes the search, and the
     answer of last resort if the full problem runs out of time), and what it means when nothing beats it.
 
     Where state may move, the activation-only optimum (when it fits); otherwise, or if it does not fit, the
     checkpointing-only optimum in the same state space (quick to prove)."""
-    if any(len(c) > 1 for c in unit_states(sim, **space)):
+    if any(len(c) > 1 for c in unit_states(sim, space)):
         try:
-            return (optimal(sim, b, strategies=strategies, time_limit=time_limit / 4, offload_state=False),
+            return (solve_optimal(sim, b, space.replace(offload_state=False, step_in_backward=False), time_limit / 4),
                     "no plan moving state beat the activation-only optimum")
         except BudgetError:
             pass
-    if "swap" in strategies and "recompute" in strategies and sim.device.has_host_link:
-        rc_only = tuple(x for x in strategies if x not in OFFLOADING
+    if "swap" in space.strategies and "recompute" in space.strategies and sim.device.has_host_link:
+        rc_only = tuple(x for x in space.strategies if x not in OFFLOADING
                         and (x != "selective" or bool(np.any(sim.sel_has))))  # no selective it cannot offer
         try:
-            return (optimal(sim, b, strategies=rc_only, time_limit=time_limit / 4, **space),
+            return (solve_optimal(sim, b, space.replace(strategies=rc_only), time_limit / 4),
                     "no plan with swaps beat the checkpointing-only optimum")
         except BudgetError:
             pass
@@ -63,14 +62,18 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
     (the plan then forbids gradient accumulation and clipping). ``plan.meta`` has the solver status, the MILP
     objective, the simulated time of the plan, the solve time and whether optimality was proven within ``time_limit``.
     """
-    strategies = allowed_strategies(strategies)  # PlanError on a bad value
-    sim = as_simulator(profile, device)
-    space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
-    b = check_budget(sim, budget, strategies, **space)
-    allowed = [list(STATE_CHOICES[c]) for c in allowed_states(offload_state, step_in_backward)]
+    space = PlanSpace.of(strategies, offload_state, step_in_backward)  # PlanError on a bad value
+    return solve_optimal(as_simulator(profile, device), budget, space, time_limit)
+
+
+def solve_optimal(sim: Simulator, budget: Any, space: PlanSpace, time_limit: float = 120.0) -> Plan:
+    """:func:`optimal` on a compiled simulator over a parsed :class:`~memopt_nb.core.space.PlanSpace`."""
+    strategies, step_in_backward = space.strategies, space.step_in_backward
+    b = check_budget(sim, budget, space)
+    allowed = [list(STATE_CHOICES[c]) for c in space.placements]
     t0 = time.perf_counter()
-    fallback, note = _fallback(sim, b, strategies, time_limit, space)
-    form = Formulation(sim, strategies, **space)
+    fallback, note = _fallback(sim, b, space, time_limit)
+    form = Formulation(sim, space)
     form.limit_memory(b)
     objective, const, tscale = form.time_objective()
     offset = form.time_offset

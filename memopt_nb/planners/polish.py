@@ -80,8 +80,7 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
             skipped += 1
             continue
         t0 = time.perf_counter()
-        st = place_states(task.sim, task.budget, c, w, d, offload_state=task.offload_state,
-                          step_in_backward=task.step_in_backward, time_limit=min(10.0, left))
+        st = place_states(task.sim, task.budget, c, w, d, task.space, time_limit=min(10.0, left))
         spent += time.perf_counter() - t0
         c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
         t = _time_of(task, c2, w2, d2, st2)

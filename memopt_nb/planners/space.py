@@ -14,7 +14,7 @@ unit-by-unit one. A simulator without ``state_table`` (no state model) offers on
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,46 +30,17 @@ from ..core.plan import (
     Decision,
     Plan,
     selective_decision,
-    state_choices,
     with_autocast,
 )
+from ..core.space import OffloadState, PlanSpace, allowed_strategies
 from ..sim.simulator import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator, save_set_of
 
-__all__ = ["Option", "allowed_states", "allowed_strategies", "as_simulator", "check_save_sets", "evaluate_arrays",
-           "make_plan", "plan_decisions", "state_table_of", "uniform_arrays", "unit_options", "unit_states"]
+__all__ = ["OffloadState", "Option", "PlanSpace", "allowed_strategies", "as_simulator", "check_save_sets",
+           "evaluate_arrays", "make_plan", "plan_decisions", "state_table_of", "uniform_arrays", "unit_options",
+           "unit_states"]
 
 Option = tuple[int, int, int]  # (strategy code, offload window, prefetch distance)
-OffloadState = bool | str | Iterable[str]
 _FETCH: Any = object()  # unit_states: fetch the state table from the simulator
-
-
-def allowed_strategies(strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> tuple[str, ...]:
-    """The activation strategies ``strategies=`` allows, in the canonical order of
-    :data:`~memopt_nb.core.plan.STRATEGIES`,
-    ``("keep", "recompute", "swap", "recompute_offload", "selective")`` (order and duplicates of the argument do not
-    matter).
-
-    ``strategies``: a non-empty set of ``"keep"``, ``"recompute"``, ``"swap"``, ``"recompute_offload"``,
-    ``"selective"``, or the same as a comma-separated string (``"keep,recompute"``). The planners' default is
-    :data:`~memopt_nb.core.plan.DEFAULT_STRATEGIES` (keep, recompute, swap: ``"recompute_offload"`` and
-    ``"selective"`` are
-    opt-in; ``"selective"`` needs a profile made with ``selective=True``, see :func:`check_save_sets`). A unit none of
-    them
-    fits (say only ``"swap"`` allowed and the unit cannot be swapped) keeps its activations. Anything else raises
-    :class:`~memopt_nb.core.errors.PlanError` naming the allowed strategies.
-    """
-    if isinstance(strategies, str):
-        strategies = strategies.split(",")
-    try:
-        names = [s.strip().lower() if isinstance(s, str) else s for s in strategies]
-    except TypeError:
-        raise PlanError(f"strategies must be a set of {', '.join(STRATEGIES)}; got {strategies!r}") from None
-    unknown = [repr(s) for s in names if s not in STRATEGIES]
-    if unknown or not names:
-        what = f"unknown {', '.join(unknown)}" if unknown else "none given"
-        raise PlanError(f"strategies: {what}; give a non-empty set of {', '.join(STRATEGIES)} (e.g. "
-                        f"strategies=(\"keep\", \"recompute\") for checkpointing only)")
-    return tuple(s for s in STRATEGIES if s in names)
 
 
 def check_save_sets(sim: Simulator, strategies: Sequence[str]) -> None:
@@ -173,22 +144,13 @@ def state_table_of(sim: Simulator) -> Any | None:
     return table
 
 
-def allowed_states(offload_state: OffloadState = True, step_in_backward: bool = False) -> tuple[int, ...]:
-    """Indices into :data:`STATE_CHOICES` that ``offload_state=`` / ``step_in_backward=`` allow (0 first).
-
-    A value :func:`~memopt_nb.core.plan.state_choices` does not accept raises :class:`~memopt_nb.core.errors.PlanError`.
-    """
-    return tuple(STATE_CHOICES.index(c) for c in state_choices(offload_state, step_in_backward=step_in_backward))
-
-
-def unit_states(sim: Simulator, offload_state: OffloadState = True, step_in_backward: bool = False,
-                table: Any = _FETCH) -> list[list[int]]:
+def unit_states(sim: Simulator, space: PlanSpace, table: Any = _FETCH) -> list[list[int]]:
     """Per unit the placements (indices into :data:`STATE_CHOICES`, 0 first) a planner may choose from.
 
     A placement other than 0 is offered only if the state table says it changes something for the unit (its memory
     at some segment or step point, or its time). ``table``: the simulator's state table if already fetched.
     """
-    allowed = allowed_states(offload_state, step_in_backward)
+    allowed = space.placements
     if table is _FETCH:
         table = state_table_of(sim) if len(allowed) > 1 else None
     if table is None or len(allowed) == 1:

@@ -15,7 +15,6 @@ training steps (and restores the model, optimizer and RNG afterwards) to measure
 * totals: parameter, gradient, optimizer-state bytes, the measured peak and the bytes not attributed to units.
 """
 
-
 from __future__ import annotations
 
 import datetime

@@ -2,7 +2,6 @@
 it, which units save and read it, when nothing but autograd refers to it), the timed steps, and the unit-by-unit
 optimizer step whose cost state placements need."""
 
-
 from __future__ import annotations
 
 import collections

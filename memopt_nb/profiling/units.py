@@ -1,7 +1,6 @@
 """Which modules are units: the containers' children by default, or the largest blocks split into their children
 (``units="fine"``), or the names a user gives."""
 
-
 from __future__ import annotations
 
 import difflib

@@ -24,10 +24,11 @@ import numpy as np
 from ...core.budget import format_bytes, resolve_budget
 from ...core.device import DeviceSpec
 from ...core.errors import BudgetError, PlanError
-from ...core.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, STATE_CHOICES, WINDOWS, state_choices
+from ...core.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, STATE_CHOICES, WINDOWS
+from ...core.space import PlanSpace
 from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
 from ..checks import check_budget
-from ..space import allowed_strategies, as_simulator, check_save_sets
+from ..space import as_simulator, check_save_sets
 
 __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS", "SELECTIVE_BASE",
            "code_options", "option_codes"]
@@ -157,7 +158,9 @@ class PlanningTask:
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
                  offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
                  strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> None:
-        self.strategies = allowed_strategies(strategies)  # PlanError on a bad value
+        #: what the agents may decide, parsed once (PlanError on a bad value)
+        self.space = PlanSpace.of(strategies, offload_state, step_in_backward)
+        self.strategies = self.space.strategies
         # options: keep, recompute, swap × TIMINGS and, only when allowed, recompute_offload × TIMINGS (so that the
         # default space's tables, actions and observations stay what they were)
         T = len(TIMINGS)
@@ -177,8 +180,7 @@ class PlanningTask:
                                        for c in self.action_codes], dtype=np.int64)
         #: first option index of each timed strategy (its timing j is option ``timed_base[code] + j``)
         self.timed_base = {SWAP: 2, RECOMPUTE_OFFLOAD: 2 + T}
-        allowed = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
-        self.offload_state = offload_state
+        allowed = tuple(STATE_CHOICES[c] for c in self.space.placements)
         self.step_in_backward = step_in_backward
         self.n = n = self.sim.n
         self.S = self.sim.S
@@ -188,7 +190,7 @@ class PlanningTask:
         self.state_ids = np.array([STATE_CHOICES.index(c) for c in allowed], dtype=np.int64)
         self._compile_states()
         if self.C == 1:  # activations only: the exact floor (before anything else is computed)
-            self.budget = check_budget(self.sim, budget, self.strategies, offload_state=False)
+            self.budget = check_budget(self.sim, budget, self.space.replace(offload_state=False))
         keep = np.zeros((1, n), dtype=np.int64)
         base = self.sim.evaluate(keep, keep + 1, keep + 1, details=True)
         self.base_peaks = base["peaks"][0]
@@ -370,10 +372,9 @@ class PlanningTask:
         placements allowed) for the simulator's own state table; for another table (tests, what-if studies), below the
         activation-only floor the marginal model's floor over the enlarged space decides."""
         if self.state_model is not None and self.state_model.native:
-            return check_budget(self.sim, budget, self.strategies, offload_state=self.offload_state,
-                                step_in_backward=self.step_in_backward)
+            return check_budget(self.sim, budget, self.space)
         try:
-            return check_budget(self.sim, budget, self.strategies, offload_state=False)
+            return check_budget(self.sim, budget, self.space.replace(offload_state=False))
         except BudgetError:
             if self.C == 1:
                 raise
