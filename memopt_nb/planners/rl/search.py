@@ -241,10 +241,10 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     round starts after it (the plan so far is returned).
 
     A move changes one unit's option (strategy and timing). Each round takes the fastest move within budget (ties: the
-    earlier unit, then the earlier option) if it is faster than the current plan. Where placements may be chosen, a
-    move may also change one unit's placement, alone or together with one unit's option (so a faster activation option
-    that needs a little more memory can be paid for by moving some state). Pairs are scored with the cost model's
-    separable state part (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is
+    earlier unit, then the earlier option) if it is faster than the current plan. Where placements may be chosen, a move
+    may also change one unit's placement, alone or together with one unit's option (so a faster activation option that
+    needs a little more memory can be paid for by moving some state). Pairs are scored with the cost model's separable
+    state part (``memopt_nb/sim/COST_MODEL.md``) and the chosen move is checked with the exact evaluation before it is
     taken. Without placements, a move is simulated only where a lower bound on its time does not already rule it out
     (:func:`_best_move`): the same moves as simulating every one.
     """
