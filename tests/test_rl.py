@@ -263,7 +263,7 @@ def test_reward_scale_reaches_the_environment_from_search():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# State placements (issue 11), on a hand-made state table in the form of STATE_CONTRACT.md: the real StateTable comes
+# State placements, on a hand-made state table in the form memopt_nb/sim/COST_MODEL.md gives: the real StateTable comes
 # from the simulator; these tests point memopt_nb.planners.rl.task.state_model_for at a fake with made-up numbers.
 @dataclass(frozen=True)
 class FakeStateTable:

@@ -335,7 +335,7 @@ def test_planners_leave_default_timings_on_units_they_do_not_swap(name):
 
 # ---------------------------------------------------------------------- whole-step plans (issue 11) on a hand-made
 # state table: the MILP is held to an enumeration that computes every plan's peak and time by the contract's formula
-# (STATE_CONTRACT.md), so it is right for any simulator whose state_table() follows that contract.
+# (memopt_nb/sim/COST_MODEL.md), so it is right for any simulator whose state_table() follows that contract.
 MiB = 2**20
 PLAIN_STEP_TIME = 1.5e-3  # the plain optimizer step: a constant in every plan's time
 

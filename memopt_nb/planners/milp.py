@@ -27,7 +27,7 @@ save-set's, and adds the save-set's recompute time (instead of the forward's) to
 binary, so the program stays exact.
 
 Where the optimizer state, gradients and parameters live is separable in the simulator's cost model (its
-``StateTable``, see ``STATE_CONTRACT.md``), so it enters exactly as well:
+``StateTable``, see ``memopt_nb/sim/COST_MODEL.md``), so it enters exactly as well:
 
 * a binary per (unit, allowed placement other than all-resident), at most one per unit, and one continuous indicator
   ``any`` that equals 1 exactly when some unit moves state;

@@ -188,7 +188,7 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     earlier unit, then the earlier option) if it is faster than the current plan. Where placements may be chosen, a
     move may also change one unit's placement, alone or together with one unit's option (so a faster activation option
     that needs a little more memory can be paid for by moving some state). Pairs are scored with the cost model's
-    separable state part (``STATE_CONTRACT.md``) and the chosen move is checked with the exact evaluation before it is
+    separable state part (``sim/COST_MODEL.md``) and the chosen move is checked with the exact evaluation before it is
     taken. Without placements, a move is simulated only where a lower bound on its time does not already rule it out
     (:func:`_best_move`): the same moves as simulating every one.
     """

@@ -6,9 +6,9 @@ a fast, close approximation of the simulator (exact for memory wherever storage 
 the environment uses for observations and action masks, so that an environment step never needs a simulation.
 
 Where each unit's optimizer state, gradients and parameters live (``offload_state=``) comes from the simulator's
-``StateTable`` (see ``STATE_CONTRACT.md``), whose form is separable by construction: a placement changes each segment's
-peak by ``seg_delta[u, c]``, each point of the unit-by-unit optimizer step by ``step_delta[u, c]`` (the plain step's
-peak ``plain_step_peak`` applies while every unit is resident) and the step time by ``time[u, c]``, plus
+``StateTable`` (see ``memopt_nb/sim/COST_MODEL.md``), whose form is separable by construction: a placement changes each
+segment's peak by ``seg_delta[u, c]``, each point of the unit-by-unit optimizer step by ``step_delta[u, c]`` (the plain
+step's peak ``plain_step_peak`` applies while every unit is resident) and the step time by ``time[u, c]``, plus
 ``chunked_step_extra`` once any unit moves. The marginal model adds exactly these, so for the state part it is exact.
 :func:`state_model_for` is the one place the task gets that table from.
 """
@@ -75,7 +75,7 @@ def code_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> n
 
 
 class StateModel:
-    """The state part of the cost model: a ``StateTable`` (``STATE_CONTRACT.md``) and how to score plans with it.
+    """The state part of the cost model: a ``StateTable`` (``memopt_nb/sim/COST_MODEL.md``) and how to score with it.
 
     ``native=True``: the simulator takes ``states=`` itself (``Simulator.evaluate(..., states=)``). ``native=False``:
     the table is combined with the simulator's activation-only figures by the contract's formula
