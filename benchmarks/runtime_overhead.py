@@ -12,9 +12,8 @@ the two variants interleaved A B, B A, A B, ... so that drift of this (shared, n
     back) — target ratio <= 1.03;
 (d) a ``selective`` plan that keeps the output of every op call of every unit that makes a new tensor (issue 12; a
     save-set of all of them, from :func:`memopt_nb.profiling.opsets.record_ops`, outputs changed in place later
-    included, such
-    as a dropout mask scaled in place) vs. the keep plan — target ratio <= 1.03. Its recomputation runs no op again,
-    so after a unit's first forward under the plan, calls made the same way run as a keep unit's do
+    included, such as a dropout mask scaled in place) vs. the keep plan — target ratio <= 1.03. Its recomputation runs
+    no op again, so after a unit's first forward under the plan, calls made the same way run as a keep unit's do
     (``memopt_nb.runtime.apply.PlannedForward``): (d) measures that the machinery gets out of the way; with
     ``--first-step`` it measures the checkpoint and the caching modes of the first forward.
 

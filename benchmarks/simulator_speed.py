@@ -1,9 +1,8 @@
 """Simulator throughput: plan evaluations per second of ``Simulator.evaluate`` on one core.
 
 A 48-unit synthetic chain (``memopt_nb.harness.synthetic.chain_profile(48, seed=0)``) is compiled into a ``Simulator``
-for its
-own (synthetic GPU) device and for the ``a100-40gb`` preset, then ``evaluate(strategies, windows, distances)`` is timed
-on random ``(B, 48)`` integer arrays (strategy 0..2, window 0..2, distance 0..3) for each batch size ``B``.
+for its own (synthetic GPU) device and for the ``a100-40gb`` preset, then ``evaluate(strategies, windows, distances)``
+is timed on random ``(B, 48)`` integer arrays (strategy 0..2, window 0..2, distance 0..3) for each batch size ``B``.
 Evaluations/s = B / median seconds per call. Target: >= 10,000 evaluations/s.
 
 One core: the script sets ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` and

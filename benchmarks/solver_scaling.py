@@ -1,9 +1,8 @@
 """Solve time of the exact MILP planner (``memopt_nb.planners.optimal``) on synthetic chains of growing length.
 
 For chains of 12, 24, 48 and 96 units (``memopt_nb.harness.synthetic.chain_profile(n, seed)``) and budgets 40 % and 70
-% of
-the way from the smallest feasible peak (``solvers.min_peak``) to the unoptimized peak (``profile.peak_bytes``), the
-script solves with all strategies and with ``strategies=("keep", "recompute")`` only, and prints the solve time,
+% of the way from the smallest feasible peak (``solvers.min_peak``) to the unoptimized peak (``profile.peak_bytes``),
+the script solves with all strategies and with ``strategies=("keep", "recompute")`` only, and prints the solve time,
 whether optimality was proven within the time limit (``plan.meta["proven_optimal"]``; otherwise the limit was hit and
 the plan is the best incumbent), the MILP objective vs the simulated step time of the returned plan
 (``plan.meta["milp_step_time"]``, ``plan.predicted_step_time``) and the plan's strategy counts.

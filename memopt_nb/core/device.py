@@ -213,10 +213,9 @@ class DeviceSpec:
         copy engine; the per-storage term is spent by the training thread. Without ``copy_overlap`` both add to the
         step; with it, the simulator queues the bytes term on the copy engines and adds only the per-storage term (see
         :mod:`memopt_nb.sim.simulator`). ``copy_seconds(nbytes, 0, d)`` and ``copy_seconds(0, n_storages, d)`` give
-        the two
-        terms alone. The formula is linear: the arguments may be numpy arrays, and the solvers read its coefficients
-        as ``copy_seconds(1.0, 0, d)`` per byte and ``copy_seconds(0.0, 1, d)`` per storage. A device without a host
-        link never copies; its bytes term is 0.
+        the two terms alone. The formula is linear: the arguments may be numpy arrays, and the solvers read its
+        coefficients as ``copy_seconds(1.0, 0, d)`` per byte and ``copy_seconds(0.0, 1, d)`` per storage. A device
+        without a host link never copies; its bytes term is 0.
         """
         if direction == "both":
             return self.copy_seconds(nbytes, n_storages, "d2h") + self.copy_seconds(nbytes, n_storages, "h2d")

@@ -28,6 +28,5 @@ class WrapOrderError(PlanError, ProfileError):
 
     The order that works: profile and plan the plain model, wrap or shard it, then apply the plan to the wrapped model
     (see :mod:`memopt_nb.runtime.distributed`). It is a :class:`PlanError` and a :class:`ProfileError`, so either
-    ``except``
-    catches it.
+    ``except`` catches it.
     """

@@ -848,8 +848,8 @@ def _jsonable(obj: Any) -> Any:
 def selective_decision(unit: Any, save_set: str, window: int = 1, distance: int = 1,
                        placement: tuple[str, str, str] = STATE_CHOICES[0]) -> Decision:
     """A ``selective`` decision for ``unit`` (a :class:`~memopt_nb.core.profile.UnitProfile`) carrying the ops its
-    profile
-    lists for ``save_set``, so the plan applies without the profile; :class:`PlanError` naming what the unit offers
+    profile lists for ``save_set``, so the plan applies without the profile; :class:`PlanError` naming what the unit
+    offers
     when it has no such save-set."""
     sets = getattr(unit, "save_sets", None) or {}
     if save_set not in sets:

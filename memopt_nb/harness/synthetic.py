@@ -140,8 +140,8 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
 def with_save_sets(prof: ModelProfile, seed: int = 0, offered: float = 0.8, pareto: float = 0.8) -> ModelProfile:
     """``prof`` with synthetic save-sets on its recomputable units: each unit offers each set of
     :data:`~memopt_nb.core.plan.SAVE_SETS` with probability ``offered`` (so some units offer none), each Pareto (a
-    planner's
-    option) with probability ``pareto``. A set holds a share of the unit's interior saved bytes and recomputes in a
+    planner's option) with probability ``pareto``. A set holds a share of the unit's interior saved bytes and
+    recomputes in a
     share of its forward time (:data:`SAVE_SET_SHARES`), so that selective is sometimes the best choice."""
     rng = np.random.default_rng(seed)
     units = []

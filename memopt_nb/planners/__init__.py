@@ -2,13 +2,11 @@
 
 ``budget`` is bytes, a string such as ``"1.5GiB"``, or a percentage of the unoptimized peak (``"60%"``); ``None``
 means the device's capacity. A budget below :func:`min_peak` raises :class:`~memopt_nb.core.errors.BudgetError` naming
-the
-smallest feasible peak.
+the smallest feasible peak.
 
 The space searched: per unit an activation strategy (``strategies=``; default
 :data:`~memopt_nb.core.plan.DEFAULT_STRATEGIES`, keep / recompute / swap: ``"recompute_offload"`` and ``"selective"``
-are
-opt-in, or ``plan.STRATEGIES`` for all) and where its optimizer state, gradients and
+are opt-in, or ``plan.STRATEGIES`` for all) and where its optimizer state, gradients and
 parameters live (``offload_state=``: ``True`` — any of them may be offloaded, the default for :func:`optimal` and
 :func:`min_peak`; ``False`` — activations only; or a set of ``"optimizer"``, ``"grads"``, ``"params"``).
 ``step_in_backward=True`` also lets units step inside backward (opt-in: the loop may then neither accumulate nor clip

@@ -48,9 +48,8 @@ def check_save_sets(sim: Simulator, strategies: Sequence[str]) -> None:
 
     ``strategies`` asks for selective explicitly when it names it without being the whole of
     :data:`~memopt_nb.core.plan.STRATEGIES` (which stands for "everything this profile offers": with a profile made
-    without
-    ``selective=True`` it simply offers no selective option). Raises :class:`~memopt_nb.core.errors.PlanError` when it
-    does and no unit of the profile has any save-set.
+    without ``selective=True`` it simply offers no selective option). Raises :class:`~memopt_nb.core.errors.PlanError`
+    when it does and no unit of the profile has any save-set.
     """
     if "selective" not in strategies or set(strategies) >= set(STRATEGIES):
         return

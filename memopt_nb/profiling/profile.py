@@ -178,8 +178,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         device: the DeviceSpec of the device measured (detected by default).
         selective: also measure, per unit, the save-sets selective checkpointing may keep (``UnitProfile.save_sets``,
             see :mod:`memopt_nb.profiling.opsets`): what planners need for ``strategies=`` with ``"selective"``. Costs
-            one
-            forward, one profiled step per save-set found (up to three) and ``repeats`` timed steps each of plain
+            one forward, one profiled step per save-set found (up to three) and ``repeats`` timed steps each of plain
             recompute and of every save-set.
         autocast: mixed precision as your loop uses it: ``torch.bfloat16`` or ``torch.float16`` (or ``"bf16"``,
             ``"fp16"``) runs every forward and the loss under ``torch.autocast(device_type, dtype=...)`` and backward

@@ -115,10 +115,9 @@ def _split_largest(model: nn.Module, units: list[str], info: dict[str, dict[str,
     """``units="fine"``: repeatedly replace the unit that saves the most bytes by its children, while it can be split.
 
     The floor of a plan (see :mod:`memopt_nb.planners.floor`) is bounded by the working set of the largest unit: its
-    saved
-    bytes come back, or are recomputed, all at once. Splitting it into its direct submodules lowers that, and gives
-    the planner finer choices (recompute a layer norm, keep a matmul's output). A unit is split when every one of its
-    direct children that runs once with gradient becomes a unit, those children together save at least
+    saved bytes come back, or are recomputed, all at once. Splitting it into its direct submodules lowers that, and
+    gives the planner finer choices (recompute a layer norm, keep a matmul's output). A unit is split when every one of
+    its direct children that runs once with gradient becomes a unit, those children together save at least
     ``FINE_MIN_COVER`` of its saved bytes, the largest saves at most ``FINE_MAX_CHILD`` of them, and the total stays
     within ``FINE_MAX_UNITS``. Splitting stops at the first largest unit that cannot be split: splitting a smaller one
     would not lower the floor. Units never nest; the result may mix depths (a block kept whole next to split ones).

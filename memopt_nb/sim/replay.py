@@ -1,8 +1,9 @@
-"""``memopt_nb.sim.replay``: the cost model written a second time, as a plain replay of one training step.
+"""``memopt_nb.sim.replay``: the cost model (``memopt_nb/sim/COST_MODEL.md``) written a second time, as a plain
+replay of one training step.
 
 The planners use :class:`memopt_nb.sim.simulator.Simulator`, which compiles a profile into arrays to score thousands
-of plans
-at once. This module states the same model once more, directly from the :class:`~memopt_nb.core.profile.ModelProfile`
+of plans at once. This module states the same model once more, directly from the
+:class:`~memopt_nb.core.profile.ModelProfile`
 (its
 segments, units and storage groups), the plan and the :class:`~memopt_nb.core.device.DeviceSpec`: it walks the step one
 segment boundary at a time and keeps a ledger of what is on the device and what the two copy engines are doing. It

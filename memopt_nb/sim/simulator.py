@@ -1,5 +1,7 @@
 """``memopt.simulate``: a cost model of one training step under a plan — peak memory, step time and a timeline.
 
+The model is written down once, in ``memopt_nb/sim/COST_MODEL.md``; this module and :mod:`.replay` implement it.
+
 The step is the profiled sequence of *segments* (each unit's forward and backward and the code between them) on a
 compute stream, plus two copy engines (device→host, host→device), each first-in-first-out at the device's bandwidth.
 

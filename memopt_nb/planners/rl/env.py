@@ -7,12 +7,11 @@ Agents: ``"strategy"`` picks keep / recompute / swap for each unit and, where th
 features). With ``"recompute_offload"`` allowed (``strategies=``, opt-in) it is a fourth strategy (actions
 ``3 * C + j``), timed like a swap. With ``"selective"`` allowed (opt-in; a profile made with ``selective=True``) each
 save-set of :data:`~memopt_nb.core.plan.SAVE_SETS` is one more strategy after those (``task.action_codes`` maps a
-strategy
-action to its code), untimed, allowed only where the unit offers that save-set as a Pareto one. ``"timing"`` picks the
-offload window and prefetch distance of each swapped (or recompute_offload) unit (the timing of state transfers is the
-runtime's). One episode walks the units in its decision order (``order=``, :func:`decision_order`: the model's
-forward order for activations only; where state may move, the units with the largest state first), *pipelined*: at
-step ``t`` the strategy agent decides the ``t``-th unit of that order while the timing agent times the one before,
+strategy action to its code), untimed, allowed only where the unit offers that save-set as a Pareto one. ``"timing"``
+picks the offload window and prefetch distance of each swapped (or recompute_offload) unit (the timing of state
+transfers is the runtime's). One episode walks the units in its decision order (``order=``, :func:`decision_order`: the
+model's forward order for activations only; where state may move, the units with the largest state first), *pipelined*:
+at step ``t`` the strategy agent decides the ``t``-th unit of that order while the timing agent times the one before,
 whose strategy it already sees. So both agents act at every step (``n + 1`` steps; at the two ends one agent has
 only a no-op), which is why this is a ParallelEnv rather than a turn-based AEC environment: no agent ever waits, and
 PPO batches both agents' transitions alike.
@@ -38,8 +37,7 @@ separable form, so for placements the estimate is exact.
 What each action is made of (:meth:`MemoryPlanningEnv.action_parts`): a strategy action is its activation strategy
 plus where each state piece lives, a timing action its offload window plus its prefetch distance. The agents score
 those parts (:class:`~memopt_nb.planners.rl.ppo.Agent`), so that what one action teaches carries over to the others
-that share a
-part.
+that share a part.
 
 Action masks: only the activation strategies the task allows (``strategies=``; keep where none of them fits the unit),
 recompute/swap where the unit allows it, a save-set where the unit offers it, swap only with a host link, a placement
@@ -105,8 +103,7 @@ def decision_order(task: PlanningTask, order: str | Sequence[int] = "state") -> 
 
     The masks and observations hold in any order: the marginal model is separable, and what the units still to decide
     can take off is summed over them (:meth:`~memopt_nb.planners.rl.task.PlanningTask.suffixes`). ``memopt.search``
-    passes its
-    ``order=`` here.
+    passes its ``order=`` here.
     """
     n = task.n
     if isinstance(order, str):
@@ -191,8 +188,8 @@ class MemoryPlanningEnv(ParallelEnv):
     def action_parts(self, agent: str) -> np.ndarray:
         """What each of ``agent``'s actions is made of, as a 0/1 matrix (actions × parts) for a policy that scores parts
         (:class:`~memopt_nb.planners.rl.ppo.Agent`): a strategy action is its activation strategy and, with
-        placements, where
-        each state piece lives (one part per piece and place); a timing action is its offload window and its prefetch
+        placements, where each state piece lives (one part per piece and place); a timing action is its offload window
+        and its prefetch
         distance."""
         if agent == TIMING:
             return np.concatenate([_one_hot([w for w, _ in TIMINGS]), _one_hot([d for _, d in TIMINGS])], axis=1)
