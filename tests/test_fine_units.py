@@ -13,7 +13,7 @@ import memopt_nb as memopt
 from memopt_nb import solvers
 from memopt_nb.core.errors import ProfileError
 from memopt_nb.core.plan import Decision, Plan
-from memopt_nb.profiling.units import FINE_MAX_CHILD, FINE_MAX_UNITS
+from memopt_nb.profiling.units import FINE_MAX_CHILD
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,8 @@ def test_fine_units_split_gpt2_blocks_into_attention_mlp_and_norms(transformers)
     assert {"transformer.h.0.ln_1", "transformer.h.0.ln_2"} <= set(names)
     assert any(n.startswith("transformer.h.0.attn") for n in names)
     assert any(n.startswith("transformer.h.0.mlp") for n in names)
-    assert len(names) <= FINE_MAX_UNITS
+    assert {"transformer.h.0", "transformer.h.1"} <= set(blocks.meta["split"])  # no cap: every block is split
+    assert all(blocks.meta["split_why"][b].startswith("split into") for b in blocks.meta["split"])
     coarse = memopt.profile(gpt2(transformers), loss_fn=lambda out: out.loss, repeats=1, input_ids=IDS, labels=IDS)
     assert [u.name for u in coarse.units] == ["transformer.h.0", "transformer.h.1"]
     # every split lowered the largest unit: the largest fine unit saves at most FINE_MAX_CHILD of the largest block
@@ -131,12 +132,42 @@ def test_fine_splits_only_blocks_whose_children_hold_what_they_save():
     assert names == ["0.a", "0.act", "0.b", "1", "2.a", "2.act", "2.b", "3"]
     assert prof.meta["split"] == {"0": "Split", "2": "Split"}
     assert prof.meta["units_rule"] == "fine"
+    why = prof.meta["split_why"]
+    assert why["0"] == why["2"] == "split into 3 units"
+    assert why["1"].startswith("kept whole: its children save") and "no plan would manage" in why["1"]
+    assert why["3"].startswith("kept whole")
+
+
+class Padded(torch.nn.Module):
+    """A block with children that save nothing and hold nothing (timm's ``ls1``/``drop_path1`` when disabled)."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.a, self.act, self.b = torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        self.ls, self.drop = torch.nn.Identity(), torch.nn.Dropout(p=0.0)
+
+    def forward(self, x):
+        return self.drop(self.ls(self.b(self.act(self.a(x)))))
+
+
+def test_fine_has_no_unit_cap_and_leaves_children_that_do_nothing_out():
+    """Forty blocks of three working children each: 120 fine units (more than the old cap of 64), none of them the
+    Identity or p=0 Dropout children, which give a plan nothing to decide."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Padded() for _ in range(40)))
+    prof = memopt.profile(model, torch.randn(4, 16), units="fine", repeats=1)
+    names = [u.name for u in prof.units]
+    assert len(names) == 120
+    assert not any(n.endswith((".ls", ".drop")) for n in names)
+    assert set(prof.meta["split"]) == {str(i) for i in range(40)}
+    assert prof.meta["split_why"]["0"] == ("split into 3 units (2 children that save and hold nothing, or do not run "
+                                          "once with a gradient, left out)")
 
 
 def test_fine_stops_at_the_unit_cap(monkeypatch):
     import sys
 
-    monkeypatch.setattr(sys.modules["memopt_nb.profiling.profile"], "FINE_MAX_UNITS", 6)  # the module, not the function
+    monkeypatch.setattr(sys.modules["memopt_nb.profiling.units"], "FINE_MAX_UNITS", 6)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(Split() for _ in range(4)))
     names = [u.name for u in memopt.profile(model, torch.randn(8, 16), units="fine", repeats=1).units]

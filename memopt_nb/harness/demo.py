@@ -58,6 +58,25 @@ def _train_state(model_name: str, steps: int, plan: Plan | None, seed: int) -> l
     return state + [t.clone() for s in opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)]
 
 
+def progress(out: Callable[[str], None] = print, every: float = 5.0) -> Callable[[dict], None]:
+    """A search ``callback`` that prints one line every ``every`` seconds: elapsed time, the share of the step budget
+    run, and the best plan so far as slowdown and peak against the budget — so a terminal never sits silent."""
+    last = [-every]
+
+    def show(row: dict) -> None:
+        if row["seconds"] - last[0] < every:
+            return
+        last[0] = row["seconds"]
+        done = row["global_step"] / max(row["total_timesteps"], 1)
+        best = "no plan within the budget yet"
+        if row.get("best_step_time") is not None:
+            best = (f"best plan {row['best_step_time'] / row['base_step_time']:.2f}x the unplanned step, peak "
+                    f"{row['best_peak'] / row['budget']:.0%} of the budget")
+        out(f"  {row['seconds']:5.0f} s  {done:4.0%} of the search's steps  {best}")
+
+    return show
+
+
 def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2, steps: int = 3, seed: int = 0,
                         out: Callable[[str], None] = print) -> dict[str, object]:
     """A model whose parameters + gradients + Adam state are ``state_over_budget`` × the budget trains under a
@@ -73,7 +92,9 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
         f"{state / budget:.1f}x the budget of {format_bytes(budget)}")
     out(f"  smallest peak with activations only: {format_bytes(min_peak(prof, offload_state=False))}; "
         f"with whole-step plans: {format_bytes(min_peak(prof, offload_state=True))}")
-    plan = search(prof, budget, offload_state=True)
+    out("searching a plan with the two PPO agents (Ctrl-C stops and keeps the best plan) ...")
+    plan = search(prof, budget, offload_state=True, callback=progress(out))
+    out(f"  stopped: {plan.meta.get('stopped')}; {plan.meta.get('search_seconds', 0):.0f} s in all")
     base = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=steps)
     under = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=steps)
     matched = all(torch.equal(a, b) for a, b in zip(_train_state(model, steps, None, seed),
@@ -107,8 +128,11 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
     budget = max(int(budget_fraction * prof.peak_bytes), lowest)
     if planner is None:
         planner = search
-    out(f"searching a plan under {budget / prof.peak_bytes:.0%} of the peak with the two PPO agents ...")
-    plan = planner(prof, budget)
+    out(f"searching a plan under {budget / prof.peak_bytes:.0%} of the peak with the two PPO agents (Ctrl-C stops and "
+        "keeps the best plan) ...")
+    plan = planner(prof, budget, callback=progress(out)) if planner is search else planner(prof, budget)
+    if plan.meta.get("stopped"):
+        out(f"  stopped: {plan.meta['stopped']}")
     sim = simulate(prof, plan)
     base = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=steps)
     under = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=steps)

@@ -221,7 +221,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         _refuse_own_checkpointing(model, effects)
         info, total_saved = discover(model, inputs, kwargs)
         split: dict[str, str] = {}
-        names, excluded = select_units(model, units, info, split)
+        split_why: dict[str, str] = {}
+        names, excluded = select_units(model, units, info, split, split_why)
         n = len(names)
         keep_marks, run, peak = tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=True,
                                               recompute=False, kwargs=kwargs)
@@ -317,6 +318,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "optimizer_fingerprint": optimizer_fingerprint(optimizer) if optimizer is not None else None,
             "units_rule": units if units in ("auto", "fine") else "depth" if isinstance(units, int) else "names",
             "split": split,  # units="fine": module split into its children -> its class (the table's hierarchy)
+            "split_why": split_why,  # units="fine": why each block was split or kept whole
             "selective": ({"measured": True, "notes": sac_notes} if selective else None),
             "autocast": autocast_name(amp),  # the forward's, if any
         },

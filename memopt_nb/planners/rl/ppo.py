@@ -249,11 +249,13 @@ def update_agent(agent: Agent, optimizer: torch.optim.Optimizer, config: PPOConf
 
 
 def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[dict], None] | None = None,
-          on_iteration: Callable[[dict], None] | None = None) -> dict[str, Agent]:
+          on_iteration: Callable[[dict], None] | None = None,
+          should_stop: Callable[[], bool] | None = None) -> dict[str, Agent]:
     """Train one agent per PettingZoo agent of ``make_env()`` with PPO; returns the agents.
 
     ``on_episode(info)`` receives each finished episode's info (of the first agent); ``on_iteration(stats)`` is called
-    after each update with mean episodic returns per agent and the losses. Raising in a callback stops training.
+    after each update with mean episodic returns per agent and the losses. Raising in a callback stops training;
+    ``should_stop()``, asked after each update, ends it early and still returns the agents.
     """
     # ---- seeding: every random draw comes from these two generators
     gen = torch.Generator().manual_seed(config.seed)
@@ -370,4 +372,6 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
                 stats[f"{a}/{key}"] = value
         if on_iteration is not None:
             on_iteration(stats)
+        if should_stop is not None and should_stop():
+            break
     return agents

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ...core.device import DeviceSpec
+from ...core.errors import PlanError
 from ...core.plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
 from ...sim.simulator import RECOMPUTE_OFFLOAD
 from ..polish import (
@@ -30,7 +31,8 @@ from .ppo import PPOConfig, train
 from .task import PlanningTask
 
 __all__ = ["search", "plan_from_arrays", "SearchTracker", "default_timesteps", "default_restarts",
-           "default_update_epochs", "default_risk_quantile", "RISK_QUANTILE", "METHOD"]
+           "default_update_epochs", "default_risk_quantile", "RISK_QUANTILE", "METHOD", "PATIENCE",
+           "PATIENCE_TOLERANCE", "TIME_LIMIT"]
 
 METHOD = "memopt-ppo"
 
@@ -61,6 +63,14 @@ def default_risk_quantile(task: PlanningTask) -> float | None:
     benchmarks/RESULTS.md ("planner quality").
     """
     return RISK_QUANTILE if task.C > 1 else None
+
+
+#: Seconds the agents may train by default (the polish after them is bounded on its own).
+TIME_LIMIT: float | None = 300.0
+#: PPO iterations without a faster plan after which an agent pair stops, by default.
+PATIENCE: int | None = 40
+#: The relative speed-up that counts as a faster plan for :data:`PATIENCE`.
+PATIENCE_TOLERANCE = 1e-3
 
 
 def default_restarts(n_units: int) -> int:
@@ -136,7 +146,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
            config: PPOConfig | None = None, polish_plan: bool = True, restarts: int | None = None,
            reward_scale: float = 10.0, offload_state: bool | str | Iterable[str] = True,
            step_in_backward: bool = False, strategies: str | Iterable[str] = DEFAULT_STRATEGIES,
-           order: str | Sequence[int] = "state") -> Plan:
+           order: str | Sequence[int] = "state", time_limit: float | None = TIME_LIMIT,
+           patience: int | None = PATIENCE) -> Plan:
     """Search a plan with the two PPO agents; returns the best feasible plan the agents found (then polished).
 
     The plan decides per unit its activation strategy (keep, recompute, swap and the swap's timing) and where the
@@ -187,6 +198,12 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             two large last blocks must be decided first, while chains with the step in backward did better forward
             (benchmarks/RESULTS.md). A bad value raises :class:`~memopt_nb.core.errors.PlanError` before any
             training.
+        time_limit: seconds the agents may train (default :data:`TIME_LIMIT`; ``None``: no limit). The polish after
+            them is bounded on its own. A search the limit stops depends on the machine's speed (a loaded machine
+            trains fewer iterations), so ``meta["stopped"]`` says so; the other stops do not depend on time.
+        patience: stop an agent pair once its best plan has not become faster by more than :data:`PATIENCE_TOLERANCE`
+            in this many PPO iterations (default :data:`PATIENCE`; ``None``: run every timestep). The agents settle
+            long before the default number of timesteps on most models, and the polish finishes the plan.
 
     The plan's ``meta`` holds ``history`` (per iteration: mean episodic return per agent, best step time and peak the
     agents found so far, feasible fraction; ``total_timesteps`` in a row is what PPO really runs — whole iterations —
@@ -202,13 +219,18 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     ran out; normally 0); where the polish ran, ``polish_heuristic_starts`` (the baselines it also started from),
     ``polish_heuristic_skipped`` and ``polish_heuristic_cut`` (those left out, or polished only until
     :data:`~memopt_nb.planners.polish.HEURISTIC_SECONDS` ran out; normally none),
-    ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan was returned: ``"agents"``,
-    ``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, one of those three with ``"_again"`` (see
-    :func:`polish_exact_placements`) or a baseline's name). The plan's own ``predicted_peak_bytes`` /
+    ``stopped`` (why the agents stopped: ``"all timesteps run"``, ``"no better plan in the last N iterations"`` or
+    ``"time limit"``), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan was returned:
+    ``"agents"``, ``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, one of those three with ``"_again"``
+    (see :func:`polish_exact_placements`) or a baseline's name). The plan's own ``predicted_peak_bytes`` /
     ``predicted_step_time`` are the final figures.
 
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
     """
+    if time_limit is not None and not time_limit > 0:
+        raise PlanError(f"time_limit must be a positive number of seconds or None, not {time_limit!r}")
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+        raise PlanError(f"patience must be a positive number of PPO iterations or None, not {patience!r}")
     t0 = time.perf_counter()
     task = PlanningTask(profile, budget, device, offload_state=offload_state, step_in_backward=step_in_backward,
                         strategies=strategies)
@@ -219,7 +241,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
                                                               default_timesteps(task.n, states=task.C > 1))})
     runs = max(1, int(restarts if restarts is not None else default_restarts(task.n)))
     units_order = decision_order(task, order)  # a bad order is refused here, before any training
-    tracker = SearchTracker(task, cfg, runs, t0, callback, order=units_order)
+    tracker = SearchTracker(task, cfg, runs, t0, callback, order=units_order, time_limit=time_limit,
+                            patience=patience)
     make_env = functools.partial(MemoryPlanningEnv, task, reward_scale=reward_scale, order=units_order)
     interrupted = False
     # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
@@ -231,8 +254,11 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             tracker.restart = k
             run_cfg = PPOConfig(**{**cfg.__dict__, "seed": seed * 7919 + k,
                                    "total_timesteps": cfg.total_timesteps // runs})
-            agents = train(make_env, run_cfg, on_episode=tracker.on_episode, on_iteration=tracker.on_iteration)
+            agents = train(make_env, run_cfg, on_episode=tracker.on_episode, on_iteration=tracker.on_iteration,
+                           should_stop=tracker.should_stop)
             _greedy_rollout(make_env, agents, tracker.on_episode)
+            if tracker.out_of_time():
+                break
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -248,7 +274,8 @@ class SearchTracker:
     """
 
     def __init__(self, task: PlanningTask, cfg: PPOConfig, runs: int, t0: float,
-                 callback: Callable[[dict], None] | None, order: Sequence[int] | None = None) -> None:
+                 callback: Callable[[dict], None] | None, order: Sequence[int] | None = None,
+                 time_limit: float | None = None, patience: int | None = None) -> None:
         self.task = task
         self.t0 = t0
         self.callback = callback
@@ -267,6 +294,11 @@ class SearchTracker:
         self.planned_steps = runs * max(1, (cfg.total_timesteps // runs) // batch) * batch
         self.requested_steps = cfg.total_timesteps
         self.runs = runs
+        self.time_limit, self.patience = time_limit, patience
+        self.stopped: list[str] = []  # why each agent pair stopped early
+        self._mark = math.inf  # the best step time when it last improved by more than PATIENCE_TOLERANCE
+        self._improved = False
+        self._stale = 0  # iterations of this agent pair since then
 
     def on_episode(self, info: dict) -> None:
         self.episodes += 1
@@ -274,6 +306,8 @@ class SearchTracker:
         plan = (info["codes"], info["windows"], info["dists"], info["states"])
         if info["feasible"]:
             self._window["feasible"] += 1
+            if info["time"] < self._mark * (1 - PATIENCE_TOLERANCE):
+                self._mark, self._improved = info["time"], True
             if info["time"] < self.best["time"]:
                 self.best.update(time=info["time"], peak=info["peak"], plan=plan, episode=self.episodes,
                                  restart=self.restart)
@@ -285,6 +319,10 @@ class SearchTracker:
         if stats["iteration"] == 1 and history:  # a new agent pair continues the numbering
             self._offset["iterations"] = history[-1]["iteration"]
             self._offset["steps"] = history[-1]["global_step"]
+        if stats["iteration"] == 1:
+            self._stale = 0
+        self._stale = 0 if self._improved else self._stale + 1
+        self._improved = False
         row = {
             "iteration": stats["iteration"] + self._offset["iterations"],
             "restart": self.restart,
@@ -307,6 +345,19 @@ class SearchTracker:
         if self.callback is not None:
             self.callback(row)
 
+    def out_of_time(self) -> bool:
+        return self.time_limit is not None and time.perf_counter() - self.t0 >= self.time_limit
+
+    def should_stop(self) -> bool:
+        """Asked after each PPO update: the time limit is reached, or the best plan stopped improving."""
+        if self.out_of_time():
+            self.stopped.append("time limit")
+            return True
+        if self.patience is not None and self.best["plan"] is not None and self._stale >= self.patience:
+            self.stopped.append(f"no better plan in the last {self.patience} iterations")
+            return True
+        return False
+
     def meta(self, interrupted: bool) -> dict[str, Any]:
         """The search's record for the plan's ``meta``."""
         history = self.history
@@ -316,7 +367,8 @@ class SearchTracker:
                 "episodes": self.episodes, "best_episode": self.best["episode"], "base_step_time": self.task.base_time,
                 "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids],
                 "allowed_strategies": list(self.task.strategies), "decision_order": list(self.order),
-                "best_restart": self.best["restart"]}
+                "best_restart": self.best["restart"], "time_limit": self.time_limit, "patience": self.patience,
+                "stopped": "; ".join(self.stopped) if self.stopped else "all timesteps run"}
 
 
 def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
