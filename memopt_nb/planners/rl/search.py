@@ -65,12 +65,14 @@ def default_risk_quantile(task: PlanningTask) -> float | None:
     return RISK_QUANTILE if task.C > 1 else None
 
 
-#: Seconds the agents may train by default (the polish after them is bounded on its own).
-TIME_LIMIT: float | None = 300.0
-#: PPO iterations without a faster plan after which an agent pair stops, by default.
-PATIENCE: int | None = 40
+#: Seconds the agents may train by default: no limit, so that the same seed gives the same plan on any machine
+#: (``time_limit=`` sets one; the polish after the agents is bounded on its own).
+TIME_LIMIT: float | None = None
+#: PPO iterations without a faster plan after which an agent pair stops, by default. Small problems settle within a
+#: few dozen iterations but get at least 30k steps (hundreds of iterations); large ones run out of steps first.
+PATIENCE: int | None = 50
 #: The relative speed-up that counts as a faster plan for :data:`PATIENCE`.
-PATIENCE_TOLERANCE = 1e-3
+PATIENCE_TOLERANCE = 1e-4
 
 
 def default_restarts(n_units: int) -> int:
@@ -198,9 +200,9 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             two large last blocks must be decided first, while chains with the step in backward did better forward
             (benchmarks/RESULTS.md). A bad value raises :class:`~memopt_nb.core.errors.PlanError` before any
             training.
-        time_limit: seconds the agents may train (default :data:`TIME_LIMIT`; ``None``: no limit). The polish after
-            them is bounded on its own. A search the limit stops depends on the machine's speed (a loaded machine
-            trains fewer iterations), so ``meta["stopped"]`` says so; the other stops do not depend on time.
+        time_limit: seconds the agents may train (default :data:`TIME_LIMIT`: no limit). The polish after them is
+            bounded on its own. A search the limit stops depends on the machine's speed (a loaded machine trains
+            fewer iterations; ``meta["stopped"]`` says ``"time limit"``); the other stops do not depend on time.
         patience: stop an agent pair once its best plan has not become faster by more than :data:`PATIENCE_TOLERANCE`
             in this many PPO iterations (default :data:`PATIENCE`; ``None``: run every timestep). The agents settle
             long before the default number of timesteps on most models, and the polish finishes the plan.
