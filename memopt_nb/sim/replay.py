@@ -405,6 +405,159 @@ class _StateReplay:
         return t
 
 
+def _placements(profile: Any, plan: Plan | Sequence[Any], states: Sequence[Any] | None) -> list[tuple[str, str, str]]:
+    """The plan's ``(optimizer, grads, params)`` placement per unit."""
+    if isinstance(plan, Plan):
+        placements = plan.placements
+    elif states is None:
+        placements = [STATE_CHOICES[0]] * len(profile.units)
+    else:
+        placements = [STATE_CHOICES[int(c)] if not isinstance(c, (tuple, list)) else tuple(c) for c in states]
+    if len(placements) != len(profile.units):
+        raise PlanError(f"expected {len(profile.units)} placements (one per unit), got {len(placements)}")
+    return placements
+
+
+class _Structure:
+    """The step's structure, read from the profile's segments: each unit's forward and backward segment, the
+    boundaries next to units' forwards, where offloaded memory is dropped."""
+
+    def __init__(self, profile: Any) -> None:
+        units, n = profile.units, len(profile.units)
+        self.n = n
+        self.fwd_at: dict[int, int] = {}
+        self.bwd_at: dict[int, int] = {}
+        for k, seg in enumerate(profile.segments):
+            table = self.fwd_at if seg.kind == "fwd" else self.bwd_at if seg.kind == "bwd" else None
+            if table is not None:
+                if seg.unit in table or not 0 <= seg.unit < n:
+                    raise ProfileError(f"segment {k} is a {seg.kind} of unit {seg.unit}, which has one already or "
+                                       f"does not exist")
+                table[seg.unit] = k
+        for u, up in enumerate(units):
+            if (self.fwd_at.get(u), self.bwd_at.get(u)) != (up.fwd_segment, up.bwd_segment):
+                raise ProfileError(f"unit {u} ({up.name}): its segments say forward {self.fwd_at.get(u)}, backward "
+                                   f"{self.bwd_at.get(u)}; the unit says {up.fwd_segment}, {up.bwd_segment}")
+        self.forward_end = self.fwd_at[n - 1] + 1  # the boundary right after the last unit's forward
+        self.unit_boundaries = {self.fwd_at[u] for u in range(n)} | {self.fwd_at[u] + 1 for u in range(n)}
+
+    def next_unit(self, boundary: int) -> int:
+        return min([u for u in range(self.n) if self.fwd_at[u] >= boundary], default=self.n)
+
+    def drop_boundary(self, unit: int) -> int:
+        """The unit boundary before unit ``unit``'s forward, or the end of the forward."""
+        return self.fwd_at[unit] if unit < self.n else self.forward_end
+
+
+class _GroupLedger:
+    """When the profiled run and the plan let go of each storage group, and what the plan offloads.
+
+    ``change[b]``: the change of (plan's bytes − profiled bytes) from boundary ``b`` on; ``offloads[issue][drop]``:
+    the groups copied to the host from boundary ``issue``, dropped at ``drop``; ``returns[owner]``: the groups its
+    prefetch brings back; ``late_at[k]``: what groups the profiled run freed partway through segment ``k`` add to its
+    peak where the plan holds them longer.
+    """
+
+    def __init__(self, profile: Any, where: _Structure, strategies: Sequence[str], windows: Sequence[int],
+                 chosen: list[Any], triggers: Sequence[int]) -> None:
+        n = len(profile.units)
+        rc = [s in ("recompute", "recompute_offload", "selective") for s in strategies]  # recomputed
+        ro = [s == "recompute_offload" for s in strategies]  # recomputed, inputs offloaded
+        plain_rc = [s in ("recompute", "selective") for s in strategies]  # recomputed, inputs kept
+        offloading = [s in ("swap", "recompute_offload") for s in strategies]
+        fwd_at, bwd_at = where.fwd_at, where.bwd_at
+        self.change: dict[int, int] = {}
+        self.offloads: dict[int, dict[int, list[Any]]] = {}
+        self.returns: dict[int, list[Any]] = {}
+        self.owner_of: dict[int, int] = {}  # id(group) -> its owner, for offloaded groups
+        self.late_at: dict[int, int] = {}
+        for u, entry in enumerate(chosen):  # a selective unit's save-set: held after its forward, through its backward
+            if entry is not None:
+                self._add(fwd_at[u] + 1, int(entry["held_bytes"]))
+                self._add(bwd_at[u] + 1, -int(entry["held_bytes"]))
+        for g in profile.groups:
+            if g.outside_saver and g.outside_release is None:
+                continue  # code outside units holds it all step
+            if not g.savers and not g.outside_saver and g.free_pos is None and g.release_pos is None:
+                continue  # the caller's (an input batch): nothing in the step lets go of it
+            last_fwd = (g.free_pos - 1 if g.free_pos is not None else g.release_pos - 1 if g.release_pos is not None
+                        else where.forward_end)
+            outside = [g.outside_release] if g.outside_saver else []
+            kept_holders = [bwd_at[s] for s in g.savers] + outside
+            plan_holders = ([bwd_at[s] for s in g.savers if not (s == g.producer and rc[s])]
+                            + [bwd_at[c] for c in g.consumers if rc[c]] + outside)
+            self._add(max(kept_holders + [last_fwd]) + 1, g.nbytes)  # the profiled level drops here ...
+            self._add(max(plan_holders + [last_fwd]) + 1, -g.nbytes)  # ... the plan's here
+            death = getattr(g, "death_seg", None)
+            if death is not None and max(plan_holders + [last_fwd]) > death:  # held past where the run freed it
+                self.late_at[death] = self.late_at.get(death, 0) + getattr(g, "late_bytes", 0)
+            handed = [s for s in g.savers if not (s == g.producer and rc[s])] + [c for c in g.consumers if ro[c]]
+            if not handed or g.outside_saver or g.free_pos is None:
+                continue
+            owner = max(handed)
+            if not offloading[owner] or any(plain_rc[c] for c in g.consumers):
+                continue
+            # the engines look at unit boundaries
+            issue = min((b for b in where.unit_boundaries if b >= g.free_pos), default=None)
+            if issue is None:
+                continue
+            drop = where.drop_boundary(min(where.next_unit(issue) + windows[owner], n))
+            self._add(drop, -g.nbytes)
+            self._add(bwd_at[triggers[owner]], g.nbytes)
+            self.offloads.setdefault(issue, {}).setdefault(drop, []).append(g)
+            self.returns.setdefault(owner, []).append(g)
+            self.owner_of[id(g)] = owner
+
+    def _add(self, boundary: int, nbytes: int) -> None:
+        self.change[boundary] = self.change.get(boundary, 0) + nbytes
+
+
+class _Engines:
+    """The step's clock and its two copy engines: with ``copy_overlap`` each direction is a first-in-first-out queue
+    beside compute (the training thread pays the per-storage part); without it a copy runs on the compute cores."""
+
+    def __init__(self, dev: DeviceSpec) -> None:
+        self.dev = dev
+        self.t = 0.0
+        self.d2h_free = self.h2d_free = 0.0  # when each copy engine is next idle
+        self.compute = self.copy_total = 0.0
+        self.thread = 0.0  # the training thread's share of the copies (with overlap): added to the step
+        self.copies: list[CopyJob] = []
+
+    def run(self, job: CopyJob, free: float) -> float:
+        """Run ``job`` on an engine idle from ``free``; returns when that engine is next idle."""
+        self.copy_total += job.seconds
+        if self.dev.copy_overlap:
+            own = thread_seconds(self.dev, job.storages)
+            self.thread += own
+            job.start = max(free, self.t)
+            job.end = job.start + job.seconds - own
+            self.copies.append(job)
+            return job.end
+        job.start = self.t  # on the compute cores: the step waits for it here
+        job.end = self.t = self.t + job.seconds
+        self.compute += job.seconds
+        self.copies.append(job)
+        return free
+
+    def job(self, direction: str, boundary: int, due: int, owners: tuple[int, ...], groups: list[Any]) -> CopyJob:
+        nbytes = sum(g.nbytes for g in groups)
+        storages = sum(g.count for g in groups)
+        return CopyJob(direction, boundary, due, owners, nbytes, storages,
+                       copy_seconds(self.dev, direction, nbytes, storages))
+
+
+def _own_peak(seg: Any, units: Sequence[Any], rc: Sequence[bool], chosen: list[Any]) -> int:
+    """A segment's peak above its start level: as profiled, or as measured with its unit recomputed."""
+    own = seg.rel_peak
+    if seg.kind in ("fwd", "bwd") and rc[seg.unit]:
+        own = units[seg.unit].rc_fwd_rel_peak if seg.kind == "fwd" else units[seg.unit].rc_bwd_rel_peak
+        entry = chosen[seg.unit]
+        if entry is not None:
+            own = int(entry["fwd_rel_peak"] if seg.kind == "fwd" else entry["bwd_rel_peak"])
+    return own
+
+
 def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None = None,
            distances: Sequence[int] | None = None, device: DeviceSpec | str | None = None,
            states: Sequence[Any] | None = None) -> Replay:
@@ -418,182 +571,64 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     """
     dev = DeviceSpec.resolve(device, profile.device)
     strategies, windows_, distances_, save_sets = _decode(profile, plan, windows, distances)
-    if isinstance(plan, Plan):
-        placements = plan.placements
-    elif states is None:
-        placements = [STATE_CHOICES[0]] * len(profile.units)
-    else:
-        placements = [STATE_CHOICES[int(c)] if not isinstance(c, (tuple, list)) else tuple(c) for c in states]
-    if len(placements) != len(profile.units):
-        raise PlanError(f"expected {len(profile.units)} placements (one per unit), got {len(placements)}")
+    placements = _placements(profile, plan, states)
     units, segments = profile.units, profile.segments
-    n = len(units)
     rc = [s in ("recompute", "recompute_offload", "selective") for s in strategies]  # recomputed
-    ro = [s == "recompute_offload" for s in strategies]  # recomputed, inputs offloaded
-    plain_rc = [s in ("recompute", "selective") for s in strategies]  # recomputed, inputs kept
     chosen = _save_set_costs(profile.units, save_sets)  # a selective unit's save-set costs
-    offloading = [s in ("swap", "recompute_offload") for s in strategies]
-    if any(offloading) and not dev.has_host_link:
+    if any(s in ("swap", "recompute_offload") for s in strategies) and not dev.has_host_link:
         used = ", ".join(sorted(set(strategies) & {"swap", "recompute_offload"}))
         raise PlanError(f"the plan offloads units ({used}), but {dev.name} has no host link to copy over; recompute or "
                         "keep them")
-
-    # ---- the step's structure, read from the segments
-    fwd_at: dict[int, int] = {}
-    bwd_at: dict[int, int] = {}
-    for k, seg in enumerate(segments):
-        table = fwd_at if seg.kind == "fwd" else bwd_at if seg.kind == "bwd" else None
-        if table is not None:
-            if seg.unit in table or not 0 <= seg.unit < n:
-                raise ProfileError(f"segment {k} is a {seg.kind} of unit {seg.unit}, which has one already or does "
-                                   f"not exist")
-            table[seg.unit] = k
-    for u, up in enumerate(units):
-        if (fwd_at.get(u), bwd_at.get(u)) != (up.fwd_segment, up.bwd_segment):
-            raise ProfileError(f"unit {u} ({up.name}): its segments say forward {fwd_at.get(u)}, backward "
-                               f"{bwd_at.get(u)}; the unit says {up.fwd_segment}, {up.bwd_segment}")
-    forward_end = fwd_at[n - 1] + 1  # the boundary right after the last unit's forward
-    unit_boundaries = {fwd_at[u] for u in range(n)} | {fwd_at[u] + 1 for u in range(n)}
-
-    def next_unit(boundary: int) -> int:
-        return min([u for u in range(n) if fwd_at[u] >= boundary], default=n)
-
-    def drop_boundary(unit: int) -> int:  # the unit boundary before unit `unit`'s forward, or the end of the forward
-        return fwd_at[unit] if unit < n else forward_end
-
+    where = _Structure(profile)
     triggers = prefetch_triggers(strategies, distances_)
-
-    # ---- storage groups: when the profiled run and the plan let go of each, and what is offloaded
-    ledger: dict[int, int] = {}  # boundary -> change of (plan's bytes - profiled bytes) from that boundary on
-
-    def change(boundary: int, nbytes: int) -> None:
-        ledger[boundary] = ledger.get(boundary, 0) + nbytes
-
-    for u, entry in enumerate(chosen):  # a selective unit's save-set: held after its forward, through its backward
-        if entry is not None:
-            change(fwd_at[u] + 1, int(entry["held_bytes"]))
-            change(bwd_at[u] + 1, -int(entry["held_bytes"]))
-    offloads: dict[int, dict[int, list[Any]]] = {}  # issue boundary -> drop boundary -> groups
-    returns: dict[int, list[Any]] = {}  # owner -> its offloaded groups
-    owner_of: dict[int, int] = {}  # id(group) -> its owner, for offloaded groups
-    late_at: dict[int, int] = {}  # segment -> what groups freed partway through it in the profiled run add to its peak
-    for g in profile.groups:
-        if g.outside_saver and g.outside_release is None:
-            continue  # code outside units holds it all step
-        if not g.savers and not g.outside_saver and g.free_pos is None and g.release_pos is None:
-            continue  # the caller's (an input batch): nothing in the step lets go of it
-        last_fwd = (g.free_pos - 1 if g.free_pos is not None else g.release_pos - 1 if g.release_pos is not None
-                    else forward_end)
-        outside = [g.outside_release] if g.outside_saver else []
-        kept_holders = [bwd_at[s] for s in g.savers] + outside
-        plan_holders = ([bwd_at[s] for s in g.savers if not (s == g.producer and rc[s])]
-                        + [bwd_at[c] for c in g.consumers if rc[c]] + outside)
-        change(max(kept_holders + [last_fwd]) + 1, g.nbytes)  # the profiled level drops here ...
-        change(max(plan_holders + [last_fwd]) + 1, -g.nbytes)  # ... the plan's here
-        death = getattr(g, "death_seg", None)
-        if death is not None and max(plan_holders + [last_fwd]) > death:  # held past where the run freed it
-            late_at[death] = late_at.get(death, 0) + getattr(g, "late_bytes", 0)
-        handed = [s for s in g.savers if not (s == g.producer and rc[s])] + [c for c in g.consumers if ro[c]]
-        if not handed or g.outside_saver or g.free_pos is None:
-            continue
-        owner = max(handed)
-        if not offloading[owner] or any(plain_rc[c] for c in g.consumers):
-            continue
-        issue = min((b for b in unit_boundaries if b >= g.free_pos), default=None)  # engines look at unit boundaries
-        if issue is None:
-            continue
-        drop = drop_boundary(min(next_unit(issue) + windows_[owner], n))
-        back = bwd_at[triggers[owner]]
-        change(drop, -g.nbytes)
-        change(back, g.nbytes)
-        offloads.setdefault(issue, {}).setdefault(drop, []).append(g)
-        returns.setdefault(owner, []).append(g)
-        owner_of[id(g)] = owner
-
-    # ---- walk the step
+    groups = _GroupLedger(profile, where, strategies, windows_, chosen, triggers)
     factor = dev.time_factor(profile.device)
     state = _StateReplay(profile, placements, dev, factor)
     state.outside_time = profile.outside_step_time * factor
-    overlap = dev.copy_overlap
-    t = 0.0
-    d2h_free = h2d_free = 0.0  # when each copy engine is next idle
+    clock = _Engines(dev)
     held_at: dict[int, float] = {}  # drop boundary -> when its last offload ends
     back_at: dict[int, float] = {}  # owner -> when its prefetch ends
-    fwd_stall = bwd_stall = recompute = copy_total = 0.0
-    compute = 0.0
-    copies: list[CopyJob] = []
+    fwd_stall = bwd_stall = recompute = 0.0
     levels: list[int] = []
     peaks: list[int] = []
     rows: list[dict[str, Any]] = []
     extra = 0
-
-    thread = 0.0  # the training thread's share of the copies (with overlap): added to the step, moves no queue
-
-    def run_copy(job: CopyJob, free: float) -> float:
-        nonlocal t, compute, copy_total, thread
-        copy_total += job.seconds
-        if overlap:
-            own = thread_seconds(dev, job.storages)
-            thread += own
-            job.start = max(free, t)
-            job.end = job.start + job.seconds - own
-            copies.append(job)
-            return job.end
-        job.start = t  # on the compute cores: the step waits for it here
-        job.end = t = t + job.seconds
-        compute += job.seconds
-        copies.append(job)
-        return free
-
     for k, seg in enumerate(segments):
-        extra += ledger.get(k, 0)
-        # offloads that become possible at this boundary, earliest drop first
-        for drop in sorted(offloads.get(k, {})):
-            gs = offloads[k][drop]
-            nbytes = sum(g.nbytes for g in gs)
-            storages = sum(g.count for g in gs)
-            job = CopyJob("d2h", k, drop, tuple(sorted({owner_of[id(g)] for g in gs})), nbytes, storages,
-                          copy_seconds(dev, "d2h", nbytes, storages))
-            d2h_free = run_copy(job, d2h_free)
+        extra += groups.change.get(k, 0)
+        for drop in sorted(groups.offloads.get(k, {})):  # offloads possible at this boundary, earliest drop first
+            gs = groups.offloads[k][drop]
+            job = clock.job("d2h", k, drop, tuple(sorted({groups.owner_of[id(g)] for g in gs})), gs)
+            clock.d2h_free = clock.run(job, clock.d2h_free)
             held_at[drop] = max(held_at.get(drop, 0.0), job.end)
-        # the forward drops offloaded memory here: it waits for those copies
-        if k in held_at:
-            wait = max(0.0, held_at[k] - t)
+        if k in held_at:  # the forward drops offloaded memory here: it waits for those copies
+            wait = max(0.0, held_at[k] - clock.t)
             fwd_stall += wait
-            t += wait
+            clock.t += wait
         dur = seg.time * factor
         if seg.kind == "bwd":
             u = seg.unit
-            for owner in sorted((o for o, tr in enumerate(triggers) if tr == u and o in returns), reverse=True):
-                gs = returns[owner]
-                nbytes = sum(g.nbytes for g in gs)
-                storages = sum(g.count for g in gs)
-                job = CopyJob("h2d", k, bwd_at[owner], (owner,), nbytes, storages,
-                              copy_seconds(dev, "h2d", nbytes, storages))
-                h2d_free = run_copy(job, h2d_free)
+            for owner in sorted((o for o, tr in enumerate(triggers) if tr == u and o in groups.returns),
+                                reverse=True):
+                job = clock.job("h2d", k, where.bwd_at[owner], (owner,), groups.returns[owner])
+                clock.h2d_free = clock.run(job, clock.h2d_free)
                 back_at[owner] = job.end
             if u in back_at:
-                wait = max(0.0, back_at[u] - t)
+                wait = max(0.0, back_at[u] - clock.t)
                 bwd_stall += wait
-                t += wait
+                clock.t += wait
             if rc[u]:
                 redo = (units[u].fwd_time if chosen[u] is None else float(chosen[u]["recompute_time"])) * factor
                 recompute += redo
                 dur += redo
         level = seg.start_level + extra + state.extra(k)
-        own = seg.rel_peak
-        if seg.kind in ("fwd", "bwd") and rc[seg.unit]:
-            own = units[seg.unit].rc_fwd_rel_peak if seg.kind == "fwd" else units[seg.unit].rc_bwd_rel_peak
-            entry = chosen[seg.unit]
-            if entry is not None:
-                own = int(entry["fwd_rel_peak"] if seg.kind == "fwd" else entry["bwd_rel_peak"])
-        peak = level + own + late_at.get(k, 0)
+        peak = level + _own_peak(seg, units, rc, chosen) + groups.late_at.get(k, 0)
         peak += state.backward_step_gap(k)
-        phase = "forward" if k < forward_end else "backward"
+        phase = "forward" if k < where.forward_end else "backward"
         if k == state.step_seg:
             phase = "optimizer step"
         elif 0 <= state.step_seg < k:
             phase = "after the step"
+        t = clock.t
         if k == state.step_seg and state.moves:
             # the parted step replaces the plain one: one row per part
             step_points = state.parted_step(seg.start_level, profile.outside_step_rel_peak)
@@ -603,22 +638,21 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
             for i, (label, p) in enumerate(step_points):
                 rows.append({"time": t + dur * i / len(step_points), "bytes": p, "phase": phase, "unit": -1,
                              "event": label})
-            compute += dur
-            t += dur
-            continue
-        levels.append(level)
-        peaks.append(peak)
-        rows.append({"time": t, "bytes": level, "phase": phase, "unit": seg.unit, "event": seg.kind})
-        rows.append({"time": t + dur / 2, "bytes": peak, "phase": phase, "unit": seg.unit, "event": "peak"})
-        compute += dur
-        t += dur
+        else:
+            levels.append(level)
+            peaks.append(peak)
+            rows.append({"time": t, "bytes": level, "phase": phase, "unit": seg.unit, "event": seg.kind})
+            rows.append({"time": t + dur / 2, "bytes": peak, "phase": phase, "unit": seg.unit, "event": "peak"})
+        clock.compute += dur
+        clock.t += dur
     state_time = state.seconds() if state.moves else 0.0
-    compute += thread + state_time
-    t += thread + state_time
+    clock.compute += clock.thread + state_time
+    clock.t += clock.thread + state_time
+    copies = clock.copies
     return Replay(
-        peak_bytes=max(peaks), step_time=t, segment_levels=levels, segment_peaks=peaks, compute_time=compute,
-        recompute_time=recompute, copy_time=copy_total, fwd_stall_time=fwd_stall, bwd_stall_time=bwd_stall,
-        bytes_offloaded=sum(j.nbytes for j in copies if j.direction == "d2h"),
+        peak_bytes=max(peaks), step_time=clock.t, segment_levels=levels, segment_peaks=peaks,
+        compute_time=clock.compute, recompute_time=recompute, copy_time=clock.copy_total, fwd_stall_time=fwd_stall,
+        bwd_stall_time=bwd_stall, bytes_offloaded=sum(j.nbytes for j in copies if j.direction == "d2h"),
         bytes_prefetched=sum(j.nbytes for j in copies if j.direction == "h2d"),
         triggers=triggers, copies=copies, rows=rows,
         step_points=state.parted_step(segments[state.step_seg].start_level, profile.outside_step_rel_peak)
