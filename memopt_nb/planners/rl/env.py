@@ -405,8 +405,8 @@ class MemoryPlanningEnv(ParallelEnv):
 
     @staticmethod
     def _observe_many(envs: list[MemoryPlanningEnv]) -> list[tuple[dict, dict]]:
-        """``[env._observe() for env in envs]`` for copies at the same step ``t < n`` of one task and decision order,
-        computed together (the same operations on stacked arrays, so the same numbers)."""
+        """Both agents' observations and masks for copies at the same step ``t < n`` of one task and decision order,
+        computed together on stacked arrays (one copy alone: :meth:`_observe`)."""
         first = envs[0]
         task, t = first.task, first.t
         u = int(first.order[t])  # the unit decided at this step; p, the one before (its timing still open)
@@ -526,99 +526,53 @@ class MemoryPlanningEnv(ParallelEnv):
 
     # ------------------------------------------------------------------ observations and masks
     def _observe(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        """Both agents' observations and masks at this step: :meth:`_observe_many` of this copy alone while a unit
+        is still to be decided, :meth:`_observe_end` after the last one."""
+        if self.t < self.task.n:
+            return MemoryPlanningEnv._observe_many([self])[0]
+        return self._observe_end()
+
+    def _observe_end(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        """After the last unit's decision: the strategy agent may only keep (its action is ignored), the timing agent
+        times the last decided unit if it is a timed one, with every unit's decision known."""
         task = self.task
         n, t = task.n, self.t
-        u = int(self.order[t]) if t < n else n  # the unit decided at this step (n: none, the episode's end)
-        p = int(self.order[t - 1]) if 1 <= t <= n else -1  # the unit decided before, its timing still open
+        p = int(self.order[t - 1]) if t == n else -1  # the unit decided last, its timing still open
         budget = task.budget
         tol = budget * (1 + 1e-9)
-        # pending unit p: a swap (or recompute_offload) whose timing is still open counts with its most frugal timing
         level = self.level
         T = len(TIMINGS)
         pcode = int(self.codes[p]) if p >= 0 else -1
         pending = pcode in _TIMED
         if pending:
             level = level + self._static(p)["pend_min"][pcode]
-        rest = self._suffix_min[min(t + 1, n)]
-        rest_step = self._suffix_step[min(t + 1, n)]
-        rest_move = bool(self._suffix_can_move[min(t + 1, n)])
+        rest = self._suffix_min[n]
+        rest_step = self._suffix_step[n]
+        rest_move = bool(self._suffix_can_move[n])
         cur = task.bound(level, self.step_level, self.moved)
         need = max(cur - budget, 0.01 * budget)
-        # how much of what the remaining units could still take off is needed, and the recent load of the copy engine
-        need_ratio = max(cur - budget, 0.0) / max(float(self._suffix_red[min(t, n)]), 1.0)
-        recent = [v for v in range(max(0, u - 3), min(u, n))]  # undecided units keep (code 0) so far
+        need_ratio = max(cur - budget, 0.0) / max(float(self._suffix_red[n]), 1.0)
+        recent = range(max(0, n - 3), n)
         load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if self.codes[v] == SWAP)
-        load /= (self._static(u)["load_den"] if t < n else
-                 max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12))
-        tt = min(t, n)
-        least = task.bound(level + self._suffix_min[tt], self.step_level + self._suffix_step[tt], self.moved,
-                           bool(self._suffix_can_move[tt]))  # the peak if every remaining unit is most frugal
+        load /= max(sum(task.sim.fwd_time[v] for v in recent), 1e-12)
+        least = task.bound(level + self._suffix_min[n], self.step_level + self._suffix_step[n], self.moved,
+                           bool(self._suffix_can_move[n]))
         common = np.array([t / n, (n - t) / n, (cur - budget) / budget, (least - budget) / budget,
                            self.spent / task.base_time, float(task.sim.device.copy_overlap), min(need_ratio, 5.0),
                            min(load, 10.0)], dtype=np.float64)
-        obs: dict[str, dict[str, np.ndarray]] = {}
-        masks: dict[str, np.ndarray] = {}
-        # strategy agent, unit u
-        C = task.C
-        K = task.n_strategies
-        s_mask = np.zeros(K * C, dtype=np.int8)
-        s_feat = np.zeros(self._dims[STRATEGY])
-        if t < n:
-            st = self._static(u)
-            ok = st["ok"]  # action o * C + j
-            # every (strategy o, placement j) at once: segments (K, C, S) and the step's points (C, K)
-            seg = (level + st["choice"])[:, None] + task.st_seg[u][None]
-            step = self.step_level[None] + task.st_step[u]
-            moved = self.moved | (np.arange(C) > 0)
-            with_rest = task.bounds((seg + rest).max(axis=2), _rowmax(step + rest_step)[None], moved[None], rest_move)
-            s_mask[:] = ok & (with_rest.ravel() <= tol)
-            if not s_mask.any():
-                s_mask[:] = ok
-            est = task.bounds(seg.max(axis=2), _rowmax(step)[None], moved[None], False)  # (K, C)
-            per = np.stack([(cur - est) / need, st["cost_per"][bool(self.moved)],
-                            s_mask.reshape(K, C).astype(np.float64)], axis=2).ravel()
-            vs = st["look"]
-            look = np.zeros((self.lookahead, self._n_look))
-            if vs.size:
-                m = vs.size
-                look[:m, :5] = st["look_static"]
-                look[:m, 5] = (cur - (level[None] + task.marg_peak[vs, RECOMPUTE]).max(axis=1)) / need
-                look[:m, 6] = (cur - (level[None] + task.min_marg[vs]).max(axis=1)) / need
-                if self._states:
-                    st_est = (level[None] + task.st_min_seg[vs]).max(axis=1)
-                    if task.has_step:
-                        chunked = (_rowmax(self.step_level[None] + task.st_min_step[vs]) if task.K else
-                                   np.full(m, -np.inf))
-                        st_est = np.maximum(st_est, np.where(self.moved | st["look_moved"], chunked,
-                                                             task.plain_step))
-                    look[:m, 7] = (cur - st_est) / need
-            s_feat = np.concatenate([common, st["unit_s"], per, look.ravel()])
-        else:
-            s_mask[KEEP] = 1
-        obs[STRATEGY] = {"observation": s_feat.astype(np.float32), "action_mask": s_mask}
-        masks[STRATEGY] = s_mask
-        # timing agent, unit p
-        m = len(TIMINGS)
-        t_mask = np.zeros(m, dtype=np.int8)
+        s_mask = np.zeros(task.n_strategies * task.C, dtype=np.int8)
+        s_mask[KEEP] = 1
+        obs = {STRATEGY: {"observation": np.zeros(self._dims[STRATEGY], dtype=np.float32), "action_mask": s_mask}}
+        masks = {STRATEGY: s_mask}
+        t_mask = np.zeros(T, dtype=np.int8)
         t_feat = np.zeros(self._dims[TIMING])
         if pending:
-            # unit u is being decided at the same step: like the strategy mask, assume it takes its most frugal
-            # allowed option (a combination that still misses the budget ends the episode with a penalty)
-            if t < n:
-                allowed = np.flatnonzero(s_mask)
-                frugal = st["frugal"][allowed].min(axis=0)
-                frugal_step = st["frugal_step"][allowed].min(axis=0)
-                t_move = bool((allowed % C > 0).any())
-            else:
-                frugal = np.zeros(task.S)
-                frugal_step = np.zeros(task.K)
-                t_move = False
-            base = self.level + frugal + rest
-            base_step = self.step_level + frugal_step + rest_step
+            base = self.level + rest
+            base_step = self.step_level + rest_step
             b = task.timed_base[pcode]
             ok = task.option_ok[p, b:b + T]
             peaks = task.bounds((base[None] + task.marg_peak[p, b:b + T]).max(axis=1), _rowmax(base_step[None]),
-                                np.array([self.moved]), t_move or rest_move)
+                                np.array([self.moved]), rest_move)
             t_mask[:] = ok & (peaks <= tol)
             if not t_mask.any():
                 t_mask[:] = ok
