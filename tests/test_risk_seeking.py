@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from gymnasium import spaces
 
-from memopt_nb.planners.rl.ppo import PPOConfig, risk_seeking_advantages, train
+from memopt_nb.planners.rl.ppo import PPOConfig, SyncVectorEnv, risk_seeking_advantages, train
 
 
 def test_the_best_share_of_episodes_gets_its_excess_return_and_the_rest_nothing():
@@ -36,7 +35,6 @@ class _Bandit:
     the arm whose *best* outcomes are best, which a search keeping its best episode wants and ordinary PPO avoids."""
 
     possible_agents = ["strategy"]
-    task = SimpleNamespace(n=0)  # what ``train`` reads for the episode length (n + 1 steps)
 
     def __init__(self) -> None:
         self.agents: list[str] = []
@@ -65,10 +63,14 @@ class _Bandit:
                 {"strategy": {"arm": arm}})
 
 
+def _bandits(cfg: PPOConfig) -> SyncVectorEnv:
+    return SyncVectorEnv(_Bandit, cfg.num_envs, episode_steps=1)
+
+
 @pytest.mark.parametrize("risk", [None, 0.25])
 def test_risk_seeking_prefers_the_arm_with_the_best_episodes_and_ordinary_ppo_the_best_mean(risk):
     cfg = PPOConfig(total_timesteps=16 * 60, num_envs=16, num_minibatches=1, seed=3, risk_quantile=risk)
-    agent = train(_Bandit, cfg)["strategy"]
+    agent = train(_bandits(cfg), cfg)["strategy"]
     with torch.no_grad():
         p_arm1 = torch.softmax(agent.logits(torch.zeros(1, 1)), -1)[0, 1].item()
     if risk is None:
@@ -80,13 +82,14 @@ def test_risk_seeking_prefers_the_arm_with_the_best_episodes_and_ordinary_ppo_th
 def test_wrong_risk_settings_are_refused_before_training():
     calls = []
     with pytest.raises(ValueError, match="num_steps=None"):
-        train(_Bandit, PPOConfig(total_timesteps=64, risk_quantile=0.25, num_steps=2),
-              on_iteration=calls.append)
+        cfg = PPOConfig(total_timesteps=64, risk_quantile=0.25, num_steps=2)
+        train(_bandits(cfg), cfg, on_iteration=calls.append)
     with pytest.raises(ValueError, match="risk_quantile"):
-        train(_Bandit, PPOConfig(total_timesteps=64, risk_quantile=2.0), on_iteration=calls.append)
+        cfg = PPOConfig(total_timesteps=64, risk_quantile=2.0)
+        train(_bandits(cfg), cfg, on_iteration=calls.append)
     with pytest.raises(ValueError, match="risk_agents"):
-        train(_Bandit, PPOConfig(total_timesteps=64, risk_quantile=0.25, risk_agents=("timing",)),
-              on_iteration=calls.append)
+        cfg = PPOConfig(total_timesteps=64, risk_quantile=0.25, risk_agents=("timing",))
+        train(_bandits(cfg), cfg, on_iteration=calls.append)
     assert calls == []
 
 

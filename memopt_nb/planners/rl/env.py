@@ -73,6 +73,7 @@ from pettingzoo import ParallelEnv
 from ...core.errors import PlanError
 from ...core.plan import STATE_CHOICES
 from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP
+from .ppo import SyncVectorEnv
 from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
 __all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING", "ORDERS", "decision_order"]
@@ -248,6 +249,11 @@ class MemoryPlanningEnv(ParallelEnv):
             observed.update(zip(mine, MemoryPlanningEnv._observe_many([envs[i] for i in mine])))
         return [env._conclude(rewards, done, settled.get(i), observed.get(i))
                 for i, (env, (rewards, done)) in enumerate(zip(envs, acted))]
+
+    @classmethod
+    def vector(cls, task: PlanningTask, num_envs: int, **options: Any) -> PlanningVectorEnv:
+        """``num_envs`` copies of this environment for :func:`~memopt_nb.planners.rl.ppo.train`."""
+        return PlanningVectorEnv(task, num_envs, **options)
 
     def _act(self, actions: dict[str, Any]) -> tuple[dict[str, float], bool]:
         """Apply both agents' actions; the dense rewards and whether the episode ends."""
@@ -609,3 +615,18 @@ class MemoryPlanningEnv(ParallelEnv):
 
     def close(self) -> None:
         pass
+
+
+class PlanningVectorEnv(SyncVectorEnv):
+    """Copies of :class:`MemoryPlanningEnv` stepped together: PPO's copies walk the units in step, so one exact
+    evaluation serves every episode that ends at a step and the observations of copies at the same unit are computed
+    together (:meth:`MemoryPlanningEnv.step_many`). Every episode is ``n + 1`` steps long."""
+
+    def __init__(self, task: PlanningTask, num_envs: int, **options: Any) -> None:
+        super().__init__(lambda: MemoryPlanningEnv(task, **options), num_envs, episode_steps=task.n + 1)
+
+    def action_parts(self, agent: str) -> np.ndarray:
+        return self.envs[0].action_parts(agent)
+
+    def step(self, actions: list[dict[str, int]]) -> list[tuple[dict, ...]]:
+        return MemoryPlanningEnv.step_many(self.envs, actions)

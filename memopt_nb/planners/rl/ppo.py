@@ -248,10 +248,48 @@ def update_agent(agent: Agent, optimizer: torch.optim.Optimizer, config: PPOConf
             "clipfrac": float(np.mean(clipfracs)) if clipfracs else 0.0}
 
 
-def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[dict], None] | None = None,
+class SyncVectorEnv:
+    """``num_envs`` copies of a PettingZoo parallel environment, reset and stepped together: what :func:`train` steps
+    (CleanRL's ``gym.vector.SyncVectorEnv``, for PettingZoo's parallel API).
+
+    ``episode_steps``: the length of every episode, where all have one (the rollout then holds whole episodes by
+    default); a subclass may step its copies together faster (:meth:`step`) or name each action's parts for the
+    agents to score (:meth:`action_parts`).
+    """
+
+    def __init__(self, make_env: Callable[[], Any], num_envs: int, episode_steps: int | None = None) -> None:
+        self.envs = [make_env() for _ in range(num_envs)]
+        self.num_envs = num_envs
+        self.episode_steps = episode_steps
+        self.possible_agents = list(self.envs[0].possible_agents)
+
+    def observation_space(self, agent: str) -> Any:
+        return self.envs[0].observation_space(agent)
+
+    def action_space(self, agent: str) -> Any:
+        return self.envs[0].action_space(agent)
+
+    def action_parts(self, agent: str) -> np.ndarray | None:
+        """Per action the parts it is made of (see :class:`Agent`), or ``None``: every action scored on its own."""
+        return None
+
+    def reset(self, seed: int) -> list[dict]:
+        """Every copy's first observations; copy ``i`` is seeded ``seed + i``."""
+        return [env.reset(seed=seed + i)[0] for i, env in enumerate(self.envs)]
+
+    def reset_one(self, i: int) -> dict:
+        """Copy ``i``'s first observations of its next episode (its random stream goes on)."""
+        return self.envs[i].reset()[0]
+
+    def step(self, actions: list[dict[str, int]]) -> list[tuple[dict, ...]]:
+        """``env.step`` of each copy with its actions: ``(obs, rewards, terminations, truncations, infos)`` each."""
+        return [env.step(a) for env, a in zip(self.envs, actions, strict=True)]
+
+
+def train(envs: SyncVectorEnv, config: PPOConfig, on_episode: Callable[[dict], None] | None = None,
           on_iteration: Callable[[dict], None] | None = None,
           should_stop: Callable[[], bool] | None = None) -> dict[str, Agent]:
-    """Train one agent per PettingZoo agent of ``make_env()`` with PPO; returns the agents.
+    """Train one agent per PettingZoo agent of the environment ``envs`` holds copies of, with PPO; returns them.
 
     ``on_episode(info)`` receives each finished episode's info (of the first agent); ``on_iteration(stats)`` is called
     after each update with mean episodic returns per agent and the losses. Raising in a callback stops training;
@@ -262,11 +300,13 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
     rng = np.random.default_rng(config.seed)
 
     # ---- env setup
-    envs = [make_env() for _ in range(config.num_envs)]
-    step_many = getattr(type(envs[0]), "step_many", None)
-    names = list(envs[0].possible_agents)
+    if envs.num_envs != config.num_envs:
+        raise ValueError(f"config.num_envs is {config.num_envs}, but envs holds {envs.num_envs} copies")
+    names = list(envs.possible_agents)
     first = names[0]
-    num_steps = config.num_steps or (envs[0].task.n + 1)
+    num_steps = config.num_steps or envs.episode_steps
+    if not num_steps:
+        raise ValueError("set config.num_steps: the environment's episodes have no one length (envs.episode_steps)")
     batch_size = config.num_envs * num_steps
     minibatch_size = max(1, batch_size // config.num_minibatches)
     num_iterations = max(1, config.total_timesteps // batch_size)
@@ -280,9 +320,8 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
             raise ValueError(f"risk_agents names {sorted(unknown)}; the environment's agents are {names}")
 
     # ---- agent setup: one actor-critic and one Adam per agent (scoring the actions' parts where the env names them)
-    action_parts = getattr(envs[0], "action_parts", None) if config.score_parts else None
-    agents = {a: Agent(envs[0].observation_space(a)["observation"].shape[0], envs[0].action_space(a).n,
-                       config.hidden, gen, None if action_parts is None else action_parts(a)) for a in names}
+    agents = {a: Agent(envs.observation_space(a)["observation"].shape[0], envs.action_space(a).n, config.hidden, gen,
+                       envs.action_parts(a) if config.score_parts else None) for a in names}
     optims = {a: torch.optim.Adam(agents[a].parameters(), lr=config.learning_rate, eps=1e-5) for a in names}
 
     def stack(obs_list: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -291,7 +330,7 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
         return o, m
 
     # ---- storage setup
-    current = [env.reset(seed=config.seed + i)[0] for i, env in enumerate(envs)]
+    current = envs.reset(seed=config.seed)
     next_obs, next_mask = stack(current)
     next_done = torch.zeros(E)
     buf = {a: {
@@ -329,10 +368,8 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
                 acts[a] = action.numpy()
             dones = np.zeros(E)
             step_acts = [{a: int(acts[a][i]) for a in names} for i in range(E)]
-            # an environment may step all its copies at once (MemoryPlanningEnv.step_many: one exact evaluation)
-            results = (step_many(envs, step_acts) if step_many is not None else
-                       [env.step(x) for env, x in zip(envs, step_acts)])
-            for i, env in enumerate(envs):
+            results = envs.step(step_acts)
+            for i in range(E):
                 obs_i, rew_i, term_i, trunc_i, info_i = results[i]
                 for a in names:
                     buf[a]["rewards"][step, i] = float(rew_i[a])
@@ -344,7 +381,7 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
                         ep_return[a][i] = 0.0
                     if on_episode is not None:
                         on_episode(info_i[first])
-                    obs_i, _ = env.reset()
+                    obs_i = envs.reset_one(i)
                 current[i] = obs_i
             next_obs, next_mask = stack(current)
             next_done = torch.as_tensor(dones, dtype=torch.float32)
@@ -362,7 +399,7 @@ def train(make_env: Callable[[], Any], config: PPOConfig, on_episode: Callable[[
             if config.risk_quantile is not None and (config.risk_agents is None or a in config.risk_agents):
                 if not bool(next_done.all()) or bool(b["dones"][1:].any()):
                     raise RuntimeError("risk_quantile: a rollout did not hold exactly one episode per copy (the "
-                                       "environment's episodes must all be task.n + 1 steps long)")
+                                       "environment's episodes must all be envs.episode_steps long)")
                 advantages, weights = risk_seeking_advantages(b["rewards"].sum(0), config.risk_quantile, num_steps)
             # ---- optimize the policy and value networks
             update = update_agent(agents[a], optims[a], config, b, advantages, returns, rng, minibatch_size, weights)

@@ -246,6 +246,7 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     tracker = SearchTracker(task, cfg, runs, t0, callback, order=units_order, time_limit=time_limit,
                             patience=patience)
     make_env = functools.partial(MemoryPlanningEnv, task, reward_scale=reward_scale, order=units_order)
+    make_envs = functools.partial(MemoryPlanningEnv.vector, task, reward_scale=reward_scale, order=units_order)
     interrupted = False
     # The networks are tiny: one intra-op thread is fastest, immune to oversubscription, and the same on every
     # machine (so a seed gives the same plan everywhere). The user's setting is restored afterwards.
@@ -256,7 +257,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             tracker.restart = k
             run_cfg = PPOConfig(**{**cfg.__dict__, "seed": seed * 7919 + k,
                                    "total_timesteps": cfg.total_timesteps // runs})
-            agents = train(make_env, run_cfg, on_episode=tracker.on_episode, on_iteration=tracker.on_iteration,
+            agents = train(make_envs(run_cfg.num_envs), run_cfg, on_episode=tracker.on_episode,
+                           on_iteration=tracker.on_iteration,
                            should_stop=tracker.should_stop)
             _greedy_rollout(make_env, agents, tracker.on_episode)
             if tracker.out_of_time():
