@@ -19,9 +19,11 @@ from test_selective import _record as record_unit_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memopt_nb as memopt
-import memopt_nb.runtime.recompute as rec
+import memopt_nb.runtime.recompute as ck  # where checkpointed looks the caching modes up
+import memopt_nb.runtime.selective as rec
 from memopt_nb.core.plan import Plan
-from memopt_nb.runtime.recompute import caching_modes, checkpointed, save_policy
+from memopt_nb.runtime.recompute import checkpointed
+from memopt_nb.runtime.selective import caching_modes, save_policy
 
 
 class Block(nn.Module):
@@ -75,12 +77,12 @@ def _run(module, x, save_ops, modes, seed=0):
     module.zero_grad(set_to_none=True)
     x.grad = None
     torch.manual_seed(seed)
-    saved = rec.caching_modes
-    rec.caching_modes = modes
+    saved = ck.caching_modes
+    ck.caching_modes = modes
     try:
         out = checkpointed(module, module.forward, (x,), {}, save_ops=save_ops)
     finally:
-        rec.caching_modes = saved
+        ck.caching_modes = saved
     count = Count()
     with count:
         out.pow(2).sum().backward()
@@ -170,12 +172,12 @@ def test_a_kept_tensor_changed_in_place_runs_its_call_again():
     for modes in (caching_modes, _torch_modes):
         for t in (x, *module.parameters()):
             t.grad = None
-        saved = rec.caching_modes
-        rec.caching_modes = modes
+        saved = ck.caching_modes
+        ck.caching_modes = modes
         try:
             out = checkpointed(module, module.forward, (x,), {}, save_ops=[("aten.addmm.default", 0)])
         finally:
-            rec.caching_modes = saved
+            ck.caching_modes = saved
         if modes is _torch_modes:
             with pytest.raises(RuntimeError, match="mutated"):
                 out.sum().backward()
@@ -189,7 +191,7 @@ def test_every_call_kept_even_dropouts_mask_trains_as_without_a_plan(direct, mon
     """Every call that makes a new tensor kept, dropout's mask too (drawn in place into a fresh tensor, then scaled in
     place): the unit's backward needs nothing else, so with direct saves it is not run again (no mask drawn twice);
     without them the recomputation draws the mask again where the kept one was changed. Bit-identical either way."""
-    monkeypatch.setattr(rec, "DIRECT_SAVES", direct)
+    monkeypatch.setattr(ck, "DIRECT_SAVES", direct)
     torch.manual_seed(0)
     module, x = Block(), torch.randn(8, 16, requires_grad=True)
     calls = record_unit_ops(module, x)
@@ -382,7 +384,7 @@ def test_direct_saves_hold_what_the_recomputation_would_or_less(block, monkeypat
     ops = [("aten.addmm.default", 0), ("aten.addmm.default", 1)]
     run = lambda x: checkpointed(module, module.forward, (x,), {}, save_ops=ops)  # noqa: E731
     ours = _memory(run, module)
-    monkeypatch.setattr(rec, "DIRECT_SAVES", False)
+    monkeypatch.setattr(ck, "DIRECT_SAVES", False)
     ref = _memory(run, module)
     if block is Gelu2:
         assert ours == ref

@@ -1,7 +1,7 @@
 """Save-sets for ``selective`` units: which op outputs a unit may keep, measured op by op.
 
 Selective activation checkpointing (torch's ``create_selective_checkpoint_contexts``; the runtime's own lean modes,
-:func:`memopt_nb.runtime.recompute.caching_modes`, follow its rules) recomputes a unit in backward
+:func:`memopt_nb.runtime.selective.caching_modes`, follow its rules) recomputes a unit in backward
 like ``recompute`` but keeps the outputs of chosen op calls, so the expensive ops are not run twice. This module
 records a unit's ops (:class:`OpRecorder`: name, call index, new bytes, seconds) during a forward run under plain
 checkpointing, and proposes the save-sets of :data:`~memopt_nb.core.plan.SAVE_SETS`:
@@ -18,8 +18,8 @@ the bytes a save-set keeps are held from the unit's forward to its backward and 
 then measures (``UnitProfile.save_sets``) and the simulator adds.
 
 Call indices are counted per op over the unit's forward, skipping the bookkeeping ops torch's selective checkpointing
-does not count (:func:`~memopt_nb.runtime.recompute.sac_counts_op`), so the runtime's policy
-(:func:`~memopt_nb.runtime.recompute.save_policy`) picks the same calls.
+does not count (:func:`~memopt_nb.runtime.selective.sac_counts_op`), so the runtime's policy
+(:func:`~memopt_nb.runtime.selective.save_policy`) picks the same calls.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..core.plan import SAVE_SETS
-from ..runtime.recompute import checkpointed_call, sac_counts_op
+from ..runtime.recompute import checkpointed_call
+from ..runtime.selective import sac_counts_op
 from ..runtime.step import forward_autocast
 
 __all__ = ["OpCall", "OpRecorder", "mark_pareto", "op_kind", "propose_save_sets", "record_ops"]

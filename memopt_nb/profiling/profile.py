@@ -32,12 +32,9 @@ from ..core.errors import ProfileError
 from ..core.plan import SAVE_SETS, model_fingerprint, optimizer_fingerprint, unit_fingerprint
 from ..core.profile import ModelProfile, Segment, UnitProfile
 from ..runtime.distributed import check_plain
+from ..runtime.effects import ForwardEffects, forward_side_effects
 from ..runtime.measure import model_device
-from ..runtime.recompute import (
-    ForwardEffects,
-    forward_side_effects,
-    running_stat_modules,
-)
+from ..runtime.replay_guard import running_stat_modules
 from ..runtime.step import (
     autocast_name,
     model_keywords,

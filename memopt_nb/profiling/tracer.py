@@ -19,11 +19,8 @@ from torch.utils._pytree import tree_leaves
 from ..core.errors import ProfileError
 from ..core.profile import Segment, StorageGroup
 from ..runtime.memory import meter_for
-from ..runtime.recompute import (
-    cache_tensors,
-    checkpointed,
-    is_cache,
-)
+from ..runtime.recompute import checkpointed
+from ..runtime.replay_guard import cache_tensors, is_cache
 from ..runtime.step import (
     forward_autocast,
     training_step,

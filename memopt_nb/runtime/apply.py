@@ -20,7 +20,8 @@ from ..core.errors import PlanError
 from ..core.plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
 from .distributed import check_state_placements, order_guard, unwrap
 from .hooks import uncopied
-from .recompute import ReplayGuard, cache_tensors, checkpointed, is_cache
+from .recompute import checkpointed
+from .replay_guard import ReplayGuard, cache_tensors, is_cache
 from .state import Placement, StateManager
 from .step import autocast_name
 from .storages import plain_storage_ptrs
@@ -209,7 +210,7 @@ class PlannedForward:
 
     def _checkpointed(self, args: tuple, kwargs: dict) -> Any:
         """A recompute or selective unit's forward. A selective unit whose save-set turned out to keep every tensor
-        its backward needs (its recomputation was skipped: :class:`~memopt_nb.runtime.recompute._DirectSaves`) runs
+        its backward needs (its recomputation was skipped: :class:`~memopt_nb.runtime.selective.DirectSaves`) runs
         later calls made the same way (same argument shapes, strides, dtypes and ``requires_grad``, same training mode,
         autocast and parameters needing grad: :func:`_call_key`) as a keep unit: without the checkpoint and the
         caching modes. That forward runs the same ops and backward gets the same tensors, so results are
