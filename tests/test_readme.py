@@ -1,0 +1,63 @@
+"""The README's code runs as written.
+
+Every ```python block of README.md is run, in order, in one IPython namespace (so the notebook walk-through's magics
+run too), in a temporary directory. A block whose first line is ``# not run in tests: <why>`` (it needs a GPU or the
+network) is skipped; any other block that raises fails the test, naming the block.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+SKIP = re.compile(r"#\s*not run in tests:\s*(\S.*)")
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """``(line number, code)`` of every ```python block, in order."""
+    blocks = []
+    for m in re.finditer(r"^```python[ \t]*\n(.*?)^```[ \t]*$", text, flags=re.M | re.S):
+        blocks.append((text.count("\n", 0, m.start()) + 1, m.group(1)))
+    return blocks
+
+
+def test_the_readme_is_a_short_guide():
+    assert len(README.read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def test_skip_marks_give_a_reason():
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) >= 8, "the README's ```python blocks were not found"
+    for line, code in blocks:
+        first = code.lstrip().splitlines()[0]
+        if "not run in tests" in first:
+            assert SKIP.fullmatch(first.strip()), f"README.md:{line}: write '# not run in tests: <why>'"
+
+
+@pytest.mark.slow
+def test_every_python_block_of_the_readme_runs(ipython_shell, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)  # the walk-through saves plan.json
+    shell = ipython_shell
+    names_before = set(shell.user_ns)
+    loaded_before = "memopt_nb" in shell.extension_manager.loaded
+    ran = 0
+    try:
+        for line, code in python_blocks(README.read_text(encoding="utf-8")):
+            if SKIP.fullmatch(code.lstrip().splitlines()[0].strip()):
+                continue
+            result = shell.run_cell(code, store_history=False)
+            if not result.success:
+                error = result.error_in_exec or result.error_before_exec
+                raise AssertionError(f"README.md:{line}: the block raised {error!r}:\n{code}") from error
+            ran += 1
+    finally:
+        if not loaded_before and "memopt_nb" in shell.extension_manager.loaded:
+            shell.run_line_magic("unload_ext", "memopt_nb")
+        for name in set(shell.user_ns) - names_before:
+            del shell.user_ns[name]
+    assert ran >= 8
