@@ -86,3 +86,131 @@ def test_predicted_peak_equals_measured_on_uneven_units(uneven_models, widths, l
         assert 0 <= predicted - measured <= BATCH * max(widths) * 4, (predicted, measured)
     else:
         assert predicted == measured, (predicted, measured, predicted - measured)
+
+
+# ---------------------------------------------------------------------- explain_floor's branches
+MiB = 2**20
+# working sets (bytes) of a 4-unit synthetic chain: the largest is unit 1's, 7 MiB, its backward's peak
+WORKING_SETS = (3 * MiB, 7 * MiB, 5 * MiB, 2 * MiB)
+
+
+def _floor_profile(fixed_mib: int, *, units_rule: str | None = None):
+    """A synthetic chain whose fixed state (parameters, gradients, optimizer state and buffers: 1/4, 1/4, 1/2 less
+    1 MiB, 1 MiB) and units' working sets are set here, so the test knows the split without computing it."""
+    from memopt_nb.harness.synthetic import chain_profile
+
+    base = chain_profile(len(WORKING_SETS), seed=0)
+    units = [dataclasses.replace(u, rc_fwd_rel_peak=w // 2, rc_bwd_rel_peak=w, saved_bytes=w // 3)
+             for u, w in zip(base.units, WORKING_SETS, strict=True)]
+    fixed = fixed_mib * MiB
+    meta = {**base.meta, **({"units_rule": units_rule} if units_rule else {})}
+    return dataclasses.replace(base, units=units, param_bytes=fixed // 4, grad_bytes=fixed // 4,
+                               optimizer_state_bytes=fixed // 2 - MiB, buffer_bytes=MiB, meta=meta)
+
+
+def _explain(prof, floor_mib: float, **kw):
+    from memopt_nb.planners.floor import explain_floor
+
+    return explain_floor(prof, floor_bytes=int(floor_mib * MiB), **kw)
+
+
+@pytest.mark.parametrize("fixed_mib, batch_advised", [(60, True), (90, True), (91, False), (99, False)])
+def test_fixed_state_bound_advises_a_smaller_batch_only_when_activations_are_a_tenth_of_the_floor(fixed_mib,
+                                                                                                   batch_advised):
+    """Floor 100 MiB, fixed state 60..99 MiB: the activations are the other 40..1 MiB; at 10 MiB (10 %) and above a
+    smaller batch would lower the floor noticeably and is advised, below it is not."""
+    from memopt_nb.planners.floor import FIXED_STATE
+
+    fl = _explain(_floor_profile(fixed_mib), 100)
+    activations = (100 - fixed_mib) * MiB
+    assert fl.bound == FIXED_STATE
+    # unit 1's 7 MiB, or what is left of the floor when that is less
+    assert (fl.fixed_bytes, fl.largest_unit, fl.largest_unit_bytes) == (fixed_mib * MiB, "blocks.1",
+                                                                        min(7 * MiB, activations))
+    assert fl.kept_bytes == max(activations - 7 * MiB, 0)
+    assert len(fl.advice) == 1 + batch_advised
+    assert fl.advice[0].startswith("shard the state across devices") and "FSDP2" in fl.advice[0]
+    if batch_advised:
+        assert fl.advice[1] == f"a smaller batch (activations are the other {memopt.format_bytes(activations)})"
+    assert any("smaller batch" in a for a in fl.advice) is batch_advised
+
+
+def test_fixed_state_larger_than_the_floor_is_capped_and_leaves_no_activations():
+    from memopt_nb.planners.floor import FIXED_STATE
+
+    fl = _explain(_floor_profile(200), 100)
+    assert fl.bound == FIXED_STATE
+    assert fl.parts() == {"fixed state": 100 * MiB, "largest unit": 0, "kept activations": 0}
+    assert not any("smaller batch" in a for a in fl.advice)
+
+
+@pytest.mark.parametrize("units_rule", [None, "fine"])
+def test_largest_unit_bound_names_the_unit_and_whether_finer_units_split_it(units_rule):
+    """Floor 12 MiB, fixed state 2 MiB: unit 1's 7 MiB working set is the largest part (kept: 3 MiB)."""
+    from memopt_nb.planners.floor import LARGEST_UNIT
+
+    fl = _explain(_floor_profile(2, units_rule=units_rule), 12)
+    assert fl.bound == LARGEST_UNIT and fl.largest_unit == "blocks.1"
+    assert fl.parts() == {"fixed state": 2 * MiB, "largest unit": 7 * MiB, "kept activations": 3 * MiB}
+    assert len(fl.advice) == 2 and fl.advice[1] == "a smaller batch"
+    assert fl.advice[0].startswith("finer units") and "blocks.1" in fl.advice[0]
+    if units_rule == "fine":
+        assert "could not split blocks.1" in fl.advice[0]
+    else:
+        assert "profile with units='fine'" in fl.advice[0] and "could not" not in fl.advice[0]
+
+
+@pytest.mark.parametrize("with_recompute_offload", [False, True])
+def test_kept_activations_bound_advises_recompute_offload_only_when_it_is_not_allowed(with_recompute_offload):
+    """Floor 100 MiB, fixed state 2 MiB, largest unit 7 MiB: 91 MiB of kept activations bound it. A smaller batch is
+    advised; ``recompute_offload`` (which moves the inputs recompute keeps) only when the strategies lack it."""
+    from memopt_nb.core.plan import DEFAULT_STRATEGIES, STRATEGIES
+    from memopt_nb.planners.floor import KEPT_ACTIVATIONS
+
+    strategies = STRATEGIES if with_recompute_offload else DEFAULT_STRATEGIES
+    fl = _explain(_floor_profile(2), 100, strategies=strategies)
+    assert fl.bound == KEPT_ACTIVATIONS
+    assert fl.parts() == {"fixed state": 2 * MiB, "largest unit": 7 * MiB, "kept activations": 91 * MiB}
+    assert fl.advice[0] == "a smaller batch (kept activations grow with it)"
+    assert len(fl.advice) == 1 + (not with_recompute_offload)
+    assert any(a.startswith("recompute_offload") for a in fl.advice) is not with_recompute_offload
+    assert "91.00 MiB" in fl.bound_text() and "91%" in fl.bound_text()
+
+
+def test_a_restricted_strategy_space_is_told_what_every_strategy_reaches():
+    """With keep and recompute only, the advice names the floor of every default strategy when it is lower: below
+    the keep-all plan's simulated peak (a plan of that space), and never below a floor of 1 byte."""
+    from memopt_nb.harness.synthetic import chain_profile
+
+    prof = chain_profile(4, seed=0)
+    keep_peak = memopt.simulate(prof, Plan.uniform(prof, "keep")).peak_bytes
+    high = _explain(prof, (keep_peak + 1) / MiB, strategies=("keep", "recompute"))
+    (line,) = [a for a in high.advice if a.startswith("allow every activation strategy")]
+    assert "('keep', 'recompute', 'swap')" in line
+    low = _explain(prof, 1 / MiB, strategies=("keep", "recompute"))
+    assert not any(a.startswith("allow every") for a in low.advice)
+    assert not any(a.startswith("allow every") for a in _explain(prof, (keep_peak + 1) / MiB).advice)
+
+
+def test_state_placements_are_advised_when_fixed_state_bounds_an_activation_only_floor():
+    """A synthetic chain with Adam-like state (3.6 GiB) far above its activations: the activation-only floor is
+    bounded by the fixed state; the advice offers placements, and step in backward once placements are on and the
+    profile names its optimizer (an optimizer that can step a unit at a time)."""
+    from memopt_nb.harness.synthetic import chain_profile
+    from memopt_nb.planners.floor import FIXED_STATE, explain_floor
+
+    prof = chain_profile(4, seed=0, state_bytes=256 * MiB)
+    prof = dataclasses.replace(prof, meta={**prof.meta, "optimizer": "Adam"})
+    total = prof.param_bytes + prof.grad_bytes + prof.optimizer_state_bytes + prof.buffer_bytes
+    fl = _explain(prof, total / MiB + 200)
+    assert fl.bound == FIXED_STATE and fl.fixed_bytes == total
+    (line,) = [a for a in fl.advice if a.startswith("let the plan move optimizer state")]
+    assert "offload_state=True" in line
+    assert not any(a.startswith("step_in_backward=True") for a in fl.advice)
+    moved = explain_floor(prof, offload_state=True)
+    assert moved.bound == FIXED_STATE and moved.fixed_bytes < total
+    assert any(a.startswith("step_in_backward=True") for a in moved.advice)
+    assert not any(a.startswith("step_in_backward=True")
+                   for a in explain_floor(prof, offload_state=True, step_in_backward=True).advice)
+    unnamed = dataclasses.replace(prof, meta={k: v for k, v in prof.meta.items() if k != "optimizer"})
+    assert not any(a.startswith("step_in_backward=True") for a in explain_floor(unnamed, offload_state=True).advice)
