@@ -9,11 +9,14 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from gymnasium import spaces
 
 import memopt_nb as memopt
 from memopt_nb.core.plan import Plan
@@ -214,3 +217,117 @@ def test_state_placements_are_advised_when_fixed_state_bounds_an_activation_only
                    for a in explain_floor(prof, offload_state=True, step_in_backward=True).advice)
     unnamed = dataclasses.replace(prof, meta={k: v for k, v in prof.meta.items() if k != "optimizer"})
     assert not any(a.startswith("step_in_backward=True") for a in explain_floor(unnamed, offload_state=True).advice)
+
+
+# ---------------------------------------------------------------------- which PPO agent is risk-seeking
+class _TwoAgentBandit:
+    """Two agents acting at once in one-step episodes, each with its own reward: "strategy" gets a whole number >= 0,
+    "timing" one < 0, so a rollout's returns tell which agent they belong to; the last digit is the copy's index, so
+    the returns of one rollout are all different."""
+
+    possible_agents = ["strategy", "timing"]
+    task = SimpleNamespace(n=0)  # train reads the episode length (n + 1 steps) from it
+
+    def __init__(self) -> None:
+        self.agents: list[str] = []
+        self.rng = np.random.default_rng(0)
+        self.copy = 0
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return spaces.Dict({"observation": spaces.Box(-1, 1, (1,), np.float32),
+                            "action_mask": spaces.Box(0, 1, (2,), np.int8)})
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return spaces.Discrete(2)
+
+    def _obs(self) -> dict:
+        return {a: {"observation": np.zeros(1, np.float32), "action_mask": np.ones(2, np.int8)}
+                for a in self.possible_agents}
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
+        if seed is not None:  # train seeds copy i with config.seed + i
+            self.rng, self.copy = np.random.default_rng(seed), seed % 10
+        self.agents = list(self.possible_agents)
+        return self._obs(), {a: {} for a in self.possible_agents}
+
+    def step(self, actions: dict) -> tuple[dict, ...]:
+        rewards = {"strategy": float(10 * self.rng.integers(0, 100) + self.copy),
+                   "timing": -float(10 * self.rng.integers(1, 100) + self.copy)}
+        both = lambda v: {a: v for a in self.possible_agents}  # noqa: E731
+        return self._obs(), rewards, both(True), both(False), both({})
+
+
+def _train_observed(monkeypatch, **cfg):
+    """Train on the two-agent bandit and record, per update, the agent, its rollout's rewards, and the advantages and
+    policy-loss weights ``train`` handed to ``update_agent``."""
+    from memopt_nb.planners.rl import ppo
+
+    seen = []
+    real = ppo.update_agent
+
+    def spy(agent, optimizer, config, buf, advantages, returns, rng, minibatch_size, weights=None):
+        seen.append((agent, buf["rewards"].clone(), advantages.clone(), None if weights is None else weights.clone()))
+        return real(agent, optimizer, config, buf, advantages, returns, rng, minibatch_size, weights)
+
+    monkeypatch.setattr(ppo, "update_agent", spy)
+    agents = ppo.train(_TwoAgentBandit, ppo.PPOConfig(num_envs=8, total_timesteps=16, num_minibatches=1,
+                                                      update_epochs=1, seed=0, **cfg))
+    name = {id(v): k for k, v in agents.items()}
+    return [(name[id(agent)], rewards, adv, w) for agent, rewards, adv, w in seen]
+
+
+def _top_share_mask(returns: torch.Tensor, share: float) -> torch.Tensor:
+    """The episodes among the best ``share`` of distinct returns, by rank (``share * len`` of them, a whole number)."""
+    k = round(share * len(returns))
+    assert k == share * len(returns) and len(set(returns.tolist())) == len(returns)
+    mask = torch.zeros(len(returns))
+    mask[torch.argsort(returns, descending=True)[:k]] = 1.0
+    return mask
+
+
+@pytest.mark.parametrize("quantile", [0.25, 0.75])
+@pytest.mark.parametrize("risk_agent", ["strategy", "timing"])
+def test_only_the_named_agent_learns_from_its_best_episodes(monkeypatch, quantile, risk_agent):
+    """With ``risk_agents=(name,)`` that agent's policy is trained on the best ``quantile`` share of its own episodes
+    (weight 1, advantage ``return - threshold`` scaled, >= 0; the rest weight 0 and advantage 0, the same at every
+    step) and the other agent by ordinary PPO (no weights)."""
+    seen = _train_observed(monkeypatch, risk_quantile=quantile, risk_agents=(risk_agent,))
+    assert sorted(a for a, *_ in seen) == ["strategy", "strategy", "timing", "timing"]  # 2 iterations
+    for agent, rewards, adv, weights in seen:
+        returns = rewards.sum(0)
+        assert (returns >= 0).all() if agent == "strategy" else (returns < 0).all()  # its own rewards
+        if agent != risk_agent:
+            assert weights is None
+            continue
+        best = _top_share_mask(returns, quantile)
+        assert weights is not None and torch.equal(weights, best.expand_as(weights))
+        # the advantage: the excess over the 1 - quantile quantile (numpy's, linear) over the sample std, or 0
+        r = returns.double().numpy()
+        excess = np.where(best.numpy() == 1, (r - np.quantile(r, 1 - quantile)) / r.std(ddof=1), 0.0)
+        assert np.allclose(adv.double().numpy(), np.broadcast_to(excess, adv.shape), atol=1e-5)
+        assert (adv >= 0).all()
+
+
+def test_without_risk_agents_every_agent_is_risk_seeking_and_without_a_quantile_none(monkeypatch):
+    everyone = _train_observed(monkeypatch, risk_quantile=0.25)
+    assert {a for a, *_ in everyone} == {"strategy", "timing"} and all(w is not None for *_, w in everyone)
+    nobody = _train_observed(monkeypatch)
+    assert all(w is None for *_, w in nobody)
+    # ordinary PPO's advantages (GAE, normalised later) take both signs: not the risk-seeking ones
+    assert any((adv < 0).any() for *_, adv, _ in nobody)
+
+
+@pytest.mark.parametrize("quantile, kept", [(0.25, [6, 7]), (0.75, [2, 3, 4, 5, 6, 7]), (1.0, list(range(8)))])
+def test_risk_seeking_advantages_at_quantiles_other_than_a_half(quantile, kept):
+    """Returns 0..7: the best ``quantile`` share are the episodes at or above the ``1 - quantile`` quantile (by linear
+    interpolation: 5.25 for 0.25, 1.75 for 0.75, 0 for 1.0); their advantage is the excess over it divided by the
+    returns' sample standard deviation (sqrt(6) for 0..7)."""
+    from memopt_nb.planners.rl.ppo import risk_seeking_advantages
+
+    returns = torch.arange(8, dtype=torch.float32)
+    threshold = {0.25: 5.25, 0.75: 1.75, 1.0: 0.0}[quantile]
+    adv, w = risk_seeking_advantages(returns, quantile, num_steps=2)
+    expected_w = torch.tensor([1.0 if i in kept else 0.0 for i in range(8)])
+    assert torch.equal(w, expected_w.expand(2, 8))
+    expected_adv = torch.tensor([(i - threshold) / 6**0.5 if i in kept else 0.0 for i in range(8)])
+    assert torch.allclose(adv, expected_adv.expand(2, 8), atol=1e-6)
