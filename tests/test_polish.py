@@ -174,12 +174,12 @@ def test_same_seed_same_plan_with_heuristic_starts(wide_chain):
     assert a.meta["polish_heuristic_starts"] == b.meta["polish_heuristic_starts"]
 
 
-def test_no_time_left_skips_the_heuristic_starts_and_says_so(wide_chain, monkeypatch):
+def test_no_rounds_left_skips_the_heuristic_starts_and_says_so(wide_chain, monkeypatch):
     kw = {"total_timesteps": 300, "seed": 3, "strategies": STRATEGIES, "device": "a100-40gb"}
     monkeypatch.setattr(polish_mod, "HEURISTIC_STARTS", ())
     alone = memopt.search(wide_chain, "40%", **kw)
     monkeypatch.setattr(polish_mod, "HEURISTIC_STARTS", ("recompute_all", "swap_all"))
-    monkeypatch.setattr(polish_mod, "HEURISTIC_SECONDS", 0.0)
+    monkeypatch.setattr(polish_mod, "HEURISTIC_ROUNDS", 0)
     plan = memopt.search(wide_chain, "40%", **kw)
     assert plan.meta["polish_heuristic_starts"] == [] and plan.meta["polish_start"] == "agents"
     assert plan.meta["polish_heuristic_skipped"] == ["recompute_all", "swap_all"]

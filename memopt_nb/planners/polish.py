@@ -1,10 +1,11 @@
 """The polish: local search on the simulator's exact evaluation that finishes a plan the agents found.
 
 It tries the best single and paired moves (a unit's activation option, its state placement), places the state of the
-agents' plan exactly by MILP (:func:`~memopt_nb.planners.milp.place_states`, within :data:`PLACEMENT_SECONDS`), and
-also polishes the classic baselines that fit (:data:`HEURISTIC_STARTS`, within :data:`HEURISTIC_SECONDS`); the
-fastest result wins. The deadlines bound its cost; with the same inputs it returns the same plan while it finishes
-within them.
+agents' plan exactly by MILP (:func:`~memopt_nb.planners.milp.place_states`, at most :data:`PLACEMENT_SOLVES` solves),
+and also polishes the classic baselines that fit (:data:`HEURISTIC_STARTS`, :data:`HEURISTIC_ROUNDS` rounds of moves
+in all); the fastest result wins. Its cost is bounded by counts of work, not by the clock, so that with the same inputs
+it returns the same plan however loaded the machine is; the clock only reports what it took. (Each placement MILP
+still has HiGHS' own time limit, :data:`PLACEMENT_SOLVE_SECONDS`, far above what the solves take.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .baselines import BASELINES
 from .milp import place_states
 from .rl.task import PlanningTask, code_options, option_codes
 
-__all__ = ["HEURISTIC_SECONDS", "HEURISTIC_STARTS", "PLACEMENT_SECONDS", "option_arrays", "polish",
+__all__ = ["HEURISTIC_ROUNDS", "HEURISTIC_STARTS", "PLACEMENT_SOLVES", "PLACEMENT_SOLVE_SECONDS", "option_arrays",
+           "polish",
            "polish_exact_placements", "polish_heuristic_starts", "to_options"]
 
 
@@ -37,9 +39,13 @@ def to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.
     return code_options(codes, windows, dists)
 
 
-#: Seconds the polish's exact-placement MILPs (:func:`polish_exact_placements`) may take together; each solve gets at
-#: most 10 s of it, and a start left with under 1 s is skipped (``meta["polish_placement_skipped"]``).
-PLACEMENT_SECONDS = 15.0
+#: Exact-placement MILPs (:func:`polish_exact_placements`) the polish may solve: a start beyond them is skipped
+#: (``meta["polish_placement_skipped"]``). A count, not seconds, so that the plan does not depend on the machine's load.
+PLACEMENT_SOLVES = 6
+
+#: HiGHS' time limit on each exact-placement MILP: a safety net far above what the solves take (well under a second at
+#: 12 units); a solve that reaches it returns the best placement found so far, which then depends on the machine.
+PLACEMENT_SOLVE_SECONDS = 10.0
 
 
 def _time_of(task: PlanningTask, c: np.ndarray, w: np.ndarray, d: np.ndarray, st: np.ndarray) -> float:
@@ -58,14 +64,14 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
     polished. A start whose polished plan is the best so far changed activations and placements together: its
     activations are placed exactly and polished again (``"..._again"``), until that no longer helps. Returns the
     fastest feasible of the polished plans (``current`` first: ties keep it). Only for the cost model's own state table
-    (a hand-made one is not the MILP's). The MILPs share :data:`PLACEMENT_SECONDS`; ``info`` receives that budget, the
-    number of starts skipped for lack of it and, where one of these starts wins, ``polish_start``
+    (a hand-made one is not the MILP's). At most :data:`PLACEMENT_SOLVES` MILPs are solved; ``info`` receives that
+    budget, the number of starts skipped for lack of it and, where one of these starts wins, ``polish_start``
     (``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, or one of them with ``"_again"``)."""
     if task.C == 1 or task.state_model is None or not task.state_model.native:
         return (*current, moves)
 
     best, best_t = (*current, moves), _time_of(task, *current)
-    spent, skipped = 0.0, 0
+    solves, skipped = 0, 0
     starts = [("agents_placed", agents[:3]), ("plain_placed", option_arrays(task.plain_options())),
               ("polished_placed", current[:3])]
     seen: set[bytes] = set()
@@ -75,13 +81,11 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
         if key in seen:
             continue
         seen.add(key)
-        left = PLACEMENT_SECONDS - spent
-        if left < 1.0:
+        if solves >= PLACEMENT_SOLVES:
             skipped += 1
             continue
-        t0 = time.perf_counter()
-        st = place_states(task.sim, task.budget, c, w, d, task.space, time_limit=min(10.0, left))
-        spent += time.perf_counter() - t0
+        solves += 1
+        st = place_states(task.sim, task.budget, c, w, d, task.space, time_limit=PLACEMENT_SOLVE_SECONDS)
         c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
         t = _time_of(task, c2, w2, d2, st2)
         if t < best_t * (1 - 1e-12):
@@ -91,15 +95,16 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
             # the polish changed the activations too: place the state for those, exactly, and polish again
             starts.append((label.removesuffix("_again") + "_again", (c2, w2, d2)))
     if info is not None:
-        info.update(polish_placement_budget_s=PLACEMENT_SECONDS, polish_placement_skipped=skipped)
+        info.update(polish_placement_budget_solves=PLACEMENT_SOLVES, polish_placement_skipped=skipped)
     return best
 
 
-#: Seconds the polish's heuristic starts (:func:`polish_heuristic_starts`) may take together, making their plans
-#: included: a start is begun only while some of it is left (``meta["polish_heuristic_skipped"]`` lists the others)
-#: and its polish stops when it runs out (``meta["polish_heuristic_cut"]``), so that the whole search stays within
-#: about a minute at 48 units on 2 cores. Normally all of them run to the end; then a seed gives the same plan.
-HEURISTIC_SECONDS = 10.0
+#: Rounds of moves (each the best single or paired move, see :func:`polish`) the polish's heuristic starts
+#: (:func:`polish_heuristic_starts`) may take together: a start is begun only while some are left
+#: (``meta["polish_heuristic_skipped"]`` lists the others) and its polish stops when they run out
+#: (``meta["polish_heuristic_cut"]``). A count, not seconds, so that a seed gives the same plan however loaded the
+#: machine is; normally all of them run to the end.
+HEURISTIC_ROUNDS = 300
 
 #: The baselines (:data:`memopt_nb.planners.BASELINES`) whose plans the polish also starts from, where their plan fits
 #: the budget and lies in the search's space.
@@ -108,22 +113,18 @@ HEURISTIC_STARTS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "
                     "step_in_backward_recompute")
 
 
-def _heuristic_starts(task: PlanningTask, deadline: float) -> tuple[list[tuple[str, np.ndarray, np.ndarray, float]],
-                                                                     list[str]]:
+def _heuristic_starts(task: PlanningTask) -> list[tuple[str, np.ndarray, np.ndarray, float]]:
     """The plans of :data:`HEURISTIC_STARTS` that fit the budget in the task's space, fastest first (ties: the order
-    of the list), as (name, options, placements, step time); and the names left out for lack of time.
+    of the list), as (name, options, placements, step time).
 
     A baseline's plan is used as it is: activation decisions (the classic heuristics, all-resident) or its fixed
     placements (the state baselines); it is left out when it needs a strategy, timing or placement the task does not
     allow, refuses the budget, or misses it."""
-    n, found, late = task.n, [], []
+    n, found = task.n, []
     allowed = np.zeros((n, len(STATE_CHOICES)), dtype=bool)
     allowed[:, 0] = True
     allowed[:, task.state_ids] = task.state_ok
     for name in HEURISTIC_STARTS:
-        if time.perf_counter() > deadline:
-            late.append(name)
-            continue
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -140,49 +141,55 @@ def _heuristic_starts(task: PlanningTask, deadline: float) -> tuple[list[tuple[s
         if peak[0] <= task.budget:
             found.append((name, opts, st, float(t[0])))
     found.sort(key=lambda x: x[3])
-    return found, late
+    return found
 
 
 def polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, Any]) -> tuple:
     """Polish from the baselines' plans too (:func:`_heuristic_starts`, fastest first, each one not already among the
-    starts) while :data:`HEURISTIC_SECONDS` last; returns the fastest feasible plan, ``current`` (codes, windows,
+    starts) while :data:`HEURISTIC_ROUNDS` last; returns the fastest feasible plan, ``current`` (codes, windows,
     distances, placements, moves) on ties. ``info`` receives ``polish_heuristic_starts`` (the baselines polished),
-    ``polish_heuristic_skipped`` (left out for lack of time), ``polish_heuristic_cut`` (polished until the time ran
-    out), ``polish_heuristic_budget_s``, ``polish_heuristic_seconds`` (what they took) and, where one of them wins,
-    ``polish_start`` (its name)."""
+    ``polish_heuristic_skipped`` (left out for lack of rounds), ``polish_heuristic_cut`` (polished until the rounds ran
+    out), ``polish_heuristic_budget_rounds``, ``polish_heuristic_seconds`` (what they took: reported, never read) and,
+    where one of them wins, ``polish_start`` (its name)."""
     t0 = time.perf_counter()
-    deadline = t0 + HEURISTIC_SECONDS
-    starts, late = _heuristic_starts(task, deadline)
+    left = HEURISTIC_ROUNDS
+    late: list[str] = []
+    if left > 0:
+        starts = _heuristic_starts(task)
+    else:
+        starts, late = [], list(HEURISTIC_STARTS)
     best, best_t = current, _time_of(task, *current[:4])
     seen = {(to_options(*current[:3]).tobytes(), np.asarray(current[3], dtype=np.int64).tobytes())}
     used: list[str] = []
-    cut: list[str] = []  # polished until the time ran out, perhaps short of where moves stop helping
+    cut: list[str] = []  # polished until the rounds ran out, perhaps short of where moves stop helping
     for name, opts, st, _ in starts:
         if (opts.tobytes(), st.tobytes()) in seen:
             continue
-        if time.perf_counter() > deadline:
+        if left <= 0:
             late.append(name)
             continue
         seen.add((opts.tobytes(), st.tobytes()))
         used.append(name)
-        c, w, d, st2, m = polish(task, *option_arrays(opts), st, deadline=deadline)
-        if time.perf_counter() > deadline:
+        rounds = min(left, POLISH_ROUNDS)
+        c, w, d, st2, m = polish(task, *option_arrays(opts), st, max_rounds=rounds)
+        left -= min(m + 1, rounds)  # the moves made and the round that found none
+        if m == rounds < POLISH_ROUNDS:
             cut.append(name)
         t = _time_of(task, c, w, d, st2)
         if t < best_t * (1 - 1e-12):
             best, best_t = (c, w, d, st2, m), t
             info["polish_start"] = name
     info.update(polish_heuristic_starts=used, polish_heuristic_skipped=late, polish_heuristic_cut=cut,
-                polish_heuristic_budget_s=HEURISTIC_SECONDS, polish_heuristic_seconds=time.perf_counter() - t0)
+                polish_heuristic_budget_rounds=HEURISTIC_ROUNDS, polish_heuristic_seconds=time.perf_counter() - t0)
     return best
 
 
 def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
-           states: np.ndarray | None = None, max_rounds: int = 100, deadline: float | None = None
+           states: np.ndarray | None = None, max_rounds: int | None = None
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Best-improvement local search while the simulator says it helps; returns codes, windows, distances, placements
-    (indices into STATE_CHOICES) and the number of moves made. ``deadline`` (a ``time.perf_counter()`` value): no
-    round starts after it (the plan so far is returned).
+    (indices into STATE_CHOICES) and the number of moves made. At most ``max_rounds`` rounds (default
+    :data:`POLISH_ROUNDS`; the plan so far is returned).
 
     A move changes one unit's option (strategy and timing). Each round takes the fastest move within budget (ties: the
     earlier unit, then the earlier option) if it is faster than the current plan. Where placements may be chosen, a
@@ -202,9 +209,7 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     units, opts = np.nonzero(task.option_ok)  # every allowed (unit, option), unit-major
     rows = np.arange(units.size)
     simulated = 0  # moves the last round simulated
-    for _ in range(max_rounds):
-        if deadline is not None and time.perf_counter() > deadline:
-            break
+    for _ in range(POLISH_ROUNDS if max_rounds is None else max_rounds):
         cand = np.repeat(cur[None], units.size, axis=0)
         cand[rows, units] = opts
         if task.C > 1:
@@ -224,6 +229,9 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     c, w, d = option_arrays(cur)
     return c, w, d, cur_st, moves
 
+
+#: Rounds one :func:`polish` takes at most (each makes one move).
+POLISH_ROUNDS = 100
 
 #: Rows :func:`_best_move` simulates in its first batch (then 4x more each time): few enough that a bound that rules
 #: most moves out saves most of the work, enough that the simulator's per-call overhead stays small.

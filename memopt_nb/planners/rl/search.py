@@ -170,7 +170,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
         polish_plan: run a local search on the agents' best plan (where state may move, also from their activation
             decisions and from keep-all, each with its exact best state placement), then from the plans of the
             classic baselines that fit the budget in this space (:data:`~memopt_nb.planners.polish.HEURISTIC_STARTS`,
-            within :data:`~memopt_nb.planners.polish.HEURISTIC_SECONDS`); the fastest result wins, the agents' on ties.
+            :data:`~memopt_nb.planners.polish.HEURISTIC_ROUNDS` rounds of moves in all); the fastest result wins, the
+            agents' on ties.
             What it adds is reported separately.
         restarts: independent agent pairs trained one after the other, each on an equal share of the timesteps
             (default :func:`default_restarts`); the best plan of all of them is returned.
@@ -216,11 +217,11 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     ``interrupted`` (Ctrl-C returns the best plan so far), ``state_choices`` (the placements the agents could choose
     from; only all-resident when the cost model has no state table), ``allowed_strategies`` (the activation strategies
     searched, as ``optimal`` records them), ``agents_states`` (the agents' placements before the polish) and, where the
-    polish started from exact placements, ``polish_placement_budget_s`` (the seconds their MILPs share,
-    :data:`~memopt_nb.planners.polish.PLACEMENT_SECONDS`) and ``polish_placement_skipped`` (starts left out when it
+    polish started from exact placements, ``polish_placement_budget_solves`` (the MILPs they may solve,
+    :data:`~memopt_nb.planners.polish.PLACEMENT_SOLVES`) and ``polish_placement_skipped`` (starts left out when they
     ran out; normally 0); where the polish ran, ``polish_heuristic_starts`` (the baselines it also started from),
     ``polish_heuristic_skipped`` and ``polish_heuristic_cut`` (those left out, or polished only until
-    :data:`~memopt_nb.planners.polish.HEURISTIC_SECONDS` ran out; normally none),
+    :data:`~memopt_nb.planners.polish.HEURISTIC_ROUNDS` ran out; normally none),
     ``stopped`` (why the agents stopped: ``"all timesteps run"``, ``"no better plan in the last N iterations"`` or
     ``"time limit"``), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan was returned:
     ``"agents"``, ``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, one of those three with ``"_again"``
