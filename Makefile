@@ -1,11 +1,12 @@
-# Two entry points: `make demo` and `make test`. Both create .venv if missing and install everything into it,
-# torch==2.13.0 (CPU build) first so that nothing pulls a multi-GB CUDA build.
+# Two entry points: `make demo` and `make test` (every test; `make test-fast` leaves out those marked slow). Both create
+# .venv if missing and install everything into it, torch==2.13.0 (CPU build) first so that nothing pulls a multi-GB
+# CUDA build.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memopt-installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test test-fast lint bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +26,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=20 tests
+
+# the inner loop: every test but those marked slow (pytest -m slow runs just those)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q --durations=10 -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) -m memopt_nb bench

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # JupyterLab in headless Chromium
+
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("MEMOPT_NB_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = ROOT / "test-artifacts"

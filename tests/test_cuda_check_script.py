@@ -150,3 +150,23 @@ def test_the_activation_section_checks_a_plan_on_finer_units(cc) -> None:
     assert fine["units"] > keep["units"]
     assert fine["grads_equal"] and abs(fine["peak_err_pct"]) < 1e-9
     assert fine["swap_stats"]["offloaded_bytes"] > 0
+
+
+def test_pytest_runs_every_test_that_needs_cuda(cc) -> None:
+    """``--pytest`` runs ``-k cuda`` over :data:`PYTEST_FILES`: every test skipped without a CUDA device (the habits
+    between steps and mixed precision included) must sit in one of those files and have "cuda" in its name, or no GPU
+    run ever covers it. Read from the test files' source, without collecting them."""
+    import ast
+    import inspect
+
+    assert inspect.signature(cc.pytest_section).parameters["select"].default == "cuda"
+    needs_cuda = {}
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                    "skipif" in ast.unparse(d) and "cuda.is_available" in ast.unparse(d) for d in node.decorator_list):
+                needs_cuda[node.name] = f"tests/{path.name}"
+    assert any(n.startswith("test_cuda_habit_") for n in needs_cuda)
+    assert any(n.startswith("test_cuda_autocast_") for n in needs_cuda)
+    missed = {n: f for n, f in needs_cuda.items() if f not in cc.PYTEST_FILES or "cuda" not in n}
+    assert missed == {}

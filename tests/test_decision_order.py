@@ -70,6 +70,7 @@ def test_search_takes_the_order_records_it_and_refuses_a_wrong_one_before_traini
     assert memopt.search(convnext, "80%", "a100-40gb", order=mine, **kw).meta["decision_order"] == mine
 
 
+@pytest.mark.slow  # search quality
 def test_deciding_the_largest_states_first_brings_the_agents_near_the_optimum(convnext):
     """The case the forward walk got 1.23x on: ConvNeXt-Atto, A100 preset, 60 % of the way from the whole-step floor
     to the unoptimized peak, agents alone (no polish) ÷ the MILP's optimum."""

@@ -88,6 +88,7 @@ print("PLAN " + json.dumps(t._fingerprint(t._search(t._profile()))))
 """
 
 
+@pytest.mark.slow  # two processes, each importing torch
 def test_same_seed_same_plan_in_two_processes_at_once(quiet_plan):
     """Two searches run at once (each slowing the other down on a small machine) give this process's plan."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

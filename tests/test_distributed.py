@@ -43,6 +43,7 @@ def runs(tmp_path_factory):
     return {s: _torchrun(tmp_path_factory.mktemp(s), *(["--fsdp"] if s == "fsdp" else [])) for s in ("ddp", "fsdp")}
 
 
+@pytest.mark.slow  # torchrun, 2 ranks
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_mixed_plan_on_two_ranks_trains_like_no_plan(runs, sharding):
     rows = runs[sharding]
@@ -61,6 +62,7 @@ def test_mixed_plan_on_two_ranks_trains_like_no_plan(runs, sharding):
     assert rows[0]["losses"] != rows[1]["losses"]  # each rank trained on its own batch
 
 
+@pytest.mark.slow  # torchrun, 2 ranks
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_per_rank_prediction_within_the_readme_figure(runs, sharding):
     """README: per-rank peaks predicted by ``per_rank`` + ``simulate`` never more than 0.05% under the measured one,
@@ -74,6 +76,7 @@ def test_per_rank_prediction_within_the_readme_figure(runs, sharding):
             assert predicted - measured <= 1e-3 * measured, (sharding, r["rank"], key, measured, predicted)
 
 
+@pytest.mark.slow  # torchrun, 2 ranks
 def test_fsdp_peak_below_ddp_by_about_the_sharded_state(runs):
     ddp, fsdp = runs["ddp"][0], runs["fsdp"][0]
     sharded = fsdp["state_plain"] - fsdp["state_rank"]  # parameters, gradients, optimizer state: half on each rank

@@ -17,6 +17,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow  # every notebook runs end to end: minutes
+
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.ipynb"))
 NOTEBOOKS = TUTORIALS + sorted((ROOT / "notebooks").glob("*.ipynb"))

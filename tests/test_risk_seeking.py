@@ -67,6 +67,7 @@ def _bandits(cfg: PPOConfig) -> SyncVectorEnv:
     return SyncVectorEnv(_Bandit, cfg.num_envs, episode_steps=1)
 
 
+@pytest.mark.slow  # search quality: PPO trained to convergence
 @pytest.mark.parametrize("risk", [None, 0.25])
 def test_risk_seeking_prefers_the_arm_with_the_best_episodes_and_ordinary_ppo_the_best_mean(risk):
     cfg = PPOConfig(total_timesteps=16 * 60, num_envs=16, num_minibatches=1, seed=3, risk_quantile=risk)

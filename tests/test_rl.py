@@ -183,6 +183,7 @@ SMALL_CASES = [(5, 0, 0.3, None), (6, 1, 0.6, None), (8, 2, 0.4, None), (10, 3, 
                (8, 5, 0.5, "cpu")]
 
 
+@pytest.mark.slow  # search quality: full searches on several cases
 def test_agents_reach_the_optimum_on_small_cases():
     """The planner goal in the issues' form, on six small chains: the agents alone (no polish) within 1.02x of the
     optimum at the median and 1.05x at worst."""
