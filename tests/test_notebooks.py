@@ -17,8 +17,6 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-pytestmark = pytest.mark.slow  # every notebook runs end to end: minutes
-
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.ipynb"))
 NOTEBOOKS = TUTORIALS + sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -115,6 +113,7 @@ def verdict_says(verdict: str, worth_it: bool) -> None:
         assert verdict.endswith("— not worth it") or verdict.startswith("nothing fits"), verdict
 
 
+@pytest.mark.slow  # every notebook end to end in a kernel: minutes
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_executes(path, notebook_env):
     nb = execute(path)
@@ -202,6 +201,7 @@ def test_verdict_check_reads_the_conclusion_not_a_substring():
         verdict_says("recompute_all raises the max batch ... — worth it", False)
 
 
+@pytest.mark.slow  # a kernel, a profile and a search
 def test_a_plan_for_a_preset_device_saved_and_read_back(tmp_path, notebook_env):
     """A notebook planning with ``--device a100-40gb``: saved and read back, the plan cell holds a PNG and names the
     device, and the profile's output states its floor as memopt formats it."""
