@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -226,7 +225,6 @@ class _TwoAgentBandit:
     the returns of one rollout are all different."""
 
     possible_agents = ["strategy", "timing"]
-    task = SimpleNamespace(n=0)  # train reads the episode length (n + 1 steps) from it
 
     def __init__(self) -> None:
         self.agents: list[str] = []
@@ -245,7 +243,7 @@ class _TwoAgentBandit:
                 for a in self.possible_agents}
 
     def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
-        if seed is not None:  # train seeds copy i with config.seed + i
+        if seed is not None:  # the vector env seeds copy i with config.seed + i
             self.rng, self.copy = np.random.default_rng(seed), seed % 10
         self.agents = list(self.possible_agents)
         return self._obs(), {a: {} for a in self.possible_agents}
@@ -270,8 +268,8 @@ def _train_observed(monkeypatch, **cfg):
         return real(agent, optimizer, config, buf, advantages, returns, rng, minibatch_size, weights)
 
     monkeypatch.setattr(ppo, "update_agent", spy)
-    agents = ppo.train(_TwoAgentBandit, ppo.PPOConfig(num_envs=8, total_timesteps=16, num_minibatches=1,
-                                                      update_epochs=1, seed=0, **cfg))
+    config = ppo.PPOConfig(num_envs=8, total_timesteps=16, num_minibatches=1, update_epochs=1, seed=0, **cfg)
+    agents = ppo.train(ppo.SyncVectorEnv(_TwoAgentBandit, config.num_envs, episode_steps=1), config)
     name = {id(v): k for k, v in agents.items()}
     return [(name[id(agent)], rewards, adv, w) for agent, rewards, adv, w in seen]
 
