@@ -98,7 +98,7 @@ def test_polish_makes_the_moves_of_simulating_every_move(task, block, monkeypatc
 
 
 def test_polish_with_placements_is_unchanged():
-    task = _task(10, 4, "a100-40gb", 0.4, ("keep", "recompute", "swap"), PlanSpace())
+    task = _task(10, 4, "a100-40gb", 0.4, ("keep", "recompute", "swap"), offload_state=True)
     assert task.C > 1
     for c, w, d in _starts(task, count=2):
         got, want = polish_mod.polish(task, c, w, d), reference_polish(task, c, w, d)
@@ -193,7 +193,7 @@ def test_exact_placements_follow_the_activations_the_polish_moved_to():
     gains nothing."""
     from memopt_nb.planners.milp import place_states
 
-    task = _task(8, 3, "a100-40gb", 0.6, ("keep", "recompute", "swap"), PlanSpace())
+    task = _task(8, 3, "a100-40gb", 0.6, ("keep", "recompute", "swap"), offload_state=True)
     c, w, d = _starts(task)[0]
     zeros = np.zeros(task.n, dtype=np.int64)
     current = polish_mod.polish(task, c, w, d, zeros)
@@ -202,11 +202,11 @@ def test_exact_placements_follow_the_activations_the_polish_moved_to():
     got_t = polish_mod._time_of(task, *got[:4])
     before = polish_mod._time_of(task, *current[:4])
     for start in ((c, w, d), polish_mod.option_arrays(task.plain_options())):
-        st = place_states(task.sim, task.budget, *start, PlanSpace())
+        st = place_states(task.sim, task.budget, *start, PlanSpace.of(offload_state=True))
         polished = polish_mod.polish(task, *start, np.asarray(st, dtype=np.int64))
         before = min(before, polish_mod._time_of(task, *polished[:4]))
     assert got_t < before * (1 - 1e-6)
     assert info["polish_start"] == "polished_placed" or info["polish_start"].endswith("_again")
-    st = place_states(task.sim, task.budget, *got[:3], PlanSpace())
+    st = place_states(task.sim, task.budget, *got[:3], PlanSpace.of(offload_state=True))
     again = polish_mod.polish(task, *got[:3], np.asarray(st, dtype=np.int64))
     assert polish_mod._time_of(task, *again[:4]) >= got_t * (1 - 1e-12)
