@@ -124,7 +124,14 @@ def _heuristic_starts(task: PlanningTask) -> list[tuple[str, np.ndarray, np.ndar
     allowed = np.zeros((n, len(STATE_CHOICES)), dtype=bool)
     allowed[:, 0] = True
     allowed[:, task.state_ids] = task.state_ok
+    # a baseline that gives every unit that can take it recompute_offload lies outside a space without it (or is
+    # keep-all, "none", where no unit can take it): not built, which saves its budget check's floor over every strategy
+    skip = set()
+    if "recompute_offload" not in task.strategies and (task.sim.recomputable & task.sim.swappable).any():
+        skip.add("recompute_offload_all")
     for name in HEURISTIC_STARTS:
+        if name in skip:
+            continue
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
