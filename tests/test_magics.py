@@ -127,7 +127,7 @@ def test_cell_magic_mistakes(ip):
     ("model x --units nosuch.module", "memopt.profile"),
     ("model x --repeats 0", "--repeats"),
     ("model x -o 1abc", "identifier"),
-    ("model x --bogus", "unrecognized arguments"),
+    ("model x --bogus", "there is no option --bogus"),
 ])
 def test_profile_mistakes_are_usage_errors(ip, line, message):
     with pytest.raises(UsageError) as err:
@@ -162,7 +162,7 @@ def test_plan_percentage_device_seed_env_and_output(ip, prof, monkeypatch):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("prof", "the following arguments are required: --budget"),
+    ("prof", "%memopt_plan needs --budget, e.g. %memopt_plan prof --budget 60%"),
     ("nosuch --budget 60%", "no variable named 'nosuch'"),
     ("model --budget 60%", "'model' is a GPT, not a ModelProfile"),
     ("prof --budget lots", "cannot read 'lots'"),
@@ -170,13 +170,40 @@ def test_plan_percentage_device_seed_env_and_output(ip, prof, monkeypatch):
     ("prof --budget 2000%", "percentage"),
     ("prof --budget 60% --device tpu-v9", "unknown device preset 'tpu-v9'"),
     ("prof --budget 60% --timesteps 0", "--timesteps must be a positive"),
-    ("prof --budget 60% --timesteps many", "invalid int value"),
+    ("prof --budget 60% --timesteps many", "--timesteps 'many': give a whole number"),
     ("prof --budget 60% -o for", "identifier"),
 ])
 def test_plan_mistakes_are_usage_errors(ip, prof, line, message):
     with pytest.raises(UsageError) as err:
         ip.run_line_magic("memopt_plan", line)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("magic, line, message", [
+    ("memopt_profile", "model x --optimiser opt", "%memopt_profile: did you mean --optimizer? There is no option "
+                                                  "--optimiser"),
+    ("memopt_plan", "prof --budjet 60%", "%memopt_plan: did you mean --budget? There is no option --budjet"),
+    ("memopt_plan", "prof --budget 20 MB", "write --budget 20MB, without a space between the number and the unit"),
+    ("memopt_plan", "prof --budget 1.5 GiB --timesteps 96", "write --budget 1.5GiB, without a space"),
+    ("memopt_plan", "prof --budget 60 %", "write --budget 60%, without a space"),
+    ("memopt_plan", "prof --budget 60% --timesteps", "--timesteps needs a value after it"),
+    ("memopt_plan", "prof --budget 60% --seed 1 stray", "%memopt_plan: did not expect stray"),
+])
+def test_typos_get_words_for_people(ip, prof, monkeypatch, magic, line, message):
+    calls = []
+    monkeypatch.setattr(memopt, "search", lambda *a, **k: calls.append(k))
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic(magic, line)
+    msg = str(err.value)
+    assert msg.startswith(message), msg
+    assert "required" not in msg and "unrecognized arguments" not in msg and msg.count("\n") < 2
+    assert calls == []
+
+
+def test_an_abbreviated_option_still_works(ip, prof, monkeypatch):
+    calls = spy_on_search(monkeypatch)
+    ip.run_line_magic("memopt_plan", "prof --budg 90% --timesteps 96 -q -o p_abbrev")
+    assert calls and isinstance(ip.user_ns["p_abbrev"], memopt.Plan)
 
 
 def test_budget_below_the_minimum_states_the_minimum(ip, prof):

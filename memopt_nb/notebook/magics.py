@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import difflib
 import keyword
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch
 from IPython.core import magic_arguments as ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.utils.process import arg_split
 
 import memopt_nb as memopt
 
@@ -83,6 +85,67 @@ def _unquote(text: str | None) -> str | None:
 
 def _article(name: str) -> str:
     return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+_OPTION = re.compile(r"^--?[A-Za-z][A-Za-z0-9_-]*")
+_SIZE_UNITS = {"b", "kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib", "k", "m", "g", "%"}
+_NUMBER = re.compile(r"^[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?$", re.IGNORECASE)
+_EXAMPLES = {"memopt_plan": "%memopt_plan prof --budget 60%", "memopt_profile": "%memopt_profile model x -o prof"}
+
+
+def parse_magic_line(func: Any, line: str) -> Any:
+    """``magic_arguments.parse_argstring`` with errors written for people rather than argparse's words.
+
+    An option the magic does not have names the closest one ("did you mean --budget?") before argparse would report
+    it as unrecognized, or report a required option as missing when it was only misspelt; a size split by a space
+    (``--budget 20 MB``) says to write ``20MB``; a missing required option names it with an example. Every error is a
+    ``UsageError`` whose first sentence says what to type.
+    """
+    parser = func.parser
+    name = parser.prog or func.__name__
+    usage = f"see %{name}? for every option"
+    known = sorted(parser._option_string_actions)
+    try:
+        tokens = arg_split(line, strict=False)
+    except ValueError:
+        tokens = line.split()
+    for tok in tokens:
+        match = _OPTION.match(tok)
+        if match is None:
+            continue
+        opt = tok.split("=", 1)[0]
+        if opt in known or (opt.startswith("--") and any(k.startswith(opt) for k in known if k.startswith("--"))):
+            continue
+        longs = {k.lstrip("-"): k for k in known if k.startswith("--")}
+        close = difflib.get_close_matches(opt.lstrip("-"), list(longs), n=1, cutoff=0.6)
+        if close:
+            raise UsageError(f"%{name}: did you mean {longs[close[0]]}? There is no option {opt} ({usage})")
+        raise UsageError(f"%{name}: there is no option {opt}; {usage}")
+    for i, tok in enumerate(tokens):
+        if i >= 2 and tok.lower() in _SIZE_UNITS and _NUMBER.match(tokens[i - 1]) and tokens[i - 2] in known:
+            raise UsageError(f"write {tokens[i - 2]} {tokens[i - 1]}{tok}, without a space between the number and "
+                             f"the unit ({tokens[i - 2]} {tokens[i - 1]} {tok} reads {tok} as another argument)")
+    try:
+        return ma.parse_argstring(func, line)
+    except UsageError as exc:
+        msg = str(exc)
+        required = re.match(r"the following arguments are required: (.*)", msg)
+        if required:
+            what = required.group(1)
+            example = _EXAMPLES.get(name, f"%{name} ...")
+            raise UsageError(f"%{name} needs {what}, e.g. {example} ({usage})") from None
+        extra = re.match(r"unrecognized arguments: (.*)", msg)
+        if extra:
+            raise UsageError(f"%{name}: did not expect {extra.group(1)}; quote an expression that contains spaces, "
+                             f"or {usage}") from None
+        bad = re.match(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.*)", msg)
+        if bad:
+            kind = "a whole number" if bad.group(2) == "int" else f"{_article(bad.group(2))} value"
+            raise UsageError(f"{bad.group(1)} {bad.group(3)}: give {kind} ({usage})") from None
+        expected = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", msg)
+        if expected:
+            raise UsageError(f"{expected.group(1)} needs a value after it ({usage})") from None
+        raise UsageError(f"%{name}: {msg} ({usage})") from None
 
 
 def _check_output_name(name: str | None) -> None:
@@ -299,7 +362,7 @@ class MemoptMagics(Magics):
         per-unit memory/time chart; ``-q`` or a trailing ``;`` hides it, ``-o NAME`` stores it).
         """
         line, silenced = _strip_semicolon(line)
-        args = ma.parse_argstring(self.memopt_profile, line)
+        args = parse_magic_line(self.memopt_profile, line)
         _check_output_name(args.output)
         target = list(args.target)
         if args.model is not None:
@@ -398,7 +461,7 @@ class MemoptMagics(Magics):
         dashboard still shows: it is the search's progress); ``-q`` hides the dashboard as well.
         """
         line, silenced = _strip_semicolon(line)
-        args = ma.parse_argstring(self.memopt_plan, line)
+        args = parse_magic_line(self.memopt_plan, line)
         _check_output_name(args.output)
         prof = self._eval(args.profile, "profile")
         if not isinstance(prof, memopt.ModelProfile):
