@@ -315,8 +315,9 @@ class ModelProfile:
     def __repr__(self) -> str:
         return f"<ModelProfile {self.summary()}>"
 
-    def _floor_html(self) -> str:
-        """The smallest peak any plan reaches on the profiled device and what bounds it (see :mod:`memopt_nb.floor`)."""
+    def _floor_html(self, spelling: str = "python") -> str:
+        """The smallest peak any plan reaches on the profiled device and what bounds it (see :mod:`memopt_nb.floor`),
+        its advice spelt for ``"python"`` or the magics (``"magic"``)."""
         from .floor import explain_floor
 
         try:
@@ -324,7 +325,7 @@ class ModelProfile:
         except Exception as exc:  # noqa: BLE001 - a display must not fail
             return f"<p>smallest reachable peak: not computed ({html.escape(type(exc).__name__)}: " \
                    f"{html.escape(str(exc))})</p>"
-        advice = ("<br>To lower it: " + html.escape("; ".join(floor.advice)) + ".") if floor.advice else ""
+        advice = ("<br>To lower it: " + html.escape(floor.advice_text(spelling)) + ".") if floor.advice else ""
         return (f"<p><b>Smallest reachable peak (any plan): {format_bytes(floor.floor_bytes)}</b> = "
                 f"{html.escape(floor.breakdown_text())}.<br>{html.escape(floor.bound_text())}{advice}</p>")
 
@@ -345,7 +346,9 @@ class ModelProfile:
             rows.append((len(chain), u.name, u.index))
         return rows
 
-    def _repr_html_(self) -> str:
+    def _repr_html_(self, spelling: str = "python") -> str:
+        """The profile as HTML: summary, totals with a legend of their terms, the floor (advice spelt for
+        ``"python"`` or the magics, ``"magic"``) and the per-unit table."""
         numbered = any(u.name != str(u.index) for u in self.units)  # nn.Sequential children: the name is the index
         split = self.meta.get("split") or {}
         parents: list[str] = []
@@ -361,10 +364,9 @@ class ModelProfile:
             else:
                 cells.append(self._unit_row(self.units[index], numbered, depth, label))
         rows = "".join(cells)
-        totals = (f"peak {format_bytes(self.peak_bytes)} · step {self.step_time * 1e3:.1f} ms · params "
-                  f"{format_bytes(self.param_bytes)} · optimizer state {format_bytes(self.optimizer_state_bytes)} · "
-                  f"not in units {format_bytes(self.unattributed_bytes)} · units cover {self.coverage:.0%} of saved "
-                  f"bytes · device {html.escape(self.device.name)}")
+        totals = (f"params {format_bytes(self.param_bytes)} · optimizer state "
+                  f"{format_bytes(self.optimizer_state_bytes)} · not in units {format_bytes(self.unattributed_bytes)}"
+                  f" · units cover {self.coverage:.0%} of saved bytes<br><small>{html.escape(PROFILE_LEGEND)}</small>")
         excluded = ""
         if self.excluded:
             excluded = "<p>excluded: " + "; ".join(html.escape(f"{e['name']} ({e['reason']})")
@@ -377,7 +379,7 @@ class ModelProfile:
             '<th title="random ops (dropout): recompute replays their random numbers; running stats (BatchNorm): '
             'recompute does not update them twice">notes</th>')
         return (
-            f"<div><b>{html.escape(self.summary())}</b><p>{totals}</p>{self._floor_html()}{excluded}<table><thead>"
+            f"<div><b>{html.escape(self.summary())}</b><p>{totals}</p>{self._floor_html(spelling)}{excluded}<table><thead>"
             f"<tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
         )
 
@@ -392,6 +394,14 @@ class ModelProfile:
             f"<td>{format_bytes(u.param_bytes)}</td>"
             f"<td>{', '.join(f for f, on in (('random ops', u.has_rng), ('running stats', u.has_running_stats)) if on)}"
             f"{_effects_html(u)}</td></tr>")
+
+
+#: What the terms of a profile's display mean, shown under its totals.
+PROFILE_LEGEND = (
+    "not in units: activations saved outside every unit (embeddings, head, loss), which every plan keeps; units cover "
+    "N% of saved bytes: the share of the step's saved activations a plan can act on; notes: random ops (dropout: "
+    "recompute replays the same random numbers), running stats (BatchNorm: not updated twice), state (the forward "
+    "changes module state, which recompute restores)")
 
 
 def _effects_html(u: UnitProfile) -> str:

@@ -306,8 +306,42 @@ def test_budget_below_the_floor_says_what_bounds_it(ip, prof):
     floor = explain_floor(prof, offload_state=True)  # the magic's default space
     msg = str(err.value)
     assert floor.bound_text() in msg and floor.breakdown_text() in msg
-    assert all(a in msg for a in floor.advice)
+    assert all(a.magic in msg for a in floor.advice)
     assert "add units" not in msg
+
+
+def test_the_budget_error_says_what_to_ask_for_first_in_the_magics_spelling(ip, prof):
+    lo = memopt.solvers.min_peak(prof)
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", f"prof --budget {lo - 1} --timesteps 96")
+    first, *rest = str(err.value).split("\n")
+    need = first.split("--budget ")[1].split(",")[0]
+    assert first.startswith("Ask for at least --budget ") and lo <= memopt.resolve_budget(need) < lo + 2**20 // 100
+    assert "--step-in-backward" in first and "step_in_backward=True" not in str(err.value)
+    assert len(rest) == 2 and str(lo) in rest[0]  # why, then the detail
+    with pytest.raises(memopt.BudgetError) as api:  # the same error from Python speaks Python
+        memopt.search(prof, lo - 1, total_timesteps=96)
+    first = str(api.value).split("\n")[0]
+    assert first.startswith("Ask for at least ") and "step_in_backward=True" in first and "--" not in first
+    assert api.value.minimum_bytes == lo and api.value.budget_bytes == lo - 1
+
+
+def test_a_profile_made_by_the_magic_gives_advice_in_the_magics_spelling(ip, prof, monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(magics, "in_notebook", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **k: shown.append(obj))
+    magics._profile_display(prof)
+    text = shown[0]["text/plain"] + shown[0]["text/html"]
+    assert "--step-in-backward" in text and "step_in_backward=True" not in text
+    api_prof = memopt.profile(ip.user_ns["model"], ip.user_ns["x"], loss_fn=ip.user_ns["loss_fn"],
+                              optimizer=ip.user_ns["opt"], repeats=1)
+    shown.clear()
+    magics._profile_display(api_prof)
+    assert "step_in_backward=True" in shown[0]["text/plain"]
+    assert "not in units: activations saved outside every unit" in shown[0]["text/html"]
+    assert shown[0]["text/html"].count(f"peak {memopt.format_bytes(api_prof.peak_bytes)}") == 1
 
 
 def spy_on_search(monkeypatch):

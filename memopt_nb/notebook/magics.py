@@ -35,6 +35,7 @@ import base64
 import difflib
 import keyword
 import re
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,6 +66,8 @@ DEFAULT_PLAN_NAME = "plan"
 _LINE_MAGICS = ("memopt_profile", "memopt_plan")
 _CELL_MAGICS = ("memopt_profile",)
 _state: dict[int, dict[str, Any]] = {}
+#: Profiles made by ``%memopt_profile``: their display spells its advice as magic options (``--units fine``).
+_FROM_MAGIC: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 # ====================================================================== helpers
@@ -211,15 +214,16 @@ def _profile_display(prof: memopt.ModelProfile) -> None:
     """How a ModelProfile displays while the extension is loaded: its table, then the per-unit chart."""
     from IPython.display import Image, display
 
+    spelling = "magic" if _FROM_MAGIC.get(id(prof)) is prof else "python"
     try:
-        floor = explain_floor(prof, offload_state=True).text()  # the planners' default space
+        floor = explain_floor(prof, offload_state=True).text(spelling)  # the planners' default space
     except Exception as exc:  # noqa: BLE001 - a display must not fail
         floor = f"smallest reachable peak: not computed ({type(exc).__name__}: {exc})"
     if not in_notebook():
         print(repr(prof))
         print(floor)
         return
-    display({"text/html": prof._repr_html_(), "text/plain": f"{prof!r}\n{floor}"}, raw=True)
+    display({"text/html": prof._repr_html_(spelling), "text/plain": f"{prof!r}\n{floor}"}, raw=True)
     try:
         fig = unit_chart(prof)
     except ValueError:  # a profile without units: the table says it all
@@ -389,6 +393,7 @@ class MemoptMagics(Magics):
                                   autocast=args.autocast)
         except memopt.MemoptError as exc:
             raise UsageError(f"memopt.profile: {exc}") from None
+        _FROM_MAGIC[id(prof)] = prof
         if args.output:
             self.shell.user_ns[args.output] = prof
         if args.quiet or silenced:
@@ -494,9 +499,12 @@ class MemoptMagics(Magics):
         try:
             plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, offload_state=offload_state,
                             step_in_backward=args.step_in_backward, strategies=strategies)
+        except memopt.BudgetError as exc:
+            if exc.minimum_bytes is not None:  # below the floor: what to ask for first, in the magic's spelling
+                raise UsageError(exc.reworded("magic")) from None
+            raise UsageError(f"--budget {args.budget}: {exc}") from None
         except memopt.MemoptError as exc:
-            raise UsageError(f"--budget {args.budget}: {exc}" if isinstance(exc, memopt.BudgetError)
-                             else str(exc)) from None
+            raise UsageError(str(exc)) from None
         self.shell.user_ns[args.output] = plan
         if silenced or args.quiet:
             return None
