@@ -29,6 +29,7 @@ from .profile import profile as profile
 from .rl.search import search
 from .runtime.apply import AppliedPlan
 from .runtime.apply import plan as plan
+from .runtime.compare import Comparison, compare
 from .runtime.measure import Measurement, measure
 from .runtime.state import StateError, StepInBackwardError
 from .simulate import SimResult, Simulator
@@ -37,11 +38,11 @@ from .simulate import simulate as simulate
 __version__ = "0.1.0"
 
 __all__ = [
-    "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
+    "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
     "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "StateError", "StepInBackwardError",
     "UnitProfile", "WrapOrderError",
-    "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile", "resolve_budget", "search",
-    "simulate", "solvers", "zoo",
+    "compare", "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile",
+    "resolve_budget", "search", "simulate", "solvers", "zoo",
 ]
 
 

@@ -422,3 +422,15 @@ def test_a_budget_below_the_floor_of_the_space_searched_states_that_floor(ip, pr
     floor = explain_floor(prof, offload_state=True, strategies=("keep",))
     assert "using only keep" in msg and memopt.format_bytes(keep) in msg and floor.breakdown_text() in msg
     assert "allow every activation strategy" in msg and memopt.format_bytes(whole) in msg
+
+
+def test_plan_measure_shows_plan_vs_no_plan_vs_prediction(ip, prof, capsys):
+    ip.run_line_magic("memopt_plan", "prof --budget 90% --timesteps 96 --no-widget --measure 2 -o p_meas")
+    out = capsys.readouterr().out
+    assert "no plan (measured)" in out and "(predicted)" in out and "median of 2 paired steps" in out
+    c = ip.user_ns["_memopt_comparison"]
+    assert len(c.ratios) == 2 and c.predicted_peak_bytes == ip.user_ns["p_meas"].predicted_peak_bytes
+    ip.user_ns["api_prof"] = memopt.profile(ip.user_ns["model"], ip.user_ns["x"], loss_fn=ip.user_ns["loss_fn"],
+                                            optimizer=ip.user_ns["opt"], repeats=1)
+    with pytest.raises(UsageError, match="--measure needs a profile made by %memopt_profile"):
+        ip.run_line_magic("memopt_plan", "api_prof --budget 90% --timesteps 96 --measure")

@@ -35,7 +35,6 @@ import base64
 import difflib
 import keyword
 import re
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,8 +65,10 @@ DEFAULT_PLAN_NAME = "plan"
 _LINE_MAGICS = ("memopt_profile", "memopt_plan")
 _CELL_MAGICS = ("memopt_profile",)
 _state: dict[int, dict[str, Any]] = {}
-#: Profiles made by ``%memopt_profile``: their display spells its advice as magic options (``--units fine``).
-_FROM_MAGIC: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+#: The attribute ``%memopt_profile`` sets on the profiles it makes: how it called the model (inputs, keywords, loss,
+#: optimizer, autocast), for ``%memopt_plan --measure``; its presence also makes the profile's display spell advice as
+#: magic options (``--units fine``).
+MAGIC_CALL = "_memopt_magic_call"
 
 
 # ====================================================================== helpers
@@ -214,7 +215,7 @@ def _profile_display(prof: memopt.ModelProfile) -> None:
     """How a ModelProfile displays while the extension is loaded: its table, then the per-unit chart."""
     from IPython.display import Image, display
 
-    spelling = "magic" if _FROM_MAGIC.get(id(prof)) is prof else "python"
+    spelling = "magic" if hasattr(prof, MAGIC_CALL) else "python"
     try:
         floor = explain_floor(prof, offload_state=True).text(spelling)  # the planners' default space
     except Exception as exc:  # noqa: BLE001 - a display must not fail
@@ -393,7 +394,8 @@ class MemoptMagics(Magics):
                                   autocast=args.autocast)
         except memopt.MemoptError as exc:
             raise UsageError(f"memopt.profile: {exc}") from None
-        _FROM_MAGIC[id(prof)] = prof
+        setattr(prof, MAGIC_CALL, {"model": model, "inputs": inputs, "kwargs": input_kwargs, "loss_fn": loss_fn,
+                                   "optimizer": optimizer, "autocast": args.autocast})
         if args.output:
             self.shell.user_ns[args.output] = prof
         if args.quiet or silenced:
@@ -441,6 +443,10 @@ class MemoptMagics(Magics):
                       "selective needs a profile made with selective=True)")
     @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
                  help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
+    @ma.argument("--measure", nargs="?", type=int, const=5, default=None, metavar="PAIRS",
+                 help="after the search, run the step with and without the plan in alternating pairs (5 unless "
+                      "PAIRS says otherwise) and show both beside the prediction (memopt.compare); needs a profile "
+                      "made by %%memopt_profile")
     @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
     @ma.argument("-q", "--quiet", action="store_true",
                  help="show nothing: no dashboard, no result (the plan is still stored)")
@@ -486,6 +492,12 @@ class MemoptMagics(Magics):
             raise UsageError(f"--budget {args.budget}: {exc}") from None
         offload_state = _parse_offload_state(args.offload_state)
         strategies = _parse_strategies(args.strategies)
+        call = getattr(prof, MAGIC_CALL, None)
+        if args.measure is not None and (call is None or args.measure < 1):
+            raise UsageError("--measure needs a profile made by %memopt_profile in this session (it knows the "
+                             "model's inputs and loss), and at least 1 pair; otherwise call memopt.compare(model, "
+                             "*inputs, plan=plan, profile=prof, loss_fn=..., optimizer=...)" if call is None else
+                             f"--measure {args.measure}: give at least 1 pair of steps (5 or more to read a spread)")
         if args.timesteps is not None and args.timesteps <= 0:
             raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
         try:
@@ -506,11 +518,33 @@ class MemoptMagics(Magics):
         except memopt.MemoptError as exc:
             raise UsageError(str(exc)) from None
         self.shell.user_ns[args.output] = plan
+        if args.measure is not None:
+            self._compare(plan, prof, call, args.measure, quiet=args.quiet)
         if silenced or args.quiet:
             return None
         space = "" if strategies == DEFAULT_STRATEGIES else f" (activation strategies: {', '.join(strategies)})"
         print(f"memopt: plan stored as `{args.output}`{space}; apply it with `with memopt.plan({args.output}): ...`")
         return plan
+
+
+    def _compare(self, plan: memopt.Plan, prof: memopt.ModelProfile, call: dict[str, Any], pairs: int,
+                 quiet: bool = False) -> memopt.Comparison:
+        """``%memopt_plan --measure``: the plan against no plan against the prediction, shown under the search."""
+        from IPython.display import display
+
+        try:
+            comparison = memopt.compare(call["model"], *call["inputs"], plan=plan, profile=prof,
+                                        loss_fn=call["loss_fn"], optimizer=call["optimizer"], steps=pairs,
+                                        autocast=call["autocast"], model_kwargs=call["kwargs"])
+        except memopt.MemoptError as exc:
+            raise UsageError(f"--measure: {exc}") from None
+        self.shell.user_ns["_memopt_comparison"] = comparison
+        if not quiet:
+            if in_notebook():
+                display(comparison)
+            else:
+                print(comparison)
+        return comparison
 
 
 # ====================================================================== extension entry points
