@@ -507,7 +507,9 @@ class MemoptMagics(Magics):
         mode = "none" if args.quiet else ("text" if args.no_widget else "auto")
         title = f"{prof.meta.get('model_class', 'model')}: {prof.n_units} units, unoptimized peak " \
                 f"{memopt.format_bytes(prof.peak_bytes)}"
-        dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title)
+        # the cell's result is the plan itself, right under the dashboard: the dashboard then does not repeat it
+        dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title,
+                               show_plan=silenced or args.quiet)
         try:
             plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, offload_state=offload_state,
                             step_in_backward=args.step_in_backward, strategies=strategies)
