@@ -200,6 +200,12 @@ def test_typos_get_words_for_people(ip, prof, monkeypatch, magic, line, message)
     assert calls == []
 
 
+def test_a_unit_after_a_number_is_only_a_typo_for_a_size(ip):
+    ip.user_ns["m"] = ip.user_ns["x"]  # an input named like a unit, after a numeric option, is an input
+    with pytest.raises(UsageError, match="did not expect m"):
+        ip.run_line_magic("memopt_profile", "model x --repeats 1 m -q")
+
+
 def test_an_abbreviated_option_still_works(ip, prof, monkeypatch):
     calls = spy_on_search(monkeypatch)
     ip.run_line_magic("memopt_plan", "prof --budg 90% --timesteps 96 -q -o p_abbrev")

@@ -94,6 +94,9 @@ def _article(name: str) -> str:
 _OPTION = re.compile(r"^--?[A-Za-z][A-Za-z0-9_-]*")
 _SIZE_UNITS = {"b", "kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib", "k", "m", "g", "%"}
 _NUMBER = re.compile(r"^[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?$", re.IGNORECASE)
+#: Options whose value is a size ("20MB"): a unit split from it by a space is pointed out (elsewhere ``m`` or ``b``
+#: may well be an input's name).
+_SIZE_OPTIONS = ("--budget",)
 _EXAMPLES = {"memopt_plan": "%memopt_plan prof --budget 60%", "memopt_profile": "%memopt_profile model x -o prof"}
 
 
@@ -126,7 +129,7 @@ def parse_magic_line(func: Any, line: str) -> Any:
             raise UsageError(f"%{name}: did you mean {longs[close[0]]}? There is no option {opt} ({usage})")
         raise UsageError(f"%{name}: there is no option {opt}; {usage}")
     for i, tok in enumerate(tokens):
-        if i >= 2 and tok.lower() in _SIZE_UNITS and _NUMBER.match(tokens[i - 1]) and tokens[i - 2] in known:
+        if i >= 2 and tok.lower() in _SIZE_UNITS and _NUMBER.match(tokens[i - 1]) and tokens[i - 2] in _SIZE_OPTIONS:
             raise UsageError(f"write {tokens[i - 2]} {tokens[i - 1]}{tok}, without a space between the number and "
                              f"the unit ({tokens[i - 2]} {tokens[i - 1]} {tok} reads {tok} as another argument)")
     try:
