@@ -48,6 +48,9 @@ def test_the_table_has_no_false_precision_and_says_the_ratio_spread():
     assert rows["no plan (measured)"]["step"] == "100 ms" and rows["no plan (measured)"]["spread"] == "90 ms–110 ms"
     assert rows["plan memopt-ppo (measured)"]["vs no plan"] == "1.18× (1.10×–2.00×)"
     assert rows["plan memopt-ppo (predicted)"]["vs no plan"] == "1.15×"
+    from memopt_nb.runtime.compare import _ms
+
+    assert _ms(2.8173) == "2.82 s" and _ms(0.0123456) == "12.3 ms"  # three significant figures, never more
     assert c.verdict() == ("measured slowdown 1.18× (median of 5 paired steps); predicted 1.15×; peak 512.00 KiB "
                            "within the budget 585.94 KiB.")
 

@@ -42,7 +42,7 @@ def _ms(seconds: float | None) -> str:
     if seconds is None:
         return "–"
     ms = seconds * 1e3
-    return f"{ms:.3g} ms" if ms < 1000 else f"{ms:,.0f} ms"
+    return f"{ms:.3g} ms" if ms < 1000 else f"{seconds:.3g} s"
 
 
 def _ratio(x: float | None) -> str:
