@@ -170,7 +170,8 @@ def test_quickstart_dashboard_renders_in_jupyterlab(tmp_path, capsys):
                 page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
                 page.wait_for_function(KERNEL_IDLE, timeout=90_000)
                 phases["notebook open, kernel idle"] = time.monotonic() - t0
-                page.evaluate(f"{APP}.commands.execute('notebook:run-all-cells')")
+                # not awaited (a returned promise would be): the live dashboard is checked while the cells run
+                page.evaluate(f"() => {{ {APP}.commands.execute('notebook:run-all-cells'); }}")
                 # the live dashboard, mid-search (the widget is there; its bar still says "search")
                 live = page.locator(".jp-OutputArea-output .widget-vbox").filter(
                     has=page.locator(".widget-image")).first
