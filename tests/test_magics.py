@@ -440,3 +440,18 @@ def test_plan_measure_shows_plan_vs_no_plan_vs_prediction(ip, prof, capsys):
                                             optimizer=ip.user_ns["opt"], repeats=1)
     with pytest.raises(UsageError, match="--measure needs a profile made by %memopt_profile"):
         ip.run_line_magic("memopt_plan", "api_prof --budget 90% --timesteps 96 --measure")
+
+
+def test_a_profile_made_by_the_magic_does_not_keep_the_model_alive(ip):
+    import gc
+    import weakref
+
+    ip.run_cell("tmp_model, (tmp_x,), tmp_loss, _ = memopt.zoo.gpt(batch_size=1, seq_len=8, d_model=16, n_layers=2, "
+                "n_heads=2)").raise_error()
+    alive = weakref.ref(ip.user_ns["tmp_model"])
+    ip.run_line_magic("memopt_profile", "tmp_model tmp_x --loss tmp_loss --repeats 1 -q -o tmp_prof")
+    ip.run_cell("del tmp_model, tmp_loss, _").raise_error()
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(UsageError, match="no longer exists"):
+        ip.run_line_magic("memopt_plan", "tmp_prof --budget 90% --timesteps 64 -q --measure")

@@ -35,6 +35,7 @@ import base64
 import difflib
 import keyword
 import re
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,9 +66,10 @@ DEFAULT_PLAN_NAME = "plan"
 _LINE_MAGICS = ("memopt_profile", "memopt_plan")
 _CELL_MAGICS = ("memopt_profile",)
 _state: dict[int, dict[str, Any]] = {}
-#: The attribute ``%memopt_profile`` sets on the profiles it makes: how it called the model (inputs, keywords, loss,
-#: optimizer, autocast), for ``%memopt_plan --measure``; its presence also makes the profile's display spell advice as
-#: magic options (``--units fine``).
+#: The attribute ``%memopt_profile`` sets on the profiles it makes: how it called the model, for ``%memopt_plan
+#: --measure`` — weak references to the model and optimizer (a kept profile must not keep a deleted model's memory
+#: alive) and the input and loss expressions, read again from the notebook then; its presence also makes the
+#: profile's display spell advice as magic options (``--units fine``).
 MAGIC_CALL = "_memopt_magic_call"
 
 
@@ -397,8 +399,9 @@ class MemoptMagics(Magics):
                                   autocast=args.autocast)
         except memopt.MemoptError as exc:
             raise UsageError(f"memopt.profile: {exc}") from None
-        setattr(prof, MAGIC_CALL, {"model": model, "inputs": inputs, "kwargs": input_kwargs, "loss_fn": loss_fn,
-                                   "optimizer": optimizer, "autocast": args.autocast})
+        setattr(prof, MAGIC_CALL, {"model": weakref.ref(model), "inputs": input_exprs, "loss": args.loss,
+                                   "optimizer": None if optimizer is None else weakref.ref(optimizer),
+                                   "autocast": args.autocast})
         if args.output:
             self.shell.user_ns[args.output] = prof
         if args.quiet or silenced:
@@ -496,11 +499,16 @@ class MemoptMagics(Magics):
         offload_state = _parse_offload_state(args.offload_state)
         strategies = _parse_strategies(args.strategies)
         call = getattr(prof, MAGIC_CALL, None)
-        if args.measure is not None and (call is None or args.measure < 1):
-            raise UsageError("--measure needs a profile made by %memopt_profile in this session (it knows the "
-                             "model's inputs and loss), and at least 1 pair; otherwise call memopt.compare(model, "
-                             "*inputs, plan=plan, profile=prof, loss_fn=..., optimizer=...)" if call is None else
-                             f"--measure {args.measure}: give at least 1 pair of steps (5 or more to read a spread)")
+        if args.measure is not None:  # before the search: what --measure needs must still be there after it
+            if call is None:
+                raise UsageError("--measure needs a profile made by %memopt_profile in this session (it knows the "
+                                 "model's inputs and loss); otherwise call memopt.compare(model, *inputs, plan=plan, "
+                                 "profile=prof, loss_fn=..., optimizer=...)")
+            if args.measure < 1:
+                raise UsageError(f"--measure {args.measure}: give at least 1 pair of steps (5 or more to read a "
+                                 "spread)")
+            if call["model"]() is None or (call["optimizer"] is not None and call["optimizer"]() is None):
+                raise UsageError("--measure: the profiled model or optimizer no longer exists; profile it again")
         if args.timesteps is not None and args.timesteps <= 0:
             raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
         try:
@@ -537,10 +545,15 @@ class MemoptMagics(Magics):
         """``%memopt_plan --measure``: the plan against no plan against the prediction, shown under the search."""
         from IPython.display import display
 
+        model = call["model"]()
+        optimizer = call["optimizer"]() if call["optimizer"] is not None else None
+        if model is None or (call["optimizer"] is not None and optimizer is None):
+            raise UsageError("--measure: the profiled model or optimizer no longer exists; profile it again")
+        inputs, kwargs = self._inputs(call["inputs"])
         try:
-            comparison = memopt.compare(call["model"], *call["inputs"], plan=plan, profile=prof,
-                                        loss_fn=call["loss_fn"], optimizer=call["optimizer"], steps=pairs,
-                                        autocast=call["autocast"], model_kwargs=call["kwargs"])
+            comparison = memopt.compare(model, *inputs, plan=plan, profile=prof, loss_fn=self._loss(call["loss"]),
+                                        optimizer=optimizer, steps=pairs, autocast=call["autocast"],
+                                        model_kwargs=kwargs)
         except memopt.MemoptError as exc:
             raise UsageError(f"--measure: {exc}") from None
         self.shell.user_ns["_memopt_comparison"] = comparison
