@@ -62,7 +62,8 @@ class Floor:
             left of the floor after the fixed state).
         kept_bytes: the rest of the floor: kept unit inputs, activations no plan frees, code outside units.
         bound: the largest of the three parts: ``"fixed state"``, ``"largest unit"`` or ``"kept activations"``.
-        advice: what would lower the floor (only options that help with this bound).
+        advice: what would lower the floor (only options that help with this bound), each an :class:`Advice`: a str in
+            Python spelling with its magics' spelling as ``.magic``.
         offload_state: the placements allowed (``False``: activations only).
         moved_bytes: with placements, the state the floor's plan keeps off the device (outside the step's window).
         state_floor_bytes: the floor with placements allowed (``offload_state=True``), when the profile records per-unit
