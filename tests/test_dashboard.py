@@ -186,7 +186,8 @@ def test_text_mode_prints_throttled_lines_and_a_summary(prof, budget):
         clock.t = float(i)
         d(row(i + 1))
     assert len(lines) == 4  # the heading naming the device, then t = 0, 5, 10
-    assert lines[0] == f"[memopt.search] memopt.search for {prof.device.name}"
+    assert lines[0] == (f"[memopt.search] memopt.search for {prof.device.name} (an interrupt, Ctrl-C, stops it and "
+                        "keeps the best plan so far)")
     assert lines[1].startswith("[memopt.search] iter    1") and "best peak" in lines[1]
     plan = memopt.Plan.uniform(prof, "recompute")
     d.finish(plan)

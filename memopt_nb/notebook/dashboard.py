@@ -146,9 +146,10 @@ class SearchDashboard:
             display, shown at the live frames' size).
         show_plan: put the returned plan's summary in the final text; ``%memopt_plan`` turns it off when the cell's
             result (the plan itself) shows it right under the dashboard, so a cell shows the plan once.
-        static: when the search ends, replace the widget by ordinary outputs — the final picture (PNG) and the summary
-            text — so that the notebook reads the same reopened without a kernel, on GitHub or exported (the widget
-            state is still saved with the notebook).
+        static: when the search ends, replace the widget by one ordinary output — the top line and summary, the final
+            picture and the agents' section collapsed (HTML, with the picture as PNG too) — so that the notebook reads
+            the same reopened without a kernel, on GitHub or exported (the widget state is still saved with the
+            notebook).
 
     Attributes: ``history`` (rows seen), ``frames`` (images rendered), ``lines`` (text lines printed), ``widget``
     (the ``VBox``, widget mode only), ``agents`` (its collapsed ``Accordion``), ``plan`` (set by :meth:`finish`),
@@ -441,11 +442,11 @@ class SearchDashboard:
         r = self.history[-1]
         return (f"PPO iteration <b>{r['iteration']}</b>: average reward per episode (higher is better): strategy agent "
                 f"{_fmt_num(r.get('reward_strategy'))}, timing agent {_fmt_num(r.get('reward_timing'))}; episodes "
-                f"within the budget {r.get('feasible_fraction', 0):.0%}. The strategy agent picks keep, recompute or "
-                "swap per unit, the timing agent when a swap's copies run.")
+                f"within the budget {r.get('feasible_fraction', 0):.0%}. The strategy agent decides what each unit "
+                "does, the timing agent when its copies to and from the host run.")
 
     def _print_header(self) -> None:
-        self.out(f"[memopt.search] {self._heading()}")
+        self.out(f"[memopt.search] {self._heading()} (an interrupt, Ctrl-C, stops it and keeps the best plan so far)")
         self.lines += 1
 
     def _line(self, r: dict[str, Any]) -> str:
