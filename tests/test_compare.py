@@ -51,6 +51,7 @@ def test_the_table_has_no_false_precision_and_says_the_ratio_spread():
     from memopt_nb.runtime.compare import _ms
 
     assert _ms(2.8173) == "2.82 s" and _ms(0.0123456) == "12.3 ms"  # three significant figures, never more
+    assert any("the slowest timed step took 2.0× the fastest" in n for n in c.caveats())  # 0.2 s vs 0.1 s
     assert c.verdict() == ("measured slowdown 1.18× (median of 5 paired steps); predicted 1.15×; peak 512.00 KiB "
                            "within the budget 585.94 KiB.")
 

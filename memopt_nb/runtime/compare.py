@@ -34,7 +34,10 @@ __all__ = ["CPU_CAVEAT", "Comparison", "compare"]
 
 #: Said under every comparison measured on the CPU (the emulated device).
 CPU_CAVEAT = ("measured on the CPU (the emulated device): step times there move by 10% or more from run to run, "
-              "more on a shared machine; memory figures are exact")
+              "more on a shared machine (where fewer threads, torch.set_num_threads, steady them); memory figures "
+              "are exact")
+#: A side whose slowest timed step is this many times its fastest was measured on a busy machine.
+BUSY_SPREAD = 1.5
 
 
 def _ms(seconds: float | None) -> str:
@@ -122,7 +125,13 @@ class Comparison:
         return "; ".join(parts) + "."
 
     def caveats(self) -> list[str]:
-        return ([CPU_CAVEAT] if self.device == "cpu" else []) + list(self.notes)
+        """Plain words on how far to trust the times: the CPU's noise, a busy machine, too few pairs."""
+        out = [CPU_CAVEAT] if self.device == "cpu" else []
+        spread = max(max(t) / min(t) for t in (self._times(self.without), self._times(self.with_plan)))
+        if spread > BUSY_SPREAD:
+            out.append(f"the slowest timed step took {spread:.1f}× the fastest: the machine was busy, so read the "
+                       "median of the paired ratios, not single times")
+        return out + list(self.notes)
 
     # ------------------------------------------------------------------ display
     def __str__(self) -> str:
