@@ -10,6 +10,7 @@ baseline's, feasibility and search wall time.
     python benchmarks/planner_quality.py --quick    # a few cases
     python benchmarks/planner_quality.py --whole-step  # issue 11: over the enlarged space (state placements)
     python benchmarks/planner_quality.py --wide        # issue 12: over every activation strategy
+    python benchmarks/planner_quality.py --depth       # 48 to 384 units: the agents, the search and the MILP at depth
 
 ``--whole-step``: the same comparison over the enlarged space (``offload_state=True``: per unit also where its
 optimizer state, gradients and parameters live) on cases that have state: the fixed-state-heavy zoo models with Adam
@@ -27,6 +28,13 @@ at budgets between that space's floor and the unoptimized peak; ``--wide --offlo
 project did not write: the transformers model of ``benchmarks/fine_units.py`` (ViT-Tiny at batch 32, GPT-2 6×192 at
 batch 8 × 128), profiled here with ``units="fine"`` and ``selective=True`` (measured save-sets), SGD, on the CPU
 (the emulated device it was profiled on) and the A100 preset.
+
+``--depth``: how the planners scale with the number of units: synthetic chains of ``--sizes`` units (default 48, 96,
+192, 384) and, with ``--hf gpt2-24``, a 24-layer transformers GPT-2 (n_embd 128, batch 8 x 128) profiled with
+``units="fine"`` (about 200 units); activations only (``--offload-state`` adds state placements) at 25 % and 60 % of
+the way from the floor. Per case: the agents alone, the search's plan and random sampling with 4x the agents'
+evaluations, each divided by the MILP's plan after ``--time-limit`` seconds (its incumbent where it proves nothing),
+with the search's and the MILP's seconds.
 """
 
 from __future__ import annotations
@@ -169,6 +177,38 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tu
           f"otherwise)")
 
 
+def gpt2_24_fine():
+    """The 24-layer GPT-2 of ``--depth`` (random init, no download), profiled with ``units="fine"``."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=24, n_embd=128, n_head=4, n_positions=128, vocab_size=1000)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 1000, (8, 128))
+    return memopt.profile(model, input_ids=ids, labels=ids, loss_fn=lambda o: o.loss,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), units="fine", repeats=1)
+
+
+def depth(time_limit: float, timesteps: int | None, sizes: tuple[int, ...], hf: tuple[str, ...],
+          offload_state: bool) -> None:
+    cases = [(f"chain{n}" + ("+state" if offload_state else ""),
+              chain_profile(n, seed=n, state_bytes=16 * 2**20 if offload_state else 0)) for n in sizes]
+    if "gpt2-24" in hf:
+        cases.append(("hf-gpt2-24 fine", gpt2_24_fine()))
+    space = {"offload_state": offload_state, "strategies": DEFAULT_STRATEGIES}
+    print("| case | units | budget | agents ÷ MILP | search ÷ MILP | random (4x evals) ÷ MILP | search s | MILP s "
+          "| MILP proven (gap) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, prof in cases:
+        device = "a100-40gb" if label.startswith("chain") else None
+        for frac in (0.25, 0.6):
+            r = run_whole_step_case(label, prof, device, frac, time_limit, timesteps, **space)
+            proven = "yes" if r["proven"] else f"no (gap {r['gap']:.2%})"
+            print(f"| {r['case']} | {r['units']} | {r['budget']:.0%} | {r['agents_vs_opt']:.4f} | "
+                  f"{r['polished_vs_opt']:.4f} | {r['random_vs_opt']:.4f} | {r['search_s']:.1f} | {r['opt_s']:.1f} "
+                  f"| {proven} |", flush=True)
+
+
 def run_case(label: str, prof, device, frac: float, time_limit: float, timesteps: int | None) -> dict:
     sim = memopt.Simulator(prof, device)
     lo = solvers.min_peak(sim)
@@ -212,7 +252,14 @@ def main() -> None:
     ap.add_argument("--chains", default="24,48,64", help="--whole-step / --wide: synthetic chain sizes")
     ap.add_argument("--zoo-devices", default="cpu,a100-40gb", help="--whole-step: devices for the zoo cases "
                     "(cpu: the profiled one)")
+    ap.add_argument("--depth", action="store_true", help="48 to 384 units: agents, search, MILP and random sampling")
+    ap.add_argument("--sizes", default="48,96,192,384", help="--depth: synthetic chain sizes")
     args = ap.parse_args()
+    if args.depth:
+        torch.set_num_threads(1)
+        depth(args.time_limit, args.timesteps, tuple(int(x) for x in args.sizes.split(",") if x),
+              tuple(x for x in args.hf.split(",") if x), args.offload_state)
+        return
     if args.whole_step or args.wide:
         torch.set_num_threads(1)
         whole_step(args.time_limit, args.timesteps, args.quick, tuple(int(x) for x in args.chains.split(",") if x),

@@ -26,6 +26,7 @@ from .core.errors import BudgetError, MemoptError, PlanError, ProfileError, Wrap
 from .core.plan import Decision, Plan
 from .core.profile import ModelProfile, UnitProfile
 from .harness import zoo
+from .harness.compare import Comparison, compare
 from .harness.evaluate import Evaluation, evaluate
 from .planners.rl.search import search
 from .profiling import profile as _profile_module
@@ -40,10 +41,10 @@ from .sim.simulator import SimResult, Simulator, simulate
 
 # The profile's notebook table quotes the planners' floor, so it is drawn from the notebook layer; the data types
 # below it only hold the hook.
-def _profile_html(prof: ModelProfile) -> str:
+def _profile_html(prof: ModelProfile, spelling: str) -> str:
     from .notebook.profile_html import profile_html  # matplotlib and widgets load only when a notebook draws one
 
-    return profile_html(prof)
+    return profile_html(prof, spelling)
 
 
 _profile_data.set_html_renderer(_profile_html)
@@ -61,11 +62,11 @@ sys.modules[__name__ + ".profile"] = _profile_module
 __version__ = "0.1.0"
 
 __all__ = [
-    "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
+    "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
     "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "StateError", "StepInBackwardError",
     "UnitProfile", "WrapOrderError",
-    "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile", "resolve_budget", "search",
-    "simulate", "solvers", "zoo",
+    "compare", "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile",
+    "resolve_budget", "search", "simulate", "solvers", "zoo",
 ]
 
 

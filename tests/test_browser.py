@@ -3,8 +3,11 @@
 Starts ``jupyter lab`` on 127.0.0.1 (free port, empty token, a temporary root and settings), opens the tutorial with
 the ``playwright`` package driving the Debian ``chromium`` (``/usr/bin/chromium``; ``.ci/run`` installs it), runs all
 cells and checks that every cell ran without an error and that the plan cell shows the dashboard's final picture and
-summary. Then it saves the notebook, shuts the kernel down and reloads the page: the plan cell must still show the
-picture (an ``img``) and the summary, with no "Error displaying widget". Screenshots (mid-search, at the end, after the
+its top line in the user's terms (predicted peak against the budget, slowdown against no plan, the search's time), with
+the agents' curves in a collapsed "how the agents learn" section, and the plan once. While the search runs, the live
+widget's top line and its collapsed accordion are checked too (when a frame is caught before the search ends). Then it
+saves the notebook, shuts the kernel down and reloads the page: the plan cell must still show the picture (an ``img``)
+and the summary, with no "Error displaying widget". Screenshots (mid-search, at the end, after the
 reload) go to ``test-artifacts/``. The server is stopped in all cases. Skipped, with the reason printed, only if
 Chromium or playwright is not installed, and never under CI (``CI`` set): there that is a failure.
 """
@@ -89,15 +92,31 @@ def cannot_run(reason: str, capsys: pytest.CaptureFixture) -> None:
 
 
 def check_plan_cell(cell, when: str) -> None:
-    """The %memopt_plan cell shows the dashboard's final picture (an img) and its summary, naming the device."""
+    """The %memopt_plan cell shows the dashboard's final picture (an img), its top line in the user's terms, the agents'
+    curves collapsed, and the plan (naming the device) once."""
     cell.scroll_into_view_if_needed()
     img = cell.locator(".jp-OutputArea-output img").first
     img.wait_for(state="visible", timeout=60_000)
-    natural = img.evaluate("el => [el.naturalWidth, el.naturalHeight, el.complete]")
+    natural = img.evaluate("el => [el.naturalWidth, el.naturalHeight, el.complete, el.width]")
     assert natural[0] >= 400 and natural[1] >= 200 and natural[2], (when, natural)
+    assert natural[0] >= 1.5 * natural[3], (when, natural)  # drawn at twice the resolution it is shown at
     text = cell.inner_text()
-    assert "done: Plan[memopt-ppo] for cpu (emulated device)" in text, (when, text[-2000:])
+    assert "done: predicted peak " in text and " / budget " in text and " vs no plan " in text, (when, text[-2000:])
+    assert text.count("Plan[memopt-ppo] for cpu (emulated device)") == 1, (when, text[-2000:])  # the plan, once
+    assert "timesteps in" in text, (when, text[-2000:])  # how long the search took
+    details = cell.locator(".jp-OutputArea-output details").first
+    assert "how the agents learn" in details.inner_text() and not details.evaluate("el => el.open"), when
     assert "Error displaying widget" not in text, when
+
+
+def check_live_widget(live) -> None:
+    """Mid-search: the top line says peak against budget, slowdown and time; the agents' section is collapsed."""
+    text = live.inner_text(timeout=5_000)
+    assert (" / budget " in text and " vs no plan " in text and " elapsed" in text) or "waiting" in text, text
+    assert "stops the search and keeps the best plan" in text or "waiting" in text, text
+    accordion = live.locator(".jupyter-widget-Accordion").first
+    assert "how the agents learn" in accordion.inner_text(timeout=5_000)
+    assert accordion.locator(".jupyter-widget-Collapse-open").count() == 0, "the agents' section starts collapsed"
 
 
 def test_quickstart_dashboard_renders_in_jupyterlab(tmp_path, capsys):
@@ -153,7 +172,8 @@ def test_quickstart_dashboard_renders_in_jupyterlab(tmp_path, capsys):
                 page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
                 page.wait_for_function(KERNEL_IDLE, timeout=90_000)
                 phases["notebook open, kernel idle"] = time.monotonic() - t0
-                page.evaluate(f"{APP}.commands.execute('notebook:run-all-cells')")
+                # not awaited (a returned promise would be): the live dashboard is checked while the cells run
+                page.evaluate(f"() => {{ {APP}.commands.execute('notebook:run-all-cells'); }}")
                 # the live dashboard, mid-search (the widget is there; its bar still says "search")
                 live = page.locator(".jp-OutputArea-output .widget-vbox").filter(
                     has=page.locator(".widget-image")).first
@@ -165,8 +185,12 @@ def test_quickstart_dashboard_renders_in_jupyterlab(tmp_path, capsys):
                 try:
                     live.screenshot(path=str(ARTIFACTS / "jupyterlab_dashboard_mid_search.png"), timeout=5_000)
                     phases["dashboard shown"] = time.monotonic() - t0
+                    check_live_widget(live)
+                    phases["live top line checked"] = time.monotonic() - t0
+                except AssertionError:
+                    raise
                 except Exception as exc:  # noqa: BLE001 - the search may end before a frame is caught
-                    print(f"no mid-search screenshot: {exc}")
+                    print(f"no mid-search screenshot or check: {exc}")
                 try:
                     page.wait_for_function(ALL_RAN, timeout=RUN_TIMEOUT_S * 1000, polling=1000)
                     phases["all cells ran"] = time.monotonic() - t0

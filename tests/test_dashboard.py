@@ -46,7 +46,7 @@ def test_widget_is_html_progress_image_without_output_widget():
     d = SearchDashboard(mode="widget")
     kinds = [type(c) for c in d.widget.children]
     assert isinstance(d.widget, widgets.VBox)
-    assert kinds == [widgets.HTML, widgets.HBox, widgets.Image]
+    assert kinds == [widgets.HTML, widgets.HBox, widgets.Image, widgets.Accordion]
     assert [type(c) for c in d.widget.children[1].children] == [widgets.FloatProgress, widgets.HTML]
     assert not any(isinstance(c, widgets.Output) for c in d.widget.children)
 
@@ -115,9 +115,9 @@ def test_text_and_picture_are_redrawn_together(monkeypatch):
         clock.t += 0.5
         d(row(i + 1))
         # what you read is what you see: the stats name the last iteration the picture shows
-        (line,) = [ln for ln in d._fig.axes[0].get_lines() if ln.get_label() == "strategy agent"]
+        (line,) = [ln for ln in d._fig.axes[1].get_lines() if ln.get_label().startswith("peak of the fastest")]
         shown = max(line.get_xdata())
-        assert f"iteration <b>{int(shown)}</b>" in d.stats.value
+        assert f"PPO iteration <b>{int(shown)}</b>" in d.agents_text.value
     assert len(stats) == len(images) == d.frames and 3 <= d.frames <= 7
 
 
@@ -139,8 +139,9 @@ def test_a_search_with_the_dashboard(prof, budget):
     assert len(best) == 1 and memopt.format_bytes(plan.predicted_peak_bytes) in best[0].get_label()
     base = [ln for ln in tl.get_lines() if ln.get_label().startswith("unoptimized:")][0]
     assert max(base.get_ydata()) > max(best[0].get_ydata())
-    rewards = d._fig.axes[0]
+    rewards = d._agents_fig.axes[0]  # drawn at the end for the collapsed section
     assert {ln.get_label() for ln in rewards.get_lines()} >= {"strategy agent", "timing agent"}
+    assert d.agents.selected_index is None and d.agents_image.value[:4] == b"\x89PNG"
 
 
 def test_budget_errors_surface_before_anything_is_shown(prof):
@@ -185,7 +186,8 @@ def test_text_mode_prints_throttled_lines_and_a_summary(prof, budget):
         clock.t = float(i)
         d(row(i + 1))
     assert len(lines) == 4  # the heading naming the device, then t = 0, 5, 10
-    assert lines[0] == f"[memopt.search] memopt.search for {prof.device.name}"
+    assert lines[0] == (f"[memopt.search] memopt.search for {prof.device.name} (an interrupt, Ctrl-C, stops it and "
+                        "keeps the best plan so far)")
     assert lines[1].startswith("[memopt.search] iter    1") and "best peak" in lines[1]
     plan = memopt.Plan.uniform(prof, "recompute")
     d.finish(plan)
@@ -231,7 +233,7 @@ def test_nan_rewards_do_not_break_the_image():
     r.update(reward_strategy=float("nan"), reward_timing=float("nan"), best_peak=None, best_step_time=None)
     d(r)
     assert d.frames == 1 and d.image.value[:4] == b"\x89PNG"
-    assert "–" in d.stats.value
+    assert "no plan within the budget 1000 B yet" in d.stats.value and "–" in d.agents_text.value
     assert np.isnan(r["reward_strategy"])
 
 
@@ -240,8 +242,9 @@ class FakeHandle:
     def __init__(self):
         self.updates = []
 
-    def update(self, obj, raw=False):
+    def update(self, obj, raw=False, metadata=None):
         self.updates.append((obj, raw))
+        self.metadata = metadata
 
 
 @pytest.fixture
@@ -265,13 +268,17 @@ def test_the_end_leaves_the_picture_and_the_summary_as_ordinary_outputs(prof, bu
     plan = d.run(prof, budget, "a100-40gb", total_timesteps=96, seed=0)
     (first, rest) = shown[0], shown[1:]
     assert first[0] == (d.widget,) and first[2] is True  # the live widget, with a display id
-    (update, raw), = handle.updates  # replaced in place by the final picture
+    (update, raw), = handle.updates  # replaced in place by one output: the final dashboard
     assert raw and base64.b64decode(update["image/png"]) == d.png == d.image.value
-    (summary,) = rest
-    text = summary[0][0]["text/plain"]
-    assert text == d._final_text()
-    assert text.startswith("done: ") and plan.summary() in text and "for a100-40gb" in text
-    assert html.escape(text.split("\n")[0]) in summary[0][0]["text/html"]
+    assert rest == []  # nothing else: one output
+    text = update["text/plain"]
+    assert text.endswith(d._final_text()) and "for a100-40gb" in text
+    assert "done: " in text and plan.summary() in text
+    page = update["text/html"]
+    assert html.escape(d._final_text().split("\n")[0]) in page
+    assert page.count("<img") == 2 and "<details><summary>how the agents learn</summary>" in page
+    assert page.index("memory timeline") < page.index("<details>")  # the memory first, the agents collapsed
+    assert handle.metadata == {"image/png": {"width": dash_mod._png_width(d.png) // 2}}  # 2x pixels, shown at 1x
 
 
 def test_the_device_is_named_in_the_heading_the_summary_and_the_plan(prof, budget):
@@ -373,3 +380,38 @@ def test_the_plan_table_says_swap_timing_in_words(prof):
             in text)
     p = memopt.Plan.from_strategies(prof, ["swap"] * prof.n_units, offload_window=2, prefetch_distance=1)
     assert "may overlap the next 2 forwards; copy back starts 1 unit ahead in backward" in p._repr_html_()
+
+
+def test_the_top_line_speaks_peak_budget_slowdown_and_time():
+    clock = Clock()
+    d = SearchDashboard(mode="widget", clock=clock, total_timesteps=800, title="my search")
+    r = row(3)
+    r.update(best_step_time=0.107, base_step_time=0.1, seconds=3.0, global_step=240)
+    d(r)
+    top = d.stats.value
+    assert "best plan so far: predicted peak <b>900 B</b> / budget 1000 B (no plan: 1.95 KiB)" in top
+    assert "step <b>+7.0%</b> vs no plan (107.00 ms vs 100.00 ms)" in top and "00:03 elapsed, about 00:07 left" in top
+    assert dash_mod.STOP_HINT in top and "reward" not in top and "agent" not in top
+    # the agents' figures are in the collapsed section, not drawn while it is closed
+    assert d.agents.selected_index is None and d.agents.get_title(0) == "how the agents learn"
+    assert "strategy agent" in d.agents_text.value and d.agents_image.value == b""
+    d.agents.selected_index = 0  # opening it draws the curves so far
+    assert d.agents_image.value[:4] == b"\x89PNG"
+
+
+def test_the_final_picture_is_drawn_at_twice_the_resolution(prof, budget):
+    d = SearchDashboard(prof, mode="widget", static=False)
+    d.run(prof, budget, total_timesteps=96, seed=0)
+    width = dash_mod._png_width(d.png)
+    assert width >= 2 * 10 * d.dpi * 0.9  # a 10-inch figure at twice the live frames' dpi
+    assert d.image.layout.width == f"{width // 2}px"
+
+
+def test_the_magic_does_not_show_the_plan_twice(prof, budget):
+    d = SearchDashboard(prof, mode="none", show_plan=False)
+    plan = memopt.search(prof, budget, total_timesteps=96, seed=0)
+    d.finish(plan)
+    text = d._final_text()
+    assert plan.summary() not in text and "Plan[" not in text
+    assert text.startswith(f"done: predicted peak {memopt.format_bytes(plan.predicted_peak_bytes)} / budget")
+    assert "vs no plan" in text and "(no plan: –)" not in text

@@ -31,7 +31,7 @@ def test_demo_prints_the_figures_and_matches_the_loss():
                    out=lines.append)
     text = "\n".join(lines)
     for label in ("unoptimized peak (measured)", "budget:", "measured peak under plan", "step time ratio",
-                  "loss matched"):
+                  "loss matched", "per unit, in forward order: K keep, R recompute, S swap"):
         assert label in text
     plan = res["plan"]
     assert plan.counts()["keep"] < len(plan.decisions)  # the plan changes something: the comparison below can fail

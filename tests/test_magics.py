@@ -8,6 +8,8 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 import memopt_nb as memopt
+import memopt_nb.notebook.dashboard as dashboard_mod  # where the magic's search is looked up
+import memopt_nb.notebook.magics as magics_mod
 from memopt_nb.notebook import magics
 from memopt_nb.planners.floor import explain_floor
 
@@ -127,7 +129,7 @@ def test_cell_magic_mistakes(ip):
     ("model x --units nosuch.module", "memopt.profile"),
     ("model x --repeats 0", "--repeats"),
     ("model x -o 1abc", "identifier"),
-    ("model x --bogus", "unrecognized arguments"),
+    ("model x --bogus", "there is no option --bogus"),
 ])
 def test_profile_mistakes_are_usage_errors(ip, line, message):
     with pytest.raises(UsageError) as err:
@@ -162,7 +164,7 @@ def test_plan_percentage_device_seed_env_and_output(ip, prof, monkeypatch):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("prof", "the following arguments are required: --budget"),
+    ("prof", "%memopt_plan needs --budget, e.g. %memopt_plan prof --budget 60%"),
     ("nosuch --budget 60%", "no variable named 'nosuch'"),
     ("model --budget 60%", "'model' is a GPT, not a ModelProfile"),
     ("prof --budget lots", "cannot read 'lots'"),
@@ -170,13 +172,46 @@ def test_plan_percentage_device_seed_env_and_output(ip, prof, monkeypatch):
     ("prof --budget 2000%", "percentage"),
     ("prof --budget 60% --device tpu-v9", "unknown device preset 'tpu-v9'"),
     ("prof --budget 60% --timesteps 0", "--timesteps must be a positive"),
-    ("prof --budget 60% --timesteps many", "invalid int value"),
+    ("prof --budget 60% --timesteps many", "--timesteps 'many': give a whole number"),
     ("prof --budget 60% -o for", "identifier"),
 ])
 def test_plan_mistakes_are_usage_errors(ip, prof, line, message):
     with pytest.raises(UsageError) as err:
         ip.run_line_magic("memopt_plan", line)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("magic, line, message", [
+    ("memopt_profile", "model x --optimiser opt", "%memopt_profile: did you mean --optimizer? There is no option "
+                                                  "--optimiser"),
+    ("memopt_plan", "prof --budjet 60%", "%memopt_plan: did you mean --budget? There is no option --budjet"),
+    ("memopt_plan", "prof --budget 20 MB", "write --budget 20MB, without a space between the number and the unit"),
+    ("memopt_plan", "prof --budget 1.5 GiB --timesteps 96", "write --budget 1.5GiB, without a space"),
+    ("memopt_plan", "prof --budget 60 %", "write --budget 60%, without a space"),
+    ("memopt_plan", "prof --budget 60% --timesteps", "--timesteps needs a value after it"),
+    ("memopt_plan", "prof --budget 60% --seed 1 stray", "%memopt_plan: did not expect stray"),
+])
+def test_typos_get_words_for_people(ip, prof, monkeypatch, magic, line, message):
+    calls = []
+    monkeypatch.setattr(dashboard_mod, "search", lambda *a, **k: calls.append(k))
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic(magic, line)
+    msg = str(err.value)
+    assert msg.startswith(message), msg
+    assert "required" not in msg and "unrecognized arguments" not in msg and msg.count("\n") < 2
+    assert calls == []
+
+
+def test_a_unit_after_a_number_is_only_a_typo_for_a_size(ip):
+    ip.user_ns["m"] = ip.user_ns["x"]  # an input named like a unit, after a numeric option, is an input
+    with pytest.raises(UsageError, match="did not expect m"):
+        ip.run_line_magic("memopt_profile", "model x --repeats 1 m -q")
+
+
+def test_an_abbreviated_option_still_works(ip, prof, monkeypatch):
+    calls = spy_on_search(monkeypatch)
+    ip.run_line_magic("memopt_plan", "prof --budg 90% --timesteps 96 -q -o p_abbrev")
+    assert calls and isinstance(ip.user_ns["p_abbrev"], memopt.Plan)
 
 
 def test_budget_below_the_minimum_states_the_minimum(ip, prof):
@@ -263,7 +298,7 @@ def test_plan_magic_reads_its_budget_with_the_api_parser(ip, prof, monkeypatch):
         calls.append((value, reference))
         return real(value, reference=reference)
 
-    monkeypatch.setattr(memopt, "resolve_budget", spy)
+    monkeypatch.setattr(magics_mod, "resolve_budget", spy)
     lo = memopt.solvers.min_peak(prof)
     pct = math.ceil(100 * (lo + 0.5 * (prof.peak_bytes - lo)) / prof.peak_bytes)
     ip.run_line_magic("memopt_plan", f"prof --budget {pct}% --timesteps 96 -q -o p_spy")
@@ -279,20 +314,54 @@ def test_budget_below_the_floor_says_what_bounds_it(ip, prof):
     floor = explain_floor(prof, offload_state=True)  # the magic's default space
     msg = str(err.value)
     assert floor.bound_text() in msg and floor.breakdown_text() in msg
-    assert all(a in msg for a in floor.advice)
+    assert all(a.magic in msg for a in floor.advice)
     assert "add units" not in msg
+
+
+def test_the_budget_error_says_what_to_ask_for_first_in_the_magics_spelling(ip, prof):
+    lo = memopt.solvers.min_peak(prof)
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", f"prof --budget {lo - 1} --timesteps 96")
+    first, *rest = str(err.value).split("\n")
+    need = first.split("--budget ")[1].split(",")[0]
+    assert first.startswith("Ask for at least --budget ") and lo <= memopt.resolve_budget(need) < lo + 2**20 // 100
+    assert "--step-in-backward" in first and "step_in_backward=True" not in str(err.value)
+    assert len(rest) == 2 and str(lo) in rest[0]  # why, then the detail
+    with pytest.raises(memopt.BudgetError) as api:  # the same error from Python speaks Python
+        memopt.search(prof, lo - 1, total_timesteps=96)
+    first = str(api.value).split("\n")[0]
+    assert first.startswith("Ask for at least ") and "step_in_backward=True" in first and "--" not in first
+    assert api.value.minimum_bytes == lo and api.value.budget_bytes == lo - 1
+
+
+def test_a_profile_made_by_the_magic_gives_advice_in_the_magics_spelling(ip, prof, monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(magics, "in_notebook", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **k: shown.append(obj))
+    magics._profile_display(prof)
+    text = shown[0]["text/plain"] + shown[0]["text/html"]
+    assert "--step-in-backward" in text and "step_in_backward=True" not in text
+    api_prof = memopt.profile(ip.user_ns["model"], ip.user_ns["x"], loss_fn=ip.user_ns["loss_fn"],
+                              optimizer=ip.user_ns["opt"], repeats=1)
+    shown.clear()
+    magics._profile_display(api_prof)
+    assert "step_in_backward=True" in shown[0]["text/plain"]
+    assert "not in units: activations saved outside every unit" in shown[0]["text/html"]
+    assert shown[0]["text/html"].count(f"peak {memopt.format_bytes(api_prof.peak_bytes)}") == 1
 
 
 def spy_on_search(monkeypatch):
     """The keyword arguments of every ``memopt.search`` call the magic makes (the search still runs)."""
     calls = []
-    real = memopt.search
+    real = dashboard_mod.search
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(memopt, "search", spy)
+    monkeypatch.setattr(dashboard_mod, "search", spy)
     return calls
 
 
@@ -326,7 +395,7 @@ STRATEGY_NAMES = ("keep, recompute, swap",)
 ])
 def test_plan_space_flag_mistakes_are_usage_errors(ip, prof, monkeypatch, flag, value, message, names):
     calls = []
-    monkeypatch.setattr(memopt, "search", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(dashboard_mod, "search", lambda *a, **k: calls.append(k))
     with pytest.raises(UsageError) as err:
         ip.run_line_magic("memopt_plan", f"prof --budget 90% --timesteps 96 {flag} {value}")
     msg = str(err.value)
@@ -361,3 +430,30 @@ def test_a_budget_below_the_floor_of_the_space_searched_states_that_floor(ip, pr
     floor = explain_floor(prof, offload_state=True, strategies=("keep",))
     assert "using only keep" in msg and memopt.format_bytes(keep) in msg and floor.breakdown_text() in msg
     assert "allow every activation strategy" in msg and memopt.format_bytes(whole) in msg
+
+
+def test_plan_measure_shows_plan_vs_no_plan_vs_prediction(ip, prof, capsys):
+    ip.run_line_magic("memopt_plan", "prof --budget 90% --timesteps 96 --no-widget --measure 2 -o p_meas")
+    out = capsys.readouterr().out
+    assert "no plan (measured)" in out and "(predicted)" in out and "median of 2 paired steps" in out
+    c = ip.user_ns["_memopt_comparison"]
+    assert len(c.ratios) == 2 and c.predicted_peak_bytes == ip.user_ns["p_meas"].predicted_peak_bytes
+    ip.user_ns["api_prof"] = memopt.profile(ip.user_ns["model"], ip.user_ns["x"], loss_fn=ip.user_ns["loss_fn"],
+                                            optimizer=ip.user_ns["opt"], repeats=1)
+    with pytest.raises(UsageError, match="--measure needs a profile made by %memopt_profile"):
+        ip.run_line_magic("memopt_plan", "api_prof --budget 90% --timesteps 96 --measure")
+
+
+def test_a_profile_made_by_the_magic_does_not_keep_the_model_alive(ip):
+    import gc
+    import weakref
+
+    ip.run_cell("tmp_model, (tmp_x,), tmp_loss, _ = memopt.zoo.gpt(batch_size=1, seq_len=8, d_model=16, n_layers=2, "
+                "n_heads=2)").raise_error()
+    alive = weakref.ref(ip.user_ns["tmp_model"])
+    ip.run_line_magic("memopt_profile", "tmp_model tmp_x --loss tmp_loss --repeats 1 -q -o tmp_prof")
+    ip.run_cell("del tmp_model, tmp_loss, _").raise_error()
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(UsageError, match="no longer exists"):
+        ip.run_line_magic("memopt_plan", "tmp_prof --budget 90% --timesteps 64 -q --measure")

@@ -143,11 +143,13 @@ def test_notebook_executes(path, notebook_env):
     if path.name in ("01_quickstart.ipynb", "02_strategy_and_timing.ipynb"):
         assert plan_cells and images, "the tutorial shows the live dashboard"
     for cell in plan_cells:
-        # the search's end left the dashboard's final picture and its summary as ordinary outputs
+        # the search's end left the dashboard's final picture and its summary as one ordinary output, and the cell's
+        # result is the plan, shown once
         pngs = [o for o in outputs_of(cell) if "image/png" in o.get("data", {})]
         assert len(pngs) == 1 and base64.b64decode(pngs[0]["data"]["image/png"])[:4] == b"\x89PNG"
         assert pngs[0]["data"]["image/png"] in [m["buffers"][0]["data"] for m in images]  # the widget's last frame
-        assert "done: Plan[memopt-ppo] for " in text_of(cell)
+        text = text_of(cell)
+        assert "done: predicted peak " in text and text.count("Plan[memopt-ppo] for ") == 1
         assert not [o for o in outputs_of(cell) if WIDGET_VIEW in o.get("data", {})]
 
     if path.name == "01_quickstart.ipynb":
@@ -228,7 +230,8 @@ def test_a_plan_for_a_preset_device_saved_and_read_back(tmp_path, notebook_env):
     pngs = [o for o in outputs_of(plan_cell) if "image/png" in o.get("data", {})]
     assert len(pngs) == 1 and base64.b64decode(pngs[0]["data"]["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
     text = text_of(plan_cell)
-    assert "done: Plan[memopt-ppo] for a100-40gb" in text
+    assert "done: predicted peak " in text and text.count("Plan[memopt-ppo] for a100-40gb") == 1  # the plan, once
+    assert "<details><summary>how the agents learn</summary>" in pngs[0]["data"]["text/html"]
     assert "memopt.search for a100-40gb" in pngs[0]["data"]["text/plain"]  # the picture's heading, in words
 
     prof = memopt.ModelProfile.load(tmp_path / "prof.json")

@@ -181,7 +181,7 @@ def test_the_same_colours_in_every_figure(prof):
     ax = plots.memory_timeline(prof, {"unoptimized": keep, "plan": rc}, budget="60%").axes[0]
     dash = plots.search_figure(rows(), unoptimized=memopt.simulate(prof, keep), best=memopt.simulate(prof, rc),
                                budget=0.6 * prof.peak_bytes)
-    tl = dash.axes[3]
+    tl = dash.axes[0]
     peaks = dash.axes[1]
     for axis, base_label, plan_label in ((ax, "unoptimized:", "plan:"), (tl, "unoptimized:", "returned plan:")):
         assert to_rgb(lines_with_label(axis, base_label)[0].get_color()) == to_rgb(plots.BASE_COLOR)
@@ -202,15 +202,15 @@ def test_search_figure_panels_and_redraw_into_the_same_figure(prof):
     fig = plots.search_figure(rows(), unoptimized=keep)
     assert isinstance(fig, Figure)
     titles = [a.get_title() for a in fig.axes]
-    assert "how well each agent does (higher is better)" in titles
-    assert any(t.startswith("peak memory of the fastest plan found") for t in titles)
-    assert any(t.startswith("memory over one step: unoptimized (the plan is added") for t in titles)
+    assert titles[0].startswith("memory over one step: unoptimized (the plan is added")  # the memory first
+    assert titles[1].startswith("peak memory of the fastest plan found")
+    assert not any("agent" in t for t in titles)  # the agents' curves are agents_figure's
     same = plots.search_figure(rows(8), unoptimized=keep, best=best, fig=fig, plan=rc, title="done")
     assert same is fig
     titles = [a.get_title() for a in fig.axes]
     assert "memory over one step: unoptimized vs returned plan" in titles
-    assert len([a for a in fig.axes if a.get_title()]) == 4  # cleared, not stacked
-    (s,) = lines_with_label(fig.axes[0], "strategy agent")
+    assert len([a for a in fig.axes if a.get_title()]) == 3  # cleared, not stacked
+    (s,) = lines_with_label(plots.agents_figure(rows(8)).axes[0], "strategy agent")
     assert len(s.get_xdata()) == 7
     # the returned plan is marked with its own predicted figures, the same numbers the summary states
     assert not lines_with_label(fig.axes[1], "returned plan:")  # a plan without predictions has nothing to mark
@@ -231,3 +231,42 @@ def test_history_from_a_plan(prof):
         plots.reward_curves(plan)
     plan.meta["history"] = rows(3)
     assert all(math.isfinite(y) for y in lines_with_label(plots.reward_curves(plan).axes[0], "timing")[0].get_ydata())
+
+
+def test_iteration_axes_have_whole_numbers_even_at_the_first_iteration(prof):
+    keep = memopt.simulate(prof, memopt.Plan.uniform(prof, "keep"))
+    for fig in (plots.search_figure(rows(1), unoptimized=keep), plots.agents_figure(rows(1))):
+        fig.canvas.draw()
+        for ax in fig.axes:
+            if ax.get_xlabel() != "PPO iteration":
+                continue
+            lo, hi = ax.get_xlim()
+            assert lo < 1 < hi and hi - lo >= 1, (lo, hi)
+            ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_the_step_time_axis_starts_at_zero(prof):
+    history = rows(6)
+    for i, r in enumerate(history):
+        r["best_step_time"] = 0.151 + 0.001 * i  # +51% .. +56%: must not fill the axis
+        r["base_step_time"] = 0.1
+    fig = plots.search_figure(history, unoptimized=memopt.simulate(prof, memopt.Plan.uniform(prof, "keep")))
+    lo, hi = fig.axes[2].get_ylim()
+    assert lo == 0 and hi >= 56
+
+
+def test_the_saved_picture_keeps_the_legends_whole(prof):
+    import io
+
+    from PIL import Image
+
+    keep = memopt.simulate(prof, memopt.Plan.uniform(prof, "keep"))
+    rc = memopt.simulate(prof, memopt.Plan.uniform(prof, "recompute"))
+    fig = plots.search_figure(rows(8), unoptimized=keep, best=rc, budget=0.6 * prof.peak_bytes)
+    png = plots.figure_png(fig, dpi=100)
+    w, h = Image.open(io.BytesIO(png)).size
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.get_tightbbox(renderer)  # inches: everything drawn, legends included
+    assert w >= box.width * 100 - 2 and h >= box.height * 100 - 2

@@ -294,18 +294,19 @@ class ModelProfile:
             rows.append((len(chain), u.name, u.index))
         return rows
 
-    def _repr_html_(self) -> str:
+    def _repr_html_(self, spelling: str = "python") -> str:
+        """The profile as HTML, its advice spelt for ``"python"`` or the magics (``"magic"``)."""
         if _html_renderer is None:
             return f"<pre>{html.escape(self.summary())}</pre>"
-        return _html_renderer(self)
+        return _html_renderer(self, spelling)
 
 
 #: Draws a profile as HTML in a notebook; the package installs :func:`memopt_nb.notebook.profile_html.profile_html`
 #: (the data types cannot import the planners the table quotes, so the drawing is handed in from above).
-_html_renderer: Callable[[ModelProfile], str] | None = None
+_html_renderer: Callable[[ModelProfile, str], str] | None = None
 
 
-def set_html_renderer(render: Callable[[ModelProfile], str] | None) -> None:
+def set_html_renderer(render: Callable[[ModelProfile, str], str] | None) -> None:
     """Install the function that draws a :class:`ModelProfile` in a notebook (``None``: plain text)."""
     global _html_renderer
     _html_renderer = render

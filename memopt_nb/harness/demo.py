@@ -111,6 +111,11 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
             "within_budget": under.peak_bytes <= budget}
 
 
+#: What the per-unit codes of the demo's plan line mean, printed under it.
+CODES_LEGEND = ("per unit, in forward order: K keep, R recompute, S swap, O recompute_offload, P selective; the two "
+                "digits after S or O are the offload window and prefetch distance (S11: window 1, distance 1)")
+
+
 def _short(d: object) -> str:
     s = {"keep": "K", "recompute": "R", "swap": "S", "recompute_offload": "O", "selective": "P"}[d.strategy]
     return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy in OFFLOADING else "")
@@ -146,6 +151,7 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
     wider = "".join(f", {s} {counts[s]}" for s in ("recompute_offload", "selective") if counts[s])
     out(f"plan ({plan.method}{f', {took:.0f} s' if took else ''}): keep {counts['keep']}, recompute "
         f"{counts['recompute']}, swap {counts['swap']}{wider}  — {' '.join(_short(d) for d in plan.decisions)}")
+    out(f"  {CODES_LEGEND}")
     if plan.moves_state:
         sc = plan.state_counts()
         out(f"  state: optimizer offloaded {sc['optimizer']}, gradients offloaded {sc['grads']}, stepped in backward "

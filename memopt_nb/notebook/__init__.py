@@ -11,9 +11,19 @@ This layer only uses the public ``memopt_nb`` API.
 """
 
 from .dashboard import TIMESTEPS_ENV, SearchDashboard, in_notebook, live_search, timesteps_from_env
-from .plots import figure_png, memory_timeline, new_figure, peak_curve, reward_curves, search_figure, styled, unit_chart
+from .plots import (
+    agents_figure,
+    figure_png,
+    memory_timeline,
+    new_figure,
+    peak_curve,
+    reward_curves,
+    search_figure,
+    styled,
+    unit_chart,
+)
 
 __all__ = [
-    "TIMESTEPS_ENV", "SearchDashboard", "figure_png", "in_notebook", "live_search", "memory_timeline", "new_figure",
-    "peak_curve", "reward_curves", "search_figure", "styled", "timesteps_from_env", "unit_chart",
+    "TIMESTEPS_ENV", "SearchDashboard", "agents_figure", "figure_png", "in_notebook", "live_search", "memory_timeline",
+    "new_figure", "peak_curve", "reward_curves", "search_figure", "styled", "timesteps_from_env", "unit_chart",
 ]

@@ -8,16 +8,20 @@ Use it as the search's callback, or let it run the search::
 
     p = live_search(prof, "60%")                       # the same in one call (what %memopt_plan does)
 
-In a Jupyter kernel it is an ``ipywidgets.VBox`` of an ``HTML`` stats block (headed by the device the plan is for), a
-``FloatProgress`` with tqdm's rate and time left beside it, and an ``Image`` (a PNG drawn with matplotlib's Agg
-renderer): the reward of both agents (smoothed, raw values faint), the peak of the fastest plan within the budget found
-so far against the budget, that plan's extra step time and the share of episodes within the budget, and the memory
-timeline of the unoptimized step (the returned plan's timeline is added in the final frame). Text and picture are
+In a Jupyter kernel it is an ``ipywidgets.VBox`` that leads with the user's problem: an ``HTML`` top line (headed by
+the device the plan is for) with the best plan so far's predicted peak against the budget, its slowdown against no
+plan, the time elapsed and left, and that interrupting (■) stops the search and keeps the best plan; a
+``FloatProgress`` with tqdm's rate beside it; an ``Image`` (a PNG drawn with matplotlib's Agg renderer) with the memory
+timeline first (the unoptimized step against the budget; the returned plan's timeline is added in the final frame),
+then the fastest plan's peak against the budget and its extra step time per PPO iteration; and, collapsed, an
+``Accordion`` "how the agents learn" with both agents' rewards and the share of their episodes within the budget (drawn
+only while it is open, and at the end). Text and picture are
 redrawn together, from the same rows, synchronously from the callback — no ``Output`` widget and no threads, both of
 which misbehave without a live frontend — at most every ``min_interval`` seconds (0.3 by default, longer if drawing
 itself would take more than a quarter of the time), and always once more at the end. The final frame's numbers are the
-returned plan's, the same as ``repr(plan)``. When the search ends the widget's output is replaced by its final picture
-and the summary is printed under it, as ordinary outputs (as livelossplot leaves its last figure): a saved notebook
+returned plan's, the same as ``repr(plan)``. When the search ends the widget's output is replaced in place by one
+ordinary output (as livelossplot leaves its last figure): the top line, the final picture at twice the resolution, the
+summary and the agents' section as an HTML ``<details>`` (with the picture as ``image/png`` too): a saved notebook
 reads the same reopened without a kernel, on GitHub or exported. When a notebook is executed headless (nbclient,
 papermill) the widget state, image included, is saved in the notebook too. Outside a kernel (plain IPython, a script)
 it prints text lines every few seconds.
@@ -36,11 +40,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import memopt_nb as memopt
+from ..core.budget import format_bytes
+from ..core.device import DeviceSpec
+from ..core.errors import MemoptError
+from ..core.plan import Plan
+from ..planners.rl.search import search
+from ..sim.simulator import simulate
+from .plots import agents_figure, figure_png, search_figure
 
-from .plots import figure_png, search_figure
-
-__all__ = ["TIMESTEPS_ENV", "SearchDashboard", "in_notebook", "live_search", "timesteps_from_env"]
+__all__ = ["AGENTS_TITLE", "STOP_HINT", "TIMESTEPS_ENV", "SearchDashboard", "in_notebook", "live_search",
+           "timesteps_from_env"]
 
 #: Environment variable with the default number of PPO timesteps for ``%memopt_plan`` and the tutorials.
 TIMESTEPS_ENV = "MEMOPT_NB_TIMESTEPS"
@@ -80,7 +89,25 @@ def _fmt_num(x: Any) -> str:
 
 
 def _fmt_bytes(x: Any) -> str:
-    return "–" if x is None or not math.isfinite(float(x)) else memopt.format_bytes(x)
+    return "–" if x is None or not math.isfinite(float(x)) else format_bytes(x)
+
+
+def _png_width(png: bytes) -> int:
+    """The pixel width in a PNG's header."""
+    return int.from_bytes(png[16:20], "big") if png[:8] == b"\x89PNG\r\n\x1a\n" else 0
+
+
+def _pct(t: Any, base: Any) -> str:
+    """``+7.0%``: how much slower a step of ``t`` seconds is than ``base``."""
+    if not t or not base or not math.isfinite(t) or not math.isfinite(base):
+        return "–"
+    return f"{(t / base - 1) * 100:+.1f}%"
+
+
+#: Under the top line while the search runs: how to stop it (Jupyter's ■ interrupts the kernel).
+STOP_HINT = "■ stops the search and keeps the best plan so far"
+#: Title of the collapsed section with the agents' curves.
+AGENTS_TITLE = "how the agents learn"
 
 
 def _fmt_clock(seconds: float | None) -> str:
@@ -119,20 +146,26 @@ class SearchDashboard:
         text_interval: seconds between text lines in ``"text"`` mode.
         title: shown above the stats.
         clock: the time source (tests pass a fake one).
-        dpi: resolution of the image.
-        static: when the search ends, replace the widget by ordinary outputs — the final picture (PNG) and the summary
-            text — so that the notebook reads the same reopened without a kernel, on GitHub or exported (the widget
-            state is still saved with the notebook).
+        dpi: resolution of the live frames; the final picture is drawn at twice that (sharp on a high-resolution
+            display, shown at the live frames' size).
+        show_plan: put the returned plan's summary in the final text; ``%memopt_plan`` turns it off when the cell's
+            result (the plan itself) shows it right under the dashboard, so a cell shows the plan once.
+        static: when the search ends, replace the widget by one ordinary output — the top line and summary, the final
+            picture and the agents' section collapsed (HTML, with the picture as PNG too) — so that the notebook reads
+            the same reopened without a kernel, on GitHub or exported (the widget state is still saved with the
+            notebook).
 
     Attributes: ``history`` (rows seen), ``frames`` (images rendered), ``lines`` (text lines printed), ``widget``
-    (the ``VBox``, widget mode only), ``plan`` (set by :meth:`finish`), ``png`` (the last picture),
-    ``device_name`` (the device planned for).
+    (the ``VBox``, widget mode only), ``agents`` (its collapsed ``Accordion``), ``plan`` (set by :meth:`finish`),
+    ``png`` (the last picture), ``agents_png`` (the last picture of the agents' curves), ``device_name`` (the device
+    planned for).
     """
 
     def __init__(self, profile: Any = None, *, device: Any = None, total_timesteps: int | None = None,
                  mode: str = "auto", min_interval: float = 0.3, max_overhead: float | None = 0.25,
                  text_interval: float = 2.0, title: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 dpi: float = 80, out: Callable[[str], None] = print, static: bool = True) -> None:
+                 dpi: float = 90, out: Callable[[str], None] = print, static: bool = True,
+                 show_plan: bool = True) -> None:
         if mode not in ("auto", "widget", "text", "none"):
             raise ValueError(f"mode must be 'auto', 'widget', 'text' or 'none', got {mode!r}")
         if mode == "auto":
@@ -149,6 +182,9 @@ class SearchDashboard:
         self.dpi = dpi
         self.out = out
         self.static = static
+        self.show_plan = show_plan
+        self.agents_png: bytes | None = None
+        self._agents_fig: Any = None
         self.history: list[dict[str, Any]] = []
         self.frames = 0
         self.lines = 0
@@ -176,8 +212,8 @@ class SearchDashboard:
             dev = self.device
             if isinstance(dev, str):
                 try:
-                    dev = memopt.DeviceSpec.preset(dev)
-                except memopt.MemoptError:
+                    dev = DeviceSpec.preset(dev)
+                except MemoptError:
                     return dev
             return getattr(dev, "name", str(dev))
         if self.profile is not None:
@@ -195,7 +231,15 @@ class SearchDashboard:
                                               layout=widgets.Layout(width="50%"))
         self.rate = widgets.HTML(value="")
         self.image = widgets.Image(format="png", layout=widgets.Layout(width="auto", max_width="100%"))
-        self.widget = widgets.VBox([self.stats, widgets.HBox([self.progress, self.rate]), self.image])
+        self.agents_text = widgets.HTML(value="")
+        self.agents_image = widgets.Image(format="png", layout=widgets.Layout(width="auto", max_width="100%"))
+        self.agents = widgets.Accordion(children=[widgets.VBox([self.agents_text, self.agents_image])],
+                                        selected_index=None)
+        self.agents.set_title(0, AGENTS_TITLE)
+        # drawn only while open: opening it draws the curves so far at once
+        self.agents.observe(lambda change: self._draw_agents() if change["new"] is not None else None,
+                            "selected_index")
+        self.widget = widgets.VBox([self.stats, widgets.HBox([self.progress, self.rate]), self.image, self.agents])
 
     def _show(self) -> None:
         if self._shown:
@@ -232,8 +276,8 @@ class SearchDashboard:
         self._finished = True
         if plan is not None and self.profile is not None:
             try:
-                self._best_sim = memopt.simulate(self.profile, plan, device=self.device)
-            except memopt.MemoptError:
+                self._best_sim = simulate(self.profile, plan, device=self.device)
+            except MemoptError:
                 self._best_sim = None
         if self.mode == "none":
             return
@@ -263,7 +307,7 @@ class SearchDashboard:
         if self.total_timesteps is None:
             self.total_timesteps = search_kwargs.get("total_timesteps")
         try:
-            plan = memopt.search(profile, budget, device, callback=self, **search_kwargs)
+            plan = search(profile, budget, device, callback=self, **search_kwargs)
         except BaseException as exc:
             if self._shown:
                 self.finish(None, error=exc)
@@ -288,8 +332,8 @@ class SearchDashboard:
 
     def _unoptimized_sim(self) -> Any:
         if self._unoptimized is None and self.profile is not None:
-            keep = memopt.Plan.uniform(self.profile, "keep")
-            self._unoptimized = memopt.simulate(self.profile, keep, device=self.device)
+            keep = Plan.uniform(self.profile, "keep")
+            self._unoptimized = simulate(self.profile, keep, device=self.device)
         return self._unoptimized
 
     def _redraw(self) -> None:
@@ -303,7 +347,7 @@ class SearchDashboard:
         title = f"{self._heading()}: {state}"
         self._fig = search_figure(self.history, unoptimized=self._unoptimized_sim(), best=self._best_sim,
                                   budget=budget, fig=self._fig, plan=self.plan, title=title)
-        png = figure_png(self._fig, dpi=self.dpi, fast=not self._finished)
+        png = figure_png(self._fig, dpi=self.dpi * (2 if self._finished else 1), fast=not self._finished)
         self.png = png
         total = self._total()
         last = self.history[-1] if self.history else {}
@@ -323,23 +367,52 @@ class SearchDashboard:
                 step, seconds = int(meta["timesteps_run"]), float(meta["search_seconds"])  # the summary's figures
             self.rate.value = html.escape(_rate_text(step, total, seconds, finished=self._finished))
             self.stats.value = self._stats_html(self._error)
+            if self._finished:  # twice the resolution, shown at the live frames' size
+                self.image.layout.width = f"{_png_width(png) // 2}px"
             self.image.value = png
+            self.agents_text.value = self._agents_html()
+            if self._finished or self.agents.selected_index is not None:
+                self._draw_agents()
         self.frames += 1
         cost = self.clock() - t0
         if self.max_overhead:
             self._image_interval = max(self.min_interval, cost / self.max_overhead)
 
+    def _draw_agents(self) -> None:
+        """The agents' curves (the collapsed section's picture), from the same rows as the rest."""
+        if not self.history or self.widget is None:
+            return
+        self._agents_fig = agents_figure(self.history, fig=self._agents_fig)
+        self.agents_png = figure_png(self._agents_fig, dpi=self.dpi * (2 if self._finished else 1),
+                                     fast=not self._finished)
+        if self._finished:
+            self.agents_image.layout.width = f"{_png_width(self.agents_png) // 2}px"
+        self.agents_image.value = self.agents_png
+
+    def static_html(self) -> str:
+        """The final dashboard as one HTML block: the top line and summary, the picture (at twice the resolution,
+        shown at half its pixel width) and the agents' section, collapsed (``<details>``)."""
+        def img(png: bytes | None, alt: str) -> str:
+            if png is None:
+                return ""
+            data = base64.b64encode(png).decode("ascii")
+            return f'<img alt="{alt}" width="{_png_width(png) // 2}" style="max-width:100%" ' \
+                   f'src="data:image/png;base64,{data}">'
+
+        agents = (f"<details><summary>{AGENTS_TITLE}</summary>{self._agents_html()}<br>"
+                  f"{img(self.agents_png, 'rewards and episodes within the budget per PPO iteration')}</details>"
+                  if self.history else "")
+        return (f"<div>{self._stats_html(self._error)}<br>{img(self.png, 'memory timeline, peak and step time')}"
+                f"{agents}</div>")
+
     def _leave_static(self) -> None:
-        """Replace the widget's output by the final picture, then show the summary text under it."""
+        """Replace the widget's output by one ordinary output: the final dashboard as HTML (the picture as PNG too)."""
         if self._handle is None or self.png is None:
             return
-        from IPython.display import display
-
         text = self._final_text(self._error)
-        self._handle.update({"image/png": base64.b64encode(self.png).decode("ascii"),
-                             "text/plain": f"<{self._heading()}: {text.split(chr(10))[0]}>"}, raw=True)
-        lines = "<br>".join(html.escape(t) for t in text.split("\n"))
-        display({"text/plain": text, "text/html": f'<div style="font-family: monospace">{lines}</div>'}, raw=True)
+        self._handle.update({"text/html": self.static_html(), "image/png": base64.b64encode(self.png).decode("ascii"),
+                             "text/plain": f"{self._heading()}\n{text}"},
+                            metadata={"image/png": {"width": _png_width(self.png) // 2}}, raw=True)
 
     def _stats_html(self, error: BaseException | None = None) -> str:
         head = f"<b>{html.escape(self._heading())}</b><br>"
@@ -348,31 +421,45 @@ class SearchDashboard:
             return head + "<br>".join(html.escape(t) for t in lines)
         if not self.history:
             return head + "<span>waiting for the first PPO iteration…</span>"
-        r = self.history[-1]
+        return head + self._top_line(self.history[-1]) + f"<br><small>{html.escape(STOP_HINT)}</small>"
+
+    def _top_line(self, r: dict[str, Any]) -> str:
+        """The live top line in the user's terms: the best plan so far's peak against the budget, its slowdown
+        against no plan, the time elapsed and left."""
+        total = self._total()
+        step, seconds = int(r.get("global_step", 0)), float(r.get("seconds", 0.0))
+        rate = step / seconds if seconds > 0 and step > 0 else None
+        left = f", about {_fmt_clock(max(total - step, 0) / rate)} left" if rate and total else ""
+        clock = f"{_fmt_clock(seconds)} elapsed{left}"
+        budget, base_peak = _fmt_bytes(r.get("budget")), _fmt_bytes(r.get("base_peak"))
+        if r.get("best_peak") is None or not math.isfinite(float(r["best_peak"])):
+            return (f"no plan within the budget {budget} yet (no plan: {base_peak}) · {clock}")
         best_t, base_t = r.get("best_step_time"), r.get("base_step_time")
-        over = (f" ({(best_t / base_t - 1) * 100:+.1f}% vs unoptimized)" if best_t and base_t else "")
-        cells = [
-            f"iteration <b>{r['iteration']}</b>",
-            f"fastest plan within the budget so far: step <b>{_fmt_ms(best_t)}</b>{over}, peak "
-            f"<b>{_fmt_bytes(r.get('best_peak'))}</b> / budget {_fmt_bytes(r.get('budget'))} (unoptimized "
-            f"{_fmt_bytes(r.get('base_peak'))})",
-            f"average reward per episode (higher is better): strategy agent {_fmt_num(r.get('reward_strategy'))}, "
-            f"timing agent {_fmt_num(r.get('reward_timing'))}; episodes within the budget "
-            f"{r.get('feasible_fraction', 0):.0%}",
-        ]
-        return head + "<br>".join(cells)
+        return (f"best plan so far: predicted peak <b>{_fmt_bytes(r.get('best_peak'))}</b> / budget {budget} "
+                f"(no plan: {base_peak}) · step <b>{_pct(best_t, base_t)}</b> vs no plan ({_fmt_ms(best_t)} vs "
+                f"{_fmt_ms(base_t)}) · {clock}")
+
+    def _agents_html(self) -> str:
+        """The collapsed section's text: the agents' own figures, in the terms of reinforcement learning."""
+        if not self.history:
+            return ""
+        r = self.history[-1]
+        return (f"PPO iteration <b>{r['iteration']}</b>: average reward per episode (higher is better): strategy agent "
+                f"{_fmt_num(r.get('reward_strategy'))}, timing agent {_fmt_num(r.get('reward_timing'))}; episodes "
+                f"within the budget {r.get('feasible_fraction', 0):.0%}. The strategy agent decides what each unit "
+                "does, the timing agent when its copies to and from the host run.")
 
     def _print_header(self) -> None:
-        self.out(f"[memopt.search] {self._heading()}")
+        self.out(f"[memopt.search] {self._heading()} (an interrupt, Ctrl-C, stops it and keeps the best plan so far)")
         self.lines += 1
 
     def _line(self, r: dict[str, Any]) -> str:
+        """One text line: the best plan so far in the user's terms, progress, then the agents' rewards."""
         total = self._total()
-        return (f"[memopt.search] iter {r['iteration']:>4}  "
-                f"{_rate_text(int(r['global_step']), total, float(r['seconds']))}  reward strategy "
-                f"{_fmt_num(r.get('reward_strategy'))} timing {_fmt_num(r.get('reward_timing'))}  best peak "
-                f"{_fmt_bytes(r.get('best_peak'))} / budget {_fmt_bytes(r.get('budget'))}  best step "
-                f"{_fmt_ms(r.get('best_step_time'))}")
+        return (f"[memopt.search] iter {r['iteration']:>4}  best peak {_fmt_bytes(r.get('best_peak'))} / budget "
+                f"{_fmt_bytes(r.get('budget'))}, step {_pct(r.get('best_step_time'), r.get('base_step_time'))} vs no "
+                f"plan  {_rate_text(int(r['global_step']), total, float(r['seconds']))}  agents' reward: strategy "
+                f"{_fmt_num(r.get('reward_strategy'))}, timing {_fmt_num(r.get('reward_timing'))}")
 
     def _print_line(self, r: dict[str, Any]) -> None:
         self._printed = r
@@ -388,11 +475,22 @@ class SearchDashboard:
             return "search finished without a plan"
         m = p.meta
         interrupted = bool(m.get("interrupted"))
-        lines = [f"{'interrupted' if interrupted else 'done'}: {p.summary()}"]
         base_t = m.get("base_step_time")
-        if p.predicted_step_time is not None and base_t:
-            lines.append(f"step time {(p.predicted_step_time / base_t - 1) * 100:+.1f}% vs the unoptimized step "
-                         f"({_fmt_ms(base_t)})")
+        state = "interrupted" if interrupted else "done"
+        if self.show_plan:
+            lines = [f"{state}: {p.summary()}"]
+            if p.predicted_step_time is not None and base_t:
+                lines.append(f"step time {_pct(p.predicted_step_time, base_t)} vs the unoptimized step "
+                             f"({_fmt_ms(base_t)})")
+        else:  # the plan itself shows under the dashboard: say what it means, not the plan again
+            rows = self.history or m.get("history") or [{}]
+            base_peak = m.get("base_peak") or rows[-1].get("base_peak")
+            if base_peak is None and self.profile is not None:
+                base_peak = self._unoptimized_sim().peak_bytes
+            lines = [f"{state}: predicted peak {_fmt_bytes(p.predicted_peak_bytes)} / budget "
+                     f"{_fmt_bytes(p.budget_bytes)} (no plan: {_fmt_bytes(base_peak)}) · step "
+                     f"{_pct(p.predicted_step_time, base_t)} vs no plan ({_fmt_ms(p.predicted_step_time)} vs "
+                     f"{_fmt_ms(base_t)})"]
         if m.get("no_feasible_plan"):
             lines.append("NO feasible plan found: this is the least infeasible one; raise the budget or the timesteps")
         polish = m.get("polish")
@@ -429,11 +527,11 @@ class SearchDashboard:
 
 
 def live_search(profile: Any, budget: Any, device: Any = None, *, total_timesteps: int | None = None, seed: int = 0,
-                mode: str = "auto", title: str | None = None, **search_kwargs: Any) -> Any:
+                mode: str = "auto", title: str | None = None, show_plan: bool = True, **search_kwargs: Any) -> Any:
     """``memopt.search`` with a :class:`SearchDashboard`; returns the plan.
 
     ``total_timesteps`` defaults to ``$MEMOPT_NB_TIMESTEPS`` if set, else the search's own default.
     """
     steps = total_timesteps if total_timesteps is not None else timesteps_from_env()
-    dash = SearchDashboard(profile, device=device, total_timesteps=steps, mode=mode, title=title)
+    dash = SearchDashboard(profile, device=device, total_timesteps=steps, mode=mode, title=title, show_plan=show_plan)
     return dash.run(profile, budget, device, total_timesteps=steps, seed=seed, **search_kwargs)

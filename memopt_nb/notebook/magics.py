@@ -34,6 +34,8 @@ from __future__ import annotations
 import base64
 import difflib
 import keyword
+import re
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,12 +43,17 @@ import torch
 from IPython.core import magic_arguments as ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.utils.process import arg_split
 
-import memopt_nb as memopt
-
-from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES
+from ..core.budget import format_bytes, resolve_budget
+from ..core.device import DeviceSpec
+from ..core.errors import BudgetError, MemoptError, PlanError
+from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES, Plan
+from ..core.profile import ModelProfile
+from ..harness.compare import Comparison, compare
 from ..planners.floor import explain_floor
 from ..planners.space import allowed_strategies
+from ..profiling.profile import profile as profile_model
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
 from .plots import figure_png, unit_chart
 
@@ -64,6 +71,11 @@ DEFAULT_PLAN_NAME = "plan"
 _LINE_MAGICS = ("memopt_profile", "memopt_plan")
 _CELL_MAGICS = ("memopt_profile",)
 _state: dict[int, dict[str, Any]] = {}
+#: The attribute ``%memopt_profile`` sets on the profiles it makes: how it called the model, for ``%memopt_plan
+#: --measure`` — weak references to the model and optimizer (a kept profile must not keep a deleted model's memory
+#: alive) and the input and loss expressions, read again from the notebook then; its presence also makes the
+#: profile's display spell advice as magic options (``--units fine``).
+MAGIC_CALL = "_memopt_magic_call"
 
 
 # ====================================================================== helpers
@@ -84,6 +96,70 @@ def _unquote(text: str | None) -> str | None:
 
 def _article(name: str) -> str:
     return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+_OPTION = re.compile(r"^--?[A-Za-z][A-Za-z0-9_-]*")
+_SIZE_UNITS = {"b", "kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib", "k", "m", "g", "%"}
+_NUMBER = re.compile(r"^[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?$", re.IGNORECASE)
+#: Options whose value is a size ("20MB"): a unit split from it by a space is pointed out (elsewhere ``m`` or ``b``
+#: may well be an input's name).
+_SIZE_OPTIONS = ("--budget",)
+_EXAMPLES = {"memopt_plan": "%memopt_plan prof --budget 60%", "memopt_profile": "%memopt_profile model x -o prof"}
+
+
+def parse_magic_line(func: Any, line: str) -> Any:
+    """``magic_arguments.parse_argstring`` with errors written for people rather than argparse's words.
+
+    An option the magic does not have names the closest one ("did you mean --budget?") before argparse would report
+    it as unrecognized, or report a required option as missing when it was only misspelt; a size split by a space
+    (``--budget 20 MB``) says to write ``20MB``; a missing required option names it with an example. Every error is a
+    ``UsageError`` whose first sentence says what to type.
+    """
+    parser = func.parser
+    name = parser.prog or func.__name__
+    usage = f"see %{name}? for every option"
+    known = sorted(parser._option_string_actions)
+    try:
+        tokens = arg_split(line, strict=False)
+    except ValueError:
+        tokens = line.split()
+    for tok in tokens:
+        match = _OPTION.match(tok)
+        if match is None:
+            continue
+        opt = tok.split("=", 1)[0]
+        if opt in known or (opt.startswith("--") and any(k.startswith(opt) for k in known if k.startswith("--"))):
+            continue
+        longs = {k.lstrip("-"): k for k in known if k.startswith("--")}
+        close = difflib.get_close_matches(opt.lstrip("-"), list(longs), n=1, cutoff=0.6)
+        if close:
+            raise UsageError(f"%{name}: did you mean {longs[close[0]]}? There is no option {opt} ({usage})")
+        raise UsageError(f"%{name}: there is no option {opt}; {usage}")
+    for i, tok in enumerate(tokens):
+        if i >= 2 and tok.lower() in _SIZE_UNITS and _NUMBER.match(tokens[i - 1]) and tokens[i - 2] in _SIZE_OPTIONS:
+            raise UsageError(f"write {tokens[i - 2]} {tokens[i - 1]}{tok}, without a space between the number and "
+                             f"the unit ({tokens[i - 2]} {tokens[i - 1]} {tok} reads {tok} as another argument)")
+    try:
+        return ma.parse_argstring(func, line)
+    except UsageError as exc:
+        msg = str(exc)
+        required = re.match(r"the following arguments are required: (.*)", msg)
+        if required:
+            what = required.group(1)
+            example = _EXAMPLES.get(name, f"%{name} ...")
+            raise UsageError(f"%{name} needs {what}, e.g. {example} ({usage})") from None
+        extra = re.match(r"unrecognized arguments: (.*)", msg)
+        if extra:
+            raise UsageError(f"%{name}: did not expect {extra.group(1)}; quote an expression that contains spaces, "
+                             f"or {usage}") from None
+        bad = re.match(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.*)", msg)
+        if bad:
+            kind = "a whole number" if bad.group(2) == "int" else f"{_article(bad.group(2))} value"
+            raise UsageError(f"{bad.group(1)} {bad.group(3)}: give {kind} ({usage})") from None
+        expected = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", msg)
+        if expected:
+            raise UsageError(f"{expected.group(1)} needs a value after it ({usage})") from None
+        raise UsageError(f"%{name}: {msg} ({usage})") from None
 
 
 def _check_output_name(name: str | None) -> None:
@@ -118,7 +194,7 @@ def _parse_strategies(text: str) -> tuple[str, ...]:
     value = (_unquote(text.strip()) or "").strip()
     try:
         return allowed_strategies([p.strip() for p in value.split(",")] if value else [])
-    except memopt.PlanError:
+    except PlanError:
         unknown = [repr(p.strip()) for p in value.split(",") if p.strip().lower() not in STRATEGIES]
         what = f"unknown {', '.join(unknown)}" if value else "empty"
         raise UsageError(f"--strategies {text!r}: {what}; give a comma-separated list of {', '.join(STRATEGIES)} "
@@ -140,19 +216,20 @@ def _parse_units(text: str | None) -> Any:
     return names
 
 
-def _profile_display(prof: memopt.ModelProfile) -> None:
+def _profile_display(prof: ModelProfile) -> None:
     """How a ModelProfile displays while the extension is loaded: its table, then the per-unit chart."""
     from IPython.display import Image, display
 
+    spelling = "magic" if hasattr(prof, MAGIC_CALL) else "python"
     try:
-        floor = explain_floor(prof, offload_state=True).text()  # the planners' default space
+        floor = explain_floor(prof, offload_state=True).text(spelling)  # the planners' default space
     except Exception as exc:  # noqa: BLE001 - a display must not fail
         floor = f"smallest reachable peak: not computed ({type(exc).__name__}: {exc})"
     if not in_notebook():
         print(repr(prof))
         print(floor)
         return
-    display({"text/html": prof._repr_html_(), "text/plain": f"{prof!r}\n{floor}"}, raw=True)
+    display({"text/html": prof._repr_html_(spelling), "text/plain": f"{prof!r}\n{floor}"}, raw=True)
     try:
         fig = unit_chart(prof)
     except ValueError:  # a profile without units: the table says it all
@@ -160,7 +237,7 @@ def _profile_display(prof: memopt.ModelProfile) -> None:
     display(Image(data=figure_png(fig), format="png"))
 
 
-def profile_chart_html(prof: memopt.ModelProfile) -> str:
+def profile_chart_html(prof: ModelProfile) -> str:
     """The profile's table and its per-unit chart as one HTML string (an inline PNG), e.g. for reports."""
     png = base64.b64encode(figure_png(unit_chart(prof))).decode("ascii")
     return prof._repr_html_() + f'<img alt="per-unit memory and time" src="data:image/png;base64,{png}">'
@@ -295,7 +372,7 @@ class MemoptMagics(Magics):
         per-unit memory/time chart; ``-q`` or a trailing ``;`` hides it, ``-o NAME`` stores it).
         """
         line, silenced = _strip_semicolon(line)
-        args = ma.parse_argstring(self.memopt_profile, line)
+        args = parse_magic_line(self.memopt_profile, line)
         _check_output_name(args.output)
         target = list(args.target)
         if args.model is not None:
@@ -317,11 +394,14 @@ class MemoptMagics(Magics):
         if args.repeats < 1:
             raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
         try:
-            prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=optimizer, units=units,
+            prof = profile_model(model, *inputs, loss_fn=loss_fn, optimizer=optimizer, units=units,
                                   repeats=args.repeats, model_kwargs=input_kwargs, selective=args.selective,
                                   autocast=args.autocast)
-        except memopt.MemoptError as exc:
+        except MemoptError as exc:
             raise UsageError(f"memopt.profile: {exc}") from None
+        setattr(prof, MAGIC_CALL, {"model": weakref.ref(model), "inputs": input_exprs, "loss": args.loss,
+                                   "optimizer": None if optimizer is None else weakref.ref(optimizer),
+                                   "autocast": args.autocast})
         if args.output:
             self.shell.user_ns[args.output] = prof
         if args.quiet or silenced:
@@ -352,7 +432,7 @@ class MemoptMagics(Magics):
                  help="memory budget: bytes, '2GiB', '800MB', or a share of the unoptimized peak such as '60%%'")
     @ma.argument("--device", metavar="PRESET",
                  help="plan for a GPU preset instead of the profiled device: " + ", ".join(
-                     memopt.DeviceSpec.preset_names()))
+                     DeviceSpec.preset_names()))
     @ma.argument("--timesteps", type=int, metavar="N",
                  help="PPO timesteps (default: $MEMOPT_NB_TIMESTEPS if set, else the search's default)")
     @ma.argument("--seed", type=int, default=0, help="random seed; the same seed gives the same plan (default 0)")
@@ -369,6 +449,10 @@ class MemoptMagics(Magics):
                       "selective needs a profile made with selective=True)")
     @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
                  help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
+    @ma.argument("--measure", nargs="?", type=int, const=5, default=None, metavar="PAIRS",
+                 help="after the search, run the step with and without the plan in alternating pairs (5 unless "
+                      "PAIRS says otherwise) and show both beside the prediction (memopt.compare); needs a profile "
+                      "made by %%memopt_profile")
     @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
     @ma.argument("-q", "--quiet", action="store_true",
                  help="show nothing: no dashboard, no result (the plan is still stored)")
@@ -394,26 +478,37 @@ class MemoptMagics(Magics):
         dashboard still shows: it is the search's progress); ``-q`` hides the dashboard as well.
         """
         line, silenced = _strip_semicolon(line)
-        args = ma.parse_argstring(self.memopt_plan, line)
+        args = parse_magic_line(self.memopt_plan, line)
         _check_output_name(args.output)
         prof = self._eval(args.profile, "profile")
-        if not isinstance(prof, memopt.ModelProfile):
+        if not isinstance(prof, ModelProfile):
             kind = _article(type(prof).__name__)
             raise UsageError(f"profile: {args.profile!r} is {kind}, not a ModelProfile; make one "
                              "with %memopt_profile MODEL INPUT... -o prof")
         device = None
         if args.device is not None:
             try:
-                device = memopt.DeviceSpec.preset(args.device)
-            except memopt.MemoptError as exc:
+                device = DeviceSpec.preset(args.device)
+            except MemoptError as exc:
                 raise UsageError(f"--device: {exc}") from None
         text = (_unquote(args.budget.strip()) or "").strip()
         try:  # the one budget parser of the API: "60%" of the profiled peak, "2GiB", bytes
-            budget = memopt.resolve_budget(text, reference=prof.peak_bytes)
-        except memopt.MemoptError as exc:
+            budget = resolve_budget(text, reference=prof.peak_bytes)
+        except MemoptError as exc:
             raise UsageError(f"--budget {args.budget}: {exc}") from None
         offload_state = _parse_offload_state(args.offload_state)
         strategies = _parse_strategies(args.strategies)
+        call = getattr(prof, MAGIC_CALL, None)
+        if args.measure is not None:  # before the search: what --measure needs must still be there after it
+            if call is None:
+                raise UsageError("--measure needs a profile made by %memopt_profile in this session (it knows the "
+                                 "model's inputs and loss); otherwise call memopt.compare(model, *inputs, plan=plan, "
+                                 "profile=prof, loss_fn=..., optimizer=...)")
+            if args.measure < 1:
+                raise UsageError(f"--measure {args.measure}: give at least 1 pair of steps (5 or more to read a "
+                                 "spread)")
+            if call["model"]() is None or (call["optimizer"] is not None and call["optimizer"]() is None):
+                raise UsageError("--measure: the profiled model or optimizer no longer exists; profile it again")
         if args.timesteps is not None and args.timesteps <= 0:
             raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
         try:
@@ -422,20 +517,52 @@ class MemoptMagics(Magics):
             raise UsageError(str(exc)) from None
         mode = "none" if args.quiet else ("text" if args.no_widget else "auto")
         title = f"{prof.meta.get('model_class', 'model')}: {prof.n_units} units, unoptimized peak " \
-                f"{memopt.format_bytes(prof.peak_bytes)}"
-        dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title)
+                f"{format_bytes(prof.peak_bytes)}"
+        # the cell's result is the plan itself, right under the dashboard: the dashboard then does not repeat it
+        dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title,
+                               show_plan=silenced or args.quiet)
         try:
             plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, offload_state=offload_state,
                             step_in_backward=args.step_in_backward, strategies=strategies)
-        except memopt.MemoptError as exc:
-            raise UsageError(f"--budget {args.budget}: {exc}" if isinstance(exc, memopt.BudgetError)
-                             else str(exc)) from None
+        except BudgetError as exc:
+            if exc.minimum_bytes is not None:  # below the floor: what to ask for first, in the magic's spelling
+                raise UsageError(exc.reworded("magic")) from None
+            raise UsageError(f"--budget {args.budget}: {exc}") from None
+        except MemoptError as exc:
+            raise UsageError(str(exc)) from None
         self.shell.user_ns[args.output] = plan
+        if args.measure is not None:
+            self._compare(plan, prof, call, args.measure, quiet=args.quiet)
         if silenced or args.quiet:
             return None
         space = "" if strategies == DEFAULT_STRATEGIES else f" (activation strategies: {', '.join(strategies)})"
         print(f"memopt: plan stored as `{args.output}`{space}; apply it with `with memopt.plan({args.output}): ...`")
         return plan
+
+
+    def _compare(self, plan: Plan, prof: ModelProfile, call: dict[str, Any], pairs: int,
+                 quiet: bool = False) -> Comparison:
+        """``%memopt_plan --measure``: the plan against no plan against the prediction, shown under the search."""
+        from IPython.display import display
+
+        model = call["model"]()
+        optimizer = call["optimizer"]() if call["optimizer"] is not None else None
+        if model is None or (call["optimizer"] is not None and optimizer is None):
+            raise UsageError("--measure: the profiled model or optimizer no longer exists; profile it again")
+        inputs, kwargs = self._inputs(call["inputs"])
+        try:
+            comparison = compare(model, *inputs, plan=plan, profile=prof, loss_fn=self._loss(call["loss"]),
+                                        optimizer=optimizer, steps=pairs, autocast=call["autocast"],
+                                        model_kwargs=kwargs)
+        except MemoptError as exc:
+            raise UsageError(f"--measure: {exc}") from None
+        self.shell.user_ns["_memopt_comparison"] = comparison
+        if not quiet:
+            if in_notebook():
+                display(comparison)
+            else:
+                print(comparison)
+        return comparison
 
 
 # ====================================================================== extension entry points
@@ -445,7 +572,7 @@ def load_ipython_extension(ip: Any) -> None:
     key = id(ip)
     if key not in _state:
         formatter = ip.display_formatter.ipython_display_formatter
-        previous = formatter.for_type(memopt.ModelProfile, _profile_display)
+        previous = formatter.for_type(ModelProfile, _profile_display)
         _state[key] = {"previous": previous}
 
 
@@ -461,6 +588,6 @@ def unload_ipython_extension(ip: Any) -> None:
     manager.registry.pop(MemoptMagics.__name__, None)
     state = _state.pop(id(ip), None)
     formatter = ip.display_formatter.ipython_display_formatter
-    formatter.pop(memopt.ModelProfile, None)
+    formatter.pop(ModelProfile, None)
     if state is not None and state["previous"] is not None:
-        formatter.for_type(memopt.ModelProfile, state["previous"])
+        formatter.for_type(ModelProfile, state["previous"])

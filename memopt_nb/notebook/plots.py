@@ -10,7 +10,9 @@ as a PNG, elsewhere save it with ``fig.savefig("x.png")``. Styling is seaborn's 
   backward time. Without a plan it is the profile's per-unit memory/time chart.
 * :func:`reward_curves` — mean episodic return of the strategy and the timing agent per PPO iteration.
 * :func:`peak_curve` — best feasible peak found so far against the budget and the unoptimized peak.
-* :func:`search_figure` — the four panels of the live search dashboard in one figure.
+* :func:`search_figure` — the live search dashboard's figure: the memory timeline, then the fastest plan's peak
+  against the budget and its extra step time.
+* :func:`agents_figure` — how the agents learn: rewards and the share of episodes within the budget.
 
 ``history`` arguments take the rows ``memopt.search`` passes to its callback, or a plan from ``memopt.search`` (its
 ``meta["history"]``). The evaluation plots of the evaluation API are not here yet (that API does not exist yet).
@@ -31,10 +33,13 @@ import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-import memopt_nb as memopt
+from ..core.budget import format_bytes, resolve_budget
+from ..core.plan import Plan
+from ..sim.simulator import SimResult, simulate
 
 __all__ = [
-    "BASE_COLOR", "BUDGET_COLOR", "PLAN_COLOR", "STRATEGY_COLORS", "MemoptFigure", "figure_png", "memory_timeline",
+    "BASE_COLOR", "BUDGET_COLOR", "PLAN_COLOR", "STRATEGY_COLORS", "MemoptFigure", "agents_figure", "figure_png",
+    "memory_timeline",
     "new_figure", "peak_curve", "reward_curves", "search_figure", "smooth", "styled", "unit_chart",
 ]
 
@@ -59,12 +64,14 @@ class MemoptFigure(Figure):
 
 
 def figure_png(fig: Figure, dpi: float | None = None, fast: bool = False) -> bytes:
-    """The figure as PNG bytes (what the dashboard's Image widget shows); ``fast`` compresses less (live frames)."""
+    """The figure as PNG bytes (what the dashboard's Image widget shows), cropped to what is drawn (legends under the
+    axes included); ``fast`` compresses less (live frames)."""
     if fig.canvas is None or not isinstance(fig.canvas, FigureCanvasAgg):
         FigureCanvasAgg(fig)
     buf = io.BytesIO()
+    # a tight box: legends under the axes are never cut off at the figure's edge
     fig.savefig(buf, format="png", dpi=dpi if dpi is not None else fig.dpi, facecolor=fig.get_facecolor(),
-                pil_kwargs={"compress_level": 1 if fast else 6})
+                bbox_inches="tight", pad_inches=0.08, pil_kwargs={"compress_level": 1 if fast else 6})
     return buf.getvalue()
 
 
@@ -97,7 +104,7 @@ def _byte_scale(max_bytes: float) -> tuple[float, str]:
 
 
 def _history_rows(history: Any) -> list[dict[str, Any]]:
-    if isinstance(history, memopt.Plan):
+    if isinstance(history, Plan):
         history = history.meta.get("history")
         if history is None:
             raise ValueError("this plan has no search history (meta['history']); it was not made by memopt.search")
@@ -156,7 +163,7 @@ def _axes_or_new(ax: Any, figsize: tuple[float, float]) -> tuple[Figure, Any]:
 
 # ====================================================================== memory timeline
 def _as_results(profile: Any, plans: Any, device: Any, labels: Sequence[str] | None) -> list[tuple[str, Any]]:
-    if isinstance(plans, (memopt.Plan, memopt.SimResult)):
+    if isinstance(plans, (Plan, SimResult)):
         items = [(None, plans)]
     elif isinstance(plans, Mapping):
         items = list(plans.items())
@@ -170,12 +177,12 @@ def _as_results(profile: Any, plans: Any, device: Any, labels: Sequence[str] | N
         items = [(lab, p) for lab, (_, p) in zip(labels, items)]
     out = []
     for label, p in items:
-        if isinstance(p, memopt.Plan):
+        if isinstance(p, Plan):
             if profile is None:
                 raise ValueError("pass the profile to simulate plans, or pass SimResults from memopt.simulate")
-            sim = memopt.simulate(profile, p, device=device)
+            sim = simulate(profile, p, device=device)
             label = label or p.method
-        elif isinstance(p, memopt.SimResult):
+        elif isinstance(p, SimResult):
             sim = p
             label = label or "plan"
         else:
@@ -186,7 +193,7 @@ def _as_results(profile: Any, plans: Any, device: Any, labels: Sequence[str] | N
 
 def _role_color(p: Any, label: Any) -> Any:
     """Grey for the unoptimized step (every unit kept), ``None`` (decided by position) for other plans."""
-    if isinstance(p, memopt.Plan) and all(s == "keep" for s in p.strategies):
+    if isinstance(p, Plan) and all(s == "keep" for s in p.strategies):
         return BASE_COLOR
     if str(label).lower() in ("unoptimized", "no plan", "keep"):
         return BASE_COLOR
@@ -210,7 +217,7 @@ def _draw_timeline(ax: Any, results: Sequence[tuple[str, Any, Any]], budget: flo
         t = np.array([r["time"] for r in rows]) * 1e3
         b = np.array([r["bytes"] for r in rows]) / div
         color = colors[i]
-        ax.plot(t, b, "-", color=color, lw=1.6, label=f"{label}: peak {memopt.format_bytes(sim.peak_bytes)}")
+        ax.plot(t, b, "-", color=color, lw=1.6, label=f"{label}: peak {format_bytes(sim.peak_bytes)}")
         k = int(np.argmax(b))
         ax.plot([t[k]], [b[k]], "o", color=color, ms=4)
         if i == 0:
@@ -220,7 +227,7 @@ def _draw_timeline(ax: Any, results: Sequence[tuple[str, Any, Any]], budget: flo
                 ax.text(bwd[0], 0.02, " backward", transform=ax.get_xaxis_transform(), fontsize=7, color="0.35")
                 ax.text(t[0], 0.02, " forward", transform=ax.get_xaxis_transform(), fontsize=7, color="0.35")
     if budget:
-        ax.axhline(budget / div, color=BUDGET_COLOR, ls="--", lw=1.2, label=f"budget {memopt.format_bytes(budget)}")
+        ax.axhline(budget / div, color=BUDGET_COLOR, ls="--", lw=1.2, label=f"budget {format_bytes(budget)}")
     ax.set_xlabel("simulated time in the step (ms)")
     ax.set_ylabel(f"device memory ({unit})")
     ax.set_ylim(bottom=0)
@@ -246,7 +253,7 @@ def memory_timeline(profile: Any, plans: Any, *, device: Any = None, budget: Any
     else:
         if profile is None and isinstance(budget, str) and budget.strip().endswith("%"):
             raise ValueError("a percentage budget needs the profile")
-        budget = memopt.resolve_budget(budget, reference=profile.peak_bytes if profile is not None else None)
+        budget = resolve_budget(budget, reference=profile.peak_bytes if profile is not None else None)
     fig, ax = _axes_or_new(ax, (7.0, 3.8))
     with styled():
         _draw_timeline(ax, results, budget)
@@ -314,6 +321,17 @@ def unit_chart(profile: Any, plan: Any = None, *, title: str | None = None) -> F
 
 
 # ====================================================================== search curves
+def _iteration_axis(ax: Any, it: np.ndarray) -> None:
+    """PPO iterations on the x axis: whole numbers only, from 1, never a zoomed-in ``0.945…1.050`` around one point."""
+    finite = it[np.isfinite(it)]
+    hi = float(finite.max()) if len(finite) else 1.0
+    hi = max(hi, 2.0)
+    pad = 0.04 * (hi - 1.0)
+    ax.set_xlim(1.0 - pad, hi + pad)
+    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_xlabel("PPO iteration")
+
+
 def _draw_rewards(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
     it = _col(rows, "iteration")
     for agent in ("strategy", "timing"):
@@ -325,8 +343,7 @@ def _draw_rewards(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
         ys = smooth(y)
         ax.plot(it[ok], ys[ok], "-", marker="." if ok.sum() < 30 else None, color=color, lw=1.6,
                 label=f"{agent} agent" + (" (smoothed; raw faint)" if ok.sum() > 5 and agent == "timing" else ""))
-    ax.set_xlabel("PPO iteration")
-    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    _iteration_axis(ax, it)
     ax.set_ylabel("reward per episode")
     ax.set_title("how well each agent does (higher is better)")
     _legend_below(ax)
@@ -346,49 +363,76 @@ def _draw_peaks(ax: Any, rows: Sequence[Mapping[str, Any]], budget: float | None
     ax.plot(it[ok], peak[ok] / div, "-", drawstyle="steps-post", color=PLAN_COLOR, lw=1.6,
             marker="." if ok.sum() < 30 else None, label="peak of the fastest plan within the budget so far")
     if budget:
-        ax.axhline(budget / div, color=BUDGET_COLOR, ls="--", lw=1.2, label=f"budget {memopt.format_bytes(budget)}")
+        ax.axhline(budget / div, color=BUDGET_COLOR, ls="--", lw=1.2, label=f"budget {format_bytes(budget)}")
     if len(base) and np.isfinite(base[-1]):
         ax.axhline(base[-1] / div, color=BASE_COLOR, ls=":", lw=1.2, label="unoptimized peak")
     if final is not None and len(it):
         ax.plot([it[-1]], [final / div], "*", color=PLAN_COLOR, ms=11, mec="white",
-                label=f"returned plan: {memopt.format_bytes(final)}")
+                label=f"returned plan: {format_bytes(final)}")
     if len(it) and not ok.any():
         ax.text(0.5, 0.5, "no plan within the budget yet", transform=ax.transAxes, ha="center", va="center",
                 color="0.4")
-    ax.set_xlabel("PPO iteration")
-    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
+    _iteration_axis(ax, it)
     ax.set_ylabel(f"peak ({unit})")
     ax.set_ylim(bottom=0, top=(max(ref) / div if ref else 1.0) * 1.08)
     ax.set_title("peak memory of the fastest plan found (it may rise\nwhen a faster plan uses more of the budget)",
                  fontsize=8)
-    _legend_below(ax)
+    _legend_below(ax, ncols=1)
 
 
 def _draw_step_time(ax: Any, rows: Sequence[Mapping[str, Any]], plan: Any = None) -> None:
+    """The fastest plan's extra step time over no plan, on an axis from zero (a change from +51% to +57% looks as
+    small as it is)."""
     it = _col(rows, "iteration")
     best = _col(rows, "best_step_time")
     base = _col(rows, "base_step_time")
     overhead = (best / base - 1.0) * 100
     ok = np.isfinite(overhead)
     ax.plot(it[ok], overhead[ok], "-", drawstyle="steps-post", color=PLAN_COLOR, lw=1.6,
-            marker="." if ok.sum() < 30 else None, label="fastest plan so far")
+            marker="." if ok.sum() < 30 else None, label="fastest plan within the budget so far")
     t = getattr(plan, "predicted_step_time", None)
+    marked = []
     if t is not None and len(base) and np.isfinite(base[-1]) and len(it):
-        ax.plot([it[-1]], [(t / base[-1] - 1.0) * 100], "*", color=PLAN_COLOR, ms=11, mec="white",
-                label=f"returned plan: {(t / base[-1] - 1.0) * 100:+.1f}%")
-    ax.set_xlabel("PPO iteration")
-    ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
-    ax.set_ylabel("step time vs unoptimized (%)")
-    ax.set_title("extra step time of the fastest plan, and episodes within the budget", fontsize=8)
-    ax2 = ax.twinx()
-    ax2.grid(False)
+        marked.append((t / base[-1] - 1.0) * 100)
+        ax.plot([it[-1]], marked, "*", color=PLAN_COLOR, ms=11, mec="white",
+                label=f"returned plan: {marked[0]:+.1f}%")
+    _iteration_axis(ax, it)
+    ax.set_ylabel("slower than no plan (%)")
+    values = [v for v in [*overhead[ok], *marked] if np.isfinite(v)]
+    top = max(values + [1.0])
+    ax.set_ylim(bottom=min(values + [0.0]), top=top * 1.15)
+    ax.set_title("extra step time of the fastest plan within the budget", fontsize=8)
+    _legend_below(ax, ncols=1)
+
+
+def _draw_feasible(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    """The share of each iteration's episodes that ended within the budget."""
+    it = _col(rows, "iteration")
     frac = _col(rows, "feasible_fraction") * 100
-    ax2.plot(it, frac, color=_PALETTE[7], lw=1.0, alpha=0.7, label="episodes within the budget (%)")
-    ax2.set_ylim(0, 105)
-    ax2.set_ylabel("within budget (%)")
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    _legend_below(ax, h1 + h2, l1 + l2)
+    ax.plot(it, frac, color=_PALETTE[7], lw=1.4, marker="." if len(it) < 30 else None,
+            label="episodes within the budget")
+    _iteration_axis(ax, it)
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("within the budget (%)")
+    ax.set_title("share of the agents' episodes within the budget", fontsize=8)
+    _legend_below(ax, ncols=1)
+
+
+def agents_figure(history: Any, *, fig: Figure | None = None, dpi: float = 90) -> Figure:
+    """How the agents learn: both agents' reward per episode and the share of episodes within the budget per PPO
+    iteration (the dashboard's collapsed section)."""
+    rows = _history_rows(history)
+    with styled():
+        if fig is None:
+            fig = MemoptFigure(figsize=(10.0, 3.0), dpi=dpi)
+            FigureCanvasAgg(fig)
+        else:
+            fig.clear()
+        fig.subplots_adjust(left=0.07, right=0.97, top=0.88, bottom=0.3, wspace=0.25)
+        a, b = fig.subplots(1, 2)
+        _draw_rewards(a, rows)
+        _draw_feasible(b, rows)
+    return fig
 
 
 def reward_curves(history: Any, *, ax: Any = None) -> Figure:
@@ -408,13 +452,15 @@ def peak_curve(history: Any, *, budget: Any = None, ax: Any = None) -> Figure:
     rows = _history_rows(history)
     fig, ax = _axes_or_new(ax, (6.0, 3.2))
     with styled():
-        _draw_peaks(ax, rows, None if budget is None else float(memopt.resolve_budget(budget)))
+        _draw_peaks(ax, rows, None if budget is None else float(resolve_budget(budget)))
     return fig
 
 
 def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, budget: float | None = None,
                   fig: Figure | None = None, title: str | None = None, plan: Any = None) -> Figure:
-    """The live dashboard's figure: rewards, the fastest plan's peak vs budget, its step time, and the memory timeline.
+    """The live dashboard's figure, in the user's terms: the memory timeline on top (the unoptimized step, the budget
+    and, at the end, the returned plan), then the fastest plan's peak against the budget and its extra step time per
+    PPO iteration. The agents' own curves are :func:`agents_figure`.
 
     Args:
         history: rows from ``memopt.search``'s callback (or its plan).
@@ -422,9 +468,11 @@ def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, bu
         best: ``SimResult`` of the returned plan, drawn over it (the dashboard passes it in its final frame).
         budget: bytes; default: the budget in the history rows.
         fig: redraw into this figure (cleared first) instead of making a new one.
-        title: a title over the four panels.
+        title: a title over the panels.
         plan: the returned plan: its predicted peak and step time are marked (a star) on the curves, so the figure
             shows the same numbers as the summary.
+
+    Axes, in order: the timeline, the peak, the step time.
     """
     rows = _history_rows(history)
     if budget is None:
@@ -434,16 +482,15 @@ def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, bu
         if fig is None:
             # A fixed layout (room for the legends under the axes): constrained layout would cost as much as the
             # drawing itself on every live frame.
-            fig = MemoptFigure(figsize=(10.0, 7.4), dpi=90)
+            fig = MemoptFigure(figsize=(10.0, 6.6), dpi=90)
             FigureCanvasAgg(fig)
         else:
             fig.clear()
-        fig.subplots_adjust(left=0.07, right=0.93, top=0.9, bottom=0.13, hspace=0.62, wspace=0.33)
-        axes = fig.subplots(2, 2).ravel()
-        _draw_rewards(axes[0], rows)
-        _draw_peaks(axes[1], rows, budget, plan)
-        _draw_step_time(axes[2], rows, plan)
-        ax = axes[3]
+        fig.subplots_adjust(left=0.07, right=0.97, top=0.91, bottom=0.13, hspace=0.62, wspace=0.25)
+        grid = fig.add_gridspec(2, 2)
+        ax = fig.add_subplot(grid[0, :])
+        peaks = fig.add_subplot(grid[1, 0])
+        steps = fig.add_subplot(grid[1, 1])
         results = []
         if unoptimized is not None:
             results.append(("unoptimized", unoptimized, BASE_COLOR))
@@ -452,13 +499,14 @@ def search_figure(history: Any, *, unoptimized: Any = None, best: Any = None, bu
         if results:
             _draw_timeline(ax, results, budget)
             if best is None:
-                ax.set_title("memory over one step: unoptimized (the plan is added at the end)",
-                             fontsize=8)
+                ax.set_title("memory over one step: unoptimized (the plan is added at the end)", fontsize=9)
             else:
-                ax.set_title("memory over one step: " + " vs ".join(lab for lab, _, _ in results), fontsize=8)
+                ax.set_title("memory over one step: " + " vs ".join(lab for lab, _, _ in results), fontsize=9)
         else:
             ax.set_axis_off()
             ax.text(0.5, 0.5, "memory timeline: pass the profile", transform=ax.transAxes, ha="center")
+        _draw_peaks(peaks, rows, budget, plan)
+        _draw_step_time(steps, rows, plan)
         if title:
             fig.suptitle(title, fontsize=10)
     return fig

@@ -10,20 +10,22 @@ from ..core.profile import ModelProfile, UnitProfile
 from ..planners.floor import explain_floor
 
 
-def _floor_html(prof: ModelProfile) -> str:
-    """The smallest peak any plan reaches on the profiled device and what bounds it (:mod:`..planners.floor`)."""
+def _floor_html(prof: ModelProfile, spelling: str = "python") -> str:
+    """The smallest peak any plan reaches on the profiled device and what bounds it (:mod:`..planners.floor`), its
+    advice spelt for ``"python"`` or the magics (``"magic"``)."""
     try:
         floor = explain_floor(prof, offload_state=True)  # the planners' default space
     except Exception as exc:  # noqa: BLE001 - a display must not fail
         return f"<p>smallest reachable peak: not computed ({html.escape(type(exc).__name__)}: " \
                f"{html.escape(str(exc))})</p>"
-    advice = ("<br>To lower it: " + html.escape("; ".join(floor.advice)) + ".") if floor.advice else ""
+    advice = ("<br>To lower it: " + html.escape(floor.advice_text(spelling)) + ".") if floor.advice else ""
     return (f"<p><b>Smallest reachable peak (any plan): {format_bytes(floor.floor_bytes)}</b> = "
             f"{html.escape(floor.breakdown_text())}.<br>{html.escape(floor.bound_text())}{advice}</p>")
 
 
-def profile_html(prof: ModelProfile) -> str:
-    """The profile's notebook table (``ModelProfile._repr_html_``)."""
+def profile_html(prof: ModelProfile, spelling: str = "python") -> str:
+    """The profile as HTML (``ModelProfile._repr_html_``): summary, totals with a legend of their terms, the floor
+    (advice spelt for ``"python"`` or the magics, ``"magic"``) and the per-unit table."""
     numbered = any(u.name != str(u.index) for u in prof.units)  # nn.Sequential children: the name is the index
     split = prof.meta.get("split") or {}
     parents: list[str] = []
@@ -39,10 +41,9 @@ def profile_html(prof: ModelProfile) -> str:
         else:
             cells.append(_unit_row(prof.units[index], numbered, depth, label))
     rows = "".join(cells)
-    totals = (f"peak {format_bytes(prof.peak_bytes)} · step {prof.step_time * 1e3:.1f} ms · params "
-              f"{format_bytes(prof.param_bytes)} · optimizer state {format_bytes(prof.optimizer_state_bytes)} · "
-              f"not in units {format_bytes(prof.unattributed_bytes)} · units cover {prof.coverage:.0%} of saved "
-              f"bytes · device {html.escape(prof.device.name)}")
+    totals = (f"params {format_bytes(prof.param_bytes)} · optimizer state "
+              f"{format_bytes(prof.optimizer_state_bytes)} · not in units {format_bytes(prof.unattributed_bytes)}"
+              f" · units cover {prof.coverage:.0%} of saved bytes<br><small>{html.escape(PROFILE_LEGEND)}</small>")
     excluded = ""
     if prof.excluded:
         excluded = "<p>excluded: " + "; ".join(html.escape(f"{e['name']} ({e['reason']})")
@@ -55,7 +56,7 @@ def profile_html(prof: ModelProfile) -> str:
         '<th title="random ops (dropout): recompute replays their random numbers; running stats (BatchNorm): '
         'recompute does not update them twice">notes</th>')
     return (
-        f"<div><b>{html.escape(prof.summary())}</b><p>{totals}</p>{_floor_html(prof)}{excluded}<table><thead>"
+        f"<div><b>{html.escape(prof.summary())}</b><p>{totals}</p>{_floor_html(prof, spelling)}{excluded}<table><thead>"
         f"<tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
     )
 
@@ -71,6 +72,14 @@ def _unit_row(u: UnitProfile, numbered: bool, depth: int = 0, label: str | None 
         f"<td>{format_bytes(u.param_bytes)}</td>"
         f"<td>{', '.join(f for f, on in (('random ops', u.has_rng), ('running stats', u.has_running_stats)) if on)}"
         f"{_effects_html(u)}</td></tr>")
+
+
+#: What the terms of a profile's display mean, shown under its totals.
+PROFILE_LEGEND = (
+    "not in units: activations saved outside every unit (embeddings, head, loss), which every plan keeps; units cover "
+    "N% of saved bytes: the share of the step's saved activations a plan can act on; notes: random ops (dropout: "
+    "recompute replays the same random numbers), running stats (BatchNorm: not updated twice), state (the forward "
+    "changes module state, which recompute restores)")
 
 
 def _effects_html(u: UnitProfile) -> str:

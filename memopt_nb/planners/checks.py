@@ -43,12 +43,13 @@ def check_budget(sim: Simulator, budget: Any, space: PlanSpace) -> int:
         using = _space_text(sim, space)
         floor = explain_floor(sim.profile, sim.device, floor_bytes=lowest, strategies=space.strategies,
                               offload_state=space.offload_state, step_in_backward=space.step_in_backward)
-        raise BudgetError(
-            f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches for this "
-            f"profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes) = {floor.breakdown_text()}. "
-            f"{floor.bound_text()} Ask for at least {format_bytes(lowest)}; to lower the floor: "
-            f"{'; '.join(floor.advice)}."
-        )
+        err = BudgetError(
+            "", minimum_bytes=int(lowest), budget_bytes=int(value), options=floor.advice,
+            context=(f"Budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches "
+                     f"for this profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes)."),
+            detail=f"That floor = {floor.breakdown_text()}. {floor.bound_text()}")
+        err.args = (err.reworded("python"),)
+        raise err
     return value
 
 

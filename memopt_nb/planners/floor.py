@@ -34,12 +34,26 @@ from ..sim.simulator import CODES, SELECTIVE, Simulator
 from .milp import min_peak
 from .space import plan_decisions
 
-__all__ = ["FIXED_STATE", "KEPT_ACTIVATIONS", "LARGEST_UNIT", "Floor", "explain_floor", "state_floor"]
+__all__ = ["FIXED_STATE", "KEPT_ACTIVATIONS", "LARGEST_UNIT", "Advice", "Floor", "explain_floor", "state_floor"]
 
 #: Names of the three parts (the values of :attr:`Floor.bound`).
 FIXED_STATE = "fixed state"
 LARGEST_UNIT = "largest unit"
 KEPT_ACTIVATIONS = "kept activations"
+
+
+class Advice(str):
+    """One piece of advice, in Python spelling (the ``str``), with ``magic``: the same in the magics' spelling
+    (``--step-in-backward`` for ``step_in_backward=True``), so an error can speak where the user is."""
+
+    magic: str
+    python: str
+
+    def __new__(cls, python: str, magic: str | None = None) -> Advice:
+        obj = super().__new__(cls, python)
+        obj.python = python
+        obj.magic = magic if magic is not None else python
+        return obj
 
 
 @dataclass
@@ -53,7 +67,8 @@ class Floor:
             left of the floor after the fixed state).
         kept_bytes: the rest of the floor: kept unit inputs, activations no plan frees, code outside units.
         bound: the largest of the three parts: ``"fixed state"``, ``"largest unit"`` or ``"kept activations"``.
-        advice: what would lower the floor (only options that help with this bound).
+        advice: what would lower the floor (only options that help with this bound), each an :class:`Advice`: a str in
+            Python spelling with its magics' spelling as ``.magic``.
         offload_state: the placements allowed (``False``: activations only).
         moved_bytes: with placements, the state the floor's plan keeps off the device (outside the step's window).
         state_floor_bytes: the floor with placements allowed (``offload_state=True``), when the profile records per-unit
@@ -104,9 +119,14 @@ class Floor:
         return (f"fixed state {fb(self.fixed_bytes)} + largest unit{unit} {fb(self.largest_unit_bytes)} + kept "
                 f"activations {fb(self.kept_bytes)}")
 
-    def text(self) -> str:
-        """Floor, what bounds it, and what would lower it, as a short paragraph."""
-        advice = " To lower it: " + "; ".join(self.advice) + "." if self.advice else ""
+    def advice_text(self, spelling: str = "python") -> str:
+        """The advice joined by ``; ``, spelt for ``"python"`` or for the magics (``"magic"``)."""
+        return "; ".join(getattr(a, spelling, None) or str(a) for a in self.advice)
+
+    def text(self, spelling: str = "python") -> str:
+        """Floor, what bounds it, and what would lower it (spelt for ``"python"`` or ``"magic"``), as a short
+        paragraph."""
+        advice = " To lower it: " + self.advice_text(spelling) + "." if self.advice else ""
         return (f"Smallest reachable peak: {format_bytes(self.floor_bytes)} ({self.breakdown_text()}). "
                 f"{self.bound_text()}{advice}")
 
@@ -234,40 +254,49 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     parts = {FIXED_STATE: fixed, LARGEST_UNIT: work, KEPT_ACTIVATIONS: kept}
     bound = max(parts, key=lambda k: parts[k])
     activations = work + kept
-    advice: list[str] = []
+    advice: list[Advice] = []
 
     if not set(every) <= set(strategies):  # a restricted activation space: what the whole default one reaches
 
         wider = min_peak(profile, device, every, offload_state=offload_state, step_in_backward=step_in_backward)
         if wider < floor:
-            advice.append(f"allow every activation strategy (strategies={every!r}): floor {format_bytes(wider)}")
+            advice.append(Advice(f"allow every activation strategy (strategies={every!r}): floor "
+                                 f"{format_bytes(wider)}",
+                                 f"allow every activation strategy (--strategies {','.join(every)}): floor "
+                                 f"{format_bytes(wider)}"))
     if bound == FIXED_STATE and offload_state is False and _has_state(profile):
         state_floor_bytes, _ = state_floor(profile, device, strategies, True, False)
         if state_floor_bytes < floor:
-            advice.append(f"let the plan move optimizer state, gradients and parameters off the device "
-                          f"(offload_state=True): floor about {format_bytes(state_floor_bytes)}")
+            what = "let the plan move optimizer state, gradients and parameters off the device"
+            advice.append(Advice(f"{what} (offload_state=True): floor about {format_bytes(state_floor_bytes)}",
+                                 f"{what} (--offload-state all): floor about {format_bytes(state_floor_bytes)}"))
     if bound == FIXED_STATE and offload_state is not False and not step_in_backward and profile.grad_bytes > 0 \
             and profile.meta.get("optimizer") and _grads_may_move(offload_state):
-        advice.append("step_in_backward=True: each unit's optimizer step runs in backward and frees its gradients "
-                      "at once (the loop may then neither accumulate gradients nor clip them)")
+        why = (": each unit's optimizer step runs in backward and frees its gradients at once (the loop may then "
+               "neither accumulate gradients nor clip them)")
+        advice.append(Advice("step_in_backward=True" + why, "--step-in-backward" + why))
     if bound == FIXED_STATE:
-        advice.append("shard the state across devices (FSDP2, see memopt.distributed.per_rank and tutorial 04)")
+        advice.append(Advice("shard the state across devices (FSDP2, see memopt.distributed.per_rank and tutorial 04)"))
         if activations >= 0.1 * floor:
-            advice.append("a smaller batch (activations are the other "
-                          f"{format_bytes(activations)})")
+            advice.append(Advice(f"a smaller batch (activations are the other {format_bytes(activations)})"))
     elif bound == LARGEST_UNIT:
         if profile.meta.get("units_rule") != "fine":
-            advice.append(f"finer units: profile with units='fine' (magic: --units fine), which splits {name} and "
-                          "units like it into their submodules")
+            tail = f", which splits {name} and units like it into their submodules"
+            advice.append(Advice(f"finer units: profile with units='fine'{tail}",
+                                 f"finer units: profile with --units fine{tail}"))
         else:
-            advice.append(f"finer units: units='fine' could not split {name} further (its submodules do not cover what "
-                          "it saves, or 64 units were reached); name smaller modules in units=[...]")
-        advice.append("a smaller batch")
+            why = (f"finer units: units='fine' could not split {name} further (its submodules do not cover what it "
+                   "saves; profile.meta['split_why'] says why)")
+            advice.append(Advice(f"{why}; name smaller modules in units=[...]",
+                                 f"{why}; name smaller modules in --units NAME,NAME,...".replace(
+                                     "units='fine'", "--units fine")))
+        advice.append(Advice("a smaller batch"))
     else:
-        advice.append("a smaller batch (kept activations grow with it)")
+        advice.append(Advice("a smaller batch (kept activations grow with it)"))
         if "recompute_offload" not in strategies:
-            advice.append("recompute_offload, which offloads the unit inputs recompute keeps (opt-in: "
-                          "strategies=memopt_nb.core.plan.STRATEGIES)")
+            what = "recompute_offload, which offloads the unit inputs recompute keeps (opt-in: "
+            advice.append(Advice(what + "strategies=memopt_nb.plan.STRATEGIES)",
+                                 what + "--strategies keep,recompute,swap,recompute_offload)"))
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
                  bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
                  state_floor_bytes=state_floor_bytes, plan=plan)

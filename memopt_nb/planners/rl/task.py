@@ -28,6 +28,7 @@ from ...core.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, STATE_CHOICES
 from ...core.space import PlanSpace
 from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
 from ..checks import check_budget
+from ..floor import Advice
 from ..space import as_simulator, check_save_sets
 
 __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS", "SELECTIVE_BASE",
@@ -387,13 +388,12 @@ class PlanningTask:
             part = ("the optimizer step (its unit-by-unit peak with every placement allowed)"
                     if self.step_part(step, False, can_move) >= float(seg.max()) else
                     "the activations and the state that stays resident at the peak segment")
-            raise BudgetError(
-                f"budget {format_bytes(value)} ({value} bytes) is below the smallest peak the planner's model finds "
+            raise self._floor_error(
+                int(lowest), value,
+                f"Budget {format_bytes(value)} ({value} bytes) is below the smallest peak the planner's model finds "
                 f"for this profile on {self.sim.device.name}{self._strategies_text()} even with state offload "
-                f"({self._allowed_text()}): about "
-                f"{format_bytes(int(lowest))} ({int(lowest)} bytes), bounded by {part}. Ask for at least that much"
-                + ("" if self.C == len(STATE_CHOICES) else ", or allow more of the state to move (offload_state=True"
-                   + (", step_in_backward=True" if not self.step_in_backward else "") + ")") + ".")
+                f"({self._allowed_text()}): about {format_bytes(int(lowest))} ({int(lowest)} bytes), bounded by "
+                f"{part}.")
         return value
 
     def _check_step_floor(self) -> None:
@@ -403,14 +403,23 @@ class PlanningTask:
         step = self.step_part(self.step_base + self.suffix_step[0], False, bool(self.suffix_can_move[0]))
         if self.budget < step:
             value = self.budget
-            more = "" if self.C == len(STATE_CHOICES) else (
-                " Allowing more of the state to move (offload_state=True"
-                + (", step_in_backward=True" if not self.step_in_backward else "") + ") may lower it.")
-            raise BudgetError(
-                f"budget {format_bytes(value)} ({value} bytes) is below what the optimizer step alone needs on "
+            raise self._floor_error(
+                int(step), int(value),
+                f"Budget {format_bytes(value)} ({value} bytes) is below what the optimizer step alone needs on "
                 f"{self.sim.device.name} with the placements allowed ({self._allowed_text()}): at least "
-                f"{format_bytes(int(step))} ({int(step)} bytes), whatever the plan does with activations. Ask for at "
-                f"least that much.{more}")
+                f"{format_bytes(int(step))} ({int(step)} bytes), whatever the plan does with activations.")
+
+    def _floor_error(self, lowest: int, value: int, context: str) -> BudgetError:
+        """A :class:`BudgetError` for a budget below ``lowest``, the actionable sentence first; the option to let
+        more of the state move is spelt for Python and for the magics."""
+        options = [] if self.C == len(STATE_CHOICES) else [Advice(
+            "allow more of the state to move (offload_state=True" + (", step_in_backward=True" if not
+                                                                     self.step_in_backward else "") + ")",
+            "allow more of the state to move (--offload-state all" + (" --step-in-backward" if not
+                                                                     self.step_in_backward else "") + ")")]
+        err = BudgetError("", minimum_bytes=lowest, budget_bytes=int(value), options=options, context=context)
+        err.args = (err.reworded("python"),)
+        return err
 
     def _strategies_text(self) -> str:
         return "" if self.strategies == DEFAULT_STRATEGIES else f" using only {', '.join(self.strategies)}"
