@@ -23,6 +23,7 @@ import memopt_nb as memopt
 from memopt_nb import device as device_module
 from memopt_nb.errors import BudgetError, PlanError
 from memopt_nb.plan import Plan
+from memopt_nb.runtime.state import StepInBackwardError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,3 +136,185 @@ def test_a_budget_written_as_a_share_above_one_is_refused_with_what_was_meant(bu
 @contextlib.contextmanager
 def _nothing():
     yield None
+
+
+# ---------------------------------------------------------------------- 3: an optimizer the profile did not see
+def _profiled_mlp(rows, step_in_backward: bool = False):
+    zm = _mlp()
+    seen = torch.optim.AdamW(zm.model.parameters(), lr=1e-2)
+    prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=seen, repeats=1)
+    plan = ws._whole(Plan.uniform(prof, "keep"), rows, step_in_backward=step_in_backward, opt=seen)
+    return zm, seen, plan
+
+
+@pytest.mark.parametrize("rows", ["mixed", "mixed_step"])
+@pytest.mark.parametrize("kernel", [{"fused": True}, {"foreach": True}, {}], ids=["fused", "foreach", "single"])
+def test_an_optimizer_made_after_profiling_is_refused_before_it_steps(kernel, rows):
+    """``AdamW(fused=True)`` made after profiling and stepped under ``with memopt.plan(p):`` (which manages the
+    optimizer the profile saw) trained differently from the second step on; it is refused at its first step, with
+    nothing stepped (units already stepped in backward put back), and the loop goes on without the plan as if the
+    refused step had not been tried."""
+    step = rows == "mixed_step"
+    zm, seen, plan = _profiled_mlp(ws.MIXED_STEP if step else ws.MIXED, step_in_backward=step)
+    model = zm.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kernel)
+    with pytest.raises(PlanError) as err:
+        with memopt.plan(plan):
+            zm.loss_fn(model(*zm.inputs)).backward()
+            opt.step()
+    text = str(err.value)
+    assert "optimizer=opt" in text and "optimizers=(opt, None)" in text and "'blocks.0'" in text
+    assert ("fused=True" in text) == ("fused" in kernel)
+    for n, p in model.named_parameters():
+        assert type(p) is nn.Parameter and torch.equal(p, before[n]), f"{n} was changed"
+    assert not opt.state and not seen.state
+    opt.step()  # the refused step, now without the plan (plain training's gradients are there, except stepped ones)
+    ref = _mlp()
+    ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=1e-2, **kernel)
+    ref.loss_fn(ref.model(*ref.inputs)).backward()
+    if step:  # the units stepped in backward have no gradient left: plain training restricted to the others
+        for p, q in zip(ref.model.parameters(), model.parameters(), strict=True):
+            if q.grad is None:
+                p.grad = None
+    ref_opt.step()
+    for (n, a), (_, b) in zip(ref.model.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_the_optimizer_the_plan_was_made_for_trains_fused_as_without_the_plan():
+    def run(planned: bool):
+        zm = _mlp()
+        opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2, fused=True)
+        plan = None
+        if planned:
+            prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
+            plan = ws._whole(Plan.uniform(prof, "keep"), ws.MIXED, opt=opt)
+        return ws.train_loop(zm.model, opt, plan, lambda m: zm.loss_fn(m(*zm.inputs)))
+
+    ws._assert_same_training(run(False), run(True))
+
+
+def test_transformers_trainer_with_its_default_optimizer_is_refused_saying_how_to_pass_one():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import tempfile
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=gen)} for _ in range(4)]
+    for row in data:
+        row["labels"] = row["input_ids"].clone()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    profiled = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = data[0]["input_ids"][None].repeat(2, 1)
+    prof = memopt.profile(model, loss_fn=lambda out: out.loss, optimizer=profiled, repeats=1, input_ids=ids,
+                          labels=ids)
+    rows = [("keep", "offload", "offload", "offload") if u.param_bytes else ("keep",) + ("resident",) * 3
+            for u in prof.units]
+    plan = ws._whole(Plan.uniform(prof, "keep"), rows, opt=profiled)
+    args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], max_steps=2,
+                                          per_device_train_batch_size=2, use_cpu=True, save_strategy="no",
+                                          logging_strategy="no", seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)  # its own optimizer, made in train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(PlanError, match=r"optimizers=\(opt, None\)"):
+        with memopt.plan(plan):
+            trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+# ---------------------------------------------------------------------- 5: an exception mid-backward, step in backward
+class _Stop(Exception):
+    pass
+
+
+def _skipping_a_bad_batch(planned: bool, where: str, leave: bool = False):
+    """Three AdamW steps of the zoo MLP; the second one's backward raises (in ``blocks.1``'s backward, after
+    ``blocks.3`` and ``blocks.2``; or at the input layer, after every block) and the loop skips that batch with
+    ``opt.zero_grad()``. Under the plan, units 0 and 2 step in backward (``MIXED_STEP``: unit 0's state offloaded,
+    unit 2's parameters). ``leave``: the exception leaves the block instead (the loop stops there)."""
+    zm = _mlp()
+    model = zm.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    armed = [False]
+
+    def fail(*args):
+        if armed[0]:
+            raise _Stop("bad batch")
+
+    if where == "block":
+        handle = model.blocks[1].register_full_backward_hook(fail)
+    else:
+        handle = model.inp.weight.register_hook(fail)
+    plan = ws._whole(Plan.uniform(ws._profile("mlp"), "keep"), ws.MIXED_STEP, step_in_backward=True, opt=opt)
+    applied = memopt.plan(plan, model, optimizer=opt) if planned else contextlib.nullcontext()
+    torch.manual_seed(11)
+    losses = []
+    with contextlib.suppress(_Stop), applied:
+        for i in range(3):
+            armed[0] = i == 1
+            loss = zm.loss_fn(model(*zm.inputs))
+            losses.append(loss.detach().clone())
+            try:
+                loss.backward()
+                opt.step()
+            except _Stop:
+                if leave:
+                    raise
+            opt.zero_grad()
+    handle.remove()
+    return model, opt, losses, applied.stats if planned else None
+
+
+@pytest.mark.parametrize("where", ["block", "input"])
+def test_an_exception_mid_backward_puts_back_the_units_stepped_and_the_batch_can_be_skipped(where):
+    (m0, o0, l0, _), (m1, o1, l1, stats) = _skipping_a_bad_batch(False, where), _skipping_a_bad_batch(True, where)
+    assert stats["steps_in_backward_undone"] == (1 if where == "block" else 2)
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1, strict=True)) and len(l1) == 3
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
+        assert type(b) is nn.Parameter and torch.equal(a, b), f"parameter {n} differs"
+    assert ws._same(o0.state_dict(), o1.state_dict())
+
+
+def test_an_exception_mid_backward_leaving_the_block_leaves_the_model_as_plain_training_does():
+    (m0, o0, _, _), (m1, o1, l1, stats) = (_skipping_a_bad_batch(False, "input", leave=True),
+                                            _skipping_a_bad_batch(True, "input", leave=True))
+    assert stats["steps_in_backward_undone"] == 2 and len(l1) == 2
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
+        assert type(b) is nn.Parameter and torch.equal(a, b), f"parameter {n} differs"
+    assert ws._same(o0.state_dict(), o1.state_dict())
+    o1.zero_grad()  # and the loop may go on without the plan
+
+
+def _failed_then_skipped(planned: bool):
+    """A backward that raises after every block (units 0 and 2 stepped in it), then, under the plan, ``opt.step()``
+    and a forward without ``zero_grad()`` (refused), then the batch skipped and one good step."""
+    zm = _mlp()
+    model = zm.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = model.inp.weight.register_hook(lambda g: (_ for _ in ()).throw(_Stop("bad batch")))
+    plan = ws._whole(Plan.uniform(ws._profile("mlp"), "keep"), ws.MIXED_STEP, step_in_backward=True, opt=opt)
+    torch.manual_seed(11)  # dropout
+    with memopt.plan(plan, model, optimizer=opt) if planned else contextlib.nullcontext():
+        with pytest.raises(_Stop):
+            zm.loss_fn(model(*zm.inputs)).backward()
+        handle.remove()
+        if planned:
+            with pytest.raises(StepInBackwardError, match=r"failed partway.*opt.zero_grad\(\)"):
+                opt.step()
+            with pytest.raises(StepInBackwardError, match="failed partway"):
+                model(*zm.inputs)
+        opt.zero_grad()
+        zm.loss_fn(model(*zm.inputs)).backward()
+        opt.step()
+    return model, opt
+
+
+def test_after_a_failed_backward_a_step_or_forward_without_zero_grad_is_refused_saying_so():
+    (m0, o0), (m1, o1) = _failed_then_skipped(False), _failed_then_skipped(True)
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    assert ws._same(o0.state_dict(), o1.state_dict())

@@ -413,8 +413,10 @@ class AppliedPlan:
         optimizer's methods and every wrapped ``forward`` restored exactly. Safe to call twice."""
         try:
             if self.state is not None:
-                self._stats.update(self.state.stats)
-                self.state.remove()
+                try:
+                    self.state.remove()
+                finally:  # after: removing may still move state (a failed backward's steps put back)
+                    self._stats.update(self.state.stats)
         finally:
             self.state = None
             for module, had_own, previous in reversed(self._installed):

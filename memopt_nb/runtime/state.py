@@ -87,6 +87,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import PlanError
 from ..plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
+from .foreign import unwatch as _unwatch_foreign
+from .foreign import watch as _watch_foreign
 from .hooks import uncopied
 from .memory import note_device_storage
 from .storages import byte_view as _u8
@@ -669,6 +671,13 @@ class StateManager:
         self._sib_gen = -1  # the backward pass in which units were last stepped
         self._state_keys: set[int] = set()
         self._lr_sched = False
+        # per unit stepped in backward, its parameters and optimizer state as they were before that step (host
+        # copies): a backward that fails after stepping it puts it back (:meth:`_recover_failed_backward`)
+        self._undo: dict[int, list[tuple[nn.Parameter, Any, Any]]] = {}
+        self._undo_bufs: dict[tuple[int, Any], Any] = {}
+        self._queued_task = -1  # the autograd graph task the end-of-backward callback was queued in
+        #: units were put back after a failed backward, their gradients gone: opt.zero_grad() must come first
+        self._undone_pending = False
         self._pending: list[_Slot] = []
         # per unit, the device gradients sent to the host in its current backward: held until that backward ends, so
         # they leave the device there whenever the copy thread finishes (the schedule the simulator counts)
@@ -688,6 +697,7 @@ class StateManager:
         opt._memopt_state = self
         try:
             self._install()
+            _watch_foreign(self)  # another optimizer stepping these parameters is refused (runtime/foreign.py)
         except BaseException:
             self.remove()
             raise
@@ -769,6 +779,8 @@ class StateManager:
             return
         opt = self.optimizer
         try:
+            if self._backward_failed():  # leaving the block by an exception raised mid-backward
+                self._recover_failed_backward()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -794,6 +806,7 @@ class StateManager:
                 else:
                     opt.__dict__[name] = prev
             self._opt_saved = {}
+            _unwatch_foreign(self)
             if getattr(opt, "_memopt_state", None) is self:
                 del opt._memopt_state
             self._mover.close()
@@ -912,7 +925,7 @@ class StateManager:
         chunk = [p for p in self.unit_params[u] if id(p) in in_opt and p.grad is not None]
         if not chunk:
             return
-        self._run_chunks([chunk], closure=None)
+        self._run_chunks([chunk], closure=None, before_step=lambda ps: self._keep_for_undo(u, ps))
         for p in chunk:
             p.grad = _stepped_placeholder(p.grad)
             self._stale += 1
@@ -942,6 +955,8 @@ class StateManager:
                                       f"after the first one already stepped some units; {_STEP_RULES}")
 
     def _check_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._refuse_after_undo("forward with gradients enabled")
         if self._stepped and torch.is_grad_enabled():
             raise StepInBackwardError("forward with gradients enabled after a backward that already stepped some "
                                       f"units, before opt.step(); {_STEP_RULES}")
@@ -1101,8 +1116,12 @@ class StateManager:
         return hook
 
     def _queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._callback_queued and task != self._queued_task:
+            self._recover_failed_backward()  # the backward it was queued in raised: its callback never ran
         if not self._callback_queued:
             self._callback_queued = True
+            self._queued_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -1153,7 +1172,9 @@ class StateManager:
             if self._param_slots[u]:
                 self._fetch_params(u, wait=True)
 
-    def _run_chunks(self, chunks: list[list[nn.Parameter]], closure: Any) -> None:
+    def _run_chunks(self, chunks: list[list[nn.Parameter]], closure: Any, before_step: Any = None) -> None:
+        """Step ``chunks`` one after another (see the module docstring); ``before_step(chunk)``, if given, runs when
+        a chunk's parameters, gradients and state are on the device, just before it steps."""
         if not chunks:
             return
         pending: list[_Slot] | None = None
@@ -1173,6 +1194,8 @@ class StateManager:
                     self.stats["grad_h2d_bytes"] += g._slot.nbytes
                     swapped.append((p, g))
             if chunk:
+                if before_step is not None:
+                    before_step(chunk)
                 self._raw_step(chunk)
             for p, g in swapped:
                 p.grad = g
@@ -1191,6 +1214,8 @@ class StateManager:
         self._release_pending()
 
     def _all_chunks(self, opt: torch.optim.Optimizer, closure: Any = None) -> Any:
+        self._refuse_after_undo("opt.step()")
+        self._undo.clear()  # the steps in backward are this step's: no longer to be undone
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1232,6 +1257,9 @@ class StateManager:
 
     # ------------------------------------------------------------------ zero_grad / state_dict / load_state_dict
     def _zero_grad(self, set_to_none: bool) -> None:
+        if self._backward_failed():  # skipping a batch whose backward raised: put its stepped units back first
+            self._recover_failed_backward()
+        self._undone_pending = False
         if self._stepped:
             raise StepInBackwardError("opt.zero_grad() before opt.step() after a backward that already stepped "
                                       "some units: plain training would discard those gradients, but the units were "
@@ -1296,6 +1324,126 @@ class StateManager:
                         self._send_state(p)
         self._release_pending()
         self._state_keys = {id(k) for k in opt.state}
+
+    # ------------------------------------------------------------------ another optimizer (runtime/foreign.py)
+    error = StateError
+
+    def managed_param_ids(self) -> set[int]:
+        """The ids of the parameters in units whose optimizer state, gradients or parameters this manager moves."""
+        return {id(p) for pl, ps in zip(self.placements, self.unit_params, strict=True) if pl.managed for p in ps}
+
+    def unit_names(self, units: Iterable[int]) -> str:
+        """Units by their module names in the model (``unit 3`` for a unit given as a list of parameters)."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        out = [repr(names.get(id(self.modules[u]), f"unit {u}")) if self.modules[u] is not None else f"unit {u}"
+               for u in units]
+        return ", ".join(out[:4]) + (f" and {len(out) - 4} more" if len(out) > 4 else "")
+
+    def undo_steps_in_backward(self) -> int:
+        """Put the units stepped in a backward that has not been followed by ``opt.step()`` back as they were before
+        their step (parameters and optimizer state); returns how many. Used before refusing what would otherwise
+        leave them half-trained. Their gradients are gone: ``opt.zero_grad()`` must come before the next forward or
+        step (both raise :class:`StepInBackwardError` until then)."""
+        self._recover_failed_backward()
+        return self._undo_stepped()
+
+    # ------------------------------------------------------------------ undoing a step in backward
+    def _host_copy(self, key: tuple[int, Any], t: torch.Tensor) -> tuple[Any, int, Any]:
+        """Start copying ``t``'s storage into a host buffer kept for ``key`` (reused step after step)."""
+        st = t.untyped_storage()
+        n = st.nbytes()
+        host = self._undo_bufs.get(key)
+        if host is None or host.nbytes() != n:
+            host = self._undo_bufs[key] = self._mover.new_host(n)
+        self.stats["undo_d2h_bytes"] += n
+        return host, n, self._mover.copy("d2h", host, st, n)
+
+    def _keep_for_undo(self, u: int, chunk: list[nn.Parameter]) -> None:
+        """Before unit ``u`` steps in backward: host copies of its parameters and optimizer state, so that a backward
+        that fails later can put the unit back (an exception mid-backward, or a refused optimizer)."""
+        opt = self.optimizer
+        records, tickets = [], []
+        for p in chunk:
+            host, n, ticket = self._host_copy((id(p), None), p)
+            tickets.append(ticket)
+            st = opt.state.get(p)
+            kept = None
+            if st:
+                kept = {}
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and not isinstance(v, HostTensor):
+                        h, m, t = self._host_copy((id(p), k), v)
+                        tickets.append(t)
+                        kept[k] = (v, h, m)
+                    else:
+                        kept[k] = copy.deepcopy(v)
+            records.append((p, (host, n), kept))
+        for t in tickets:  # the step changes them in place: the copies must have read them first
+            self._mover.wait(t)
+        self._undo[u] = records
+
+    def _write_back(self, t: torch.Tensor, host: Any, n: int) -> None:
+        self._mover.wait(self._mover.copy("h2d", t.untyped_storage(), host, n))
+
+    def _undo_stepped(self) -> int:
+        """Put every unit stepped in backward and not yet followed by ``opt.step()`` back as it was before its step."""
+        units = sorted(u for u in self._stepped if u in self._undo)
+        opt = self.optimizer
+        for u in units:
+            offloaded = bool(self._param_slots[u])
+            if offloaded:
+                self._fetch_params(u, wait=True)
+            for p, (host, n), kept in self._undo.pop(u):
+                self._write_back(p, host, n)
+                if kept is None:  # its state was made by that step: plain training has none yet
+                    opt.state.pop(p, None)
+                    continue
+                self._bring_state(p, wait=True)
+                st = opt.state[p]
+                for k, v in kept.items():
+                    if isinstance(v, tuple):
+                        tensor, h, m = v
+                        self._write_back(tensor, h, m)
+                        st[k] = tensor
+                    else:
+                        st[k] = v
+                if self.placements[u].optimizer == "offload":
+                    self._send_state(p)
+            self._release_pending()
+            if offloaded:
+                self._param_dirty[u] = True
+                if not self._in_bw[u]:
+                    self._free_params(u)
+        self._stepped.clear()
+        self._undo.clear()
+        if units:
+            self._undone_pending = True
+            self.stats["steps_in_backward_undone"] += len(units)
+        return len(units)
+
+    def _backward_failed(self) -> bool:
+        """Whether a backward that reached this manager's hooks ended without running its end-of-backward callback
+        (it raised, or was interrupted), and no backward runs now."""
+        return self._callback_queued and torch._C._current_graph_task_id() == -1
+
+    def _recover_failed_backward(self) -> int:
+        """After a failed backward: put back the units it stepped (their parameters and optimizer state as before
+        their step), then do the bookkeeping its end-of-backward callback would have done. Returns the units put
+        back."""
+        if not self._callback_queued or torch._C._current_graph_task_id() == self._queued_task:
+            return 0
+        undone = self._undo_stepped() if self._sib_gen == self._gen else 0
+        self._end_of_backward()
+        return undone
+
+    def _refuse_after_undo(self, what: str) -> None:
+        if self._backward_failed():
+            self._recover_failed_backward()
+        if self._undone_pending:
+            raise StepInBackwardError(
+                f"{what} after a backward that failed partway: the units it had already stepped were put back as they "
+                "were before it (parameters and optimizer state), but their gradients are gone, so the batch cannot be "
+                "finished. Skip it with opt.zero_grad() (or model.zero_grad() then opt.zero_grad()) and go on")
 
     # ------------------------------------------------------------------ reporting
     def unit_bytes(self) -> list[dict[str, int]]:
