@@ -318,3 +318,95 @@ def test_after_a_failed_backward_a_step_or_forward_without_zero_grad_is_refused_
     for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
         assert torch.equal(a, b), n
     assert ws._same(o0.state_dict(), o1.state_dict())
+
+
+# ---------------------------------------------------------------------- 2: LoRA adapters in offloaded units
+class _LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``B @ A`` (what peft's LoRA adds to a layer)."""
+
+    def __init__(self, d: int, r: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(r, d) * 0.1)
+        self.B = nn.Parameter(torch.randn(d, r) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.A.t() @ self.B.t()
+
+
+class _LoRABlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.proj = _LoRALinear(d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # post-norm: the frozen base weight is the last thing the block's backward needs, after every gradient
+        return self.norm(x + self.drop(torch.nn.functional.gelu(self.proj(x))))
+
+
+class _LoRANet(nn.Module):
+    def __init__(self, d: int = 32, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_LoRABlock(d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _lora():
+    torch.manual_seed(0)
+    model = _LoRANet()
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, x, opt
+
+
+def _lora_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+LORA_ROWS = {
+    "params_offloaded": ([("keep", "resident", "resident", "offload")], False),
+    "all_offloaded_recompute": ([("recompute", "offload", "offload", "offload")], False),
+    "mixed": (ws.MIXED, False),
+    "mixed_step": (ws.MIXED_STEP, True),
+}
+
+
+@pytest.mark.parametrize("rows", list(LORA_ROWS))
+def test_lora_adapters_with_parameters_offloaded_train_as_without_the_plan(rows):
+    """The frozen base weight of an offloaded unit was freed as soon as the adapter's gradients were complete, while
+    backward still needed it for the input's gradient ("setStorage ... out of bounds for storage of size 0")."""
+    placement, step = LORA_ROWS[rows]
+
+    def run(planned: bool):
+        model, x, opt = _lora()
+        plan = None
+        if planned:
+            prof = memopt.profile(model, x, loss_fn=_lora_loss, optimizer=opt, repeats=1)
+            plan = ws._whole(Plan.uniform(prof, "keep"), placement, step_in_backward=step, opt=opt)
+        return ws.train_loop(model, opt, plan, lambda m: _lora_loss(m(x)))
+
+    ref, got = run(False), run(True)
+    ws._assert_same_training(ref, got, stepped=step)
+    assert got[2]["stats"]["param_h2d_bytes"] > 0
+    assert all(not p.requires_grad for n, p in got[0].named_parameters() if ".base." in n)
+
+
+def test_the_exact_planners_lora_plan_trains_as_without_it_at_the_predicted_peak():
+    model, x, opt = _lora()
+    prof = memopt.profile(model, x, loss_fn=_lora_loss, optimizer=opt, repeats=1)
+    plan = memopt.solvers.optimal(prof, budget="50%")
+    assert plan.state_counts()["params"] > 0
+    measured = memopt.measure(model, x, loss_fn=_lora_loss, optimizer=opt, plan=plan, steps=2)
+    assert measured.peak_bytes == plan.predicted_peak_bytes
+    ref = _lora()
+    got = _lora()
+    ws._assert_same_training(ws.train_loop(ref[0], ref[2], None, lambda m: _lora_loss(m(ref[1]))),
+                             ws.train_loop(got[0], got[2], plan, lambda m: _lora_loss(m(got[1]))))

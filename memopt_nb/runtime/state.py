@@ -664,6 +664,10 @@ class StateManager:
         self._in_bw = [False] * len(self.unit_params)
         self._seen: list[set[int]] = [set() for _ in self.unit_params]
         self._trainable = [{id(p) for p in ps if p.requires_grad} for ps in self.unit_params]
+        #: per unit, whether it holds a frozen parameter (no gradient): then its last gradient does not mark the end
+        #: of its backward, which may still need that parameter for its input's gradient
+        self._frozen = [any(not p.requires_grad for p in ps) for ps in self.unit_params]
+        self._deferred: set[int] = set()  # units whose gradients are done, freed when backward reaches an earlier one
         self._stepped: set[int] = set()  # units stepped in backward, waiting for opt.step()
         self._stale = 0  # stepped placeholders not yet cleared by zero_grad
         self._callback_queued = False
@@ -908,6 +912,9 @@ class StateManager:
             if pl.grads == "step":
                 self._step_in_backward(u)
             if self._param_slots[u]:
+                if self._frozen[u]:  # its backward may still read a frozen parameter (a LoRA adapter's base
+                    self._deferred.add(u)  # weight, for the input's gradient): freed when backward leaves the unit
+                    return
                 self._free_params(u)
                 self._in_bw[u] = False
 
@@ -1100,6 +1107,7 @@ class StateManager:
                     if fired[0]:
                         return
                     fired[0] = True
+                    self._free_deferred(u)
                     self._in_bw[u] = True
                     if self._param_slots[u]:
                         self._fetch_params(u, wait=True)
@@ -1115,6 +1123,16 @@ class StateManager:
 
         return hook
 
+    def _free_deferred(self, u: int) -> None:
+        """Backward reached unit ``u``: the units after it whose gradients are complete are done with their
+        parameters (frozen ones included): free them before ``u``'s are fetched, as a unit without frozen parameters
+        is freed at its last gradient."""
+        for w in sorted(w for w in self._deferred if w > u):
+            self._deferred.discard(w)
+            if self._in_bw[w]:
+                self._free_params(w)
+                self._in_bw[w] = False
+
     def _queue_end_of_backward(self) -> None:
         task = torch._C._current_graph_task_id()
         if self._callback_queued and task != self._queued_task:
@@ -1127,6 +1145,7 @@ class StateManager:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._gen += 1
+        self._deferred.clear()  # freed below with every unit still in backward
         for seen in self._seen:  # a unit not complete in this backward is stepped by opt.step(), not in the next one
             seen.clear()
         for u, sent in enumerate(self._sent_grads):
