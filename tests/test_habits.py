@@ -410,3 +410,53 @@ def test_the_exact_planners_lora_plan_trains_as_without_it_at_the_predicted_peak
     got = _lora()
     ws._assert_same_training(ws.train_loop(ref[0], ref[2], None, lambda m: _lora_loss(m(ref[1]))),
                              ws.train_loop(got[0], got[2], plan, lambda m: _lora_loss(m(got[1]))))
+
+
+# ---------------------------------------------------------------------- 1: graph built in the block, backward after
+GRAPH_ROWS = {
+    "params_offloaded": ([("keep", "resident", "resident", "offload")], False),
+    "recompute_params_offloaded": ([("recompute", "resident", "resident", "offload")], False),
+    "all_offloaded": ([("keep", "offload", "offload", "offload")], False),
+    "mixed": (ws.MIXED, False),
+    "mixed_step": (ws.MIXED_STEP, True),
+}
+
+
+def _backward_after_the_block(name: str, rows, step: bool, planned: bool):
+    """Two AdamW steps, each with the forward (the graph) built inside ``with memopt.plan(p):`` and ``backward()`` and
+    ``opt.step()`` after the block; then a third, plain step (the model must still be usable)."""
+    zm = ws._build(name)
+    model = zm.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = ws._whole(Plan.uniform(ws._profile(name), "keep"), rows, step_in_backward=step, opt=opt)
+    torch.manual_seed(11)  # dropout
+    losses, stats = [], {}
+    for _ in range(2):
+        with memopt.plan(plan, model, optimizer=opt) if planned else contextlib.nullcontext() as applied:
+            loss = zm.loss_fn(model(*zm.inputs))
+        if applied is not None:
+            stats = applied.stats
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    losses.append(zm.loss_fn(model(*zm.inputs)).detach())
+    return model, opt, losses, stats
+
+
+@pytest.mark.parametrize(("name", "rows"), [("mlp", r) for r in GRAPH_ROWS] + [("gpt", "mixed")])
+def test_a_graph_built_in_the_block_is_backpropagated_after_it_as_without_the_plan(name, rows):
+    """With parameters offloaded this raised "cannot schedule new futures after shutdown" from the backward after the
+    block (the plan's hooks on the graph still ran, on a closed copy engine) and left the model unusable."""
+    import threading
+
+    placement, step = GRAPH_ROWS[rows]
+    threads = threading.active_count()
+    (m0, o0, l0, _), (m1, o1, l1, stats) = (_backward_after_the_block(name, placement, step, False),
+                                            _backward_after_the_block(name, placement, step, True))
+    assert stats.get("param_h2d_bytes", 0) > 0 or stats.get("state_d2h_bytes", 0) > 0
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1, strict=True)), "losses differ"
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
+        assert type(b) is nn.Parameter and torch.equal(a, b), f"parameter {n} differs"
+    assert ws._same(o0.state_dict(), o1.state_dict())
+    assert threading.active_count() == threads  # no copy thread left behind

@@ -957,7 +957,8 @@ class StateManager:
                     t.register_hook(self._check_backward)
 
     def _check_backward(self, grad: torch.Tensor) -> None:
-        if self._stepped and self._sib_gen != self._gen:  # stepped in an earlier backward, not in this one
+        # stepped in an earlier backward, not in this one (and the plan still applied: not a graph backpropagated later)
+        if self._active and self._stepped and self._sib_gen != self._gen:
             raise StepInBackwardError("a second backward through the model before opt.step() (retain_graph=True), "
                                       f"after the first one already stepped some units; {_STEP_RULES}")
 
@@ -1104,8 +1105,8 @@ class StateManager:
                 fired = [False]
 
                 def trigger(grad: torch.Tensor) -> None:
-                    if fired[0]:
-                        return
+                    if fired[0] or not self._active:  # a graph built in the block, backpropagated after it: the
+                        return  # parameters are back on the device, and nothing of the plan runs any more
                     fired[0] = True
                     self._free_deferred(u)
                     self._in_bw[u] = True
@@ -1134,6 +1135,8 @@ class StateManager:
                 self._in_bw[w] = False
 
     def _queue_end_of_backward(self) -> None:
+        if not self._active:
+            return
         task = torch._C._current_graph_task_id()
         if self._callback_queued and task != self._queued_task:
             self._recover_failed_backward()  # the backward it was queued in raised: its callback never ran
@@ -1144,6 +1147,8 @@ class StateManager:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        if not self._active:
+            return
         self._gen += 1
         self._deferred.clear()  # freed below with every unit still in backward
         for seen in self._seen:  # a unit not complete in this backward is stepped by opt.step(), not in the next one
