@@ -460,3 +460,23 @@ def test_a_graph_built_in_the_block_is_backpropagated_after_it_as_without_the_pl
         assert type(b) is nn.Parameter and torch.equal(a, b), f"parameter {n} differs"
     assert ws._same(o0.state_dict(), o1.state_dict())
     assert threading.active_count() == threads  # no copy thread left behind
+
+
+def test_a_refused_accumulation_says_which_units_were_stepped_and_they_can_be_put_back():
+    """Gradient accumulation under a step in backward is refused at the second backward; the first one has already
+    stepped the blocks on its gradients alone. The message says so, and ``undo_steps_in_backward()`` puts them back."""
+    zm = _mlp()
+    model = zm.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = ws._whole(Plan.uniform(ws._profile("mlp"), "keep"), ws.MIXED_STEP, step_in_backward=True, opt=opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with memopt.plan(plan, model, optimizer=opt) as applied:
+        zm.loss_fn(model(*zm.inputs)).backward()
+        with pytest.raises(StepInBackwardError) as err:
+            zm.loss_fn(model(*zm.inputs)).backward()
+        assert "'blocks.0', 'blocks.2'" in str(err.value) and "undo_steps_in_backward()" in str(err.value)
+        assert applied.state.undo_steps_in_backward() == 2
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert not opt.state

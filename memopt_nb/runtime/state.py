@@ -882,7 +882,8 @@ class StateManager:
             if (self.placements[u].grads == "step" and self._sib_gen != self._gen
                     and (self._stepped or self._stale_now())):
                 raise StepInBackwardError("a backward reached parameters that were already stepped in backward and "
-                                          f"whose gradients were not cleared by opt.zero_grad(); {_STEP_RULES}")
+                                          f"whose gradients were not cleared by opt.zero_grad(){self._half_stepped()}; "
+                                          f"{_STEP_RULES}")
             old = p.grad
             if isinstance(old, HostTensor):  # accumulate as plain training would: old += new
                 acc = old._slot.materialize()
@@ -962,12 +963,21 @@ class StateManager:
             raise StepInBackwardError("a second backward through the model before opt.step() (retain_graph=True), "
                                       f"after the first one already stepped some units; {_STEP_RULES}")
 
+    def _half_stepped(self) -> str:
+        """What a refused gradient accumulation has left: the units stepped on the first micro-batch's gradients."""
+        if not self._stepped:
+            return ""
+        return (f" (units {self.unit_names(sorted(self._stepped))} were already updated by the previous backward with "
+                "its gradients alone, which plain training would have accumulated first; `with memopt.plan(p) as "
+                "applied:` ... applied.state.undo_steps_in_backward() puts them back as they were before it, then "
+                "opt.zero_grad())")
+
     def _check_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
             self._refuse_after_undo("forward with gradients enabled")
         if self._stepped and torch.is_grad_enabled():
             raise StepInBackwardError("forward with gradients enabled after a backward that already stepped some "
-                                      f"units, before opt.step(); {_STEP_RULES}")
+                                      f"units, before opt.step(){self._half_stepped()}; {_STEP_RULES}")
 
     # ------------------------------------------------------------------ parameters
     def _fetch_params(self, u: int, wait: bool) -> None:
