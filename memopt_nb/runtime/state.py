@@ -1383,9 +1383,12 @@ class StateManager:
 
     # ------------------------------------------------------------------ undoing a step in backward
     def _host_copy(self, key: tuple[int, Any], t: torch.Tensor) -> tuple[Any, int, Any]:
-        """Start copying ``t``'s storage into a host buffer kept for ``key`` (reused step after step)."""
+        """Start copying ``t``'s storage into a host buffer kept for ``key`` (reused step after step). A tensor
+        already in host memory beside a CUDA device (Adam's step count) is cloned instead (no copy stream)."""
         st = t.untyped_storage()
         n = st.nbytes()
+        if isinstance(self._mover, _CudaMover) and t.device.type != "cuda":
+            return t.detach().clone(), n, None
         host = self._undo_bufs.get(key)
         if host is None or host.nbytes() != n:
             host = self._undo_bufs[key] = self._mover.new_host(n)
@@ -1417,6 +1420,10 @@ class StateManager:
         self._undo[u] = records
 
     def _write_back(self, t: torch.Tensor, host: Any, n: int) -> None:
+        if isinstance(host, torch.Tensor):  # a clone (see _host_copy)
+            with torch.no_grad():
+                t.copy_(host)
+            return
         self._mover.wait(self._mover.copy("h2d", t.untyped_storage(), host, n))
 
     def _undo_stepped(self) -> int:
