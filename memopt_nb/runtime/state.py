@@ -107,6 +107,13 @@ class StepInBackwardError(StateError):
     before step). Raised before that call changes anything."""
 
 
+#: Before a unit steps in backward, keep host copies of its parameters and optimizer state, so that a backward that
+#: fails after that step (an exception, an interrupt, an optimizer refused mid-loop) puts the unit back and the usual
+#: "skip the bad batch" ``opt.zero_grad()`` works. It costs a copy of those bytes per step in backward (host memory,
+#: not device memory; on the CPU about 10-20 % of a step-in-backward step, not priced by the simulator). ``False``
+#: skips it: a failed backward then leaves the units it stepped updated, and ``opt.zero_grad()`` raises.
+UNDO_STEPS_IN_BACKWARD = True
+
 _STEP_RULES = ("with grads='step' the optimizer steps those units inside backward, so the loop must run exactly one "
                "backward per opt.step(), call opt.step() (then opt.zero_grad()) before the next forward, and not read, "
                "clip, unscale (torch.amp.GradScaler) or accumulate those gradients; use grads='offload' (or "
@@ -605,6 +612,7 @@ class StateManager:
         self._check_optimizer()
         self._active = False
         self._mover: Any = None
+        self._managed_ids: set[int] | None = None
         self.stats: collections.Counter = collections.Counter()
         self._reset()
 
@@ -933,7 +941,8 @@ class StateManager:
         chunk = [p for p in self.unit_params[u] if id(p) in in_opt and p.grad is not None]
         if not chunk:
             return
-        self._run_chunks([chunk], closure=None, before_step=lambda ps: self._keep_for_undo(u, ps))
+        keep = (lambda ps: self._keep_for_undo(u, ps)) if UNDO_STEPS_IN_BACKWARD else None
+        self._run_chunks([chunk], closure=None, before_step=keep)
         for p in chunk:
             p.grad = _stepped_placeholder(p.grad)
             self._stale += 1
@@ -1364,7 +1373,10 @@ class StateManager:
 
     def managed_param_ids(self) -> set[int]:
         """The ids of the parameters in units whose optimizer state, gradients or parameters this manager moves."""
-        return {id(p) for pl, ps in zip(self.placements, self.unit_params, strict=True) if pl.managed for p in ps}
+        if self._managed_ids is None:  # placements and units do not change: once per manager
+            self._managed_ids = {id(p) for pl, ps in zip(self.placements, self.unit_params, strict=True) if pl.managed
+                                 for p in ps}
+        return self._managed_ids
 
     def unit_names(self, units: Iterable[int]) -> str:
         """Units by their module names in the model (``unit 3`` for a unit given as a list of parameters)."""
@@ -1393,6 +1405,9 @@ class StateManager:
         if host is None or host.nbytes() != n:
             host = self._undo_bufs[key] = self._mover.new_host(n)
         self.stats["undo_d2h_bytes"] += n
+        if isinstance(self._mover, _ThreadMover):  # the emulated device: on this thread, no job to hand over and wait
+            ctypes.memmove(host.data_ptr(), st.data_ptr(), n)
+            return host, n, None
         return host, n, self._mover.copy("d2h", host, st, n)
 
     def _keep_for_undo(self, u: int, chunk: list[nn.Parameter]) -> None:
