@@ -231,11 +231,12 @@ class _Stop(Exception):
     pass
 
 
-def _skipping_a_bad_batch(planned: bool, where: str, leave: bool = False):
+def _skipping_a_bad_batch(planned: bool, where: str, leave: bool = False, rows: str = "mixed_step"):
     """Three AdamW steps of the zoo MLP; the second one's backward raises (in ``blocks.1``'s backward, after
     ``blocks.3`` and ``blocks.2``; or at the input layer, after every block) and the loop skips that batch with
     ``opt.zero_grad()``. Under the plan, units 0 and 2 step in backward (``MIXED_STEP``: unit 0's state offloaded,
-    unit 2's parameters). ``leave``: the exception leaves the block instead (the loop stops there)."""
+    unit 2's parameters; ``rows="mixed"``: none steps in backward). ``leave``: the exception leaves the block instead
+    (the loop stops there)."""
     zm = _mlp()
     model = zm.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -249,7 +250,9 @@ def _skipping_a_bad_batch(planned: bool, where: str, leave: bool = False):
         handle = model.blocks[1].register_full_backward_hook(fail)
     else:
         handle = model.inp.weight.register_hook(fail)
-    plan = ws._whole(Plan.uniform(ws._profile("mlp"), "keep"), ws.MIXED_STEP, step_in_backward=True, opt=opt)
+    step = rows == "mixed_step"
+    plan = ws._whole(Plan.uniform(ws._profile("mlp"), "keep"), ws.MIXED_STEP if step else ws.MIXED,
+                     step_in_backward=step, opt=opt)
     applied = memopt.plan(plan, model, optimizer=opt) if planned else contextlib.nullcontext()
     torch.manual_seed(11)
     losses = []
@@ -269,10 +272,13 @@ def _skipping_a_bad_batch(planned: bool, where: str, leave: bool = False):
     return model, opt, losses, applied.stats if planned else None
 
 
+@pytest.mark.parametrize("rows", ["mixed_step", "mixed"])
 @pytest.mark.parametrize("where", ["block", "input"])
-def test_an_exception_mid_backward_puts_back_the_units_stepped_and_the_batch_can_be_skipped(where):
-    (m0, o0, l0, _), (m1, o1, l1, stats) = _skipping_a_bad_batch(False, where), _skipping_a_bad_batch(True, where)
-    assert stats["steps_in_backward_undone"] == (1 if where == "block" else 2)
+def test_an_exception_mid_backward_puts_back_the_units_stepped_and_the_batch_can_be_skipped(where, rows):
+    (m0, o0, l0, _), (m1, o1, l1, stats) = (_skipping_a_bad_batch(False, where, rows=rows),
+                                            _skipping_a_bad_batch(True, where, rows=rows))
+    assert stats.get("steps_in_backward_undone", 0) == (0 if rows == "mixed" else 1 if where == "block" else 2)
+    assert stats["grad_d2h_bytes"] > 0 and stats["param_h2d_bytes"] > 0
     assert all(torch.equal(a, b) for a, b in zip(l0, l1, strict=True)) and len(l1) == 3
     for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
         assert type(b) is nn.Parameter and torch.equal(a, b), f"parameter {n} differs"
