@@ -47,7 +47,20 @@ How values stay identical to plain training:
 
 On exit everything is put back exactly: the original state tensor objects refilled and back in ``opt.state``,
 placeholder gradients replaced by real ones, parameters refilled, hooks removed, ``opt.step`` / ``zero_grad`` /
-``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted.
+``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted. A graph built inside
+the block and backpropagated after it runs none of the manager's hooks (the parameters are back on the device).
+
+What the loop may get wrong:
+
+* A unit stepped in backward first keeps host copies of its parameters and optimizer state
+  (:data:`UNDO_STEPS_IN_BACKWARD`): a backward that raises after stepping it (a bad batch, an interrupt) puts it back
+  as it was, so ``opt.zero_grad()`` skips the batch as in plain training, and leaving the block leaves the model as
+  plain training stopped there does (less the gradients those units consumed).
+* Another optimizer than the managed one stepping parameters of a managed unit (one made after profiling, or the one
+  ``transformers.Trainer`` builds) is refused before it steps (:mod:`memopt_nb.runtime.foreign`).
+* A unit holding a frozen parameter (a LoRA adapter's base weight) keeps its offloaded parameters until backward
+  reaches an earlier unit: its last gradient is not the end of its backward, which still needs the frozen weight for
+  its input's gradient.
 
 Schedule (fixed, so that what is on the device at any moment depends on each unit's own placement only — the cost
 model of :mod:`memopt_nb.simulate` sums over units and relies on it):
