@@ -231,12 +231,14 @@ class _Stop(Exception):
     pass
 
 
-def _skipping_a_bad_batch(planned: bool, where: str, leave: bool = False, rows: str = "mixed_step"):
+def _skipping_a_bad_batch(planned: bool, where: str, leave: bool = False, rows: str = "mixed_step",
+                          skip: bool = True):
     """Three AdamW steps of the zoo MLP; the second one's backward raises (in ``blocks.1``'s backward, after
     ``blocks.3`` and ``blocks.2``; or at the input layer, after every block) and the loop skips that batch with
     ``opt.zero_grad()``. Under the plan, units 0 and 2 step in backward (``MIXED_STEP``: unit 0's state offloaded,
     unit 2's parameters; ``rows="mixed"``: none steps in backward). ``leave``: the exception leaves the block instead
-    (the loop stops there)."""
+    (the loop stops there). ``skip=False``: no ``zero_grad()`` after the failure, the next batch accumulates onto
+    what the failed backward left (only without a step in backward)."""
     zm = _mlp()
     model = zm.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -267,6 +269,8 @@ def _skipping_a_bad_batch(planned: bool, where: str, leave: bool = False, rows: 
             except _Stop:
                 if leave:
                     raise
+                if not skip:
+                    continue
             opt.zero_grad()
     handle.remove()
     return model, opt, losses, applied.stats if planned else None
@@ -283,6 +287,29 @@ def test_an_exception_mid_backward_puts_back_the_units_stepped_and_the_batch_can
     for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
         assert type(b) is nn.Parameter and torch.equal(a, b), f"parameter {n} differs"
     assert ws._same(o0.state_dict(), o1.state_dict())
+
+
+@pytest.mark.parametrize("where", ["block", "input"])
+def test_after_an_exception_mid_backward_the_next_batch_may_accumulate_onto_what_it_left(where):
+    """Without a step in backward, a failed backward leaves partial gradients (some offloaded); plain training's next
+    backward adds to them, and so does the plan's (its end-of-backward bookkeeping is redone for the failed one)."""
+    (m0, o0, l0, _), (m1, o1, l1, stats) = (_skipping_a_bad_batch(False, where, rows="mixed", skip=False),
+                                            _skipping_a_bad_batch(True, where, rows="mixed", skip=False))
+    assert stats["grad_d2h_bytes"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1, strict=True)) and len(l1) == 3
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters(), strict=True):
+        assert type(b) is nn.Parameter and torch.equal(a, b), f"parameter {n} differs"
+    assert ws._same(o0.state_dict(), o1.state_dict())
+
+
+def test_without_the_undo_copies_a_failed_backward_still_refuses_zero_grad(monkeypatch):
+    """``UNDO_STEPS_IN_BACKWARD = False`` (no host copies before a step in backward): the units a failed backward
+    stepped stay updated, and ``opt.zero_grad()`` says so instead of silently skipping the batch."""
+    from memopt_nb.runtime import state
+
+    monkeypatch.setattr(state, "UNDO_STEPS_IN_BACKWARD", False)
+    with pytest.raises(StepInBackwardError, match="already stepped"):
+        _skipping_a_bad_batch(True, "input")
 
 
 def test_an_exception_mid_backward_leaving_the_block_leaves_the_model_as_plain_training_does():

@@ -1140,6 +1140,7 @@ class StateManager:
                     if fired[0] or not self._active:  # a graph built in the block, backpropagated after it: the
                         return  # parameters are back on the device, and nothing of the plan runs any more
                     fired[0] = True
+                    self._queue_end_of_backward()  # first: after a failed backward it frees what that one left
                     self._free_deferred(u)
                     self._in_bw[u] = True
                     if self._param_slots[u]:
@@ -1147,7 +1148,6 @@ class StateManager:
                     prev = self._neighbour(u, -1) if self.prefetch else None
                     if prev is not None:
                         self._fetch_params(prev, wait=False)
-                    self._queue_end_of_backward()
 
                 for t in grads:
                     t.register_hook(trigger)
@@ -1483,7 +1483,7 @@ class StateManager:
                 self._param_dirty[u] = True
                 if not self._in_bw[u]:
                     self._free_params(u)
-        self._stepped.clear()
+        self._stepped.difference_update(units)  # without copies (UNDO_STEPS_IN_BACKWARD off) they stay stepped
         self._undo.clear()
         if units:
             self._undone_pending = True
