@@ -91,7 +91,8 @@ class _Discriminator(nn.Module):
         return self.out(self.drop(torch.relu(self.bn(self.fc(x)))))
 
 
-def test_profiling_a_generator_judged_by_a_discriminator_leaves_the_discriminator_as_it_was():
+@pytest.mark.parametrize("call", ["profile", "measure", "measure_no_warmup"])
+def test_profiling_a_generator_judged_by_a_discriminator_leaves_the_discriminator_as_it_was(call):
     zm = _mlp()  # the generator: its output (10 features) is what the discriminator judges
     torch.manual_seed(0)
     disc = _Discriminator()
@@ -99,7 +100,13 @@ def test_profiling_a_generator_judged_by_a_discriminator_leaves_the_discriminato
     held = disc.fc.weight.grad
     disc.bn.eval()  # and a submodule in another mode than its parent
     before = {k: v.clone() for k, v in disc.state_dict().items()}
-    memopt.profile(zm.model, *zm.inputs, loss_fn=lambda out: disc(out).mean(), repeats=1)
+    loss_fn = lambda out: disc(out).mean()  # noqa: E731
+    if call == "profile":
+        memopt.profile(zm.model, *zm.inputs, loss_fn=loss_fn, repeats=1)
+    else:
+        opt = torch.optim.Adam(zm.model.parameters())
+        memopt.measure(zm.model, *zm.inputs, loss_fn=loss_fn, optimizer=opt, steps=1,
+                       warmup=0 if call == "measure_no_warmup" else 1)
     after = disc.state_dict()
     assert list(before) == list(after)
     for k in before:

@@ -1,10 +1,11 @@
 """Leave no trace outside the model: the modules a loss function calls.
 
 ``memopt.profile(G, x, loss_fn=lambda out: D(out).mean())`` — a GAN's generator judged by its discriminator — runs
-``D`` forward and backward many times. :func:`~memopt_nb.runtime.step.preserved_state` restores the profiled model;
-:func:`preserved_outside` restores every other module those steps call: its parameters, gradients, buffers (BatchNorm's
-running statistics) and training flags, as they were when it was first called. A profile must change nothing a
-training loop could see, or "profile, then train" would not train as "train" does.
+``D`` forward and backward many times (``memopt.measure`` too). :func:`~memopt_nb.runtime.step.preserved_state`
+restores the profiled model; :func:`preserved_outside` restores every other module those steps call: its parameters,
+gradients, buffers (BatchNorm's running statistics) and training flags, as they were when it was first called. A
+profile or a measurement must change nothing a training loop could see, or "profile, then train" would not train as
+"train" does.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["preserved_outside"]
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
+    with _disable_current_modes():  # a memory meter's dispatch mode (measure's, on the CPU) must not count it
+        return t.detach().to("cpu", copy=True)
 
 
 class _Snapshot:
