@@ -71,7 +71,7 @@ def test_a_share_that_rounds_to_zero_bytes_is_refused():
     assert resolve_budget("0.5", reference=2) == 1
 
 
-@pytest.mark.parametrize("text,expected", [("1.5", 1), ("1", 1), (" 2_0 ".replace("_", ""), 20), ("100%", 1000),
+@pytest.mark.parametrize("text,expected", [("11.5", 11), ("1", 1), (" 2_0 ".replace("_", ""), 20), ("100%", 1000),
                                            ("1000%", 10_000)])
 def test_bytes_and_percentages_keep_their_meaning(text, expected):
     assert resolve_budget(text, reference=1000) == expected

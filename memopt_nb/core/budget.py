@@ -116,7 +116,26 @@ def resolve_budget(value: int | float | str, reference: int | None = None) -> in
             number = None
         if number is not None and 0 < number < 1:
             return _share(value, float(number), reference)
+        if number is not None and _written_as_fraction(value) and 1 <= number <= MAX_FRACTION_LIKE:
+            raise BudgetError(
+                f"budget {_show(value)} would be {int(number)} byte(s), which no training step fits; a number with a "
+                f"decimal point this small is most likely a share of the unoptimized peak: did you mean "
+                f"'{number * 100:g}%'? (a share of 100% or more is written as a percentage, a size with its unit, "
+                f"e.g. '{number:g}GiB')")
     return parse_bytes(value)
+
+
+#: The largest number written with a decimal point (``1.5``, ``"2.0"``) that :func:`resolve_budget` refuses as a
+#: byte count: it is a share of the peak written without ``%`` (``1.5`` for 150%), never a real budget of a few bytes.
+MAX_FRACTION_LIKE = 10
+
+
+def _written_as_fraction(value: Any) -> bool:
+    """Whether a bare number was written as a fraction would be: a Python float, or a string with a decimal point or
+    an exponent (``"1.5"``, ``"2e0"``); an int or ``"2"`` is a count of bytes."""
+    if isinstance(value, float):
+        return True
+    return isinstance(value, str) and any(c in value.lower() for c in ".e")
 
 
 def _share(value: Any, fraction: float, reference: int | None) -> int:

@@ -307,6 +307,19 @@ def model_fingerprint(model: Any, unit_names: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def _fingerprint_mismatch(names: Sequence[str], recorded: Sequence[Any]) -> str:
+    """Why a plan's decisions and its recorded unit fingerprints disagree, naming the first unit that differs (a plan
+    file edited by hand or corrupted): the user must know which unit to fix or that the file is not to be trusted."""
+    if len(names) != len(recorded):
+        return (f"corrupt plan: {len(names)} unit decisions but {len(recorded)} unit fingerprints (decisions: "
+                f"{', '.join(map(repr, names[:6]))}{' …' if len(names) > 6 else ''}); save the plan again from its "
+                "source, or profile the model and plan again")
+    i = next(i for i, (a, b) in enumerate(zip(names, recorded, strict=True)) if a != b)
+    return (f"corrupt plan: unit {i} is {names[i]!r} in the decisions but {recorded[i]!r} in the fingerprint the plan "
+            "recorded for it (was the file edited?); make both name the same module of the model, or profile the "
+            "model and plan again")
+
+
 def optimizer_fingerprint(optimizer: Any) -> dict[str, Any]:
     """What identifies an optimizer for a plan that moves its state: class, and per parameter group its
     hyper-parameters (numbers, bools and strings only) and parameter shapes."""
@@ -331,10 +344,21 @@ def _layout_value(v: Any) -> Any:
     return v
 
 
+def _added_number(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> bool:
+    """Whether ``key`` is in one group's hyper-parameters only, holding a number: what an LR scheduler adds to every
+    group it drives (``initial_lr``; ``max_lr`` / ``min_lr`` for the cyclic ones), made before or after profiling.
+    A number changes neither the state an optimizer keeps nor its code path (flags and names do)."""
+    if (key in a) == (key in b):
+        return False
+    v = a[key] if key in a else b[key]
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def optimizer_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
     """What differs between the optimizer a plan was made for (``want``) and this one (``have``), in words.
 
-    Learning rates and other numbers a scheduler may change are not compared, only whether they are zero."""
+    Learning rates and other numbers a scheduler may change are not compared, only whether they are zero; a number
+    only one side has (``initial_lr``, which a scheduler adds) is not a difference."""
     if want.get("class") != have.get("class"):
         return [f"the plan was made for {want.get('class')}; this optimizer is {have.get('class')}"]
     wg, hg = want.get("groups", []), have.get("groups", [])
@@ -346,7 +370,8 @@ def optimizer_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> l
             out.append(f"parameter group {i} holds other parameters ({len(a.get('param_shapes', []))} in the plan, "
                        f"{len(b.get('param_shapes', []))} here, or other shapes)")
         ha, hb = a.get("hyper", {}), b.get("hyper", {})
-        diff = sorted(k for k in set(ha) | set(hb) if _layout_value(ha.get(k)) != _layout_value(hb.get(k)))
+        diff = sorted(k for k in set(ha) | set(hb) if _layout_value(ha.get(k)) != _layout_value(hb.get(k))
+                      and not _added_number(ha, hb, k))
         if diff:
             out.append(f"parameter group {i}: " + ", ".join(f"{k} {ha.get(k)!r} in the plan, {hb.get(k)!r} here"
                                                             for k in diff[:4]))
@@ -496,7 +521,7 @@ class Plan:
         if dupes:
             raise PlanError(f"a plan names each unit once; repeated: {', '.join(dupes)}")
         if self.fingerprint and [f.get("name") for f in self.fingerprint] != names:
-            raise PlanError("plan fingerprint and decisions name different units")
+            raise PlanError(_fingerprint_mismatch(names, [f.get("name") for f in self.fingerprint]))
         if not isinstance(self.step_in_backward, bool):
             raise PlanError(f"step_in_backward must be True or False, got {self.step_in_backward!r}")
         stepped = [d.unit for d in self.decisions if d.grads == "step"]

@@ -34,6 +34,7 @@ from ..core.profile import ModelProfile, Segment, UnitProfile
 from ..runtime.distributed import check_plain
 from ..runtime.effects import ForwardEffects, forward_side_effects
 from ..runtime.measure import model_device
+from ..runtime.outside import preserved_outside
 from ..runtime.replay_guard import running_stat_modules
 from ..runtime.step import (
     autocast_name,
@@ -184,8 +185,9 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             loop with it. Calling ``profile`` inside ``torch.autocast`` raises :class:`ProfileError` (its backward
             would run under autocast too, and autocast's weight cache would live through it).
 
-    The model, optimizer and RNG state are restored afterwards. Modules that run more than once per forward, not at
-    all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
+    The model, optimizer and RNG state are restored afterwards, and so is every module outside the model that
+    ``loss_fn`` calls (a discriminator: its gradients, buffers and training flags). Modules that run more than once
+    per forward, not at all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
@@ -206,7 +208,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     spec = device if device is not None else DeviceSpec.detect(dev)
     inputs = tuple(example_inputs)
     t_start = time.perf_counter()
-    with preserved_state(model, optimizer), step_autocast(dev.type, amp):
+    # modules outside the model that the loss calls (a GAN's discriminator) are restored too
+    with preserved_outside(model) as outside, preserved_state(model, optimizer), step_autocast(dev.type, amp):
         try:
             training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)  # warm-up: optimizer state, lazy init
         except ProfileError:
@@ -214,6 +217,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         except Exception as exc:
             raise ProfileError(f"a training step of the model failed before profiling: {type(exc).__name__}: {exc}"
                                ) from exc
+        outside.stop()  # every module the step calls is known: the timed steps run without the watch
         effects = forward_side_effects(model, lambda: forward(model, inputs, kwargs))
         _refuse_own_checkpointing(model, effects)
         info, total_saved = discover(model, inputs, kwargs)

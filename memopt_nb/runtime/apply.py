@@ -414,8 +414,10 @@ class AppliedPlan:
         optimizer's methods and every wrapped ``forward`` restored exactly. Safe to call twice."""
         try:
             if self.state is not None:
-                self._stats.update(self.state.stats)
-                self.state.remove()
+                try:
+                    self.state.remove()
+                finally:  # after: removing may still move state (a failed backward's steps put back)
+                    self._stats.update(self.state.stats)
         finally:
             self.state = None
             for module, had_own, previous in reversed(self._installed):
@@ -498,7 +500,9 @@ def plan(p: Plan, model: nn.Module | None = None, *, optimizer: torch.optim.Opti
     ``opt.load_state_dict()`` keep working and give the same values; the step runs unit by unit on the device with
     the optimizer's own code. An optimizer of another class, with other parameter groups or hyper-parameters that
     change its state (e.g. SGD momentum 0 vs not) raises :class:`PlanError` naming the difference; learning rates may
-    differ (a scheduler changes them).
+    differ (a scheduler changes them, and one made after profiling is accepted). Another optimizer over the same
+    parameters stepped inside the block (one made after profiling; the one ``transformers.Trainer`` builds unless given
+    ``optimizers=(opt, None)``) is refused at its first step, before it changes anything.
 
     A plan made with ``step_in_backward=True`` that steps units in backward (``grads="step"``) changes what the loop may
     do between ``backward()`` and ``opt.step()``: exactly one backward per step (no gradient accumulation), no

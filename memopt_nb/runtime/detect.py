@@ -200,17 +200,19 @@ def _detect_cuda(dev: Any) -> DeviceSpec:  # pragma: no cover - needs a GPU
 
 
 def detect(device: Any = None) -> DeviceSpec:
-    """Measure the device tensors live on: a CUDA GPU if given or available, else the CPU as an emulated device."""
+    """Measure the device tensors live on: a CUDA GPU if given or available, else the CPU as an emulated device.
+
+    torch's random generators are left as they were (the measurements draw random matrices)."""
     import torch
 
     dev = torch.device(device) if device is not None else None
     if dev is None:
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if dev.type == "cuda":
-        return _detect_cuda(dev)
-    if dev.type != "cpu":
+    if dev.type not in ("cuda", "cpu"):
         raise MemoptError(f"memopt_nb supports CPU and CUDA devices, not {dev.type!r}")
-    return _detect_cpu()
+    devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the benchmarks draw random matrices: the loop's random
+        return _detect_cuda(dev) if dev.type == "cuda" else _detect_cpu()  # numbers must not move
 
 
 set_detector(detect)

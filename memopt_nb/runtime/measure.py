@@ -19,6 +19,7 @@ from ..core.plan import Plan
 from .apply import AppliedPlan
 from .distributed import ddp_bucket_bytes, ddp_bucket_view, is_ddp, resized_storages
 from .memory import meter_for
+from .outside import preserved_outside
 from .step import model_keywords, preserved_state, resolve_autocast, step_autocast, training_step
 
 __all__ = ["MEASURE_OPTIONS", "Measurement", "measure", "model_device"]
@@ -102,7 +103,8 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
     model keyword named like one of those options goes in ``model_kwargs={"plan": ...}``.
 
     ``warmup`` steps (default 1; 0 skips it) create optimizer state, one step is measured for memory, then ``steps``
-    steps are timed. The model, optimizer and RNG are restored afterwards, so measuring has no side effects.
+    steps are timed. The model, optimizer and RNG are restored afterwards, and so is every module outside the model that
+    ``loss_fn`` calls (a discriminator), so measuring has no side effects.
 
     A plan that moves optimizer state, gradients or parameters (a whole-step plan) manages ``optimizer`` (required
     then) for the measured steps, so the peak and time include the state's transfers and the unit-by-unit step.
@@ -128,7 +130,8 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
     ctx: Any = AppliedPlan(plan, model, optimizer) if plan is not None else contextlib.nullcontext()
     losses: list[float] = []
     times: list[float] = []
-    with preserved_state(model, optimizer), step_autocast(device.type, amp), ctx:
+    # modules outside the model that the loss calls (a GAN's discriminator) are restored too
+    with preserved_outside(model) as outside, preserved_state(model, optimizer), step_autocast(device.type, amp), ctx:
         for _ in range(warmup - 1):
             losses.append(training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs).item())
         meter = meter_for(device)
@@ -146,6 +149,7 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
             meter.reset_peak()
             loss = training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)
         peak = int(meter.peak)
+        outside.stop()  # every module the step calls is known: the timed steps run without the watch
         losses.append(loss.item())
         for _ in range(steps):
             _sync(device)

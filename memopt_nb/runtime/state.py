@@ -47,7 +47,20 @@ How values stay identical to plain training:
 
 On exit everything is put back exactly: the original state tensor objects refilled and back in ``opt.state``,
 placeholder gradients replaced by real ones, parameters refilled, hooks removed, ``opt.step`` / ``zero_grad`` /
-``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted.
+``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted. A graph built inside
+the block and backpropagated after it runs none of the manager's hooks (the parameters are back on the device).
+
+What the loop may get wrong:
+
+* A unit stepped in backward first keeps host copies of its parameters and optimizer state
+  (:data:`UNDO_STEPS_IN_BACKWARD`): a backward that raises after stepping it (a bad batch, an interrupt) puts it back
+  as it was, so ``opt.zero_grad()`` skips the batch as in plain training, and leaving the block leaves the model as
+  plain training stopped there does (less the gradients those units consumed).
+* Another optimizer than the managed one stepping parameters of a managed unit (one made after profiling, or the one
+  ``transformers.Trainer`` builds) is refused before it steps (:mod:`memopt_nb.runtime.foreign`).
+* A unit holding a frozen parameter (a LoRA adapter's base weight) keeps its offloaded parameters until backward
+  reaches an earlier unit: its last gradient is not the end of its backward, which still needs the frozen weight for
+  its input's gradient.
 
 Schedule (fixed, so that what is on the device at any moment depends on each unit's own placement only — the cost
 model of :mod:`memopt_nb.sim.simulator` sums over units and relies on it):
@@ -87,6 +100,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..core.errors import PlanError
 from ..core.plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
+from .foreign import unwatch as _unwatch_foreign
+from .foreign import watch as _watch_foreign
 from .hooks import uncopied
 from .memory import note_device_storage
 from .storages import byte_view as _u8
@@ -104,6 +119,13 @@ class StepInBackwardError(StateError):
     """The loop did something that step-in-backward cannot reproduce (gradient accumulation, clipping, zero_grad
     before step). Raised before that call changes anything."""
 
+
+#: Before a unit steps in backward, keep host copies of its parameters and optimizer state, so that a backward that
+#: fails after that step (an exception, an interrupt, an optimizer refused mid-loop) puts the unit back and the usual
+#: "skip the bad batch" ``opt.zero_grad()`` works. It costs a copy of those bytes per step in backward (host memory,
+#: not device memory; on the CPU about 10-20 % of a step-in-backward step, not priced by the simulator). ``False``
+#: skips it: a failed backward then leaves the units it stepped updated, and ``opt.zero_grad()`` raises.
+UNDO_STEPS_IN_BACKWARD = True
 
 _STEP_RULES = ("with grads='step' the optimizer steps those units inside backward, so the loop must run exactly one "
                "backward per opt.step(), call opt.step() (then opt.zero_grad()) before the next forward, and not read, "
@@ -603,6 +625,7 @@ class StateManager:
         self._check_optimizer()
         self._active = False
         self._mover: Any = None
+        self._managed_ids: set[int] | None = None
         self.stats: collections.Counter = collections.Counter()
         self._reset()
 
@@ -662,6 +685,10 @@ class StateManager:
         self._in_bw = [False] * len(self.unit_params)
         self._seen: list[set[int]] = [set() for _ in self.unit_params]
         self._trainable = [{id(p) for p in ps if p.requires_grad} for ps in self.unit_params]
+        #: per unit, whether it holds a frozen parameter (no gradient): then its last gradient does not mark the end
+        #: of its backward, which may still need that parameter for its input's gradient
+        self._frozen = [any(not p.requires_grad for p in ps) for ps in self.unit_params]
+        self._deferred: set[int] = set()  # units whose gradients are done, freed when backward reaches an earlier one
         self._stepped: set[int] = set()  # units stepped in backward, waiting for opt.step()
         self._stale = 0  # stepped placeholders not yet cleared by zero_grad
         self._callback_queued = False
@@ -669,6 +696,13 @@ class StateManager:
         self._sib_gen = -1  # the backward pass in which units were last stepped
         self._state_keys: set[int] = set()
         self._lr_sched = False
+        # per unit stepped in backward, its parameters and optimizer state as they were before that step (host
+        # copies): a backward that fails after stepping it puts it back (:meth:`_recover_failed_backward`)
+        self._undo: dict[int, list[tuple[nn.Parameter, Any, Any]]] = {}
+        self._undo_bufs: dict[tuple[int, Any], Any] = {}
+        self._queued_task = -1  # the autograd graph task the end-of-backward callback was queued in
+        #: units were put back after a failed backward, their gradients gone: opt.zero_grad() must come first
+        self._undone_pending = False
         self._pending: list[_Slot] = []
         # per unit, the device gradients sent to the host in its current backward: held until that backward ends, so
         # they leave the device there whenever the copy thread finishes (the schedule the simulator counts)
@@ -688,6 +722,7 @@ class StateManager:
         opt._memopt_state = self
         try:
             self._install()
+            _watch_foreign(self)  # another optimizer stepping these parameters is refused (runtime/foreign.py)
         except BaseException:
             self.remove()
             raise
@@ -769,6 +804,8 @@ class StateManager:
             return
         opt = self.optimizer
         try:
+            if self._backward_failed():  # leaving the block by an exception raised mid-backward
+                self._recover_failed_backward()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -794,6 +831,7 @@ class StateManager:
                 else:
                     opt.__dict__[name] = prev
             self._opt_saved = {}
+            _unwatch_foreign(self)
             if getattr(opt, "_memopt_state", None) is self:
                 del opt._memopt_state
             self._mover.close()
@@ -865,7 +903,8 @@ class StateManager:
             if (self.placements[u].grads == "step" and self._sib_gen != self._gen
                     and (self._stepped or self._stale_now())):
                 raise StepInBackwardError("a backward reached parameters that were already stepped in backward and "
-                                          f"whose gradients were not cleared by opt.zero_grad(); {_STEP_RULES}")
+                                          f"whose gradients were not cleared by opt.zero_grad(){self._half_stepped()}; "
+                                          f"{_STEP_RULES}")
             old = p.grad
             if isinstance(old, HostTensor):  # accumulate as plain training would: old += new
                 acc = old._slot.materialize()
@@ -895,6 +934,9 @@ class StateManager:
             if pl.grads == "step":
                 self._step_in_backward(u)
             if self._param_slots[u]:
+                if self._frozen[u]:  # its backward may still read a frozen parameter (a LoRA adapter's base
+                    self._deferred.add(u)  # weight, for the input's gradient): freed when backward leaves the unit
+                    return
                 self._free_params(u)
                 self._in_bw[u] = False
 
@@ -912,7 +954,8 @@ class StateManager:
         chunk = [p for p in self.unit_params[u] if id(p) in in_opt and p.grad is not None]
         if not chunk:
             return
-        self._run_chunks([chunk], closure=None)
+        keep = (lambda ps: self._keep_for_undo(u, ps)) if UNDO_STEPS_IN_BACKWARD else None
+        self._run_chunks([chunk], closure=None, before_step=keep)
         for p in chunk:
             p.grad = _stepped_placeholder(p.grad)
             self._stale += 1
@@ -937,14 +980,26 @@ class StateManager:
                     t.register_hook(self._check_backward)
 
     def _check_backward(self, grad: torch.Tensor) -> None:
-        if self._stepped and self._sib_gen != self._gen:  # stepped in an earlier backward, not in this one
+        # stepped in an earlier backward, not in this one (and the plan still applied: not a graph backpropagated later)
+        if self._active and self._stepped and self._sib_gen != self._gen:
             raise StepInBackwardError("a second backward through the model before opt.step() (retain_graph=True), "
                                       f"after the first one already stepped some units; {_STEP_RULES}")
 
+    def _half_stepped(self) -> str:
+        """What a refused gradient accumulation has left: the units stepped on the first micro-batch's gradients."""
+        if not self._stepped:
+            return ""
+        return (f" (units {self.unit_names(sorted(self._stepped))} were already updated by the previous backward with "
+                "its gradients alone, which plain training would have accumulated first; `with memopt.plan(p) as "
+                "applied:` ... applied.state.undo_steps_in_backward() puts them back as they were before it, then "
+                "opt.zero_grad())")
+
     def _check_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._refuse_after_undo("forward with gradients enabled")
         if self._stepped and torch.is_grad_enabled():
             raise StepInBackwardError("forward with gradients enabled after a backward that already stepped some "
-                                      f"units, before opt.step(); {_STEP_RULES}")
+                                      f"units, before opt.step(){self._half_stepped()}; {_STEP_RULES}")
 
     # ------------------------------------------------------------------ parameters
     def _fetch_params(self, u: int, wait: bool) -> None:
@@ -1082,16 +1137,17 @@ class StateManager:
                 fired = [False]
 
                 def trigger(grad: torch.Tensor) -> None:
-                    if fired[0]:
-                        return
+                    if fired[0] or not self._active:  # a graph built in the block, backpropagated after it: the
+                        return  # parameters are back on the device, and nothing of the plan runs any more
                     fired[0] = True
+                    self._queue_end_of_backward()  # first: after a failed backward it frees what that one left
+                    self._free_deferred(u)
                     self._in_bw[u] = True
                     if self._param_slots[u]:
                         self._fetch_params(u, wait=True)
                     prev = self._neighbour(u, -1) if self.prefetch else None
                     if prev is not None:
                         self._fetch_params(prev, wait=False)
-                    self._queue_end_of_backward()
 
                 for t in grads:
                     t.register_hook(trigger)
@@ -1100,14 +1156,33 @@ class StateManager:
 
         return hook
 
+    def _free_deferred(self, u: int) -> None:
+        """Backward reached unit ``u``: the units after it whose gradients are complete are done with their
+        parameters (frozen ones included): free them before ``u``'s are fetched, as a unit without frozen parameters
+        is freed at its last gradient."""
+        for w in sorted(w for w in self._deferred if w > u):
+            self._deferred.discard(w)
+            if self._in_bw[w]:
+                self._free_params(w)
+                self._in_bw[w] = False
+
     def _queue_end_of_backward(self) -> None:
+        if not self._active:
+            return
+        task = torch._C._current_graph_task_id()
+        if self._callback_queued and task != self._queued_task:
+            self._recover_failed_backward()  # the backward it was queued in raised: its callback never ran
         if not self._callback_queued:
             self._callback_queued = True
+            self._queued_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        if not self._active:
+            return
         self._gen += 1
+        self._deferred.clear()  # freed below with every unit still in backward
         for seen in self._seen:  # a unit not complete in this backward is stepped by opt.step(), not in the next one
             seen.clear()
         for u, sent in enumerate(self._sent_grads):
@@ -1153,7 +1228,9 @@ class StateManager:
             if self._param_slots[u]:
                 self._fetch_params(u, wait=True)
 
-    def _run_chunks(self, chunks: list[list[nn.Parameter]], closure: Any) -> None:
+    def _run_chunks(self, chunks: list[list[nn.Parameter]], closure: Any, before_step: Any = None) -> None:
+        """Step ``chunks`` one after another (see the module docstring); ``before_step(chunk)``, if given, runs when
+        a chunk's parameters, gradients and state are on the device, just before it steps."""
         if not chunks:
             return
         pending: list[_Slot] | None = None
@@ -1173,6 +1250,8 @@ class StateManager:
                     self.stats["grad_h2d_bytes"] += g._slot.nbytes
                     swapped.append((p, g))
             if chunk:
+                if before_step is not None:
+                    before_step(chunk)
                 self._raw_step(chunk)
             for p, g in swapped:
                 p.grad = g
@@ -1191,6 +1270,8 @@ class StateManager:
         self._release_pending()
 
     def _all_chunks(self, opt: torch.optim.Optimizer, closure: Any = None) -> Any:
+        self._refuse_after_undo("opt.step()")
+        self._undo.clear()  # the steps in backward are this step's: no longer to be undone
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1232,6 +1313,9 @@ class StateManager:
 
     # ------------------------------------------------------------------ zero_grad / state_dict / load_state_dict
     def _zero_grad(self, set_to_none: bool) -> None:
+        if self._backward_failed():  # skipping a batch whose backward raised: put its stepped units back first
+            self._recover_failed_backward()
+        self._undone_pending = False
         if self._stepped:
             raise StepInBackwardError("opt.zero_grad() before opt.step() after a backward that already stepped "
                                       "some units: plain training would discard those gradients, but the units were "
@@ -1296,6 +1380,139 @@ class StateManager:
                         self._send_state(p)
         self._release_pending()
         self._state_keys = {id(k) for k in opt.state}
+
+    # ------------------------------------------------------------------ another optimizer (runtime/foreign.py)
+    error = StateError
+
+    def managed_param_ids(self) -> set[int]:
+        """The ids of the parameters in units whose optimizer state, gradients or parameters this manager moves."""
+        if self._managed_ids is None:  # placements and units do not change: once per manager
+            self._managed_ids = {id(p) for pl, ps in zip(self.placements, self.unit_params, strict=True) if pl.managed
+                                 for p in ps}
+        return self._managed_ids
+
+    def unit_names(self, units: Iterable[int]) -> str:
+        """Units by their module names in the model (``unit 3`` for a unit given as a list of parameters)."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        out = [repr(names.get(id(self.modules[u]), f"unit {u}")) if self.modules[u] is not None else f"unit {u}"
+               for u in units]
+        return ", ".join(out[:4]) + (f" and {len(out) - 4} more" if len(out) > 4 else "")
+
+    def undo_steps_in_backward(self) -> int:
+        """Put the units stepped in a backward that has not been followed by ``opt.step()`` back as they were before
+        their step (parameters and optimizer state); returns how many. Used before refusing what would otherwise
+        leave them half-trained. Their gradients are gone: ``opt.zero_grad()`` must come before the next forward or
+        step (both raise :class:`StepInBackwardError` until then)."""
+        self._recover_failed_backward()
+        return self._undo_stepped()
+
+    # ------------------------------------------------------------------ undoing a step in backward
+    def _host_copy(self, key: tuple[int, Any], t: torch.Tensor) -> tuple[Any, int, Any]:
+        """Start copying ``t``'s storage into a host buffer kept for ``key`` (reused step after step). A tensor
+        already in host memory beside a CUDA device (Adam's step count) is cloned instead (no copy stream)."""
+        st = t.untyped_storage()
+        n = st.nbytes()
+        if isinstance(self._mover, _CudaMover) and t.device.type != "cuda":
+            return t.detach().clone(), n, None
+        host = self._undo_bufs.get(key)
+        if host is None or host.nbytes() != n:
+            host = self._undo_bufs[key] = self._mover.new_host(n)
+        self.stats["undo_d2h_bytes"] += n
+        if isinstance(self._mover, _ThreadMover):  # the emulated device: on this thread, no job to hand over and wait
+            ctypes.memmove(host.data_ptr(), st.data_ptr(), n)
+            return host, n, None
+        return host, n, self._mover.copy("d2h", host, st, n)
+
+    def _keep_for_undo(self, u: int, chunk: list[nn.Parameter]) -> None:
+        """Before unit ``u`` steps in backward: host copies of its parameters and optimizer state, so that a backward
+        that fails later can put the unit back (an exception mid-backward, or a refused optimizer)."""
+        opt = self.optimizer
+        records, tickets = [], []
+        for p in chunk:
+            host, n, ticket = self._host_copy((id(p), None), p)
+            tickets.append(ticket)
+            st = opt.state.get(p)
+            kept = None
+            if st:
+                kept = {}
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and not isinstance(v, HostTensor):
+                        h, m, t = self._host_copy((id(p), k), v)
+                        tickets.append(t)
+                        kept[k] = (v, h, m)
+                    else:
+                        kept[k] = copy.deepcopy(v)
+            records.append((p, (host, n), kept))
+        for t in tickets:  # the step changes them in place: the copies must have read them first
+            self._mover.wait(t)
+        self._undo[u] = records
+
+    def _write_back(self, t: torch.Tensor, host: Any, n: int) -> None:
+        if isinstance(host, torch.Tensor):  # a clone (see _host_copy)
+            with torch.no_grad():
+                t.copy_(host)
+            return
+        self._mover.wait(self._mover.copy("h2d", t.untyped_storage(), host, n))
+
+    def _undo_stepped(self) -> int:
+        """Put every unit stepped in backward and not yet followed by ``opt.step()`` back as it was before its step."""
+        units = sorted(u for u in self._stepped if u in self._undo)
+        opt = self.optimizer
+        for u in units:
+            offloaded = bool(self._param_slots[u])
+            if offloaded:
+                self._fetch_params(u, wait=True)
+            for p, (host, n), kept in self._undo.pop(u):
+                self._write_back(p, host, n)
+                if kept is None:  # its state was made by that step: plain training has none yet
+                    opt.state.pop(p, None)
+                    continue
+                self._bring_state(p, wait=True)
+                st = opt.state[p]
+                for k, v in kept.items():
+                    if isinstance(v, tuple):
+                        tensor, h, m = v
+                        self._write_back(tensor, h, m)
+                        st[k] = tensor
+                    else:
+                        st[k] = v
+                if self.placements[u].optimizer == "offload":
+                    self._send_state(p)
+            self._release_pending()
+            if offloaded:
+                self._param_dirty[u] = True
+                if not self._in_bw[u]:
+                    self._free_params(u)
+        self._stepped.difference_update(units)  # without copies (UNDO_STEPS_IN_BACKWARD off) they stay stepped
+        self._undo.clear()
+        if units:
+            self._undone_pending = True
+            self.stats["steps_in_backward_undone"] += len(units)
+        return len(units)
+
+    def _backward_failed(self) -> bool:
+        """Whether a backward that reached this manager's hooks ended without running its end-of-backward callback
+        (it raised, or was interrupted), and no backward runs now."""
+        return self._callback_queued and torch._C._current_graph_task_id() == -1
+
+    def _recover_failed_backward(self) -> int:
+        """After a failed backward: put back the units it stepped (their parameters and optimizer state as before
+        their step), then do the bookkeeping its end-of-backward callback would have done. Returns the units put
+        back."""
+        if not self._callback_queued or torch._C._current_graph_task_id() == self._queued_task:
+            return 0
+        undone = self._undo_stepped() if self._sib_gen == self._gen else 0
+        self._end_of_backward()
+        return undone
+
+    def _refuse_after_undo(self, what: str) -> None:
+        if self._backward_failed():
+            self._recover_failed_backward()
+        if self._undone_pending:
+            raise StepInBackwardError(
+                f"{what} after a backward that failed partway: the units it had already stepped were put back as they "
+                "were before it (parameters and optimizer state), but their gradients are gone, so the batch cannot be "
+                "finished. Skip it with opt.zero_grad() (or model.zero_grad() then opt.zero_grad()) and go on")
 
     # ------------------------------------------------------------------ reporting
     def unit_bytes(self) -> list[dict[str, int]]:
