@@ -29,6 +29,7 @@ from .profile import profile as profile
 from .rl.search import search
 from .runtime.apply import AppliedPlan
 from .runtime.apply import plan as plan
+from .runtime.limit import MemoryLimit, limit_memory
 from .runtime.measure import Measurement, measure
 from .runtime.state import StateError, StepInBackwardError
 from .simulate import SimResult, Simulator
@@ -40,6 +41,7 @@ __all__ = [
     "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
     "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "StateError", "StepInBackwardError",
     "UnitProfile", "WrapOrderError",
+    "MemoryLimit", "limit_memory",
     "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile", "resolve_budget", "search",
     "simulate", "solvers", "zoo",
 ]

@@ -182,11 +182,17 @@ class DeviceSpec:
         dev = torch.device(device) if device is not None else None
         if dev is None:
             dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        if dev.type == "cuda":
-            return _detect_cuda(dev)
-        if dev.type != "cpu":
+        if dev.type not in ("cpu", "cuda"):
             raise MemoptError(f"memopt_nb supports CPU and CUDA devices, not {dev.type!r}")
-        return _detect_cpu()
+        from .runtime.limit import active_limit, uncounted
+
+        with uncounted():  # measuring the device is not the training's memory
+            spec = _detect_cuda(dev) if dev.type == "cuda" else _detect_cpu()
+        limit = active_limit(dev)  # inside memopt.limit_memory the device holds the limit
+        if limit is not None:
+            spec = spec.with_changes(capacity_bytes=min(limit, spec.capacity_bytes),
+                                     note=spec.note + f"; capacity limited by memopt.limit_memory to {limit} bytes")
+        return spec
 
     @classmethod
     def resolve(cls, device: DeviceSpec | str | None, default: DeviceSpec) -> DeviceSpec:

@@ -487,7 +487,9 @@ def _global_rng_kept() -> Iterator[None]:
 def _keeps_global_rng(fn: Callable[..., Plan]) -> Callable[..., Plan]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Plan:
-        with _global_rng_kept():
+        from ..runtime.limit import uncounted
+
+        with _global_rng_kept(), uncounted():  # the agents' networks are host memory, not the planned device's
             return fn(*args, **kwargs)
 
     return wrapper
