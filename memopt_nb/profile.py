@@ -1090,7 +1090,8 @@ def _selective_time(fraction: float, segs: list[Segment], f: int, b: int, rc_tim
 
 
 #: profile()'s own keyword options; every other keyword goes to the model.
-PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective", "autocast")
+PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective", "autocast",
+                   "batch_dim", "batch_fn")
 
 
 def _forward(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -1102,7 +1103,8 @@ def _forward(model: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any])
 def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
             device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
-            selective: bool = False, autocast: torch.dtype | str | None = None, **example_kwargs: Any) -> ModelProfile:
+            selective: bool = False, autocast: torch.dtype | str | None = None, batch_dim: int | None = 0,
+            batch_fn: Callable[[int], Any] | None = None, **example_kwargs: Any) -> ModelProfile:
     """Profile one training step of ``model`` on ``example_inputs``.
 
     The model is called as ``model(*example_inputs, **example_kwargs)``, as you call it in training:
@@ -1135,12 +1137,25 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             ``loss.backward()`` does. Profile the way you train: a profile made without autocast does not predict a
             loop with it. Calling ``profile`` inside ``torch.autocast`` raises :class:`ProfileError` (its backward
             would run under autocast too, and autocast's weight cache would live through it).
+        batch_dim, batch_fn: where the unplanned step runs out of memory (``torch.OutOfMemoryError``: a full GPU, or
+            :func:`memopt_nb.limit_memory`), the profile is made at smaller batches that fit and extrapolated to this
+            one (:mod:`memopt_nb.profile_fallback`; ``meta["method"] == "extrapolated"``). The smaller batches slice
+            the input tensors along ``batch_dim`` (default 0; ``None`` forbids it), or come from
+            ``batch_fn(b) -> (inputs, loss_fn)`` (a tuple of positional or a dict of keyword inputs) where the loss
+            function holds targets of the full batch. A step that fits is profiled as always
+            (``meta["method"] == "measured"``).
 
     The model, optimizer and RNG state are restored afterwards. Modules that run more than once per forward, not at
     all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
+    from .profile_fallback import extrapolating, profile_or_extrapolate
+
+    if not extrapolating():  # the step as it is; where it runs out of memory, smaller batches extrapolated
+        options = dict(loss_fn=loss_fn, optimizer=optimizer, units=units, repeats=repeats, device=device,
+                       model_kwargs=model_kwargs, selective=selective, autocast=autocast)
+        return profile_or_extrapolate(profile, model, example_inputs, options, example_kwargs, batch_dim, batch_fn)
     from .distributed import check_plain
 
     check_plain(model, "profile")  # DDP / FSDP2: profile the plain model, then wrap it (memopt_nb.distributed)
@@ -1269,6 +1284,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "split": split,  # units="fine": module split into its children -> its class (the table's hierarchy)
             "selective": ({"measured": True, "notes": sac_notes} if selective else None),
             "autocast": autocast_name(amp),  # the forward's, if any
+            "method": "measured",  # or "extrapolated" from smaller batches (memopt_nb.profile_fallback)
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,
