@@ -23,6 +23,7 @@ from .budget import format_bytes, parse_bytes, resolve_budget
 from .device import DeviceSpec
 from .errors import BudgetError, MemoptError, PlanError, ProfileError, WrapOrderError
 from .evaluate import Evaluation, evaluate
+from .maxbatch import MaxBatch, max_batch
 from .plan import Decision, Plan
 from .profile import ModelProfile, UnitProfile
 from .profile import profile as profile
@@ -41,7 +42,7 @@ __all__ = [
     "AppliedPlan", "BudgetError", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
     "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "StateError", "StepInBackwardError",
     "UnitProfile", "WrapOrderError",
-    "MemoryLimit", "limit_memory",
+    "MaxBatch", "MemoryLimit", "limit_memory", "max_batch",
     "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile", "resolve_budget", "search",
     "simulate", "solvers", "zoo",
 ]
