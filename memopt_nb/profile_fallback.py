@@ -218,11 +218,46 @@ def _merge(a: Any, b: Any, xa: int, xb: int, x: int, key: str, where: str) -> An
         return a
     numeric = isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
         and not isinstance(b, bool)
+    if numeric and key in _PEAKS and x > xb:  # a peak does not shrink as the batch grows
+        return max(0, int(b), int(round(_line(xa, a, xb, b, x))))
     if numeric and (key in _BYTES or key in _SHAPES or key in _UNCHECKED):
         return max(0, int(round(_line(xa, a, xb, b, x))))
     if numeric and key in _TIMES:
         return max(0.0, float(_line(xa, a, xb, b, x)))
     raise _structure(where, key)
+
+
+_GROUP_KEY = ("producer", "savers", "consumers", "outside_saver", "free_pos", "outside_release", "release_pos",
+              "death_seg")
+
+
+def _groups(ga: list[dict], gb: list[dict], xa: int, xb: int, x: int) -> list[dict]:
+    """The storage groups at batch ``x``: the larger batch's groups, each group's bytes on the line through its bytes
+    at both batches where the smaller batch has it too, else grown in proportion to the batch. Which groups exist can
+    differ between batches (a storage freed partway through a segment counts as late only where the peak came after
+    it), so groups are matched by what they are, not by position; the number of storages is the larger batch's."""
+    def key(g: dict) -> tuple:
+        return tuple(tuple(g[k]) if isinstance(g[k], list) else g[k] for k in _GROUP_KEY)
+
+    small: dict[tuple, list[int]] = {}
+    for g in ga:
+        acc = small.setdefault(key(g), [0, 0])
+        acc[0] += g["nbytes"]
+        acc[1] += g["late_bytes"]
+    seen: dict[tuple, int] = {}
+    out = []
+    for g in gb:
+        k = key(g)
+        seen[k] = seen.get(k, 0) + 1
+        g = dict(g)
+        if k in small and seen[k] == 1 and sum(key(h) == k for h in gb) == 1:
+            g["nbytes"] = max(0, int(round(_line(xa, small[k][0], xb, g["nbytes"], x))))
+            g["late_bytes"] = max(0, int(round(_line(xa, small[k][1], xb, g["late_bytes"], x))))
+        else:
+            g["nbytes"] = int(round(g["nbytes"] * x / xb))
+            g["late_bytes"] = int(round(g["late_bytes"] * x / xb))
+        out.append(g)
+    return out
 
 
 def _structure(where: str, key: str) -> ProfileError:
@@ -257,18 +292,25 @@ def extrapolate(profiles: Mapping[int, Any], batch: int, check: tuple[int, Any] 
         raise ProfileError(f"extrapolate() needs profiles at exactly two batch sizes, got {sorted(profiles)}")
     (xa, pa), (xb, pb) = sorted(profiles.items())
     da, db = pa.to_dict(), pb.to_dict()
-    merged = {k: _merge(da[k], db[k], xa, xb, batch, k, "profile") for k in db if k != "device"}
+    merged = {k: _merge(da[k], db[k], xa, xb, batch, k, "profile") for k in db if k not in ("device", "groups")}
+    merged["groups"] = _groups(da["groups"], db["groups"], xa, xb, batch)
     merged["device"] = db["device"]
     merged["batch_size"] = batch
     merged["unattributed_bytes"] = max(0, int(round(_line(xa, da["unattributed_bytes"], xb, db["unattributed_bytes"],
                                                           batch))))
     merged["coverage"] = min(1.0, max(0.0, float(_line(xa, da["coverage"], xb, db["coverage"], batch))))
     merged["meta"] = dict(db["meta"])
+    # the step's peak is its highest segment, as in a measured profile (and as the simulator finds it)
+    merged["peak_bytes"] = max([merged["peak_bytes"]] + [sg["start_level"] + sg["rel_peak"]
+                                                         for sg in merged["segments"]])
     info: dict[str, Any] = {}
     if check is not None:
         xc, pc = check
         dc = pc.to_dict()
-        pred = {k: _merge(da[k], db[k], xa, xb, xc, k, "profile") for k in db if k not in ("device", "meta")}
+        # the storage groups are left out: at small batches storages may fall into other groups (the units' saved
+        # bytes, the segments and the peak, which the groups add up to, are checked)
+        pred = {k: _merge(da[k], db[k], xa, xb, xc, k, "profile") for k in db
+                if k not in ("device", "meta", "groups")}
         errors: list[tuple[str, float, float]] = []
         try:
             for k in pred:

@@ -161,13 +161,15 @@ class _EmulatedLimit(StorageTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        if _uncounting():
+        if _uncounting():  # new storages are host memory; views of existing ones are what they were
             out = func(*args, **kwargs)
+            given = {id(q.untyped_storage()) for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor) and not t.is_meta for q in _plain(t)}
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.device.type == self.device.type:
+                if isinstance(t, torch.Tensor) and t.device.type == self.device.type and not t.is_meta:
                     for q in _plain(t):
                         st = q.untyped_storage()
-                        if id(st) not in self._live:
+                        if id(st) not in self._live and id(st) not in given:
                             self._mark_host(st)
             return out
         for t in tree_leaves((args, kwargs)):
