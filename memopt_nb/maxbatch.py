@@ -7,7 +7,8 @@ batch whose extrapolated unplanned peak is within the budget; when that batch is
 profiled again there and at its half (both fit unplanned) so that the line, and above all its times, come from batches
 near the answer. The largest batch any plan fits is then the largest whose smallest reachable peak
 (:func:`memopt_nb.solvers.min_peak`, the planner's floor) is within the budget (doubling, then bisection), and a plan is
-made for it (the exact optimum by default). Throughput is predicted at each power of two up to that batch and at the
+made for it (the exact optimum by default); on the device the model is on, real steps at that batch under the
+plan check it (``verify``). Throughput is predicted at each power of two up to that batch and at the
 batch itself; the best one is :attr:`MaxBatch.best_batch` (throughput first). Plain training and the best classic
 baseline (recompute-all, sqrt(n), swap-all, Capuchin, every-k-th-layer checkpointing) get the same numbers side by side.
 """
@@ -83,6 +84,7 @@ class MaxBatch:
     throughputs: dict[str, dict[int, float]] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    verified: dict[str, Any] = field(default_factory=dict)
     _at: Callable[[int], Any] | None = field(default=None, repr=False)
 
     @property
@@ -122,7 +124,8 @@ class MaxBatch:
     def to_dict(self) -> dict[str, Any]:
         return {"budget_bytes": self.budget_bytes, "device": self.device, "probes": self.probes,
                 "profiled": self.profiled, "memopt": self.memopt.to_dict(), "plain": self.plain.to_dict(),
-                "baseline": self.baseline.to_dict(), "seconds": self.seconds, "notes": list(self.notes)}
+                "baseline": self.baseline.to_dict(), "seconds": self.seconds, "notes": list(self.notes),
+                "verified": dict(self.verified)}
 
     def _rows(self) -> list[tuple[str, BatchAnswer]]:
         return [("plain training", self.plain), (f"best classic baseline ({self.baseline.method})", self.baseline),
@@ -145,6 +148,9 @@ class MaxBatch:
                          f"{_b(a.best_batch):>10s} {_f(a.best_throughput):>10s}")
         lines.append(f"  profiled at batches {', '.join(map(str, self.profiled))}; predicted from them "
                      f"({self.seconds:.1f} s)")
+        if self.verified:
+            lines.append(f"  batch {self.verified['batch']} run under its plan: measured peak "
+                         f"{format_bytes(self.verified['peak_bytes'])} of {format_bytes(self.budget_bytes)}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
     def _repr_html_(self) -> str:
@@ -202,7 +208,8 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
               planner: str = "optimal", strategies: Sequence[str] = DEFAULT_STRATEGIES,
               offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
               probe: Sequence[int] = (2, 4, 8), repeats: int = 1, autocast: torch.dtype | str | None = None,
-              search_timesteps: int | None = None, seed: int = 0, limit: int = MAX_BATCH_LIMIT) -> MaxBatch:
+              search_timesteps: int | None = None, seed: int = 0, limit: int = MAX_BATCH_LIMIT,
+              verify: bool = True) -> MaxBatch:
     """The largest batch any plan fits under ``budget``, its plan and predicted throughput, and the fastest batch.
 
     Args:
@@ -220,6 +227,10 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         probe: three small batches to profile; the two largest give the line, the smallest checks it.
         repeats: timed steps per profile. autocast: as :func:`memopt_nb.profile` takes it.
         limit: the largest batch considered.
+        verify: (planning for the device the model is on) build the model at the answer and measure real steps under
+            its plan (:attr:`MaxBatch.verified`); where they do not fit the budget, the answer is the largest smaller
+            batch that does. Off, nothing but the three probes (and two profiles near plain training's largest batch)
+            runs.
 
     Raises :class:`~memopt_nb.errors.BudgetError` when not even the smallest probe batch fits any plan, and
     :class:`~memopt_nb.errors.ProfileError` when the step's bytes are not linear in the batch.
@@ -305,6 +316,9 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         except (BudgetError, PlanError):
             return None
 
+    verified: dict[str, Any] = {}
+    if verify and device is None:
+        best_max = _verify(builder, optimizer, best_max, plan_for, value, autocast, verified, notes)
     candidates = sorted({b for b in _powers(best_max)} | {best_max} | ({plain_max} if plain_max else set()))
     memopt_ans = _answer(planner if planner == "optimal" else "memopt-ppo", candidates, best_max, plan_for, value)
     plain_ans = _answer("none", [b for b in candidates if plain_max and b <= plain_max], plain_max,
@@ -335,7 +349,49 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         a.__dict__.pop("_tp", None)
     return MaxBatch(memopt=memopt_ans, plain=plain_ans, baseline=baseline_ans, budget_bytes=value, device=spec.name,
                     probes=probes, profiled=sorted(profiles), throughputs=throughputs,
-                    seconds=time.perf_counter() - t0, notes=notes, _at=at)
+                    seconds=time.perf_counter() - t0, notes=notes, verified=verified, _at=at)
+
+
+def _verify(builder: Callable[[int], Any], optimizer: Any, batch: int, plan_for: Callable[[int], Plan | None],
+            budget: int, autocast: Any, out: dict[str, Any], notes: list[str]) -> int:
+    """Run the answer: build the model at ``batch`` and measure real steps under its plan. Where they do not fit
+    the budget (out of memory, or a measured peak above it: a peak that grows faster above the profiled batches than
+    below them), try a smaller batch, in proportion to the excess, up to four times."""
+    from .runtime.measure import measure
+
+    tried: list[str] = []
+    for _ in range(4):
+        plan = plan_for(batch)
+        if plan is None:
+            tried.append(f"batch {batch}: no plan")
+            batch -= 1
+            if batch < 1:
+                break
+            continue
+        gc.collect()
+        model, args, kwargs, loss_fn, opt = _unpack(builder(batch), optimizer)
+        try:
+            m = measure(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1,
+                        autocast=autocast)
+            peak: int | None = m.peak_bytes
+        except torch.OutOfMemoryError:
+            peak = None
+        del model, opt
+        if peak is not None and peak <= budget:
+            out.update({"batch": batch, "peak_bytes": int(peak), "predicted_peak_bytes": plan.predicted_peak_bytes,
+                        "step_time": m.step_time})
+            return batch
+        lower = max(1, min(batch - 1, int(batch * budget / peak) if peak else int(batch * 0.9)))
+        note = (f"batch {batch} under its plan measured " + (format_bytes(peak) if peak else "out of memory")
+                + f" against the budget of {format_bytes(budget)} (predicted "
+                f"{format_bytes(plan.predicted_peak_bytes or 0)}); tried {lower}")
+        notes.append(note)
+        tried.append(note)
+        if batch == 1:
+            break
+        batch = lower
+    raise BudgetError(f"no batch near the prediction ran inside {format_bytes(budget)} under its plan: "
+                      + "; ".join(tried))
 
 
 def _powers(top: int) -> list[int]:

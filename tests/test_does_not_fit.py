@@ -194,6 +194,7 @@ def test_max_batch_beats_plain_training_and_its_step_fits(setup):
     assert res.batch >= WANT > res.plain.batch
     assert res.baseline.batch is None or res.baseline.batch <= res.batch
     assert res.plan is not None and res.plan.predicted_peak_bytes <= limit
+    assert res.verified["batch"] == res.batch and res.verified["peak_bytes"] <= limit  # run under its plan
     assert res.best_batch is not None and res.best_throughput >= res.throughputs["optimal"][res.batch]
     assert res.throughput == pytest.approx(res.batch / res.step_time)
     assert res.plain.best_throughput is not None
