@@ -426,8 +426,9 @@ class AppliedPlan:
                 else:
                     module.__dict__.pop("forward", None)
             self._installed.clear()
-            if self._oom_guard is not None:
+            if self._oom_guard is not None:  # no cycle through it keeps the model (the block's exit kept its own)
                 self._oom_guard.close()
+                self._oom_guard = None
             if self._autocast_hook is not None:
                 self._autocast_hook.remove()
                 self._autocast_hook = None

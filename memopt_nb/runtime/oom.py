@@ -151,6 +151,5 @@ def leave_plan(applied: Any, exc: tuple[Any, Any, Any]) -> None:
     finally:
         if active_limit() is not None:
             recount(model, optimizer)
-        applied._oom_guard = None  # the snapshot goes with the block
         if guard is not None and isinstance(exc[1], torch.OutOfMemoryError):
             guard.recover(exc[1])
