@@ -275,3 +275,21 @@ def test_tiny_hf_gpt2_does_not_fit_then_trains():
     ref, ref_opt = make()
     torch.manual_seed(5)
     assert [train(ref, kw, lambda out: out.loss, ref_opt, 1)[0] for _ in range(2)] == losses
+
+
+def test_out_of_memory_in_the_optimizer_step_says_what_it_could_not_restore():
+    model, inputs, loss_fn, opt = build(4)
+    prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
+
+    def full(*args):
+        raise torch.OutOfMemoryError("no room for the optimizer's temporaries")
+
+    handle = opt.register_step_pre_hook(full)  # runs after the plan's own hook has seen the step begin
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as info, memopt.plan(memopt.solvers.recompute_all(prof)):
+            train(model, inputs, loss_fn, opt, 1)
+    finally:
+        handle.remove()
+    note = "\n".join(info.value.__notes__)
+    assert "in the optimizer step" in note and "already hold this step's update" in note
+    assert all(p.grad is None for p in model.parameters())  # the step began with none: put back as it was
