@@ -128,7 +128,9 @@ def test_profile_plan_and_train_what_does_not_fit(setup):
         assert prof.meta["extrapolation"]["requested_batch"] == WANT
         assert abs(prof.peak_bytes - peak) <= 0.02 * peak, (prof.peak_bytes, peak)
         assert prof.device.capacity_bytes == limit
-        plan = memopt.search(prof, total_timesteps=2048)  # no budget: the device's capacity, i.e. the limit
+        assert "extrapolated to batch 16 from batches 4 and 8" in repr(prof)
+        assert memopt.ModelProfile.from_json(prof.to_json()).to_dict() == prof.to_dict()
+        plan = memopt.search(prof, total_timesteps=1024)  # no budget: the device's capacity, i.e. the limit
         assert plan.budget_bytes == limit and plan.predicted_peak_bytes <= limit
         torch.manual_seed(1)
         with memopt.plan(plan):
