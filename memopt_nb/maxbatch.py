@@ -202,6 +202,12 @@ def _unpack(built: Any, optimizer: Any) -> tuple[torch.nn.Module, tuple, dict, A
     return model, args, kwargs, loss_fn, opt
 
 
+def _batch_inputs(built: Any) -> tuple[Any, Any]:
+    """``(inputs, loss_fn)`` of a builder's result, for :func:`memopt_nb.profile`'s ``batch_fn``."""
+    _, args, kwargs, loss_fn, _ = _unpack(built, None)
+    return (kwargs if kwargs else args), loss_fn
+
+
 def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
               device: DeviceSpec | str | None = None,
               optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None, *,
@@ -254,8 +260,10 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         if b not in profiles:
             gc.collect()  # the previous batch's model is gone before this one is built
             model, args, kwargs, loss_fn, opt = _unpack(builder(b), optimizer)
+            # where batch b does not fit unplanned, the profile is extrapolated from smaller ones the builder makes
+            smaller = (lambda k: _batch_inputs(builder(k))) if not (args and kwargs) else None
             profiles[b] = profile(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt,
-                                  repeats=repeats, autocast=autocast)
+                                  repeats=repeats, autocast=autocast, batch_fn=smaller)
         return profiles[b]
 
     line: list[int] = probes[1:]

@@ -137,6 +137,7 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
     def at(b: int) -> Any:
         if batch_fn is not None:
             made = batch_fn(b)
+            gc.collect()  # whatever batch_fn built besides the inputs (a model) is gone before profiling
             if not (isinstance(made, tuple) and len(made) == 2):
                 raise ProfileError(f"batch_fn({b}) must return (inputs, loss_fn), with inputs a tuple of positional "
                                    f"inputs or a dict of keyword inputs; got {type(made).__name__}")

@@ -295,3 +295,13 @@ def test_out_of_memory_in_the_optimizer_step_says_what_it_could_not_restore():
     note = "\n".join(info.value.__notes__)
     assert "in the optimizer step" in note and "already hold this step's update" in note
     assert all(p.grad is None for p in model.parameters())  # the step began with none: put back as it was
+
+
+def test_max_batch_where_even_a_probe_batch_does_not_fit():
+    model, inputs, loss_fn, opt = build(8)
+    limit = int(0.6 * memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, steps=1).peak_bytes)
+    del model, opt
+    with memopt.limit_memory(limit), pytest.warns(UserWarning, match="without a third batch to check"):
+        res = memopt.max_batch(build)  # probes 4 and 8 do not fit unplanned: profiled from the builder's batches 1, 2
+    assert res.profile_at(8).meta["method"] == "extrapolated"
+    assert res.plain.batch < 8 <= res.batch and res.verified["peak_bytes"] <= limit
