@@ -28,12 +28,14 @@ from .core.profile import ModelProfile, UnitProfile
 from .harness import zoo
 from .harness.compare import Comparison, compare
 from .harness.evaluate import Evaluation, evaluate
+from .harness.maxbatch import MaxBatch, max_batch
 from .planners.rl.search import search
 from .profiling import profile as _profile_module
 from .profiling.profile import profile
 from .runtime import detect as _detect  # noqa: F401 - installs DeviceSpec.detect
 from .runtime import distributed
 from .runtime.apply import AppliedPlan, plan
+from .runtime.limit import MemoryLimit, limit_memory
 from .runtime.measure import Measurement, measure
 from .runtime.state import StateError, StepInBackwardError
 from .sim.simulator import SimResult, Simulator, simulate
@@ -62,11 +64,11 @@ sys.modules[__name__ + ".profile"] = _profile_module
 __version__ = "0.1.0"
 
 __all__ = [
-    "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "Measurement", "MemoptError",
-    "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator", "StateError", "StepInBackwardError",
-    "UnitProfile", "WrapOrderError",
-    "compare", "distributed", "evaluate", "format_bytes", "measure", "parse_bytes", "plan", "profile",
-    "resolve_budget", "search", "simulate", "solvers", "zoo",
+    "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "MaxBatch", "Measurement",
+    "MemoptError", "MemoryLimit", "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator",
+    "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError", "compare", "distributed", "evaluate",
+    "format_bytes", "limit_memory", "max_batch", "measure", "parse_bytes", "plan", "profile", "resolve_budget",
+    "search", "simulate", "solvers", "zoo",
 ]
 
 

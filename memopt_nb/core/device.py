@@ -177,7 +177,8 @@ class DeviceSpec:
     @classmethod
     def detect(cls, device: Any = None) -> DeviceSpec:
         """Measure the device tensors live on: a CUDA GPU if given or available, else the CPU as an emulated device;
-        torch's random generators are left as they were.
+        torch's random generators are left as they were, and inside :func:`memopt_nb.limit_memory` the capacity is
+        the limit.
 
         The measuring runs real kernels and the swap engine, so it lives in :mod:`memopt_nb.runtime.detect`, which
         installs itself here when the package is imported."""

@@ -271,8 +271,12 @@ class ModelProfile:
     # ------------------------------------------------------------------ display
     def summary(self) -> str:
         amp = f" under autocast {self.meta['autocast']}" if self.meta.get("autocast") else ""
+        ext = self.meta.get("extrapolation") if self.meta.get("method") == "extrapolated" else None
+        how = (f", extrapolated to batch {self.batch_size} from batches "
+               f"{' and '.join(map(str, ext.get('fitted_batches') or ext.get('batches') or []))} (it did not fit)"
+               if isinstance(ext, dict) else "")
         return (f"{self.meta.get('model_class', 'model')}: {self.n_units} units, peak {format_bytes(self.peak_bytes)}, "
-                f"step {self.step_time * 1e3:.1f} ms on {self.device.name}{amp}")
+                f"step {self.step_time * 1e3:.1f} ms on {self.device.name}{amp}{how}")
 
     def __repr__(self) -> str:
         return f"<ModelProfile {self.summary()}>"

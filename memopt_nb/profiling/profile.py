@@ -44,6 +44,7 @@ from ..runtime.step import (
     step_autocast,
     training_step,
 )
+from .fallback import extrapolating, profile_or_extrapolate
 from .opsets import mark_pareto, propose_save_sets, record_ops
 from .tracer import (
     chunked_step,
@@ -145,13 +146,15 @@ def _selective_time(fraction: float, segs: list[Segment], f: int, b: int, rc_tim
 
 
 #: profile()'s own keyword options; every other keyword goes to the model.
-PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective", "autocast")
+PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective", "autocast",
+                   "batch_dim", "batch_fn")
 
 
 def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
             device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
-            selective: bool = False, autocast: torch.dtype | str | None = None, **example_kwargs: Any) -> ModelProfile:
+            selective: bool = False, autocast: torch.dtype | str | None = None, batch_dim: int | None = 0,
+            batch_fn: Callable[[int], Any] | None = None, **example_kwargs: Any) -> ModelProfile:
     """Profile one training step of ``model`` on ``example_inputs``.
 
     The model is called as ``model(*example_inputs, **example_kwargs)``, as you call it in training:
@@ -184,6 +187,13 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             ``loss.backward()`` does. Profile the way you train: a profile made without autocast does not predict a
             loop with it. Calling ``profile`` inside ``torch.autocast`` raises :class:`ProfileError` (its backward
             would run under autocast too, and autocast's weight cache would live through it).
+        batch_dim, batch_fn: where the unplanned step runs out of memory (``torch.OutOfMemoryError``: a full GPU, or
+            :func:`memopt_nb.limit_memory`), the profile is made at smaller batches that fit and extrapolated to this
+            one (:mod:`memopt_nb.profiling.fallback`; ``meta["method"] == "extrapolated"``). The smaller batches
+            slice the input tensors along ``batch_dim`` (default 0; ``None`` forbids it), or come from
+            ``batch_fn(b) -> (inputs, loss_fn)`` (a tuple of positional or a dict of keyword inputs) where the loss
+            function holds targets of the full batch. A step that fits is profiled as always
+            (``meta["method"] == "measured"``).
 
     The model, optimizer and RNG state are restored afterwards, and so is every module outside the model that
     ``loss_fn`` calls (a discriminator: its gradients, buffers and training flags). Modules that run more than once
@@ -191,7 +201,10 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
-
+    if not extrapolating():  # the step as it is; where it runs out of memory, smaller batches extrapolated
+        options = dict(loss_fn=loss_fn, optimizer=optimizer, units=units, repeats=repeats, device=device,
+                       model_kwargs=model_kwargs, selective=selective, autocast=autocast)
+        return profile_or_extrapolate(profile, model, example_inputs, options, example_kwargs, batch_dim, batch_fn)
     check_plain(model, "profile")  # DDP / FSDP2: profile the plain model, then wrap it (memopt_nb.runtime.distributed)
     kwargs = model_keywords(model, "profile", PROFILE_OPTIONS, model_kwargs, example_kwargs)
     if not example_inputs and not kwargs:
@@ -322,6 +335,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "split_why": split_why,  # units="fine": why each block was split or kept whole
             "selective": ({"measured": True, "notes": sac_notes} if selective else None),
             "autocast": autocast_name(amp),  # the forward's, if any
+            "method": "measured",  # or "extrapolated" from smaller batches (memopt_nb.profiling.fallback)
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,

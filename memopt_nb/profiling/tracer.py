@@ -193,6 +193,17 @@ class _Run:
         self.bwd_started: set[int] = set()
         self.forward_done = False
         self.grads_done: dict[int, int] = {}  # unit -> level when its last gradient was accumulated
+        self.outside_refs: list[weakref.ref] = []  # the markers _outside_pack made
+
+    def release(self) -> None:
+        """After a step that failed before its backward was done (out of memory): let go of the tensors the markers
+        hold. A marker of a tensor its own node saves (a softmax's output) is a cycle through autograd's C++ graph
+        that the garbage collector cannot see; left alone it would keep the failed step's memory."""
+        for ref in self.outside_refs:
+            marker = ref()
+            if marker is not None:
+                marker.t = None
+        self.outside_refs.clear()
 
     # -- marks
     def _mark(self, label: Any) -> int:
@@ -283,6 +294,7 @@ class _Run:
                 # a direct reference (like autograd's own), plus a marker that tells when that code's backward is done
                 marker = _OutsideRef(t)
                 weakref.finalize(marker, self._outside_released, inf)
+                self.outside_refs.append(weakref.ref(marker))
                 return marker
         return t
 
@@ -423,6 +435,9 @@ def tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimize
                 training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)),
                               kwargs=kwargs)
             run.stop_watching()
+    except BaseException:
+        run.release()
+        raise
     finally:
         for h in handles:
             h.remove()

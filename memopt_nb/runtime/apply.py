@@ -20,6 +20,7 @@ from ..core.errors import PlanError
 from ..core.plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
 from .distributed import check_state_placements, order_guard, unwrap
 from .hooks import uncopied
+from .oom import StepGuard, leave_plan
 from .recompute import checkpointed
 from .replay_guard import ReplayGuard, cache_tensors, is_cache
 from .state import Placement, StateManager
@@ -322,6 +323,7 @@ class AppliedPlan:
         self._installed: list[tuple[nn.Module, bool, Any]] = []
         self._stats: dict[str, float] = {}
         self._autocast_hook: Any = None  # checks the first training forward's autocast against the profile's
+        self._oom_guard: StepGuard | None = None
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> AppliedPlan:
@@ -329,7 +331,7 @@ class AppliedPlan:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.remove()
+        leave_plan(self, exc)  # remove(); after an out-of-memory error also the step's gradients and RNG put back
 
     @property
     def active(self) -> bool:
@@ -395,6 +397,7 @@ class AppliedPlan:
             if state is not None:
                 self.state = state
                 state.apply()
+            self._oom_guard = StepGuard(self)  # what a step that runs out of memory must give back
             if "autocast" in plan.meta:  # the profile said how its forward ran (plans made before it did: no check)
                 self._autocast_hook = model.register_forward_pre_hook(uncopied(self._check_autocast))
         except BaseException:
@@ -426,6 +429,9 @@ class AppliedPlan:
                 else:
                     module.__dict__.pop("forward", None)
             self._installed.clear()
+            if self._oom_guard is not None:  # no cycle through it keeps the model (the block's exit kept its own)
+                self._oom_guard.close()
+                self._oom_guard = None
             if self._autocast_hook is not None:
                 self._autocast_hook.remove()
                 self._autocast_hook = None

@@ -14,6 +14,7 @@ from typing import Any
 from ..core.device import DeviceSpec, GiB, set_detector
 from ..core.errors import MemoptError
 from ..core.plan import effective_triggers
+from .limit import active_limit, uncounted
 from .swap import SwapEngine
 
 
@@ -211,8 +212,15 @@ def detect(device: Any = None) -> DeviceSpec:
     if dev.type not in ("cuda", "cpu"):
         raise MemoptError(f"memopt_nb supports CPU and CUDA devices, not {dev.type!r}")
     devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # the benchmarks draw random matrices: the loop's random
-        return _detect_cuda(dev) if dev.type == "cuda" else _detect_cpu()  # numbers must not move
+    # the benchmarks draw random matrices: the loop's random numbers must not move; and measuring the device is not
+    # the training's memory
+    with torch.random.fork_rng(devices=devices), uncounted():
+        spec = _detect_cuda(dev) if dev.type == "cuda" else _detect_cpu()
+    limit = active_limit(dev)  # inside memopt.limit_memory the device holds the limit
+    if limit is not None:
+        spec = spec.with_changes(capacity_bytes=min(limit, spec.capacity_bytes),
+                                 note=spec.note + f"; capacity limited by memopt.limit_memory to {limit} bytes")
+    return spec
 
 
 set_detector(detect)

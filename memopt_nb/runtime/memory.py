@@ -26,6 +26,8 @@ __all__ = ["CudaMeter", "StorageTracker", "active_meter", "meter_for", "note_dev
 
 
 _ACTIVE: list[Any] = []
+#: memory limits (:mod:`memopt_nb.runtime.limit`) told about every storage :func:`note_device_storage` reports
+_LISTENERS: list[Any] = []
 
 
 def active_meter() -> Any | None:
@@ -38,6 +40,8 @@ def note_device_storage(storage: torch.UntypedStorage) -> None:
     meter = active_meter()
     if isinstance(meter, StorageTracker):
         meter.add_storage(storage)
+    for listener in _LISTENERS:
+        listener.note(storage)
 
 
 class _MeterBase:

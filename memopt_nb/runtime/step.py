@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..core.errors import ProfileError
+from .limit import recount, uncounted
 
 __all__ = ["AUTOCAST_DTYPES", "autocast_name", "default_loss", "forward_autocast", "model_keywords",
            "preserved_state", "resolve_autocast", "step_autocast", "training_step"]
@@ -188,27 +189,29 @@ def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
     Copies are kept in host memory, so they do not count towards device memory.
     """
-    params = {n: _to_host(p) for n, p in model.named_parameters()}
-    grads = {n: (_to_host(p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
-    buffers = {n: _to_host(b) for n, b in model.named_buffers()}
-    opt_state = tree_map(_to_host, optimizer.state_dict()) if optimizer is not None else None
+    with uncounted():  # host copies: not the emulated device's memory under memopt.limit_memory
+        params = {n: _to_host(p) for n, p in model.named_parameters()}
+        grads = {n: (_to_host(p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
+        buffers = {n: _to_host(b) for n, b in model.named_buffers()}
+        opt_state = tree_map(_to_host, optimizer.state_dict()) if optimizer is not None else None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     training = {m: m.training for m in model.modules()}
     try:
         yield
     finally:
-        with torch.no_grad():
+        with torch.no_grad(), uncounted():
             for n, p in model.named_parameters():
                 p.copy_(params[n])
                 g = grads[n]
                 p.grad = None if g is None else g.to(p.device)
             for n, b in model.named_buffers():
                 b.copy_(buffers[n])
-        if optimizer is not None:
-            optimizer.load_state_dict(opt_state)
-            if not opt_state["state"]:
-                optimizer.state.clear()
+            if optimizer is not None:
+                optimizer.load_state_dict(opt_state)
+                if not opt_state["state"]:
+                    optimizer.state.clear()
+        recount(model, optimizer)  # what the model and optimizer hold now is the device's again
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

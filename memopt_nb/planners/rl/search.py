@@ -17,6 +17,7 @@ import torch
 from ...core.device import DeviceSpec
 from ...core.errors import PlanError
 from ...core.plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
+from ...runtime.limit import uncounted
 from ...sim.simulator import RECOMPUTE_OFFLOAD
 from ..polish import (
     option_arrays,
@@ -136,7 +137,7 @@ def _global_rng_kept() -> Iterator[None]:
 def _keeps_global_rng(fn: Callable[..., Plan]) -> Callable[..., Plan]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Plan:
-        with _global_rng_kept():
+        with _global_rng_kept(), uncounted():  # the agents' networks are host memory, not the planned device's
             return fn(*args, **kwargs)
 
     return wrapper

@@ -1,0 +1,457 @@
+"""``memopt.max_batch``: the largest batch any plan fits under a budget, and the batch that trains fastest.
+
+The answer is found without profiling every batch unplanned. The model is profiled at three small batches
+(``probe``, default 2, 4 and 8); the line through the two largest, checked on the third
+(:func:`memopt_nb.profile_fallback.extrapolate`), gives the profile at any batch. Plain training fits up to the largest
+batch whose extrapolated unplanned peak is within the budget; when that batch is well above the probes, the model is
+profiled again there and at its half (both fit unplanned) so that the line, and above all its times, come from batches
+near the answer. The largest batch any plan fits is then the largest whose smallest reachable peak
+(:func:`memopt_nb.solvers.min_peak`, the planner's floor) is within the budget (doubling, then bisection), and a plan is
+made for it (the exact optimum by default); on the device the model is on, real steps at that batch under the
+plan check it (``verify``). Throughput is predicted at each power of two up to that batch and at the
+batch itself; the best one is :attr:`MaxBatch.best_batch` (throughput first). Plain training and the best classic
+baseline (recompute-all, sqrt(n), swap-all, Capuchin, every-k-th-layer checkpointing) get the same numbers side by side.
+"""
+
+from __future__ import annotations
+
+import gc
+import html
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import planners as solvers
+from ..core.budget import format_bytes, parse_bytes
+from ..core.device import DeviceSpec
+from ..core.errors import BudgetError, MemoptError, PlanError
+from ..core.plan import DEFAULT_STRATEGIES, Plan
+from ..planners.rl.search import search
+from ..profiling.fallback import extrapolate
+from ..profiling.profile import profile
+from ..runtime.measure import measure
+
+__all__ = ["BatchAnswer", "MaxBatch", "max_batch"]
+
+#: the largest batch :func:`max_batch` considers
+MAX_BATCH_LIMIT = 1 << 20
+
+
+@dataclass
+class BatchAnswer:
+    """One way of training (plain, the best classic baseline, memopt's plans) at its largest and its fastest batch.
+
+    Attributes:
+        method: ``"none"`` (plain training), a baseline's name, or the planner (``"optimal"``, ``"memopt-ppo"``).
+        batch: the largest batch it fits under the budget (``None``: not even the smallest batch tried).
+        plan: its plan at ``batch``; step_time: predicted seconds per step there; throughput: samples per second.
+        best_batch, best_plan, best_step_time, best_throughput: the same at the batch with the highest predicted
+            throughput among the batches tried that fit.
+    """
+
+    method: str
+    batch: int | None = None
+    plan: Plan | None = None
+    step_time: float | None = None
+    throughput: float | None = None
+    best_batch: int | None = None
+    best_plan: Plan | None = None
+    best_step_time: float | None = None
+    best_throughput: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("method", "batch", "step_time", "throughput", "best_batch",
+                                              "best_step_time", "best_throughput")}
+
+
+@dataclass
+class MaxBatch:
+    """What :func:`max_batch` found: memopt's answer, with plain training and the best classic baseline beside it.
+
+    ``batch``, ``plan``, ``step_time``, ``throughput`` and the ``best_*`` attributes are memopt's (:attr:`memopt`);
+    :attr:`plain` and :attr:`baseline` hold the same for plain training and for the classic baseline that fits the
+    largest batch. Apply the plan to the model built at that batch:
+    ``model, inputs, loss_fn = builder(res.batch)``, then ``with memopt.plan(res.plan, model, optimizer=opt):``.
+    """
+
+    memopt: BatchAnswer
+    plain: BatchAnswer
+    baseline: BatchAnswer
+    budget_bytes: int
+    device: str
+    probes: list[int]
+    profiled: list[int]
+    throughputs: dict[str, dict[int, float]] = field(default_factory=dict)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    verified: dict[str, Any] = field(default_factory=dict)
+    _at: Callable[[int], Any] | None = field(default=None, repr=False)
+
+    @property
+    def batch(self) -> int | None:
+        return self.memopt.batch
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.memopt.plan
+
+    @property
+    def step_time(self) -> float | None:
+        return self.memopt.step_time
+
+    @property
+    def throughput(self) -> float | None:
+        return self.memopt.throughput
+
+    @property
+    def best_batch(self) -> int | None:
+        return self.memopt.best_batch
+
+    @property
+    def best_plan(self) -> Plan | None:
+        return self.memopt.best_plan
+
+    @property
+    def best_throughput(self) -> float | None:
+        return self.memopt.best_throughput
+
+    def profile_at(self, batch: int) -> Any:
+        """The (extrapolated) profile at ``batch``, as the answer was computed from it."""
+        if self._at is None:
+            raise MemoptError("this result has no profiles (it was loaded); run memopt.max_batch again")
+        return self._at(int(batch))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget_bytes, "device": self.device, "probes": self.probes,
+                "profiled": self.profiled, "memopt": self.memopt.to_dict(), "plain": self.plain.to_dict(),
+                "baseline": self.baseline.to_dict(), "seconds": self.seconds, "notes": list(self.notes),
+                "verified": dict(self.verified)}
+
+    def _rows(self) -> list[tuple[str, BatchAnswer]]:
+        return [("plain training", self.plain), (f"best classic baseline ({self.baseline.method})", self.baseline),
+                (f"memopt ({self.memopt.method})", self.memopt)]
+
+    def summary(self) -> str:
+        """One line: at this budget, batch N fits with a plan; plain training fits M."""
+        plain = self.plain.batch
+        return (f"at {format_bytes(self.budget_bytes)} on {self.device}: batch {_b(self.batch)} fits with a plan "
+                f"({_ratio(self.batch, plain)} plain training's {_b(plain)}); the fastest is batch "
+                f"{_b(self.best_batch)} at {_f(self.best_throughput)} samples/s (plain training: "
+                f"{_f(self.plain.best_throughput)} at batch {_b(self.plain.best_batch)})")
+
+    def __repr__(self) -> str:
+        lines = [f"MaxBatch({self.summary()})",
+                 f"  {'':34s} {'max batch':>9s} {'step ms':>9s} {'samples/s':>10s} {'best batch':>10s} "
+                 f"{'samples/s':>10s}"]
+        for name, a in self._rows():
+            lines.append(f"  {name:34s} {_b(a.batch):>9s} {_ms(a.step_time):>9s} {_f(a.throughput):>10s} "
+                         f"{_b(a.best_batch):>10s} {_f(a.best_throughput):>10s}")
+        lines.append(f"  profiled at batches {', '.join(map(str, self.profiled))}; predicted from them "
+                     f"({self.seconds:.1f} s)")
+        if self.verified:
+            lines.append(f"  batch {self.verified['batch']} run under its plan: measured peak "
+                         f"{format_bytes(self.verified['peak_bytes'])} of {format_bytes(self.budget_bytes)}")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in ("", "max batch", "step (ms)", "samples/s", "best batch",
+                                                 "samples/s at best"))
+        rows = "".join(
+            f"<tr><td>{html.escape(name)}</td><td>{_b(a.batch)}</td><td>{_ms(a.step_time)}</td>"
+            f"<td>{_f(a.throughput)}</td><td>{_b(a.best_batch)}</td><td>{_f(a.best_throughput)}</td></tr>"
+            for name, a in self._rows())
+        notes = "".join(f"<br><i>{html.escape(n)}</i>" for n in self.notes)
+        return (f"<p><b>{html.escape(self.summary())}</b></p><table><tr>{head}</tr>{rows}</table>"
+                f"<p>Profiled at batches {', '.join(map(str, self.profiled))}; every other batch predicted from them "
+                f"({self.seconds:.1f} s).{notes}</p>")
+
+
+def _b(x: int | None) -> str:
+    return "-" if x is None else str(x)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _ratio(a: int | None, b: int | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "vs"
+
+
+def _unpack(built: Any, optimizer: Any) -> tuple[torch.nn.Module, tuple, dict, Any, torch.optim.Optimizer]:
+    if not isinstance(built, (tuple, list)) or len(built) < 3:
+        raise MemoptError("builder(batch_size) must return (model, inputs, loss_fn) or (model, inputs, loss_fn, "
+                          f"optimizer), with inputs a tuple of positional or a dict of keyword inputs; got "
+                          f"{type(built).__name__}")
+    model, raw, loss_fn = built[0], built[1], built[2]
+    if not isinstance(model, torch.nn.Module):
+        raise MemoptError(f"builder(batch_size) must return a torch.nn.Module first, got {type(model).__name__}")
+    args, kwargs = ((), dict(raw)) if isinstance(raw, Mapping) else (tuple(raw), {})
+    opt = built[3] if len(built) > 3 and isinstance(built[3], torch.optim.Optimizer) else None
+    if optimizer is not None:
+        opt = optimizer(model.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise MemoptError("optimizer= must make a torch.optim.Optimizer from the parameters, e.g. "
+                              f"optimizer=torch.optim.AdamW; it made {type(opt).__name__}")
+    if opt is None:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, args, kwargs, loss_fn, opt
+
+
+def _batch_inputs(built: Any) -> tuple[Any, Any]:
+    """``(inputs, loss_fn)`` of a builder's result, for :func:`memopt_nb.profile`'s ``batch_fn``."""
+    _, args, kwargs, loss_fn, _ = _unpack(built, None)
+    return (kwargs if kwargs else args), loss_fn
+
+
+def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
+              device: DeviceSpec | str | None = None,
+              optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None, *,
+              planner: str = "optimal", strategies: Sequence[str] = DEFAULT_STRATEGIES,
+              offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
+              probe: Sequence[int] = (2, 4, 8), repeats: int = 1, autocast: torch.dtype | str | None = None,
+              search_timesteps: int | None = None, seed: int = 0, limit: int = MAX_BATCH_LIMIT,
+              verify: bool = True) -> MaxBatch:
+    """The largest batch any plan fits under ``budget``, its plan and predicted throughput, and the fastest batch.
+
+    Args:
+        builder: ``builder(batch_size) -> (model, inputs, loss_fn[, optimizer])`` as :func:`memopt_nb.evaluate`
+            takes it (``inputs``: a tuple of positional inputs or a dict of keyword inputs); called only at the
+            batches profiled.
+        budget: bytes or a size such as ``"2GiB"``; default: the device's capacity (inside
+            :func:`memopt_nb.limit_memory`, the limit).
+        device: ``None`` — the device the model is built on (profiled there); a preset name or DeviceSpec — plan for
+            it from profiles made here.
+        optimizer: makes the optimizer from the parameters (``torch.optim.AdamW``, or
+            ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``); default: the builder's, else Adam.
+        planner: ``"optimal"`` (the exact MILP optimum, fast) or ``"search"`` (the PPO agents, ``search_timesteps``).
+        strategies, offload_state, step_in_backward: the plan space, as for :func:`memopt_nb.solvers.optimal`.
+        probe: three small batches to profile; the two largest give the line, the smallest checks it.
+        repeats: timed steps per profile. autocast: as :func:`memopt_nb.profile` takes it.
+        limit: the largest batch considered.
+        verify: (planning for the device the model is on) build the model at the answer and measure real steps under
+            its plan (:attr:`MaxBatch.verified`); where they do not fit the budget, the answer is the largest smaller
+            batch that does. Off, nothing but the three probes (and two profiles near plain training's largest batch)
+            runs.
+
+    Raises :class:`~memopt_nb.errors.BudgetError` when not even the smallest probe batch fits any plan, and
+    :class:`~memopt_nb.errors.ProfileError` when the step's bytes are not linear in the batch.
+    """
+    t0 = time.perf_counter()
+    if planner not in ("optimal", "search"):
+        raise MemoptError(f"planner must be 'optimal' or 'search', got {planner!r}")
+    probes = sorted({int(b) for b in probe})
+    if len(probes) != 3 or probes[0] < 1:
+        raise MemoptError(f"probe must be three different positive batch sizes, e.g. (2, 4, 8); got {tuple(probe)!r}")
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        raise BudgetError(f"max_batch needs an absolute budget (bytes or e.g. '2GiB'), not {budget!r}: a share of "
+                          "the peak depends on the batch being answered")
+    profiles: dict[int, Any] = {}
+
+    def profiled(b: int) -> Any:
+        if b not in profiles:
+            gc.collect()  # the previous batch's model is gone before this one is built
+            model, args, kwargs, loss_fn, opt = _unpack(builder(b), optimizer)
+            # where batch b does not fit unplanned, the profile is extrapolated from smaller ones the builder makes
+            smaller = (lambda k: _batch_inputs(builder(k))) if not (args and kwargs) else None
+            profiles[b] = profile(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt,
+                                  repeats=repeats, autocast=autocast, batch_fn=smaller)
+        return profiles[b]
+
+    line: list[int] = probes[1:]
+    for b in probes:
+        profiled(b)
+    extrapolate({probes[1]: profiles[probes[1]], probes[2]: profiles[probes[2]]}, probes[2],
+                check=(probes[0], profiles[probes[0]]))  # refuses a step that is not linear in the batch
+    cache: dict[tuple[int, int, int], Any] = {}
+
+    def at(b: int) -> Any:
+        if b in profiles:
+            return profiles[b]
+        key = (line[0], line[1], b)
+        if key not in cache:
+            cache[key] = extrapolate({line[0]: profiles[line[0]], line[1]: profiles[line[1]]}, b)
+        return cache[key]
+
+    spec = DeviceSpec.resolve(device, profiles[probes[-1]].device) if device is not None \
+        else profiles[probes[-1]].device
+    value = parse_bytes(budget) if budget is not None else int(spec.capacity_bytes)
+    space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
+    notes: list[str] = []
+
+    def floor(b: int) -> int:
+        return int(solvers.min_peak(at(b), spec, strategies, **space))
+
+    def plain_peak(b: int) -> int:
+        return int(solvers.none(at(b), None, spec).predicted_peak_bytes)
+
+    # plain training's largest batch, and profiles near it for times that hold there
+    plain_max = _largest(lambda b: plain_peak(b) <= value, 1, limit)
+    if plain_max is not None and plain_max >= 2 * probes[-1]:
+        hi, mid = plain_max, plain_max // 2
+        try:
+            profiled(mid)
+            profiled(hi)
+            extrapolate({mid: profiles[mid], hi: profiles[hi]}, hi, check=(probes[-1], profiles[probes[-1]]))
+            line[:] = [mid, hi]
+            cache.clear()
+            plain_max = _largest(lambda b: plain_peak(b) <= value, 1, limit)
+        except MemoptError as exc:
+            notes.append(f"kept the line through the probe batches: profiling near batch {hi} said: {exc}")
+    best_max = _largest(lambda b: floor(b) <= value, 1, limit)
+    if best_max is None:
+        raise BudgetError(f"not even batch 1 fits any plan in {format_bytes(value)} on {spec.name}: the smallest "
+                          f"peak there is {format_bytes(floor(1))}. A bigger device, a smaller model, or a wider plan "
+                          "space (offload_state=True, strategies=memopt.plan.STRATEGIES) would lower it")
+    if best_max >= limit:
+        notes.append(f"every batch up to {limit} fits a plan (the largest considered)")
+
+    def plan_for(b: int) -> Plan | None:
+        prof = at(b)
+        try:
+            if planner == "search":
+                return search(prof, value, spec, total_timesteps=search_timesteps, seed=seed, strategies=strategies,
+                              **space)
+            return solvers.optimal(prof, value, spec, strategies, **space)
+        except (BudgetError, PlanError):
+            return None
+
+    verified: dict[str, Any] = {}
+    if verify and device is None:
+        best_max = _verify(builder, optimizer, best_max, plan_for, value, autocast, verified, notes)
+    candidates = sorted({b for b in _powers(best_max)} | {best_max} | ({plain_max} if plain_max else set()))
+    memopt_ans = _answer(planner if planner == "optimal" else "memopt-ppo", candidates, best_max, plan_for, value)
+    plain_ans = _answer("none", [b for b in candidates if plain_max and b <= plain_max], plain_max,
+                        lambda b: solvers.none(at(b), None, spec), value)
+    baseline_ans = BatchAnswer(method="none")
+    for name, fn in solvers.CLASSIC_BASELINES.items():
+        if name == "none":
+            continue
+
+        def make(b: int, fn: Callable[..., Plan] = fn) -> Plan | None:
+            try:
+                p = fn(at(b), value, spec)
+            except (BudgetError, PlanError):
+                return None
+            return p if p.predicted_peak_bytes is not None and p.predicted_peak_bytes <= value else None
+
+        top = _largest(lambda b, make=make: make(b) is not None, 1, best_max)
+        if top is None:
+            continue
+        ans = _answer(name, sorted({b for b in candidates if b <= top} | {top}), top, make, value)
+        if (ans.batch or 0, ans.best_throughput or 0.0) > (baseline_ans.batch or 0,
+                                                            baseline_ans.best_throughput or 0.0):
+            baseline_ans = ans
+    if baseline_ans.batch is None:
+        baseline_ans = BatchAnswer(method="-")
+    throughputs = {a.method: a._tp for a in (memopt_ans, plain_ans, baseline_ans) if hasattr(a, "_tp")}
+    for a in (memopt_ans, plain_ans, baseline_ans):
+        a.__dict__.pop("_tp", None)
+    return MaxBatch(memopt=memopt_ans, plain=plain_ans, baseline=baseline_ans, budget_bytes=value, device=spec.name,
+                    probes=probes, profiled=sorted(profiles), throughputs=throughputs,
+                    seconds=time.perf_counter() - t0, notes=notes, verified=verified, _at=at)
+
+
+def _verify(builder: Callable[[int], Any], optimizer: Any, batch: int, plan_for: Callable[[int], Plan | None],
+            budget: int, autocast: Any, out: dict[str, Any], notes: list[str]) -> int:
+    """Run the answer: build the model at ``batch`` and measure real steps under its plan. Where they do not fit
+    the budget (out of memory, or a measured peak above it: a peak that grows faster above the profiled batches than
+    below them), try a smaller batch, in proportion to the excess, up to four times."""
+    tried: list[str] = []
+    for _ in range(4):
+        plan = plan_for(batch)
+        if plan is None:
+            tried.append(f"batch {batch}: no plan")
+            batch -= 1
+            if batch < 1:
+                break
+            continue
+        gc.collect()
+        model, args, kwargs, loss_fn, opt = _unpack(builder(batch), optimizer)
+        try:
+            m = measure(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1,
+                        autocast=autocast)
+            peak: int | None = m.peak_bytes
+        except torch.OutOfMemoryError:
+            peak = None
+        del model, opt
+        if peak is not None and peak <= budget:
+            out.update({"batch": batch, "peak_bytes": int(peak), "predicted_peak_bytes": plan.predicted_peak_bytes,
+                        "step_time": m.step_time})
+            return batch
+        lower = max(1, min(batch - 1, int(batch * budget / peak) if peak else int(batch * 0.9)))
+        note = (f"batch {batch} under its plan measured " + (format_bytes(peak) if peak else "out of memory")
+                + f" against the budget of {format_bytes(budget)} (predicted "
+                f"{format_bytes(plan.predicted_peak_bytes or 0)}); tried {lower}")
+        notes.append(note)
+        tried.append(note)
+        if batch == 1:
+            break
+        batch = lower
+    raise BudgetError(f"no batch near the prediction ran inside {format_bytes(budget)} under its plan: "
+                      + "; ".join(tried))
+
+
+def _powers(top: int) -> list[int]:
+    out, b = [], 1
+    while b <= top:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The largest ``b`` in ``[low, high]`` with ``fits(b)``, for ``fits`` true up to some batch and false above."""
+    if not fits(low):
+        return None
+    good, b = low, low
+    while True:  # doubling
+        nxt = min(high, b * 2)
+        if nxt == b:
+            return b
+        if not fits(nxt):
+            bad = nxt
+            break
+        good = b = nxt
+    while bad - good > 1:  # bisection
+        m = (good + bad) // 2
+        if fits(m):
+            good = m
+        else:
+            bad = m
+    return good
+
+
+def _answer(method: str, batches: Sequence[int], top: int | None, make: Callable[[int], Plan | None],
+            budget: int) -> BatchAnswer:
+    ans = BatchAnswer(method=method)
+    if top is None:
+        return ans
+    tp: dict[int, float] = {}
+    plans: dict[int, Plan] = {}
+    for b in batches:
+        p = make(b)
+        if p is None or p.predicted_step_time is None or p.predicted_peak_bytes is None \
+                or p.predicted_peak_bytes > budget or not p.predicted_step_time > 0:
+            continue
+        plans[b] = p
+        tp[b] = b / p.predicted_step_time
+    if top in plans:
+        ans.batch, ans.plan = top, plans[top]
+        ans.step_time, ans.throughput = plans[top].predicted_step_time, tp[top]
+    if tp:
+        best = max(tp, key=lambda b: (tp[b], b))
+        ans.best_batch, ans.best_plan = best, plans[best]
+        ans.best_step_time, ans.best_throughput = plans[best].predicted_step_time, tp[best]
+    ans.__dict__["_tp"] = {b: round(v, 3) for b, v in sorted(tp.items())}
+    if not math.isfinite(ans.best_throughput or 0.0):
+        ans.best_throughput = None
+    return ans
