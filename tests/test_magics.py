@@ -457,3 +457,13 @@ def test_a_profile_made_by_the_magic_does_not_keep_the_model_alive(ip):
     assert alive() is None
     with pytest.raises(UsageError, match="no longer exists"):
         ip.run_line_magic("memopt_plan", "tmp_prof --budget 90% --timesteps 64 -q --measure")
+
+
+def test_the_stop_options_reach_the_search_and_a_bad_one_is_refused(ip, prof, monkeypatch):
+    calls = spy_on_search(monkeypatch)
+    ip.run_line_magic("memopt_plan", "prof --budget 90% --timesteps 96 --patience 3 --time-limit 30 -q -o p_stop")
+    assert calls[-1]["patience"] == 3 and calls[-1]["time_limit"] == 30.0
+    ip.run_line_magic("memopt_plan", "prof --budget 90% --timesteps 96 -q -o p_stop")
+    assert "patience" not in calls[-1] and calls[-1]["time_limit"] is None  # the search's own defaults
+    with pytest.raises(UsageError, match="time_limit"):
+        ip.run_line_magic("memopt_plan", "prof --budget 90% --timesteps 96 --time-limit -1 -q -o p_stop")

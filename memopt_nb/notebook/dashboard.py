@@ -491,6 +491,9 @@ class SearchDashboard:
                      f"{_fmt_bytes(p.budget_bytes)} (no plan: {_fmt_bytes(base_peak)}) · step "
                      f"{_pct(p.predicted_step_time, base_t)} vs no plan ({_fmt_ms(p.predicted_step_time)} vs "
                      f"{_fmt_ms(base_t)})"]
+        stopped = m.get("stopped")
+        if stopped and stopped != "all timesteps run" and not interrupted:
+            lines.append(f"the agents stopped: {stopped} (--patience / --time-limit change when)")
         if m.get("no_feasible_plan"):
             lines.append("NO feasible plan found: this is the least infeasible one; raise the budget or the timesteps")
         polish = m.get("polish")

@@ -436,6 +436,11 @@ class MemoptMagics(Magics):
     @ma.argument("--timesteps", type=int, metavar="N",
                  help="PPO timesteps (default: $MEMOPT_NB_TIMESTEPS if set, else the search's default)")
     @ma.argument("--seed", type=int, default=0, help="random seed; the same seed gives the same plan (default 0)")
+    @ma.argument("--time-limit", type=float, metavar="SECONDS", default=None,
+                 help="stop the agents after this many seconds (default: no limit; the plan then depends on the "
+                      "machine's speed)")
+    @ma.argument("--patience", type=int, metavar="N", default=None,
+                 help="stop once the best plan has not improved in N PPO iterations (default: the search's, 50)")
     @ma.argument("--offload-state", metavar="WHAT", default="all",
                  help="what of the training state the plan may move off the device: all (default: optimizer state, "
                       "gradients and parameters), none (activations only), or a comma-separated list of optimizer, "
@@ -522,8 +527,9 @@ class MemoptMagics(Magics):
         dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title,
                                show_plan=silenced or args.quiet)
         try:
+            stop = {"time_limit": args.time_limit, **({"patience": args.patience} if args.patience else {})}
             plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, offload_state=offload_state,
-                            step_in_backward=args.step_in_backward, strategies=strategies)
+                            step_in_backward=args.step_in_backward, strategies=strategies, **stop)
         except BudgetError as exc:
             if exc.minimum_bytes is not None:  # below the floor: what to ask for first, in the magic's spelling
                 raise UsageError(exc.reworded("magic")) from None
