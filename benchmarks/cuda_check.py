@@ -489,7 +489,7 @@ def whole_model(name: str, cfg: Config, failures: list[str]) -> tuple[list[dict]
             continue
         diff = differences(ref, got)
         moved = moved_problems(got[2]["stats"], plan, cfg.steps)
-        if cfg.device.type == "cuda" and got[2]["mover"] != "_CudaMover":
+        if cfg.device.type == "cuda" and got[2]["mover"] != "CudaMover":
             moved.append(f"state moved by {got[2]['mover']}, not the CUDA side-stream mover")
         if diff:
             failures.append(f"{what}: differs from plain training: {', '.join(diff[:5])}")

@@ -301,7 +301,7 @@ def test_offloaded_gradients_leave_the_device_where_the_simulator_says_however_f
     the measured peak came out 8 KiB (one gradient) under the prediction when the thread was quick, and equal when it
     was not (seen in about one run in three). The gradients now leave together where the unit's backward ends, as the
     simulator counts. Here the copy thread is as quick as can be: every copy done when it is issued."""
-    state_mod = importlib.import_module("memopt_nb.runtime.state")
+    state_mod = importlib.import_module("memopt_nb.runtime.movers")
 
     def copy_at_once(self, direction, dst, src, nbytes, after=None):
         if after is not None:
@@ -311,7 +311,7 @@ def test_offloaded_gradients_leave_the_device_where_the_simulator_says_however_f
         done.set_result(None)
         return done
 
-    monkeypatch.setattr(state_mod._ThreadMover, "copy", copy_at_once)
+    monkeypatch.setattr(state_mod.ThreadMover, "copy", copy_at_once)
     model, opt, prof = _profile("llama", "fine")
     for strategy in ("keep", "recompute"):
         plan = _placed(Plan.uniform(prof, strategy), [(strategy, "offload", "offload", "offload")], opt)

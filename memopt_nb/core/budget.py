@@ -8,6 +8,8 @@ from typing import Any
 
 from .errors import BudgetError
 
+__all__ = ["MAX_BYTES", "MAX_FRACTION_LIKE", "format_bytes", "parse_bytes", "resolve_budget"]
+
 _UNITS = {
     "": 1,
     "b": 1,

@@ -39,6 +39,8 @@ from typing import Any
 from .budget import format_bytes
 from .errors import MemoptError
 
+__all__ = ["DeviceSpec", "GB", "PRESET_EFFICIENCY", "TFLOP", "set_detector"]
+
 GB = 10**9
 GiB = 2**30
 TFLOP = 1e12

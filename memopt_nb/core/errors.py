@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+__all__ = ["BudgetError", "MemoptError", "PlanError", "ProfileError", "WrapOrderError", "at_least_text"]
+
 
 class MemoptError(ValueError):
     """Base class of every user-facing memopt_nb error."""

@@ -51,6 +51,12 @@ from typing import Any
 from .budget import format_bytes
 from .errors import PlanError
 
+__all__ = ["DEFAULT_STRATEGIES", "DISTANCES", "Decision", "FORMAT", "GRAD_PLACES", "MAX_TIMING", "OFFLOADING",
+           "OPTIMIZER_PLACES", "PARAM_PLACES", "Plan", "RECOMPUTING", "SAVE_SETS", "SCHEMA_VERSION", "STATE_CHOICES",
+           "STATE_PIECES", "STRATEGIES", "WINDOWS", "effective_triggers", "model_fingerprint",
+           "optimizer_differences", "optimizer_fingerprint", "plain_module_type", "selective_decision",
+           "state_choices", "unit_fingerprint", "with_autocast"]
+
 SCHEMA_VERSION = 2
 FORMAT = "memopt_nb.plan"
 #: Every activation strategy a plan may use.

@@ -25,6 +25,9 @@ from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import ProfileError
 
+__all__ = ["ModelProfile", "PROFILE_FORMAT", "PROFILE_SCHEMA", "Segment", "StorageGroup", "UnitProfile",
+           "set_html_renderer"]
+
 PROFILE_FORMAT = "memopt_nb.profile"
 PROFILE_SCHEMA = 2  # 2: per-unit state bytes and the unit-by-unit optimizer step (schema 1 loads with zeros)
 

@@ -23,6 +23,8 @@ from typing import Any
 from .evaluate import BASELINE_METHODS, Evaluation, evaluate
 from .zoo import BUILDERS
 
+__all__ = ["FULL", "QUICK", "headline", "markdown", "run_bench"]
+
 FULL = {"models": ("gpt", "resnet", "vit", "unet", "mlp"), "devices": (None, "a100-40gb", "v100-16gb"),
         "multipliers": (0.125, 0.25, 0.5, 1, 2), "search_timesteps": None}
 QUICK = {"models": ("mlp", "unet"), "devices": (None, "a100-40gb"), "multipliers": (0.25, 0.5, 1),

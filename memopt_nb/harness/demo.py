@@ -16,6 +16,8 @@ from ..runtime.measure import measure
 from ..sim.simulator import simulate
 from .zoo import build
 
+__all__ = ["CODES_LEGEND", "progress", "run_demo", "run_whole_step_demo"]
+
 
 def _train(model_name: str, steps: int, plan: Plan | None, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     zm = build(model_name, seed=seed)

@@ -42,6 +42,9 @@ from ..runtime.step import forward_autocast, preserved_state, resolve_autocast, 
 from ..sim.simulator import Simulator
 from .zoo import BUILDERS, build
 
+__all__ = ["BASELINE_METHODS", "DEFAULT_METHODS", "ECOSYSTEM_METHODS", "Evaluation", "KNOWN_METHODS", "MethodResult",
+           "STATE_BASELINE_METHODS", "evaluate", "fit_latency", "fit_memory"]
+
 DEFAULT_METHODS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "optimal", "memopt-ppo", "grad_accum")
 #: The whole-step baselines: accepted by ``methods=``, not run by default.
 STATE_BASELINE_METHODS = ("state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute")

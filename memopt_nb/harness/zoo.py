@@ -33,6 +33,11 @@ import torch.nn.functional as F
 
 from ..core.errors import MemoptError
 
+__all__ = ["BUILDERS", "BasicBlock", "CausalSelfAttention", "ConvNeXt", "ConvNeXtBlock", "DoubleConv", "Down", "GPT",
+           "LayerNorm2d", "MLP", "MLPBlock", "MODELS", "ResNet", "STATE_HEAVY", "TransformerBlock", "UNet", "Up",
+           "ViT", "ZooModel", "build", "convnext_atto", "gpt", "mlp", "resnet", "resnet18", "unet", "vit",
+           "vit_tiny"]
+
 
 class ZooModel(NamedTuple):
     model: nn.Module

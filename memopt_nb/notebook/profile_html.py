@@ -9,6 +9,8 @@ from ..core.budget import format_bytes
 from ..core.profile import ModelProfile, UnitProfile
 from ..planners.floor import explain_floor
 
+__all__ = ["PROFILE_LEGEND", "profile_html"]
+
 
 def _floor_html(prof: ModelProfile, spelling: str = "python") -> str:
     """The smallest peak any plan reaches on the profiled device and what bounds it (:mod:`..planners.floor`), its

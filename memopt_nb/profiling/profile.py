@@ -60,6 +60,8 @@ from .tracer import (
 )
 from .units import select_units
 
+__all__ = ["PROFILE_OPTIONS", "profile"]
+
 
 # ====================================================================== forward side effects
 def _refuse_own_checkpointing(model: nn.Module, effects: ForwardEffects) -> None:

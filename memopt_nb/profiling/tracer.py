@@ -27,6 +27,9 @@ from ..runtime.step import (
 )
 from ..runtime.storages import is_plain, movable, tensor_on, use_count
 
+__all__ = ["chunked_step", "discover", "forward", "groups_from", "segments_from", "static_bytes", "timed_step",
+           "tracked_step", "unique_bytes", "unit_state_bytes"]
+
 _RNG_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "randperm", "exponential")
 
 

@@ -10,6 +10,8 @@ import torch.nn as nn
 
 from ..core.errors import ProfileError
 
+__all__ = ["FINE_MAX_CHILD", "FINE_MAX_UNITS", "FINE_MIN_COVER", "select_units"]
+
 
 def _container_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Children of ModuleList/Sequential containers, outermost first, expanding nested containers."""

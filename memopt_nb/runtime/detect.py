@@ -17,6 +17,8 @@ from ..core.plan import effective_triggers
 from .limit import active_limit, uncounted
 from .swap import SwapEngine
 
+__all__ = ["detect"]
+
 
 def _host_memory_bytes() -> int:
     try:

@@ -14,6 +14,8 @@ import torch.nn as nn
 
 from .replay_guard import MISSING, CacheSnapshot, argument_changes, is_cache, named_arguments, tensor_attrs
 
+__all__ = ["ForwardEffects", "forward_side_effects"]
+
 
 class ForwardEffects:
     """What one forward of a model did besides computing: see :func:`forward_side_effects`.

@@ -14,6 +14,9 @@ import torch.nn as nn
 
 from ..core.errors import PlanError
 
+__all__ = ["CacheSnapshot", "MISSING", "ReplayGuard", "argument_changes", "cache_tensors", "is_cache",
+           "named_arguments", "running_stat_modules", "tensor_attrs", "without_caches"]
+
 #: marks an attribute a module did not have
 MISSING = object()
 

@@ -19,6 +19,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 
 from .storages import is_plain
 
+__all__ = ["DirectSaves", "caching_modes", "sac_counts_op", "save_policy"]
+
 
 def sac_counts_op(func: Any) -> bool:
     """Whether selective checkpointing counts calls of ``func`` (it skips a few bookkeeping ops such as ``detach``):

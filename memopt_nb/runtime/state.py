@@ -38,7 +38,7 @@ How values stay identical to plain training:
   empty (a kernel reading it would crash the process), an offloaded parameter wears a subclass of its class whose
   ``__torch_function__`` serves the loop's own uses between steps: metadata as it is, ``detach()`` / ``.data`` as a
   :class:`HostTensor` of the host copy, any other operator with the unit's parameters brought back (in-place changes
-  kept) and offloaded again (:func:`_offloaded_class`); one that would return a view raises :class:`StateError`. The
+  kept) and offloaded again (:func:`offloaded_class`); one that would return a view raises :class:`StateError`. The
   manager checks that no module outside the unit holds it and that the unit does not return a view of it;
   ``model.state_dict()`` / ``model.load_state_dict()`` go through the host copy, and :meth:`StateManager.gathered`
   brings every offloaded parameter back for a block of code that needs the parameters themselves. The plan's hooks
@@ -90,47 +90,29 @@ import copy
 import ctypes
 import types
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
-from ..core.errors import PlanError
 from ..core.plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
 from .foreign import unwatch as _unwatch_foreign
 from .foreign import watch as _watch_foreign
 from .hooks import uncopied
-from .memory import note_device_storage
-from .storages import byte_view as _u8
+from .movers import CudaMover, ThreadMover
+from .offloaded import Worn, offloaded_class
+from .slots import HostTensor, Slot, placeholder, stepped_placeholder
+from .state_errors import STEP_RULES, StateError, StepInBackwardError
 from .storages import exclusive as _exclusive
-from .storages import movable, tensor_on
+from .storages import movable
 
 __all__ = ["HostTensor", "Placement", "StateError", "StateManager", "StepInBackwardError", "manage_state"]
 
 
-class StateError(PlanError):
-    """Optimizer state, gradients or parameters cannot be placed as asked, or were used as their placement forbids."""
 
-
-class StepInBackwardError(StateError):
-    """The loop did something that step-in-backward cannot reproduce (gradient accumulation, clipping, zero_grad
-    before step). Raised before that call changes anything."""
-
-
-#: Before a unit steps in backward, keep host copies of its parameters and optimizer state, so that a backward that
-#: fails after that step (an exception, an interrupt, an optimizer refused mid-loop) puts the unit back and the usual
-#: "skip the bad batch" ``opt.zero_grad()`` works. It costs a copy of those bytes per step in backward (host memory,
-#: not device memory; on the CPU about 10-20 % of a step-in-backward step, not priced by the simulator). ``False``
-#: skips it: a failed backward then leaves the units it stepped updated, and ``opt.zero_grad()`` raises.
 UNDO_STEPS_IN_BACKWARD = True
-
-_STEP_RULES = ("with grads='step' the optimizer steps those units inside backward, so the loop must run exactly one "
-               "backward per opt.step(), call opt.step() (then opt.zero_grad()) before the next forward, and not read, "
-               "clip, unscale (torch.amp.GradScaler) or accumulate those gradients; use grads='offload' (or "
-               "'resident') for gradient accumulation, clip_grad_norm_ or a GradScaler")
 
 
 @dataclass(frozen=True)
@@ -147,420 +129,12 @@ class Placement:
             if value not in choices:
                 raise StateError(f"{where}: {field}={value!r} is not one of {', '.join(map(repr, choices))}")
         if self.grads == "step" and not step_in_backward:
-            raise StateError(f"{where}: grads='step' changes what the training loop may do ({_STEP_RULES}); opt in "
+            raise StateError(f"{where}: grads='step' changes what the training loop may do ({STEP_RULES}); opt in "
                              "with step_in_backward=True")
 
     @property
     def managed(self) -> bool:
         return (self.optimizer, self.grads, self.params) != ("resident", "resident", "resident")
-
-
-# ---------------------------------------------------------------------- copy engines
-class _ThreadMover:
-    """Copies of the emulated CPU device: one worker thread per direction, ``memmove`` (invisible to the meter)."""
-
-    def __init__(self) -> None:
-        self._pools = {d: ThreadPoolExecutor(1, thread_name_prefix=f"memopt-state-{d}") for d in ("d2h", "h2d")}
-
-    @staticmethod
-    def new_host(nbytes: int) -> torch.UntypedStorage:
-        return torch.UntypedStorage(nbytes)  # not an operator: the dispatch-mode meter does not see it
-
-    @staticmethod
-    def new_device(nbytes: int, device: torch.device) -> torch.UntypedStorage:
-        st = torch.UntypedStorage(nbytes, device=device)
-        note_device_storage(st)
-        return st
-
-    def copy(self, direction: str, dst: torch.UntypedStorage, src: torch.UntypedStorage, nbytes: int,
-             after: Any = None) -> Future:
-        refs = [dst, src, after]
-
-        def job() -> None:
-            d, s, a = refs
-            refs.clear()  # let go of the storages before the ticket reads done, so a freed one is gone by then
-            if a is not None:
-                a.result()
-            ctypes.memmove(d.data_ptr(), s.data_ptr(), nbytes)
-            del d, s, a
-
-        return self._pools[direction].submit(job)
-
-    @staticmethod
-    def wait(ticket: Any) -> None:
-        """Wait until the device may use (or free) what ``ticket`` copied."""
-        if ticket is not None:
-            ticket.result()
-
-    wait_host = wait
-    #: before freeing the device side of a copy: the worker thread reads it, so the copy must be done
-    release = wait
-
-    @classmethod
-    def chain(cls, ticket: Any) -> None:
-        """Order a next copy of the same host bytes after ``ticket``: here, by finishing it on the calling thread."""
-        cls.wait(ticket)
-
-    def close(self) -> None:
-        for pool in self._pools.values():
-            pool.shutdown(wait=True)
-
-
-class _CudaMover:  # pragma: no cover - needs a GPU (benchmarks/cuda_check.py runs it)
-    """Copies of a CUDA device: a device-to-host and a host-to-device side stream, pinned host buffers, events."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.streams = {"d2h": torch.cuda.Stream(device), "h2d": torch.cuda.Stream(device)}
-
-    @staticmethod
-    def new_host(nbytes: int) -> torch.UntypedStorage:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
-
-    @staticmethod
-    def new_device(nbytes: int, device: torch.device) -> torch.UntypedStorage:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
-
-    def copy(self, direction: str, dst: torch.UntypedStorage, src: torch.UntypedStorage, nbytes: int,
-             after: Any = None) -> Any:
-        stream = self.streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        if after is not None:
-            stream.wait_event(after)
-        with torch.cuda.stream(stream):
-            _u8(dst, nbytes).copy_(_u8(src, nbytes), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        # the device side must not be reused by the allocator before the copy has read or written it
-        _u8(src if direction == "d2h" else dst, nbytes).record_stream(stream)
-        return ev
-
-    def wait(self, ticket: Any) -> None:
-        if ticket is not None:
-            torch.cuda.current_stream(self.device).wait_event(ticket)
-
-    @staticmethod
-    def wait_host(ticket: Any) -> None:
-        if ticket is not None:
-            ticket.synchronize()
-
-    @staticmethod
-    def release(ticket: Any) -> None:
-        """Nothing to wait for before freeing the device side of a copy: :meth:`copy` recorded it on the copy stream,
-        so the allocator reuses its block only once the copy has passed (the training thread does not stall)."""
-
-    @staticmethod
-    def chain(ticket: Any) -> Any:
-        """Order a next copy of the same host bytes after ``ticket``: its stream waits for the event (GPU side)."""
-        return ticket
-
-    def close(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-
-# ---------------------------------------------------------------------- a device value with a host home
-class _Slot:
-    """One tensor's bytes with a host copy.
-
-    ``tensor`` (if kept) is the device tensor whose storage is freed and refilled in place; otherwise the value is
-    materialized into a new device tensor when needed.
-    """
-
-    __slots__ = ("mover", "tensor", "storage", "nbytes", "host", "ticket", "dtype", "device", "size", "stride",
-                 "offset", "kind", "owner")
-
-    def __init__(self, mover: Any, like: Any, keep: bool, kind: str, owner: Any) -> None:
-        self.mover = mover
-        self.tensor = like if keep else None
-        self.storage = like.untyped_storage() if keep else None
-        self.nbytes = like.nbytes if isinstance(like, _Like) else like.untyped_storage().nbytes()
-        self.host = mover.new_host(self.nbytes)
-        self.ticket: Any = None
-        self.dtype, self.device = like.dtype, like.device
-        if isinstance(like, _Like):
-            self.size, self.stride, self.offset = like.size, like.stride, like.offset
-        else:
-            self.size, self.stride, self.offset = like.size(), like.stride(), like.storage_offset()
-        self.kind = kind
-        self.owner = owner
-
-    def send(self, src: torch.UntypedStorage) -> None:
-        """Start copying ``src`` (this slot's bytes on the device) to the host."""
-        self.ticket = self.mover.copy("d2h", self.host, src, self.nbytes, after=self.ticket)
-
-    def free(self) -> None:
-        """Drop the kept tensor's device bytes (not reused before the copy to the host has read them)."""
-        self.mover.release(self.ticket)
-        self.storage.resize_(0)
-        note_device_storage(self.storage)
-
-    def refill(self) -> None:
-        """Re-grow the kept tensor's storage and start copying the host bytes into it (wait with :meth:`wait`)."""
-        after = self.mover.chain(self.ticket)
-        self.storage.resize_(self.nbytes)
-        note_device_storage(self.storage)
-        self.ticket = self.mover.copy("h2d", self.storage, self.host, self.nbytes, after=after)
-
-    def wait(self) -> None:
-        self.mover.wait(self.ticket)
-
-    def materialize(self) -> torch.Tensor:
-        """A new device tensor holding the host value."""
-        after = self.mover.chain(self.ticket)
-        st = self.mover.new_device(self.nbytes, self.device)
-        ticket = self.mover.copy("h2d", st, self.host, self.nbytes, after=after)
-        self.mover.wait(ticket)
-        return tensor_on(st, self.dtype, self.offset, self.size, self.stride)
-
-    def store(self, t: torch.Tensor) -> None:
-        """Write a device tensor's value (same layout) back to the host, synchronously."""
-        self.send(t.untyped_storage())
-        self.mover.wait_host(self.ticket)
-
-    def zero(self) -> None:
-        self.mover.wait_host(self.ticket)
-        ctypes.memset(self.host.data_ptr(), 0, self.nbytes)
-
-
-# ---------------------------------------------------------------------- placeholders
-def _one_at_a_time(func: Any, args: Any, kwargs: dict) -> Any:
-    """A ``torch._foreach_*`` call as one call per element (lists of one), so that of the host-held values among its
-    arguments only one is on the device at a time, not all of them at once (an EMA over every parameter)."""
-    n = next(len(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)))
-    outs = []
-    for j in range(n):
-        a = [x[j:j + 1] if isinstance(x, (list, tuple)) else x for x in args]
-        k = {key: x[j:j + 1] if isinstance(x, (list, tuple)) else x for key, x in kwargs.items()}
-        outs.append(func(*a, **k))
-    return None if all(o is None for o in outs) else [t for o in outs for t in o]
-
-
-def _foreach_over(func: Any, held: int) -> bool:
-    return held > 1 and getattr(func, "__name__", "").startswith("_foreach_")
-
-
-class HostTensor(torch.Tensor):
-    """A storage-less stand-in for a tensor whose value lives in the host store (offloaded state or gradient).
-
-    It has the shape, dtype and device of the value. An operator applied to it runs on a temporary device copy and
-    in-place changes are written back, so ``torch.equal(p.grad, g)``, ``clip_grad_norm_`` or ``print`` work. An
-    operator that would return a view raises :class:`StateError`. A placeholder of a gradient consumed by a step in
-    backward (``stepped``) has no value: every operator on it raises :class:`StepInBackwardError`.
-    """
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    def numpy(self, *, force: bool = False) -> Any:
-        """A NumPy array of the value (a copy: the value has no device memory to share)."""
-        if self._stepped:
-            raise StepInBackwardError(f"this gradient was already applied in backward; {_STEP_RULES}")
-        return self._slot.materialize().numpy(force=force)
-
-    @staticmethod
-    def __new__(cls, like: Any, slot: _Slot | None, stepped: bool = False) -> HostTensor:
-        r = torch.Tensor._make_wrapper_subclass(cls, like.size, strides=like.stride, storage_offset=like.offset,
-                                                dtype=like.dtype, device=like.device, requires_grad=False)
-        r._slot = slot
-        r._stepped = stepped
-        r._like = like
-        return r
-
-    def __init__(self, like: Any, slot: _Slot | None, stepped: bool = False) -> None:
-        super().__init__()
-
-    def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return [], None  # no inner tensors: the memory meter counts nothing for it
-
-    @staticmethod
-    def __tensor_unflatten__(inner: Any, meta: Any, size: Any, stride: Any) -> Any:  # pragma: no cover
-        raise StateError("a memopt host placeholder cannot be traced or compiled")
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
-        if self._stepped:
-            return f"<gradient already applied by a step in backward: shape {tuple(self.shape)}>"
-        return f"HostTensor({self._slot.materialize()!r})"
-
-    def __reduce_ex__(self, proto: Any) -> Any:
-        if self._stepped:
-            raise StepInBackwardError(f"this gradient was already applied in backward; {_STEP_RULES}")
-        return self._slot.materialize().__reduce_ex__(proto)
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        holders = [t for t in tree_leaves((args, kwargs)) if isinstance(t, HostTensor)]
-        if any(h._stepped for h in holders):
-            if "unscale" in str(func):  # torch.amp.GradScaler.unscale_, from scaler.unscale_() or scaler.step()
-                raise StepInBackwardError(
-                    "torch.amp.GradScaler cannot be used with a step in backward: the units with grads='step' were "
-                    "already stepped in this backward with the *scaled* gradients, before the scaler could unscale "
-                    "them or skip the step (their parameters now hold that update; reload them from a checkpoint). "
-                    "Use bf16 autocast (it needs no scaler), or a plan with grads='offload' or 'resident'")
-            raise StepInBackwardError(f"{func} on a gradient that was already applied by a step in backward; "
-                                      f"{_STEP_RULES}")
-        if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
-            raise StateError(f"{func} would return a view of an offloaded tensor; operate on a copy "
-                             "(e.g. t.clone()) or leave the memopt block first")
-        if _foreach_over(func, len({id(h) for h in holders})):
-            return _one_at_a_time(func, args, kwargs)
-        mats: dict[int, torch.Tensor] = {}
-        for h in holders:
-            if id(h) not in mats:
-                mats[id(h)] = h._slot.materialize()
-        a, k = tree_map(lambda x: mats[id(x)] if isinstance(x, HostTensor) else x, (args, kwargs))
-        out = func(*a, **k)
-        if func._schema.is_mutable:
-            for h in {id(h): h for h in holders}.values():
-                h._slot.store(mats[id(h)])
-        back = {id(m): h for h in holders for m in (mats[id(h)],)}
-        return tree_map(lambda x: back.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
-
-
-class _Like:
-    """The layout of a dense tensor, without its data."""
-
-    __slots__ = ("size", "stride", "offset", "dtype", "device", "nbytes")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-        self.dtype, self.device = t.dtype, t.device
-        self.nbytes = t.numel() * t.element_size()
-
-
-def _placeholder(slot: _Slot) -> HostTensor:
-    return HostTensor(slot, slot)
-
-
-def _stepped_placeholder(g: torch.Tensor) -> HostTensor:
-    return HostTensor(_Like(g), None, stepped=True)
-
-
-# ---------------------------------------------------------------------- parameters read between steps
-#: Attributes and methods of a tensor that read no data: an offloaded parameter answers them as it is.
-_META_ATTRS = frozenset({
-    "shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "layout", "ndim", "names", "grad_fn", "_version",
-    "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu", "is_sparse", "is_quantized", "is_nested", "is_mkldnn",
-    "itemsize", "nbytes", "output_nr", "retains_grad", "_base", "_cdata", "_backward_hooks",
-    "_post_accumulate_grad_hooks", "__dict__", "__class__"})
-_META_METHODS = frozenset({
-    "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "untyped_storage", "data_ptr",
-    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "requires_grad_", "register_hook",
-    "register_post_accumulate_grad_hook", "__hash__", "__len__", "__sizeof__", "_is_view", "is_pinned", "is_shared",
-    "_has_compatible_shallow_copy_type"})
-#: Calls whose result would keep pointing at the parameter's device memory outside any tensor (refused while offloaded).
-_RAW_ALIASES = frozenset({"numpy", "__array__", "__dlpack__", "storage", "_typed_storage"})
-
-
-def _moves_nothing(name: str, args: Any, kwargs: dict) -> bool:
-    """Whether ``p.to(...)``, ``p.cpu()`` or ``p.cuda()`` would return ``p`` itself (reading no data): what
-    ``model.to(device)`` on its own device does, in a loop or in accelerate's ``prepare``."""
-    p, rest = args[0], args[1:]
-    kw = dict(kwargs)
-    try:
-        if name == "to":
-            if kw.pop("copy", False):
-                return False
-            device, dtype, _, fmt = torch._C._nn._parse_to(*rest, **kw)
-        elif name in ("cpu", "cuda") and not rest and kw.get("device") is None and not kw.get("memory_format"):
-            device, dtype, fmt = torch.device(name), None, None
-        else:
-            return False
-    except (TypeError, RuntimeError, ValueError):
-        return False
-    with torch._C.DisableTorchFunctionSubclass():
-        here, own = p.device, p.dtype
-    if device is not None and device.type != here.type:
-        return False
-    if device is not None and device.index != here.index:
-        current = torch.cuda.current_device() if here.type == "cuda" else None
-        if device.index is not None or current != here.index:
-            return False
-    return (dtype is None or dtype == own) and fmt in (None, torch.preserve_format)
-
-
-def _offloaded_torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-    """Operators on a parameter whose data lives on the host between steps (see :func:`_offloaded_class`)."""
-    kwargs = kwargs or {}
-    name = getattr(func, "__name__", "")
-    attr = getattr(getattr(func, "__self__", None), "__name__", None) if name in ("__get__", "__set__") else None
-    if (attr in _META_ATTRS) if attr is not None else (name in _META_METHODS):
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    held = {id(t): t for t in tree_leaves((args, kwargs)) if getattr(t, "_memopt_offload", None) is not None}
-    if not held:  # a copy made from one (not managed): an ordinary parameter
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    what = f"{attr} of" if attr is not None else f"{name}() on"
-    if attr == "data" and name == "__set__":
-        target, value = args[0], args[1]
-        if value is target:  # p.data = p: what model.to(its own device) does (Trainer, accelerate); nothing changes
-            return None
-        raise StateError("p.data = ... on a parameter the plan keeps on the host between steps would lose it; write "
-                         "with `with torch.no_grad(): p.copy_(value)` instead")
-    if name in _RAW_ALIASES:
-        raise StateError(f"{what} a parameter the plan keeps on the host between steps would point at memory the "
-                         "plan frees; use p.detach().clone() first, or model.state_dict()")
-    if name in ("to", "cpu", "cuda") and _moves_nothing(name, args, kwargs):
-        return args[0]  # the parameter itself, as torch returns it: nothing to bring back
-    if (attr == "data" and name == "__get__") or name == "detach":
-        p = next(iter(held.values()))
-        return _placeholder(p._memopt_offload.slot)  # reads and writes go through the host copy, like offloaded state
-    units = {(id(w.manager), w.unit): w for w in (p._memopt_offload for p in held.values())}
-    if len(units) > 1 and _foreach_over(func, len(held)):
-        return _one_at_a_time(func, args, kwargs)  # one unit's parameters on the device at a time
-    with contextlib.ExitStack() as stack:
-        storages = set()
-        for w in units.values():
-            storages |= stack.enter_context(w.manager._reading(w.unit))
-        out = func(*args, **kwargs)
-        if any(isinstance(t, torch.Tensor) and type(t) is not HostTensor and id(t) not in held
-               and t.untyped_storage()._cdata in storages for t in tree_leaves(out)):
-            raise StateError(f"{what} a parameter the plan keeps on the host between steps would return a view of "
-                             "memory the plan frees; read it through p.detach() (which reads the host copy), a copy "
-                             "(p.detach().clone()) or model.state_dict(), or inside `with applied.state.gathered():`")
-    return out
-
-
-def _offloaded_deepcopy(self: nn.Parameter, memo: dict) -> Any:
-    w = self._memopt_offload
-    with w.manager._reading(w.unit):
-        return copy.deepcopy(self, memo)
-
-
-def _offloaded_reduce_ex(self: nn.Parameter, proto: Any) -> Any:
-    w = self._memopt_offload
-    with w.manager._reading(w.unit):
-        return copy.deepcopy(self).__reduce_ex__(proto)  # a copy: pickling reads it after the parameter is freed
-
-
-class _Worn(NamedTuple):
-    """What an offloaded parameter wearing :func:`_offloaded_class` knows of its home (``p._memopt_offload``)."""
-
-    manager: StateManager
-    unit: int
-    slot: _Slot
-
-
-_OFFLOADED_CLASSES: dict[type, type] = {}
-
-
-def _offloaded_class(cls: type) -> type | None:
-    """The class an offloaded parameter of class ``cls`` wears while its data is on the host (``None``: leave it).
-
-    Its device storage is empty then, and a kernel reading it would crash the process (a notebook's kernel dies).
-    Every operator on it therefore goes through :func:`_offloaded_torch_function`: metadata as it is; ``detach()`` and
-    ``.data`` a :class:`HostTensor` of its host copy; anything else runs with the unit's parameters brought back
-    (in-place changes kept) and offloaded again after — an EMA, a weight-norm log or ``copy.deepcopy(model)`` between
-    steps then works and computes what it would without the plan. Only plain parameters (no ``__torch_function__`` of
-    their own) get one."""
-    if cls.__torch_function__ is not torch._C._disabled_torch_function_impl:
-        return None
-    sub = _OFFLOADED_CLASSES.get(cls)
-    if sub is None:
-        sub = _OFFLOADED_CLASSES[cls] = type(f"Offloaded{cls.__name__}", (cls,), {
-            "__torch_function__": classmethod(_offloaded_torch_function), "__deepcopy__": _offloaded_deepcopy,
-            "__reduce_ex__": _offloaded_reduce_ex, "__module__": __name__})
-    return sub
 
 
 # ---------------------------------------------------------------------- the manager
@@ -677,9 +251,9 @@ class StateManager:
     def _reset(self) -> None:
         self._handles: list[Any] = []
         self._opt_saved: dict[str, Any] = {}
-        self._state_slots: dict[tuple[int, Any], _Slot] = {}
-        self._grad_slots: dict[int, _Slot] = {}
-        self._param_slots: list[list[_Slot]] = [[] for _ in self.unit_params]
+        self._state_slots: dict[tuple[int, Any], Slot] = {}
+        self._grad_slots: dict[int, Slot] = {}
+        self._param_slots: list[list[Slot]] = [[] for _ in self.unit_params]
         self._param_where = ["device"] * len(self.unit_params)  # device | host | fetching
         self._param_dirty = [False] * len(self.unit_params)
         self._in_bw = [False] * len(self.unit_params)
@@ -703,7 +277,7 @@ class StateManager:
         self._queued_task = -1  # the autograd graph task the end-of-backward callback was queued in
         #: units were put back after a failed backward, their gradients gone: opt.zero_grad() must come first
         self._undone_pending = False
-        self._pending: list[_Slot] = []
+        self._pending: list[Slot] = []
         # per unit, the device gradients sent to the host in its current backward: held until that backward ends, so
         # they leave the device there whenever the copy thread finishes (the schedule the simulator counts)
         self._sent_grads: list[list[torch.Tensor]] = [[] for _ in self.unit_params]
@@ -717,7 +291,7 @@ class StateManager:
             raise StateError("another StateManager manages this optimizer; leave its `with` block first")
         device = next((p.device for ps in self.unit_params for p in ps), torch.device("cpu"))
         self._reset()
-        self._mover = _CudaMover(device) if device.type == "cuda" else _ThreadMover()
+        self._mover = CudaMover(device) if device.type == "cuda" else ThreadMover()
         self._active = True
         opt._memopt_state = self
         try:
@@ -779,7 +353,7 @@ class StateManager:
                 self._release_pending()
             if pl.params == "offload":
                 mod = self.modules[u]
-                self._param_slots[u] = [_Slot(self._mover, p, True, "param", u) for p in ps]
+                self._param_slots[u] = [Slot(self._mover, p, True, "param", u) for p in ps]
                 for s in self._param_slots[u]:
                     s.send(s.storage)
                 for s in self._param_slots[u]:
@@ -855,10 +429,10 @@ class StateManager:
                 continue
             slot = self._state_slots.get((id(p), key))
             if slot is None or slot.tensor is not v or slot.nbytes != v.nbytes:
-                slot = self._state_slots[(id(p), key)] = _Slot(self._mover, v, True, "state", p)
+                slot = self._state_slots[(id(p), key)] = Slot(self._mover, v, True, "state", p)
             slot.send(slot.storage)
             self.stats["state_d2h_bytes"] += slot.nbytes
-            st[key] = _placeholder(slot)
+            st[key] = placeholder(slot)
             self._pending.append(slot)
 
     def _release_pending(self) -> None:
@@ -866,7 +440,7 @@ class StateManager:
         for slot in pending:
             slot.free()
 
-    def _bring_state(self, p: nn.Parameter, wait: bool) -> list[_Slot]:
+    def _bring_state(self, p: nn.Parameter, wait: bool) -> list[Slot]:
         st = self.optimizer.state.get(p)
         out = []
         if st:
@@ -891,10 +465,10 @@ class StateManager:
             return None
         slot = self._grad_slots.get(id(p))
         if slot is None or slot.nbytes != g.nbytes or slot.dtype != g.dtype:
-            slot = self._grad_slots[id(p)] = _Slot(self._mover, g, False, "grad", p)
+            slot = self._grad_slots[id(p)] = Slot(self._mover, g, False, "grad", p)
         slot.send(g.untyped_storage())  # the copy job holds the storage until it has been read
         self.stats["grad_d2h_bytes"] += slot.nbytes
-        p.grad = _placeholder(slot)
+        p.grad = placeholder(slot)
         return g
 
     def _make_pre_hook(self, u: int, p: nn.Parameter) -> Any:
@@ -904,7 +478,7 @@ class StateManager:
                     and (self._stepped or self._stale_now())):
                 raise StepInBackwardError("a backward reached parameters that were already stepped in backward and "
                                           f"whose gradients were not cleared by opt.zero_grad(){self._half_stepped()}; "
-                                          f"{_STEP_RULES}")
+                                          f"{STEP_RULES}")
             old = p.grad
             if isinstance(old, HostTensor):  # accumulate as plain training would: old += new
                 acc = old._slot.materialize()
@@ -957,7 +531,7 @@ class StateManager:
         keep = (lambda ps: self._keep_for_undo(u, ps)) if UNDO_STEPS_IN_BACKWARD else None
         self._run_chunks([chunk], closure=None, before_step=keep)
         for p in chunk:
-            p.grad = _stepped_placeholder(p.grad)
+            p.grad = stepped_placeholder(p.grad)
             self._stale += 1
         self._stepped.add(u)
         self._sib_gen = self._gen
@@ -983,7 +557,7 @@ class StateManager:
         # stepped in an earlier backward, not in this one (and the plan still applied: not a graph backpropagated later)
         if self._active and self._stepped and self._sib_gen != self._gen:
             raise StepInBackwardError("a second backward through the model before opt.step() (retain_graph=True), "
-                                      f"after the first one already stepped some units; {_STEP_RULES}")
+                                      f"after the first one already stepped some units; {STEP_RULES}")
 
     def _half_stepped(self) -> str:
         """What a refused gradient accumulation has left: the units stepped on the first micro-batch's gradients."""
@@ -999,7 +573,7 @@ class StateManager:
             self._refuse_after_undo("forward with gradients enabled")
         if self._stepped and torch.is_grad_enabled():
             raise StepInBackwardError("forward with gradients enabled after a backward that already stepped some "
-                                      f"units, before opt.step(){self._half_stepped()}; {_STEP_RULES}")
+                                      f"units, before opt.step(){self._half_stepped()}; {STEP_RULES}")
 
     # ------------------------------------------------------------------ parameters
     def _fetch_params(self, u: int, wait: bool) -> None:
@@ -1030,17 +604,17 @@ class StateManager:
 
     def _wear(self, u: int, offloaded: bool) -> None:
         """Unit ``u``'s parameters take (or leave) the class that guards them while their data is on the host
-        (:func:`_offloaded_class`); same objects, only ``__class__`` changes."""
+        (:func:`offloaded_class`); same objects, only ``__class__`` changes."""
         for s in self._param_slots[u]:
             p = s.tensor
             worn = "_memopt_offload" in p.__dict__
             if offloaded and not worn:
-                sub = _offloaded_class(type(p))
+                sub = offloaded_class(type(p))
                 if sub is not None:
-                    p._memopt_offload = _Worn(self, u, s)
+                    p._memopt_offload = Worn(self, u, s)
                     p.__class__ = sub
             elif not offloaded and worn:
-                p.__class__ = type(p).__bases__[0]  # the class it wore before: the one _offloaded_class derived from
+                p.__class__ = type(p).__bases__[0]  # the class it wore before: the one offloaded_class derived from
                 del p._memopt_offload
 
     @contextlib.contextmanager
@@ -1209,7 +783,7 @@ class StateManager:
             for g, ps in zip(groups, saved, strict=True):
                 g["params"] = ps
 
-    def _bring(self, chunk: list[nn.Parameter], wait: bool) -> list[_Slot]:
+    def _bring(self, chunk: list[nn.Parameter], wait: bool) -> list[Slot]:
         """Start (and optionally finish) bringing a chunk's state and parameters to the device."""
         slots = []
         for p in chunk:
@@ -1221,7 +795,7 @@ class StateManager:
             self._finish_bring(chunk, slots)
         return slots
 
-    def _finish_bring(self, chunk: list[nn.Parameter], slots: list[_Slot]) -> None:
+    def _finish_bring(self, chunk: list[nn.Parameter], slots: list[Slot]) -> None:
         for s in slots:
             s.wait()
         for u in sorted({self.unit_of[id(p)] for p in chunk if id(p) in self.unit_of}):
@@ -1233,7 +807,7 @@ class StateManager:
         a chunk's parameters, gradients and state are on the device, just before it steps."""
         if not chunks:
             return
-        pending: list[_Slot] | None = None
+        pending: list[Slot] | None = None
         for i, chunk in enumerate(chunks):
             if pending is None:
                 pending = self._bring(chunk, wait=False)
@@ -1319,7 +893,7 @@ class StateManager:
         if self._stepped:
             raise StepInBackwardError("opt.zero_grad() before opt.step() after a backward that already stepped "
                                       "some units: plain training would discard those gradients, but the units were "
-                                      f"already updated; {_STEP_RULES}")
+                                      f"already updated; {STEP_RULES}")
         hidden = []
         for ps in self.unit_params:
             for p in ps:
@@ -1334,8 +908,8 @@ class StateManager:
                 if g._stepped:  # plain training would now hold zeros: a zero-filled host value
                     slot = self._grad_slots.get(id(p))
                     if slot is None:
-                        slot = self._grad_slots[id(p)] = _Slot(self._mover, g._like, False, "grad", p)
-                    g = _placeholder(slot)
+                        slot = self._grad_slots[id(p)] = Slot(self._mover, g._like, False, "grad", p)
+                    g = placeholder(slot)
                 g._slot.zero()
                 hidden.append((p, g))
                 p.grad = None
@@ -1412,13 +986,13 @@ class StateManager:
         already in host memory beside a CUDA device (Adam's step count) is cloned instead (no copy stream)."""
         st = t.untyped_storage()
         n = st.nbytes()
-        if isinstance(self._mover, _CudaMover) and t.device.type != "cuda":
+        if isinstance(self._mover, CudaMover) and t.device.type != "cuda":
             return t.detach().clone(), n, None
         host = self._undo_bufs.get(key)
         if host is None or host.nbytes() != n:
             host = self._undo_bufs[key] = self._mover.new_host(n)
         self.stats["undo_d2h_bytes"] += n
-        if isinstance(self._mover, _ThreadMover):  # the emulated device: on this thread, no job to hand over and wait
+        if isinstance(self._mover, ThreadMover):  # the emulated device: on this thread, no job to hand over and wait
             ctypes.memmove(host.data_ptr(), st.data_ptr(), n)
             return host, n, None
         return host, n, self._mover.copy("d2h", host, st, n)

@@ -87,6 +87,9 @@ from ..core.errors import PlanError, ProfileError
 from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan
 from .replay import Replay, replay
 
+__all__ = ["CODES", "NAMES", "SimResult", "Simulator", "StateTable", "code_of", "save_set_of", "simulate",
+           "simulate_reference"]
+
 KEEP, RECOMPUTE, SWAP, RECOMPUTE_OFFLOAD, SELECTIVE = 0, 1, 2, 3, 4
 #: Strategy name -> its code (``"selective"``: the base code; save-set ``j`` of :data:`~memopt_nb.core.plan.SAVE_SETS`
 # is
