@@ -372,6 +372,8 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
 
     Returns an :class:`Evaluation` whose ``verdict`` says whether any plan pays off against plain training at its own
     largest batch and against plain training with gradient accumulation.
+
+    Long by design: the evaluation protocol's steps in order, per method and batch.
     """
     t_start = time.perf_counter()
     say = progress or (lambda msg: None)

@@ -244,6 +244,8 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
 
     Raises :class:`~memopt_nb.errors.BudgetError` when not even the smallest probe batch fits any plan, and
     :class:`~memopt_nb.errors.ProfileError` when the step's bytes are not linear in the batch.
+
+    Long by design: the answer's steps in order (probes, extrapolation, bisection on the floor, plans, the check).
     """
     t0 = time.perf_counter()
     if planner not in ("optimal", "search"):

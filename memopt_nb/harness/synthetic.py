@@ -35,7 +35,10 @@ SAVE_SET_SHARES = {"matmuls": (0.45, 0.35), "alternate": (0.25, 0.6), "attention
 def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, device: DeviceSpec | None = None,
                   static_bytes: int = 64 * MiB, spread: float = 1.0, state_bytes: int = 0) -> ModelProfile:
     """A random ``n``-unit chain profile; ``spread`` scales how much units differ from each other; ``state_bytes``
-    (mean parameter bytes per unit, 0: none) gives units parameters, gradients and optimizer state."""
+    (mean parameter bytes per unit, 0: none) gives units parameters, gradients and optimizer state.
+
+    Long by design: it fills a profile field by field, as the profiler would.
+    """
     rng = np.random.default_rng(seed)
     dev = device or DeviceSpec(name="synthetic-gpu", kind="preset", capacity_bytes=16 * 2**30,
                                h2d_bytes_per_s=12e9, d2h_bytes_per_s=12e9, compute_flops=10e12,

@@ -200,6 +200,9 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     The model, optimizer and RNG state are restored afterwards, and so is every module outside the model that
     ``loss_fn`` calls (a discriminator: its gradients, buffers and training flags). Modules that run more than once
     per forward, not at all, or whose output needs no gradient are excluded and listed in ``profile.excluded``.
+
+    Long by design: it runs the profile's steps in the order they must run inside one preserved-state block; each step
+    is a call into :mod:`.tracer`, :mod:`.units` or :mod:`.opsets`.
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")

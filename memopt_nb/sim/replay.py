@@ -568,6 +568,8 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     ``4 + j`` selective with ``SAVE_SETS[j]``) given with ``windows`` and ``distances``, and optionally
     ``states``: per unit an ``(optimizer, grads, params)`` placement or an index into
     :data:`~memopt_nb.core.plan.STATE_CHOICES`. See the module docstring for the rules.
+
+    Long by design: one walk over the segments; each one's bookkeeping is in the small classes above.
     """
     dev = DeviceSpec.resolve(device, profile.device)
     strategies, windows_, distances_, save_sets = _decode(profile, plan, windows, distances)

@@ -507,6 +507,8 @@ class Simulator:
 
         ``states``: ``(B, n)`` indices into :data:`~memopt_nb.core.plan.STATE_CHOICES` (``None``: everything resident);
         the state part follows :class:`StateTable` exactly.
+
+        Long by design: the planners' inner loop, one vectorised pass whose steps share a dozen ``(B, S)`` arrays.
         """
         s = np.atleast_2d(np.asarray(strategies, dtype=np.int64))
         w = np.atleast_2d(np.asarray(windows, dtype=np.int64))

@@ -412,7 +412,10 @@ class MemoryPlanningEnv(ParallelEnv):
     @staticmethod
     def _observe_many(envs: list[MemoryPlanningEnv]) -> list[tuple[dict, dict]]:
         """Both agents' observations and masks for copies at the same step ``t < n`` of one task and decision order,
-        computed together on stacked arrays (one copy alone: :meth:`_observe`)."""
+        computed together on stacked arrays (one copy alone: :meth:`_observe`).
+
+        Long by design: one vectorised computation over the copies whose parts share the stacked arrays.
+        """
         first = envs[0]
         task, t = first.task, first.t
         u = int(first.order[t])  # the unit decided at this step; p, the one before (its timing still open)

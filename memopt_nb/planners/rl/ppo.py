@@ -294,6 +294,8 @@ def train(envs: SyncVectorEnv, config: PPOConfig, on_episode: Callable[[dict], N
     ``on_episode(info)`` receives each finished episode's info (of the first agent); ``on_iteration(stats)`` is called
     after each update with mean episodic returns per agent and the losses. Raising in a callback stops training;
     ``should_stop()``, asked after each update, ends it early and still returns the agents.
+
+    Long by design: CleanRL's single-file shape, setup, rollout, GAE and update read top to bottom.
     """
     # ---- seeding: every random draw comes from these two generators
     gen = torch.Generator().manual_seed(config.seed)

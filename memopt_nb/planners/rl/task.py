@@ -159,6 +159,7 @@ class PlanningTask:
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
                  offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
                  strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> None:
+        """Long by design: it compiles every table the environment reads, in dependency order."""
         #: what the agents may decide, parsed once (PlanError on a bad value)
         self.space = PlanSpace.of(strategies, offload_state, step_in_backward)
         self.strategies = self.space.strategies
