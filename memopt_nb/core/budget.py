@@ -99,8 +99,8 @@ def resolve_budget(value: int | float | str, reference: int | None = None) -> in
 
     A budget counts the bytes of the step's tensors, as the simulator does. On CUDA the caching allocator adds its
     own: blocks rounded up to 512 bytes, and a cached block handed out whole when what is left of it would be under
-    1 MiB. Measured on an H200 this added 0–2 % to a step's peak, depending on what earlier work left in the cache;
-    leave that much room below the memory you have.
+    1 MiB, which adds a little to a step's peak (``benchmarks/cuda_check.py`` measures how much), depending on what
+    earlier work left in the cache; leave a few percent of room below the memory you have.
     """
     if isinstance(value, str) and value.strip().endswith("%"):
         text = value.strip()[:-1].strip()

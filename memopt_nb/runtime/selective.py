@@ -110,8 +110,8 @@ _DYNAMO_SKIPS_CODE = _SKIP_CODE is not None
 class _LeanMode(TorchDispatchMode):
     """A dispatch mode whose ``__torch_dispatch__`` runs as is, without the ``torch._dynamo.disable`` wrapper
     ``TorchDispatchMode`` puts around every subclass's: that wrapper switches the frame evaluator twice per op, which
-    costs ~15x the op itself on small CPU ops (~60 µs against ~4 µs per call measured here). Dynamo is kept out of
-    the subclasses' ``__torch_dispatch__`` all the same, once per code object (:func:`_keep_dynamo_out`): those
+    costs many times a small CPU op itself. Dynamo is kept out of the subclasses' ``__torch_dispatch__`` all the same,
+    once per code object (:func:`_keep_dynamo_out`): those
     frames and everything they call are skipped, as the wrapper would."""
 
     @classmethod

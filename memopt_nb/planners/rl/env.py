@@ -98,9 +98,9 @@ def decision_order(task: PlanningTask, order: str | Sequence[int] = "state") -> 
     ones — by powers of two (what a unit's most frugal placement takes off a typical segment: 8–16 MiB before 4–8 MiB),
     in forward order within each power — so that the largest placements are decided while the memory still to find is
     open, not last. Walking forward, the agents met a ConvNeXt's largest states (its last blocks) after the blocks
-    before them had taken the cheap options, and had to offload them, which the optimum avoids (agents ÷ optimum 1.23
-    at 60 % of the way from the floor, see benchmarks/RESULTS.md). Units without state come last. Without placements
-    (activations only) it is the forward order. ``"forward"``: the model's order. A sequence: that permutation.
+    before them had taken the cheap options, and had to offload them, which the optimum avoids. Units without state
+    come last. Without placements (activations only) it is the forward order. ``"forward"``: the model's order. A
+    sequence: that permutation.
 
     The masks and observations hold in any order: the marginal model is separable, and what the units still to decide
     can take off is summed over them (:meth:`~memopt_nb.planners.rl.task.PlanningTask.suffixes`). ``memopt.search``
