@@ -14,7 +14,7 @@ The score is killed / (killed + survived). Everything runs in a temporary copy o
 untracked-but-not-ignored files), with ``PYTHONPATH`` pointing there and byte-code writing off; the working tree is
 never modified. Before any mutant, the probe and the tests run once on the unmodified copy: the tests must pass.
 
-    python tools/mutate.py --files memopt_nb/simulate.py \\
+    python tools/mutate.py --files memopt_nb/sim/simulator.py \\
         --tests "python -m pytest -q -x -p no:cacheprovider tests/test_simulate.py -k 'chains or small'" \\
         --probe "python tools/mutate_probes.py simulate" --max-mutants 30 --seed 0 --timeout 300
 
