@@ -50,3 +50,13 @@ def test_bad_stop_settings_are_refused_before_training(chain, kwargs):
     with pytest.raises(PlanError):
         memopt.search(chain, "60%", total_timesteps=2_000, callback=called.append, **kwargs)
     assert called == []
+
+
+def test_each_reason_to_stop_is_said_once_however_many_agent_pairs_stopped_for_it(chain):
+    rows = []
+    p = memopt.search(chain, "60%", total_timesteps=40_000, seed=0, patience=3, restarts=2, polish_plan=False,
+                      callback=rows.append)
+    per_pair = (40_000 // 2) // (16 * (chain.n_units + 1))  # PPO iterations an agent pair runs without a stop
+    assert {r["restart"] for r in rows} == {0, 1}
+    assert all(sum(r["restart"] == k for r in rows) < per_pair for k in (0, 1))  # each pair stopped early
+    assert p.meta["stopped"] == "no better plan in the last 3 iterations"

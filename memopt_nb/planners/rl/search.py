@@ -352,12 +352,16 @@ class SearchTracker:
             self.callback(row)
 
     def out_of_time(self) -> bool:
-        return self.time_limit is not None and time.perf_counter() - self.t0 >= self.time_limit
+        """Whether the time limit has passed (asked during training and between agent pairs); recorded once."""
+        if self.time_limit is None or time.perf_counter() - self.t0 < self.time_limit:
+            return False
+        if "time limit" not in self.stopped:
+            self.stopped.append("time limit")
+        return True
 
     def should_stop(self) -> bool:
         """Asked after each PPO update: the time limit is reached, or the best plan stopped improving."""
         if self.out_of_time():
-            self.stopped.append("time limit")
             return True
         if self.patience is not None and self.best["plan"] is not None and self._stale >= self.patience:
             self.stopped.append(f"no better plan in the last {self.patience} iterations")
@@ -374,7 +378,7 @@ class SearchTracker:
                 "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids],
                 "allowed_strategies": list(self.task.strategies), "decision_order": list(self.order),
                 "best_restart": self.best["restart"], "time_limit": self.time_limit, "patience": self.patience,
-                "stopped": "; ".join(self.stopped) if self.stopped else "all timesteps run"}
+                "stopped": "; ".join(dict.fromkeys(self.stopped)) or "all timesteps run"}
 
 
 def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
