@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -133,11 +134,11 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
     out(f"profiled {prof.n_units} units ({', '.join(prof.unit_names[:3])}, ...) on {prof.device.name}")
     lowest = min_peak(prof)
     budget = max(int(budget_fraction * prof.peak_bytes), lowest)
-    if planner is None:
-        planner = search
+    if planner is None:  # the default search, printing its progress
+        planner = functools.partial(search, callback=progress(out))
     out(f"searching a plan under {budget / prof.peak_bytes:.0%} of the peak with the two PPO agents (Ctrl-C stops and "
         "keeps the best plan) ...")
-    plan = planner(prof, budget, callback=progress(out)) if planner is search else planner(prof, budget)
+    plan = planner(prof, budget)
     if plan.meta.get("stopped"):
         out(f"  stopped: {plan.meta['stopped']}")
     sim = simulate(prof, plan)
