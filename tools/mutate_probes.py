@@ -4,6 +4,10 @@
     python tools/mutate_probes.py solvers    # every planner, min_peak, options and budget errors
     python tools/mutate_probes.py runtime    # plans applied to tiny models: measured peaks, parameters after steps
     python tools/mutate_probes.py rl         # PlanningTask's arrays and scores
+    python tools/mutate_probes.py floor      # explain_floor / state_floor on chains with and without state
+    python tools/mutate_probes.py ppo        # a short PPO run of both agents, GAE, risk-seeking advantages
+    python tools/mutate_probes.py milp       # whole-step min_peak and optimal plans for every state placement
+    python tools/mutate_probes.py state      # whole-step plans applied to uneven MLPs: peaks and trained state
 
 Profiles are taken from small real models (seconds) with their measured times replaced by fixed ones, so the output
 depends on the code only. A mutant that leaves the printed output unchanged is counted as equivalent.
@@ -156,7 +160,7 @@ def probe_solvers() -> None:
 def _digest(tensors: Any) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().clone().numpy().tobytes())  # a copy: .numpy() pins its storage's size
     return h.hexdigest()[:16]
 
 
@@ -369,7 +373,154 @@ def probe_rl() -> None:
                         print(" ", fn, fmt(getattr(task, fn)(t if fn == "overhead" else peak)))
 
 
-PROBES = {"simulate": probe_simulate, "solvers": probe_solvers, "runtime": probe_runtime, "rl": probe_rl}
+def probe_floor() -> None:
+    """:func:`explain_floor` and :func:`state_floor` on chains with and without state, every strategy space."""
+    from memopt_nb.planners.floor import explain_floor, state_floor
+
+    profs = {"chain5": chain_profile(5, seed=3), "chain5-state": chain_profile(5, seed=3, state_bytes=8 * 2**20),
+             "chain8-big-state": chain_profile(8, seed=2, state_bytes=96 * 2**20, spread=2.0),
+             "chain4-one-huge": chain_profile(4, seed=7, spread=3.0),
+             **{k: v[2] for k, v in small_profiles().items()}}
+    spaces = [("keep", "recompute", "swap"), ("keep", "recompute"), ("keep", "swap"),
+              ("keep", "recompute", "swap", "recompute_offload")]
+    for name, prof in profs.items():
+        for device in (None, "a100-40gb", SLOW_LINK):
+            for strategies in spaces:
+                for offload_state, sib in ((False, False), (True, False), (True, True), ({"optimizer"}, False),
+                                           ({"grads", "params"}, True)):
+                    try:
+                        if offload_state:
+                            print(name, device, strategies, sorted(offload_state) if isinstance(offload_state, set) else
+                                  offload_state, sib, "state_floor",
+                                  state_floor(prof, device, strategies, offload_state=offload_state,
+                                              step_in_backward=sib))
+                        f = explain_floor(prof, device, strategies=strategies, offload_state=offload_state,
+                                          step_in_backward=sib)
+                        print(" ", f.floor_bytes, fmt(f.parts()), f.bound_text())
+                        print(" ", f.text(), "|", f.text("magic"))
+                    except memopt.MemoptError as exc:
+                        print("  error", type(exc).__name__, exc)
+            for floor_mib in (1, 40, 400):
+                f = explain_floor(prof, device, floor_bytes=floor_mib * 2**20)
+                print(" given", floor_mib, fmt(f.parts()), f.text())
+
+
+def probe_ppo() -> None:
+    """A short PPO run of both agents on small tasks (episodes, iteration stats, the agents' weights), GAE and the
+    risk-seeking advantages on fixed inputs."""
+    from memopt_nb.planners.rl import ppo
+    from memopt_nb.planners.rl.env import MemoryPlanningEnv
+    from memopt_nb.planners.rl.task import PlanningTask
+
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    dones = (torch.rand(6, 4, generator=g) < 0.3).float()
+    adv, ret = ppo.compute_gae(rewards, values, dones, torch.randn(4, generator=g), torch.zeros(4), 0.97, 0.9)
+    print("gae", fmt(adv.numpy()), fmt(ret.numpy()))
+    for q in (0.1, 0.25, 0.5, 0.75, 1.0):
+        adv, w = ppo.risk_seeking_advantages(torch.tensor([3.0, -1.0, 2.0, 7.0, 0.5, 2.0]), q, num_steps=2)
+        print("risk", q, fmt(adv.numpy()), fmt(w.numpy()))
+    torch.set_num_threads(1)
+    cases = [("chain5", chain_profile(5, seed=3), False, {}),
+             ("chain6-state", chain_profile(6, seed=4, state_bytes=16 * 2**20), True,
+              dict(risk_quantile=0.25, risk_agents=("strategy",))),
+             ("chain6-state-all", chain_profile(6, seed=4, state_bytes=16 * 2**20), True,
+              dict(risk_quantile=0.5, update_epochs=2, num_minibatches=2))]
+    for name, prof, state, extra in cases:
+        lo = memopt.solvers.min_peak(prof, offload_state=state)
+        task = PlanningTask(prof, int(lo + 0.3 * (prof.peak_bytes - lo)), offload_state=state)
+        config = ppo.PPOConfig(num_envs=4, total_timesteps=4 * (task.n + 1) * 4, seed=1, **extra)
+        episodes, iters = [], []
+        agents = ppo.train(MemoryPlanningEnv.vector(task, config.num_envs), config,
+                           on_episode=episodes.append, on_iteration=iters.append)
+        print(name, len(episodes), "episodes")
+        for info in episodes:
+            print(" ", fmt({k: v for k, v in sorted(info.items()) if isinstance(v, (int, float, list, tuple))}))
+        for row in iters:
+            print("  iter", fmt({k: v for k, v in sorted(row.items()) if "time" not in k and "sps" not in k}))
+        for agent_name, agent in sorted(agents.items()):
+            print("  agent", agent_name, _digest(agent.parameters()))
+
+
+def probe_milp() -> None:
+    """Whole-step MILPs: min_peak and optimal plans with each state placement allowed, on chains with state."""
+    from memopt_nb import solvers
+
+    profs = {"chain4-state": chain_profile(4, seed=1, state_bytes=24 * 2**20),
+             "chain6-state": chain_profile(6, seed=5, state_bytes=8 * 2**20, spread=2.0),
+             "chain5": chain_profile(5, seed=3)}
+    spaces = [(True, False), (True, True), ({"optimizer"}, False), ({"grads"}, True), ({"params"}, False),
+              (False, True)]
+    for name, prof in profs.items():
+        for device in (None, SLOW_LINK):
+            for offload_state, sib in spaces:
+                for strategies in (("keep", "recompute", "swap"), ("keep", "recompute")):
+                    try:
+                        lo = solvers.min_peak(prof, device=device, strategies=strategies, offload_state=offload_state,
+                                              step_in_backward=sib)
+                    except memopt.MemoptError as exc:
+                        print(name, "error", type(exc).__name__, exc)
+                        continue
+                    print(name, getattr(device, "name", device), offload_state, sib, strategies, "min_peak", lo)
+                    for frac in (0.0, 0.1, 0.4, 0.8):
+                        budget = int(lo + frac * (prof.peak_bytes - lo))
+                        p = solvers.optimal(prof, budget, device=device, strategies=strategies,
+                                            offload_state=offload_state, step_in_backward=sib)
+                        print("  ", frac, [(d.strategy, d.optimizer, d.grads, d.params) for d in p.decisions],
+                              p.offload_windows, p.prefetch_distances, p.step_in_backward, p.predicted_peak_bytes,
+                              fmt(p.predicted_step_time), p.feasible)
+
+
+def probe_state() -> None:
+    """Whole-step plans (every state placement, keep and recompute) applied to uneven MLPs with Adam and SGD: the
+    measured peak and the parameters and optimizer state after two steps."""
+    import dataclasses
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    placements = [("resident", "resident", "resident"), ("offload", "resident", "resident"),
+                  ("resident", "offload", "resident"), ("resident", "resident", "offload"),
+                  ("offload", "offload", "offload"), ("resident", "step", "resident"), ("offload", "step", "offload")]
+    for widths in ((64, 64, 64, 1024, 64), (64, 1024, 1024, 64, 64), (32, 48, 16, 48)):
+        for opt_name in ("adam", "sgd"):
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths, widths[1:])])
+            x, y = torch.randn(4, widths[0]), torch.randn(4, widths[-1])
+            make = (lambda ps: torch.optim.Adam(ps, lr=1e-2)) if opt_name == "adam" else (
+                lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
+            opt = make(model.parameters())
+            loss_fn = lambda out, y=y: F.mse_loss(out, y)  # noqa: E731
+            prof = memopt.profile(model, x, loss_fn=loss_fn, optimizer=opt, repeats=1)
+            start = {k: v.clone() for k, v in model.state_dict().items()}
+            for strategy in ("keep", "recompute"):
+                for pl in placements:
+                    base = Plan.uniform(prof, strategy)
+                    decisions = tuple(dataclasses.replace(d, optimizer=pl[0], grads=pl[1], params=pl[2])
+                                      for d in base.decisions)
+                    plan = dataclasses.replace(base, decisions=decisions, step_in_backward=pl[1] == "step")
+                    plan._model_ref, plan._optimizer_ref = base._model_ref, base._optimizer_ref
+                    model.load_state_dict(start)
+                    opt = make(model.parameters())
+                    try:
+                        meas = memopt.measure(model, x, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1)
+                        model.load_state_dict(start)
+                        opt = make(model.parameters())
+                        with memopt.plan(plan, model, optimizer=opt):
+                            for _ in range(2):
+                                opt.zero_grad()
+                                loss_fn(model(x)).backward()
+                                opt.step()
+                        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+                        print(widths, opt_name, strategy, pl, "peak", meas.peak_bytes, "params",
+                              _digest(model.parameters()), "state", _digest(state),
+                              "devices", sorted({str(p.device) for p in model.parameters()}))
+                    except memopt.MemoptError as exc:
+                        print(widths, opt_name, strategy, pl, "error", type(exc).__name__, exc)
+
+
+PROBES = {"simulate": probe_simulate, "solvers": probe_solvers, "runtime": probe_runtime, "rl": probe_rl,
+          "floor": probe_floor, "ppo": probe_ppo, "milp": probe_milp, "state": probe_state}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
