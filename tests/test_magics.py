@@ -467,3 +467,41 @@ def test_the_stop_options_reach_the_search_and_a_bad_one_is_refused(ip, prof, mo
     assert "patience" not in calls[-1] and calls[-1]["time_limit"] is None  # the search's own defaults
     with pytest.raises(UsageError, match="time_limit"):
         ip.run_line_magic("memopt_plan", "prof --budget 90% --timesteps 96 --time-limit -1 -q -o p_stop")
+
+
+# ---------------------------------------------------------------------- %memopt_plan --max-batch
+BUILD = ("def build(b):\n"
+         "    z = memopt.zoo.gpt(batch_size=b, seq_len=16, d_model=32, n_layers=3, n_heads=2, vocab=64)\n"
+         "    return z.model, z.inputs, z.loss_fn\n")
+
+
+def test_max_batch_magic_answers_as_max_batch_does(ip, capsys):
+    """``%memopt_plan --max-batch build --budget B``: the answer memopt.max_batch gives, stored as ``fit``, with its
+    summary (the largest batch a plan fits, plain training's) printed; the same call in Python agrees."""
+    ip.run_cell(BUILD).raise_error()
+    z = memopt.zoo.gpt(batch_size=16, seq_len=16, d_model=32, n_layers=3, n_heads=2, vocab=64)
+    budget = int(0.6 * memopt.measure(z.model, *z.inputs, loss_fn=z.loss_fn,
+                                      optimizer=torch.optim.Adam(z.model.parameters())).peak_bytes)
+    capsys.readouterr()
+    assert ip.run_line_magic("memopt_plan", f"--max-batch build --budget {budget}") is None
+    out = capsys.readouterr().out
+    fit = ip.user_ns["fit"]
+    assert isinstance(fit, memopt.MaxBatch) and fit.budget_bytes == budget
+    assert f"batch {fit.batch} fits with a plan" in out and "plain training" in out and "stored as `fit`" in out
+    ref = memopt.max_batch(ip.user_ns["build"], budget)
+    assert (fit.batch, fit.plain.batch) == (ref.batch, ref.plain.batch)  # (best_batch: from measured times)
+    assert fit.batch > fit.plain.batch and fit.plan.predicted_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("--max-batch nosuch --budget 1MiB", "no variable named 'nosuch'"),
+    ("--max-batch not_a_model --budget 1MiB", "'not_a_model' is an int, not a function builder(batch_size)"),
+    ("--max-batch build --budget 60%", "a percentage needs a profile"),
+    ("--max-batch build --budget 1MiB --timesteps 96", "--timesteps does not apply to --max-batch"),
+    ("--budget 60%", "%memopt_plan needs a profile"),
+])
+def test_max_batch_magic_mistakes(ip, line, expected):
+    ip.run_cell(BUILD).raise_error()
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("memopt_plan", line)
+    assert expected in str(err.value)

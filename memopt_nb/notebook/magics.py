@@ -51,6 +51,7 @@ from ..core.errors import BudgetError, MemoptError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES, Plan
 from ..core.profile import ModelProfile
 from ..harness.compare import Comparison, compare
+from ..harness.maxbatch import MaxBatch, max_batch
 from ..planners.floor import explain_floor
 from ..planners.space import allowed_strategies
 from ..profiling.profile import profile as profile_model
@@ -67,6 +68,8 @@ __all__ = ["DEFAULT_PLAN_NAME", "MemoptMagics", "load_ipython_extension", "unloa
 
 #: Where ``%memopt_plan`` stores its plan in the notebook's namespace when ``-o`` is not given.
 DEFAULT_PLAN_NAME = "plan"
+#: where ``%memopt_plan --max-batch`` stores its answer unless ``-o`` says otherwise
+DEFAULT_FIT_NAME = "fit"
 
 _LINE_MAGICS = ("memopt_profile", "memopt_plan")
 _CELL_MAGICS = ("memopt_profile",)
@@ -427,9 +430,16 @@ class MemoptMagics(Magics):
 
     # ------------------------------------------------------------------ %memopt_plan
     @ma.magic_arguments()
-    @ma.argument("profile", metavar="PROFILE", help="name of a ModelProfile in the notebook (from %%memopt_profile)")
-    @ma.argument("--budget", required=True,
-                 help="memory budget: bytes, '2GiB', '800MB', or a share of the unoptimized peak such as '60%%'")
+    @ma.argument("profile", metavar="PROFILE", nargs="?",
+                 help="name of a ModelProfile in the notebook (from %%memopt_profile)")
+    @ma.argument("--budget",
+                 help="memory budget: bytes, '2GiB', '800MB', or a share of the unoptimized peak such as '60%%' "
+                      "(with --max-batch: default the device's capacity, or memopt.limit_memory's limit)")
+    @ma.argument("--max-batch", metavar="BUILDER",
+                 help="answer how big a batch fits instead: BUILDER is a function in the notebook, "
+                      "builder(batch_size) -> (model, inputs, loss_fn[, optimizer]); shows the largest batch any "
+                      "plan fits, the fastest batch, and plain training and the best classic baseline beside them "
+                      "(memopt.max_batch); stored as `fit` unless -o says otherwise")
     @ma.argument("--device", metavar="PRESET",
                  help="plan for a GPU preset instead of the profiled device: " + ", ".join(
                      DeviceSpec.preset_names()))
@@ -452,8 +462,9 @@ class MemoptMagics(Magics):
                  help="the activation strategies the plan may use, comma-separated (default: keep,recompute,swap); "
                       "e.g. keep,recompute for checkpointing only, or add recompute_offload or selective (opt-in; "
                       "selective needs a profile made with selective=True)")
-    @ma.argument("-o", "--output", metavar="NAME", default=DEFAULT_PLAN_NAME,
-                 help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME})")
+    @ma.argument("-o", "--output", metavar="NAME", default=None,
+                 help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME}; with --max-batch the "
+                      f"answer, default {DEFAULT_FIT_NAME})")
     @ma.argument("--measure", nargs="?", type=int, const=5, default=None, metavar="PAIRS",
                  help="after the search, run the step with and without the plan in alternating pairs (5 unless "
                       "PAIRS says otherwise) and show both beside the prediction (memopt.compare); needs a profile "
@@ -470,6 +481,13 @@ class MemoptMagics(Magics):
         [--offload-state all|none|optimizer,grads,params] [--step-in-backward] [--strategies keep,recompute,swap]
         [-o NAME] [--no-widget] [-q]``
 
+        ``%memopt_plan --max-batch BUILDER [--budget 2GiB] [--device PRESET] [...]`` answers "how big a batch fits,
+        how fast?" instead (:func:`memopt_nb.max_batch`, with the exact planner): the largest batch any plan fits under
+        the budget (default: the device's capacity, or the limit of ``memopt.limit_memory``), the batch with the
+        highest predicted throughput, and the same for plain training and the best classic baseline. ``BUILDER`` is
+        ``builder(batch_size) -> (model, inputs, loss_fn[, optimizer])``; the answer is stored as ``fit`` (its plan:
+        ``fit.plan``).
+
         ``--offload-state`` says what of the training state the plan may place on the host (``all`` by default,
         ``none`` for activations only, or a comma-separated list); ``--step-in-backward`` also allows running a unit's
         optimizer step inside backward, after which the loop may no longer accumulate or clip gradients.
@@ -484,6 +502,14 @@ class MemoptMagics(Magics):
         """
         line, silenced = _strip_semicolon(line)
         args = parse_magic_line(self.memopt_plan, line)
+        if args.max_batch is not None:
+            return self._max_batch(args, silenced)
+        if args.profile is None:
+            raise UsageError("%memopt_plan needs a profile: %memopt_plan prof --budget 60% (make prof with "
+                             "%memopt_profile), or --max-batch BUILDER to ask how big a batch fits")
+        if args.budget is None:
+            raise UsageError("%memopt_plan needs --budget, e.g. %memopt_plan prof --budget 60%")
+        args.output = args.output or DEFAULT_PLAN_NAME
         _check_output_name(args.output)
         prof = self._eval(args.profile, "profile")
         if not isinstance(prof, ModelProfile):
@@ -545,6 +571,60 @@ class MemoptMagics(Magics):
         print(f"memopt: plan stored as `{args.output}`{space}; apply it with `with memopt.plan({args.output}): ...`")
         return plan
 
+
+    def _max_batch(self, args: Any, silenced: bool) -> MaxBatch | None:
+        """``%memopt_plan --max-batch BUILDER``: :func:`memopt_nb.max_batch` with the magic's plan space."""
+        from IPython.display import display
+
+        for flag, value in (("--timesteps", args.timesteps), ("--measure", args.measure),
+                            ("--time-limit", args.time_limit), ("--patience", args.patience)):
+            if value is not None:
+                raise UsageError(f"{flag} does not apply to --max-batch (it plans each batch with the exact "
+                                 "optimum); leave it out, or plan one batch with %memopt_plan PROFILE --budget ...")
+        output = args.output or DEFAULT_FIT_NAME
+        _check_output_name(output)
+        builder = self._eval(args.max_batch, "--max-batch")
+        if not callable(builder):
+            raise UsageError(f"--max-batch: {args.max_batch!r} is {_article(type(builder).__name__)}, not a function "
+                             "builder(batch_size) -> (model, inputs, loss_fn)")
+        budget: Any = None
+        if args.budget is not None:
+            text = (_unquote(args.budget.strip()) or "").strip()
+            if text.endswith("%"):
+                if args.profile is None:
+                    raise UsageError(f"--budget {args.budget}: a percentage needs a profile to be a share of "
+                                     "(%memopt_plan prof --max-batch BUILDER --budget 60%); or give bytes such as "
+                                     "2GiB, or leave --budget out for the device's capacity")
+                prof = self._eval(args.profile, "profile")
+                if not isinstance(prof, ModelProfile):
+                    raise UsageError(f"profile: {args.profile!r} is {_article(type(prof).__name__)}, not a "
+                                     "ModelProfile")
+                reference = prof.peak_bytes
+            else:
+                reference = None
+            try:
+                budget = resolve_budget(text, reference=reference)
+            except MemoptError as exc:
+                raise UsageError(f"--budget {args.budget}: {exc}") from None
+        device = None
+        if args.device is not None:
+            try:
+                device = DeviceSpec.preset(args.device)
+            except MemoptError as exc:
+                raise UsageError(f"--device: {exc}") from None
+        try:
+            fit = max_batch(builder, budget, device, strategies=_parse_strategies(args.strategies),
+                            offload_state=_parse_offload_state(args.offload_state),
+                            step_in_backward=args.step_in_backward, seed=args.seed)
+        except MemoptError as exc:
+            raise UsageError(f"--max-batch: {exc}") from None
+        self.shell.user_ns[output] = fit
+        if silenced or args.quiet:
+            return None
+        display(fit) if in_notebook() else print(repr(fit))
+        print(f"memopt: stored as `{output}`; train batch {fit.batch} with `with memopt.plan({output}.plan, model): "
+              f"...` (the model built at that batch)")
+        return None
 
     def _compare(self, plan: Plan, prof: ModelProfile, call: dict[str, Any], pairs: int,
                  quiet: bool = False) -> Comparison:
