@@ -22,7 +22,7 @@ from .core import plan as _plan_module
 from .core import profile as _profile_data
 from .core.budget import format_bytes, parse_bytes, resolve_budget
 from .core.device import DeviceSpec
-from .core.errors import BudgetError, MemoptError, PlanError, ProfileError, WrapOrderError
+from .core.errors import BudgetError, MemoptError, MemoptWarning, PlanError, ProfileError, WrapOrderError
 from .core.plan import Decision, Plan
 from .core.profile import ModelProfile, UnitProfile
 from .harness import zoo
@@ -65,10 +65,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "MaxBatch", "Measurement",
-    "MemoptError", "MemoryLimit", "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult", "Simulator",
-    "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError", "compare", "distributed", "evaluate",
-    "format_bytes", "limit_memory", "max_batch", "measure", "parse_bytes", "plan", "profile", "resolve_budget",
-    "search", "simulate", "solvers", "zoo",
+    "MemoptError", "MemoptWarning", "MemoryLimit", "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult",
+    "Simulator", "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError", "compare", "distributed",
+    "evaluate", "format_bytes", "limit_memory", "max_batch", "measure", "parse_bytes", "plan", "profile",
+    "resolve_budget", "search", "simulate", "solvers", "zoo",
 ]
 
 

@@ -306,3 +306,37 @@ def test_max_batch_where_even_a_probe_batch_does_not_fit():
         res = memopt.max_batch(build)  # probes 4 and 8 do not fit unplanned: profiled from the builder's batches 1, 2
     assert res.profile_at(8).meta["method"] == "extrapolated"
     assert res.plain.batch < 8 <= res.batch and res.verified["peak_bytes"] <= limit
+
+
+# ---------------------------------------------------------------------- inputs larger than profiled
+def test_inputs_larger_than_profiled_warn_once_naming_both_shapes_and_the_peak(tmp_path):
+    """A batch or sequence longer than the profiled one gets one MemoptWarning per applied plan (shapes, predicted
+    peak, what to do); smaller inputs, evaluation under no_grad and the profiled size stay silent; a plan saved and
+    loaded keeps the check."""
+    import warnings
+
+    z = memopt.zoo.gpt(batch_size=4, seq_len=32, d_model=32, n_layers=3, n_heads=2, vocab=64)
+    longer = z.inputs[0]  # (4, 32) tokens
+    x, small = longer[:, :16], longer[:2, :16]  # profiled at (4, 16); (2, 16) is smaller
+    opt = torch.optim.Adam(z.model.parameters())
+    prof = memopt.profile(z.model, x, optimizer=opt, repeats=1)
+    plan = memopt.solvers.optimal(prof, "70%")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    for p in (plan, memopt.Plan.load(path)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with memopt.plan(p, z.model, optimizer=opt):
+                for inp in (x, small):
+                    z.model(inp).sum().backward()
+                with torch.no_grad():
+                    z.model(longer)
+                assert not caught  # the profiled size, a smaller one, and evaluation: silent
+                for _ in range(2):
+                    z.model(longer).sum().backward()
+            z.model(longer).sum().backward()  # outside the plan: nothing to say
+        assert [w.category for w in caught] == [memopt.MemoptWarning]
+        text = str(caught[0].message)
+        assert "(4, 32, 32), larger than the (4, 16, 32)" in text and "'blocks.0'" in text
+        assert memopt.format_bytes(plan.predicted_peak_bytes) in text and "memopt.max_batch" in text
+        opt.zero_grad()

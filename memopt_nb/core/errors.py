@@ -9,11 +9,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["BudgetError", "MemoptError", "PlanError", "ProfileError", "WrapOrderError", "at_least_text"]
+__all__ = ["BudgetError", "MemoptError", "MemoptWarning", "PlanError", "ProfileError", "WrapOrderError",
+           "at_least_text"]
 
 
 class MemoptError(ValueError):
     """Base class of every user-facing memopt_nb error."""
+
+
+class MemoptWarning(UserWarning):
+    """Something a user should know that does not stop training: e.g. inputs larger than the plan was made for."""
 
 
 class BudgetError(MemoptError):

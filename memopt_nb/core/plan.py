@@ -55,7 +55,7 @@ __all__ = ["DEFAULT_STRATEGIES", "DISTANCES", "Decision", "FORMAT", "GRAD_PLACES
            "OPTIMIZER_PLACES", "PARAM_PLACES", "Plan", "RECOMPUTING", "SAVE_SETS", "SCHEMA_VERSION", "STATE_CHOICES",
            "STATE_PIECES", "STRATEGIES", "WINDOWS", "effective_triggers", "model_fingerprint",
            "optimizer_differences", "optimizer_fingerprint", "plain_module_type", "selective_decision",
-           "state_choices", "unit_fingerprint", "with_autocast"]
+           "state_choices", "unit_fingerprint", "with_profile_facts"]
 
 SCHEMA_VERSION = 2
 FORMAT = "memopt_nb.plan"
@@ -280,12 +280,17 @@ def _digest(rows: Any) -> str:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def with_autocast(meta: dict[str, Any], profile: Any) -> dict[str, Any]:
-    """``meta`` with the profile's ``autocast`` (the precision its forward ran in, ``None``: without autocast), which
-    an applied plan checks the training loop's first forward against. Profiles made before it was recorded add
-    nothing (then nothing is checked)."""
+def with_profile_facts(meta: dict[str, Any], profile: Any) -> dict[str, Any]:
+    """``meta`` with what an applied plan checks the training loop against: the profile's ``autocast`` (the precision
+    its forward ran in, ``None``: without autocast) and ``unit_input_shapes`` (the shapes of each unit's tensor
+    inputs when profiled: a larger input than planned for is warned about once). Profiles made before a fact was
+    recorded add nothing for it (then it is not checked)."""
     pmeta = getattr(profile, "meta", None) or {}
-    return {**meta, "autocast": pmeta["autocast"]} if "autocast" in pmeta else meta
+    out = {**meta, "autocast": pmeta["autocast"]} if "autocast" in pmeta else dict(meta)
+    units = getattr(profile, "units", None) or []
+    if units and any(getattr(u, "input_shapes", None) for u in units):
+        out["unit_input_shapes"] = [[list(s) for s in u.input_shapes] for u in units]
+    return out
 
 
 def model_fingerprint(model: Any, unit_names: Sequence[str]) -> dict[str, Any]:
@@ -572,7 +577,7 @@ class Plan:
             for unit, s, w, d in zip(profile.units, strategies, windows, dists, strict=True)
         )
         kwargs.setdefault("model_fingerprint", (getattr(profile, "meta", None) or {}).get("model_fingerprint"))
-        kwargs["meta"] = with_autocast(kwargs.get("meta") or {}, profile)
+        kwargs["meta"] = with_profile_facts(kwargs.get("meta") or {}, profile)
         kwargs.setdefault("optimizer_fingerprint",
                           (getattr(profile, "meta", None) or {}).get("optimizer_fingerprint"))
         plan = cls(decisions=decisions, fingerprint=profile.fingerprint, method=method,

@@ -30,7 +30,7 @@ from ..core.plan import (
     Decision,
     Plan,
     selective_decision,
-    with_autocast,
+    with_profile_facts,
 )
 from ..core.space import OffloadState, PlanSpace, allowed_strategies
 from ..sim.simulator import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator, save_set_of
@@ -203,7 +203,7 @@ def make_plan(sim: Simulator, strategies: Sequence[int], windows: Sequence[int],
         predicted_peak_bytes=int(round(float(peak[0]))),
         predicted_step_time=float(time[0]),
         feasible=None if budget is None else bool(peak[0] <= budget),
-        meta=with_autocast(meta, profile),
+        meta=with_profile_facts(meta, profile),
         step_in_backward=bool(step_in_backward or stepped),
         optimizer_fingerprint=profile_meta.get("optimizer_fingerprint") if moves else None,
     )

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.errors import PlanError
+from ..core.budget import format_bytes
+from ..core.errors import MemoptWarning, PlanError
 from ..core.plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
 from .distributed import check_state_placements, order_guard, unwrap
 from .hooks import uncopied
@@ -323,6 +324,7 @@ class AppliedPlan:
         self._installed: list[tuple[nn.Module, bool, Any]] = []
         self._stats: dict[str, float] = {}
         self._autocast_hook: Any = None  # checks the first training forward's autocast against the profile's
+        self._shape_hooks: list[Any] = []  # warn once when a unit's inputs are larger than profiled
         self._oom_guard: StepGuard | None = None
 
     # ------------------------------------------------------------------ context manager
@@ -400,6 +402,11 @@ class AppliedPlan:
             self._oom_guard = StepGuard(self)  # what a step that runs out of memory must give back
             if "autocast" in plan.meta:  # the profile said how its forward ran (plans made before it did: no check)
                 self._autocast_hook = model.register_forward_pre_hook(uncopied(self._check_autocast))
+            shapes = plan.meta.get("unit_input_shapes")
+            if isinstance(shapes, list) and len(shapes) == len(modules):
+                self._shape_hooks = [
+                    m.register_forward_pre_hook(uncopied(_ShapeCheck(self, i, _elements(s))), with_kwargs=True)
+                    for i, (m, s) in enumerate(zip(modules, shapes, strict=True)) if s]
         except BaseException:
             self.remove()
             raise
@@ -435,6 +442,7 @@ class AppliedPlan:
             if self._autocast_hook is not None:
                 self._autocast_hook.remove()
                 self._autocast_hook = None
+            self._drop_shape_hooks()
             if self._guard is not None:
                 self._guard.remove()
                 self._guard = None
@@ -444,6 +452,11 @@ class AppliedPlan:
                 self.engine = None
             if _APPLIED.get(self.model) is self:
                 del _APPLIED[self.model]
+
+    def _drop_shape_hooks(self) -> None:
+        for hook in self._shape_hooks:
+            hook.remove()
+        self._shape_hooks = []
 
     def _check_autocast(self, module: nn.Module, args: Any) -> None:
         """Before the first forward with grad enabled: warn when it runs under another autocast than the profile's
@@ -483,6 +496,55 @@ class AppliedPlan:
     def __repr__(self) -> str:
         state = "applied" if self._installed or self.state is not None else "not applied"
         return f"<memopt plan {self.plan.method!r} on {type(self.model).__name__}, {state}>"
+
+
+def _elements(shapes: Any) -> int:
+    """Elements in tensors of the given shapes."""
+    total = 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n
+    return total
+
+
+class _ShapeCheck:
+    """A unit's forward pre-hook: the first training forward whose tensor inputs hold more elements than the profiled
+    ones (a bigger batch or a longer sequence) warns, once per applied plan, that the plan's predicted peak was for
+    the profiled shapes. Smaller inputs (an evaluation batch, the last short batch) pass silently."""
+
+    def __init__(self, applied: AppliedPlan, index: int, profiled: int) -> None:
+        self.applied = weakref.ref(applied)
+        self.index = index
+        self.profiled = profiled
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.is_grad_enabled():
+            return None
+        leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if sum(t.numel() for t in leaves) <= self.profiled:
+            return None
+        applied = self.applied()
+        if applied is None:
+            return None
+        plan = applied.plan
+        profiled = plan.meta["unit_input_shapes"][self.index]
+        got = [list(t.shape) for t in leaves]
+        budget = f" (budget {format_bytes(plan.budget_bytes)})" if plan.budget_bytes else ""
+        peak = (f"its predicted peak {format_bytes(plan.predicted_peak_bytes)}{budget}"
+                if plan.predicted_peak_bytes else "its predicted peak")
+        applied._drop_shape_hooks()
+        warnings.warn(
+            f"memopt: unit {plan.units[self.index]!r} got inputs of shape {_shapes(got)}, larger than the "
+            f"{_shapes(profiled)} this plan was made for: {peak} holds for the profiled shapes only, and this "
+            "step may use more memory. Profile at this size and plan again, or ask memopt.max_batch how big a batch "
+            "fits", MemoptWarning, stacklevel=2)
+        return None
+
+
+def _shapes(shapes: Any) -> str:
+    return ", ".join("(" + ", ".join(str(d) for d in s) + ")" for s in shapes) or "()"
 
 
 def plan(p: Plan, model: nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None) -> AppliedPlan:
