@@ -329,3 +329,61 @@ def test_risk_seeking_advantages_at_quantiles_other_than_a_half(quantile, kept):
     assert torch.equal(w, expected_w.expand(2, 8))
     expected_adv = torch.tensor([(i - threshold) / 6**0.5 if i in kept else 0.0 for i in range(8)])
     assert torch.allclose(adv, expected_adv.expand(2, 8), atol=1e-6)
+
+
+# ---------------------------------------------------------------------- PPO's CleanRL parts, from their definitions
+def test_agent_layers_are_orthogonal_with_cleanrls_gains():
+    """CleanRL's initialization: every weight orthogonal (all singular values equal to the gain: sqrt(2) for hidden
+    layers, 0.01 for the actor's head, 1 for the critic's), every bias zero."""
+    from memopt_nb.planners.rl.ppo import Agent
+
+    agent = Agent(obs_dim=12, n_actions=5, hidden=16, gen=torch.Generator().manual_seed(0))
+    for net, head in ((agent.actor, 0.01), (agent.critic, 1.0)):
+        linears = [m for m in net if isinstance(m, nn.Linear)]
+        assert len(linears) == 3
+        for layer, gain in zip(linears, (2**0.5, 2**0.5, head), strict=True):
+            sv = torch.linalg.svdvals(layer.weight.detach().double())
+            assert torch.allclose(sv, torch.full_like(sv, gain), rtol=1e-5), (gain, sv)
+            assert torch.equal(layer.bias, torch.zeros_like(layer.bias))
+
+
+@pytest.mark.parametrize("anneal", [True, False])
+def test_learning_rate_falls_linearly_to_zero_only_when_annealed(monkeypatch, anneal):
+    """anneal_lr: update k of n (from 1) runs at lr * (1 - (k - 1) / n); without it at lr throughout."""
+    from memopt_nb.planners.rl import ppo
+
+    lrs = []
+    real = ppo.update_agent
+
+    def spy(agent, optimizer, *args, **kwargs):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        return real(agent, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(ppo, "update_agent", spy)
+    config = ppo.PPOConfig(num_envs=8, total_timesteps=32, num_minibatches=1, update_epochs=1, seed=0,
+                           learning_rate=0.01, anneal_lr=anneal)
+    ppo.train(ppo.SyncVectorEnv(_TwoAgentBandit, config.num_envs, episode_steps=1), config)
+    n = 4  # 32 timesteps / (8 copies x 1 step); two agents per iteration
+    expected = [0.01 * (1 - k / n) if anneal else 0.01 for k in range(n) for _ in range(2)]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("norm_adv", [True, False])
+def test_advantages_are_normalized_per_minibatch_only_when_asked(norm_adv):
+    """At ratio 1 (old log-probs = the agent's own) the policy loss is -mean(advantages): 0 once they are normalized
+    to mean 0, their own negative mean otherwise; with risk-seeking weights the advantages are used as given."""
+    from memopt_nb.planners.rl.ppo import Agent, PPOConfig, ppo_losses
+
+    agent = Agent(obs_dim=3, n_actions=4, hidden=8, gen=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    obs, mask = torch.randn(6, 3, generator=g), torch.ones(6, 4, dtype=torch.int8)
+    actions = torch.tensor([0, 1, 2, 3, 1, 0])
+    with torch.no_grad():
+        _, logp, _, values = agent.get_action_and_value(obs, mask, actions)
+    adv = torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0, 9.0])
+    config = PPOConfig(norm_adv=norm_adv)
+    out = ppo_losses(agent, config, obs, mask, actions, logp, adv, values, values)
+    expected = 0.0 if norm_adv else -float(adv.mean())
+    assert out["pg_loss"].item() == pytest.approx(expected, abs=1e-6)
+    weighted = ppo_losses(agent, config, obs, mask, actions, logp, adv, values, values, torch.ones(6))
+    assert weighted["pg_loss"].item() == pytest.approx(-float(adv.mean()), abs=1e-6)
