@@ -2,7 +2,8 @@
 
 Every ```python block of README.md is run, in order, in one IPython namespace (so the notebook walk-through's magics
 run too), in a temporary directory. A block whose first line is ``# not run in tests: <why>`` (it needs a GPU or the
-network) is skipped; any other block that raises fails the test, naming the block.
+network) is skipped; any other block that raises fails the test, naming the block. docs/readme_claims.md lists each
+README claim with the test or benchmark that checks it; every test and benchmark it names must exist.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+CLAIMS = ROOT / "docs" / "readme_claims.md"
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SKIP = re.compile(r"#\s*not run in tests:\s*(\S.*)")
 
 
@@ -35,6 +39,31 @@ def test_skip_marks_give_a_reason():
         first = code.lstrip().splitlines()[0]
         if "not run in tests" in first:
             assert SKIP.fullmatch(first.strip()), f"README.md:{line}: write '# not run in tests: <why>'"
+
+
+def test_every_test_and_benchmark_the_claims_list_names_exists():
+    """docs/readme_claims.md (each README claim next to what checks it) names only tests defined in their files and
+    benchmark scripts that exist and have a section in benchmarks/RESULTS.md."""
+    text = CLAIMS.read_text(encoding="utf-8")
+    tests = sorted(set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text)))
+    benchmarks = sorted(set(re.findall(r"\bbenchmarks/[\w/]+\.py\b", text)))
+    assert len(tests) >= 30, f"only {len(tests)} tests named in {CLAIMS.name}"
+    assert benchmarks, f"no benchmark named in {CLAIMS.name}"
+    missing = []
+    for path, name in tests:
+        file = ROOT / path
+        if not file.is_file():
+            missing.append(f"{path} (no such file)")
+        elif not re.search(rf"^\s*(?:async\s+)?def {name}\(|^\s*class {name}\b", file.read_text(encoding="utf-8"),
+                           flags=re.M):
+            missing.append(f"{path}::{name} (not defined there)")
+    results = RESULTS.read_text(encoding="utf-8")
+    for path in benchmarks:
+        if not (ROOT / path).is_file():
+            missing.append(f"{path} (no such file)")
+        elif Path(path).name not in results:
+            missing.append(f"{path} (no section in benchmarks/RESULTS.md)")
+    assert not missing, f"{CLAIMS.name} names what does not exist:\n" + "\n".join(missing)
 
 
 @pytest.mark.slow
