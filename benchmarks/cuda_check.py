@@ -31,7 +31,13 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
    checked): (c) ``recompute_offload`` vs recompute plus the simulator's copy time, (d) ``selective`` keeping every
    op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide;
 10. the swap engine's cost per storage copied on the GPU, beyond the bytes (three runs, reported next to the
-   ``DeviceSpec.copy_overhead_s`` that CUDA detection measured the same way).
+   ``DeviceSpec.copy_overhead_s`` that CUDA detection measured the same way);
+11. a step that does not fit: inside ``memopt.limit_memory(0.6 × its unplanned peak)`` (on CUDA
+   ``set_per_process_memory_fraction``, checked set inside and restored after) the unplanned step raises
+   ``torch.OutOfMemoryError`` and leaves the parameters as they were; ``memopt.profile`` extrapolates from smaller
+   batches (its peak vs the one measured without the limit); the exact plan for the limit trains three steps inside
+   it, bit-equal to unplanned training without the limit; ``memopt.max_batch`` answers a batch at least as big, and
+   a step at that batch under its plan stays inside the limit.
 
 Bit equality runs with deterministic algorithms and their NaN fill of new memory; timing runs without the fill (one
 kernel per new tensor, which would charge a plan for every buffer it makes).
@@ -57,6 +63,8 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import hashlib  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -135,6 +143,7 @@ class Config:
     trace: bool = True
     pytest: bool = False
     pytest_timeout: float = 300.0
+    fit_check: bool = True
     #: the device with the measured per-storage copy cost (set by :func:`copy_cost_section`; None: not measured)
     costed_device: Any = None
 
@@ -696,6 +705,98 @@ def copy_cost_section(cfg: Config, failures: list[str], spec: Any) -> dict[str, 
     return got
 
 
+def does_not_fit_section(cfg: Config, failures: list[str]) -> dict[str, Any]:
+    """Check 11: the zoo GPT at a batch whose unplanned step does not fit a limit of 60 % of its peak."""
+    want = 16 if cfg.dry_run else 64
+    sizes = dict(seq_len=32, d_model=48, n_layers=4, n_heads=4, vocab=128) if cfg.dry_run else \
+        dict(seq_len=256, d_model=256, n_layers=6, n_heads=8, vocab=512)
+
+    def build(b: int) -> tuple:
+        z = memopt.zoo.gpt(batch_size=b, seed=0, device=cfg.device, **sizes)
+        return z.model, z.inputs, z.loss_fn, torch.optim.AdamW(z.model.parameters(), lr=1e-3)
+
+    def steps(model: nn.Module, inputs: tuple, loss_fn: Any, opt: Any, n: int) -> list[float]:
+        losses = []
+        for _ in range(n):
+            loss = loss_fn(model(*inputs))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def fraction() -> float | None:
+        return torch.cuda.get_per_process_memory_fraction(cfg.device) if cfg.device.type == "cuda" else None
+
+    got: dict[str, Any] = {"batch": want}
+    model, inputs, loss_fn, opt = build(want)
+    peak = memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, steps=1).peak_bytes
+    limit = int(0.6 * peak)
+    got.update(unplanned_peak=peak, limit=limit)
+    def digest(m: nn.Module) -> str:  # one parameter at a time on the host: nothing held inside the limit
+        h = hashlib.sha256()
+        for p in m.parameters():
+            h.update(p.detach().to("cpu", copy=True).numpy().tobytes())
+        return h.hexdigest()
+
+    before = digest(model)
+    outside = fraction()
+    with memopt.limit_memory(limit) as lim:
+        got["fraction_inside"] = fraction()
+        try:
+            steps(model, inputs, loss_fn, opt, 1)
+            failures.append("does not fit: the unplanned step ran inside a limit of 60 % of its peak")
+        except torch.OutOfMemoryError:
+            got["unplanned_oom"] = True
+        opt.zero_grad()
+        if digest(model) != before:
+            failures.append("does not fit: the failed unplanned step changed the parameters")
+        prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1,
+                              batch_fn=lambda b: build(b)[1:3])
+        got.update(method=prof.meta.get("method"), profile_peak=prof.peak_bytes,
+                   profile_error_pct=100.0 * (prof.peak_bytes - peak) / peak)
+        plan = memopt.solvers.optimal(prof)  # no budget: the device's capacity, i.e. the limit
+        got.update(plan=str(plan), plan_budget=plan.budget_bytes, predicted_peak=plan.predicted_peak_bytes)
+        seed_all(1)
+        with memopt.plan(plan):
+            losses = steps(model, inputs, loss_fn, opt, cfg.steps)
+    got.update(limited_peak=lim.peak_bytes, fraction_after=fraction(), fraction_before=outside)
+    ref_model, ref_inputs, ref_loss_fn, ref_opt = build(want)
+    seed_all(1)
+    ref = steps(ref_model, ref_inputs, ref_loss_fn, ref_opt, cfg.steps)
+    got["bit_equal"] = ref == losses and all(
+        torch.equal(a, b) for a, b in zip(ref_model.parameters(), model.parameters(), strict=True))
+    del model, inputs, opt, ref_model, ref_inputs, ref_opt  # max_batch has the limit to itself
+    gc.collect()
+    if cfg.device.type == "cuda":
+        torch.cuda.empty_cache()
+    with memopt.limit_memory(limit):
+        fit = memopt.max_batch(lambda b: build(b)[:3])
+    got.update(max_batch=fit.batch, plain_max_batch=fit.plain.batch, baseline_max_batch=fit.baseline.batch,
+               max_batch_verified=dict(fit.verified), max_batch_seconds=fit.seconds)
+    problems = [
+        "the profile was not extrapolated" if got["method"] != "extrapolated" else None,
+        f"the profile's peak is {got['profile_error_pct']:+.2f} % off the unplanned peak (over 2 %)"
+        if abs(got["profile_error_pct"]) > 2 else None,
+        "the plan's budget is not the limit" if plan.budget_bytes != limit else None,
+        "training under the plan is not bit-equal to unplanned training without the limit"
+        if not got["bit_equal"] else None,
+        f"the steps under the plan peaked at {lim.peak_bytes} B, over the limit {limit} B"
+        if lim.peak_bytes > limit else None,
+        f"max_batch answered {fit.batch}, below the batch {want} the plan trained"
+        if fit.batch is None or fit.batch < want else None,
+        "max_batch's answer ran over the limit" if fit.verified.get("peak_bytes", 0) > limit else None,
+        "the memory fraction was not set inside limit_memory or not restored after"
+        if cfg.device.type == "cuda" and (got["fraction_inside"] == outside or got["fraction_after"] != outside)
+        else None,
+    ]
+    failures += [f"does not fit: {p}" for p in problems if p]
+    print(f"does not fit: batch {want}, limit {limit / MiB:.1f} MiB of {peak / MiB:.1f} MiB; profile "
+          f"{got['profile_error_pct']:+.2f} %; bit-equal {got['bit_equal']}; max batch {fit.batch} (plain "
+          f"{fit.plain.batch}, baseline {fit.baseline.batch})")
+    return got
+
+
 def _units(row: dict) -> str:
     """How many units a fine-unit plan has, for its row in the report."""
     return f" ({row['units']} units)" if row["plan"].startswith("fine") else ""
@@ -859,6 +960,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--search-timesteps", type=int, default=None,
                     help="PPO timesteps of each search (default 20000; --quick 6000; --dry-run 600)")
     ap.add_argument("--no-search", action="store_true", help="skip the searched whole-step plan")
+    ap.add_argument("--no-fit-check", action="store_true",
+                    help="skip check 11 (a step that does not fit: limit_memory, extrapolated profile, max_batch)")
     ap.add_argument("--quick", action="store_true",
                     help="fewer models and (optimizer, plan) pairs: ~90 s on an H200 with --pytest")
     ap.add_argument("--dry-run", action="store_true",
@@ -886,7 +989,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     search_models = [] if args.no_search else (heavy[:1] if args.quick or args.dry_run else heavy)
     return Config(device=device, dry_run=args.dry_run, quick=args.quick, models=models, whole_models=whole,
                   batch=args.batch, optimizers=args.optimizers, measure_steps=1 if args.dry_run else 5,
-                  search_timesteps=steps, search_models=search_models, pytest=args.pytest)
+                  search_timesteps=steps, search_models=search_models, pytest=args.pytest,
+                  fit_check=not args.no_fit_check)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -933,6 +1037,10 @@ def main(argv: list[str] | None = None) -> int:
     result["streams"] = section("streams", lambda: stream_section(cfg, failures, out)) if cfg.whole_models else []
     save()
     result["overhead"] = section("overhead", lambda: overhead_section(cfg, failures)) if cfg.models else []
+    save()
+    if cfg.fit_check:
+        result["does_not_fit"] = section("does_not_fit", lambda: guarded(
+            lambda: does_not_fit_section(cfg, failures), failures, "does not fit"))
     save()
     if cfg.pytest:
         result["pytest"] = section("pytest", lambda: pytest_section(cfg, failures, out))

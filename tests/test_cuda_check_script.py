@@ -34,7 +34,7 @@ def cc():
 
 def test_dry_run_checks_every_whole_step_plan_and_passes(cc, tmp_path: Path) -> None:
     rc = cc.main(["--dry-run", "--models", "mlp", "--whole-models", "mlp", "--optimizers", "adam", "sgd",
-                  "--quick", "--search-timesteps", "200", "--out", str(tmp_path)])
+                  "--quick", "--search-timesteps", "200", "--no-fit-check", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "cuda_check.json").read_text())
     assert result["failures"] == [] and rc == 0
     assert result["dry_run"] and "cpu" in result["device"]
@@ -131,7 +131,7 @@ def test_a_check_that_raises_is_a_failure_and_the_run_goes_on(cc, tmp_path: Path
         raise RuntimeError("deterministic algorithm missing (simulated)")
 
     monkeypatch.setattr(cc, "whole_model", broken)
-    rc = cc.main(["--dry-run", "--models", "--whole-models", "mlp", "--out", str(tmp_path)])
+    rc = cc.main(["--dry-run", "--models", "--whole-models", "mlp", "--no-fit-check", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "cuda_check.json").read_text())
     assert rc == 1 and result["whole_equal"] == [] and result["activation"] == []
     assert result["failures"] == ["whole-step mlp: RuntimeError: deterministic algorithm missing (simulated)"]
@@ -170,3 +170,16 @@ def test_pytest_runs_every_test_that_needs_cuda(cc) -> None:
     assert any(n.startswith("test_cuda_autocast_") for n in needs_cuda)
     missed = {n: f for n, f in needs_cuda.items() if f not in cc.PYTEST_FILES or "cuda" not in n}
     assert missed == {}
+
+
+@pytest.mark.slow  # profiles past a limit and answers max_batch: a minute or two on 2 cores
+def test_the_does_not_fit_check_passes_on_the_emulated_device(cc) -> None:
+    """Check 11 on the CPU: the unplanned step runs out of memory inside the limit, the profile is extrapolated to
+    the unplanned peak, the plan trains bit-equal inside the limit and max_batch answers a bigger batch."""
+    cfg = cc.config_from_args(cc.parse_args(["--dry-run"]))
+    failures: list[str] = []
+    got = cc.does_not_fit_section(cfg, failures)
+    assert failures == []
+    assert got["unplanned_oom"] and got["method"] == "extrapolated" and got["bit_equal"]
+    assert got["limited_peak"] <= got["limit"] < got["unplanned_peak"]
+    assert got["max_batch"] >= got["batch"] > got["plain_max_batch"]

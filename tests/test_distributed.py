@@ -195,3 +195,17 @@ def test_cuda_meter_counts_ddp_buckets_no_tensor_reaches(group, name):
     for p in view.parameters():
         p.grad = None
     assert _ddp_buckets_untracked(view) == mdist.ddp_bucket_bytes(view)
+
+
+def test_fsdp1_is_refused_by_profile_and_plan_saying_to_use_fsdp2(group):
+    """README: "FSDP1 is refused": a model FSDP1-wrapped (flat parameters, renamed modules) cannot be profiled or
+    planned, and the error names FSDP2's fully_shard."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    zm, prof, plan = _small()
+    fsdp1 = FSDP(memopt.zoo.build("gpt", batch_size=2, seq_len=16, d_model=32, n_layers=3).model,
+                 device_id=torch.device("cpu"))
+    with pytest.raises(WrapOrderError, match="FSDP1"):
+        memopt.profile(fsdp1, *zm.inputs, loss_fn=zm.loss_fn)
+    with pytest.raises(WrapOrderError, match="fully_shard"):
+        memopt.plan(plan, fsdp1).apply()

@@ -127,3 +127,14 @@ def test_old_import_paths_still_work():
     assert ModelProfile is memopt.ModelProfile and UnitProfile is memopt.UnitProfile and profile is memopt.profile
     assert callable(min_peak) and callable(optimal) and memopt.solvers.optimal is optimal
     assert callable(memopt.plan) and callable(memopt.profile)  # still the functions, not the modules
+
+
+def test_the_readmes_old_module_paths_import():
+    """README: "old imports memopt_nb.plan, .profile, .solvers still work" — as modules that hold what they held."""
+    import importlib
+
+    import memopt_nb as memopt
+
+    assert importlib.import_module("memopt_nb.plan").Plan is memopt.Plan
+    assert importlib.import_module("memopt_nb.profile").ModelProfile is memopt.ModelProfile
+    assert importlib.import_module("memopt_nb.solvers").optimal is memopt.solvers.optimal
