@@ -24,8 +24,10 @@ advice gives the floor the state placements would reach.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from ..core.budget import format_bytes
 from ..core.plan import DEFAULT_STRATEGIES as every
@@ -148,9 +150,6 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
     The exact minimum over the enlarged space is the MILP's (:func:`memopt_nb.planners.min_peak` with
     ``offload_state=``); this is an upper bound on it, and a plan that reaches it.
     """
-    import numpy as np
-
-
     sim = Simulator(profile, device)
     tab = sim.state_table()
     n = sim.n
@@ -192,9 +191,7 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
             break
     decisions = plan_decisions(profile, [int(x) for x in S[0]], [1] * n, [1] * n, [int(x) for x in C[0]])
     base = Plan.from_strategies(profile, ["keep"] * n, method="state_floor")
-    import dataclasses
-
-    plan = dataclasses.replace(base, decisions=decisions,
+    plan = replace(base, decisions=decisions,
                                step_in_backward=any(STATE_CHOICES[int(x)][1] == "step" for x in C[0]))
     plan._model_ref, plan._optimizer_ref = base._model_ref, base._optimizer_ref
     return int(round(val)), plan
