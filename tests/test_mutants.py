@@ -440,3 +440,29 @@ def test_state_floor_reaches_the_enumerated_minimum_and_its_plan_reaches_it(seed
     assert found == int(peaks.min()) and found <= int(peaks[uniform].min())
     assert memopt.solvers.min_peak(prof, offload_state=True) == found
     assert memopt.simulate(prof, plan).peak_bytes == found
+
+
+@pytest.mark.parametrize("placements, expected_mib", [
+    # every unit all offloaded: 4 + 16 + 8 off; the most back at once is unit 1 whole (16) + unit 2's state and
+    # parameters on their way in (6): 28 - 22
+    ([(OFF, OFF, OFF)] * 3, 6),
+    # stepping in backward: no optimizer state comes back (it steps where it is), gradients never do; 28 off, the
+    # most back at once unit 1's parameters (4) and unit 2's (2)
+    ([(OFF, S, OFF)] * 3, 22),
+    # unit 0's gradients (1) and unit 1's state and parameters (12) off: unit 0's gradients come back with unit 1's
+    # state and parameters, all of it
+    ([(RES, OFF, RES), (OFF, RES, OFF), (RES, RES, RES)], 0),
+    # unit 0's parameters (1) and unit 2 whole (8) off; the last unit has no next one: 9 - 8
+    ([(RES, RES, OFF), (RES, RES, RES), (OFF, OFF, OFF)], 1),
+])
+def test_floor_counts_offloaded_state_less_what_comes_back_at_once(placements, expected_mib):
+    """explain_floor's fixed state leaves out what a whole-step plan keeps on the host, less the most its schedule
+    brings back at once: one unit's state, gradients and parameters plus the next unit's state and parameters.
+    Units of (parameters, gradients, optimizer state) 1/1/2, 4/4/8 and 2/2/4 MiB."""
+    from types import SimpleNamespace
+
+    from memopt_nb.planners.floor import _moved_bytes
+
+    units = [SimpleNamespace(param_bytes=p * MiB, grad_bytes=p * MiB, optimizer_bytes=2 * p * MiB) for p in (1, 4, 2)]
+    plan = SimpleNamespace(placements=placements)
+    assert _moved_bytes(SimpleNamespace(units=units), plan) == expected_mib * MiB
