@@ -3,10 +3,10 @@
 What: each tutorial in ``tutorials/`` (or those named on the command line) is executed exactly as
 ``tests/test_notebooks.py`` executes it: nbclient, ``MEMOPT_NB_TIMESTEPS=2000`` (the tests' ``CI_TIMESTEPS``),
 ``MPLBACKEND=Agg``, the repository root on ``PYTHONPATH``, and the hidden summary cell (its code is kept in
-``metadata.memopt_nb.test_summary``) appended. The notebook is then written back with its outputs and the widget state
-nbclient saves (the dashboard's last frame), but without the appended summary cell; the dict that cell printed is kept
-in ``metadata.memopt_nb.stored_summary``. Cell ``metadata.execution`` timestamps are dropped, so that storing again only
-changes what the run changed.
+``metadata.memopt_nb.test_summary``) appended. The notebook is then written back with its outputs, but without the
+appended summary cell, the state of widgets no output displays, or a PNG its output's HTML already embeds
+(:func:`slim`); the dict that cell printed is kept in ``metadata.memopt_nb.stored_summary``. Cell
+``metadata.execution`` timestamps are dropped, so that storing again only changes what the run changed.
 
 Why: the tutorials are read on GitHub and in JupyterLab before anyone runs them, so they are stored executed. The slow
 test (``tests/test_notebooks.py::test_notebook_executes``) re-executes each tutorial and fails if a key figure that does
@@ -38,7 +38,14 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_notebooks import CI_TIMESTEPS, TUTORIALS, execute, summary_of  # noqa: E402
+from tests.test_notebooks import (  # noqa: E402
+    CI_TIMESTEPS,
+    TUTORIALS,
+    WIDGET_STATE,
+    WIDGET_VIEW,
+    execute,
+    summary_of,
+)
 
 
 def set_environment() -> None:
@@ -85,8 +92,37 @@ def stored_form(ran: nbformat.NotebookNode, summary: dict) -> nbformat.NotebookN
     nb.cells.pop()
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # nbclient's timestamps: new on every run
+    slim(nb)  # (also: python tools/store_tutorials.py --slim, on the stored notebooks without running them)
     nb.metadata.setdefault("memopt_nb", {})["stored_summary"] = summary
     return nb
+
+
+def slim(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Leave out what a reader never sees, in place: the saved state of widgets no stored output displays (the
+    dashboard leaves its final picture as an ordinary output), and a PNG that the same output's HTML already embeds
+    (the dashboard's final frame: HTML with the picture and its summary)."""
+    shown = set()
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET_VIEW in data:
+                shown.add(data[WIDGET_VIEW]["model_id"])
+            png = data.get("image/png")
+            if png and "".join(png.split()) in "".join(data.get("text/html", "").split()):
+                del data["image/png"]
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state")
+    if state is not None:
+        for model_id in [m for m in state if m not in shown and not _used_by(m, state, shown)]:
+            del state[model_id]
+        if not state:
+            nb.metadata.pop("widgets")
+    return nb
+
+
+def _used_by(model_id: str, state: dict, shown: set) -> bool:
+    """Whether a displayed widget refers to ``model_id`` (a child, a layout, a style): ``IPY_MODEL_<id>``."""
+    ref = f"IPY_MODEL_{model_id}"
+    return any(ref in str(state[m].get("state", {})) for m in shown if m in state)
 
 
 def store(path: Path, out: Path | None) -> tuple[bool, float]:
@@ -125,8 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="tutorials to store (default: all); a file name, its stem or prefix")
     parser.add_argument("--out", type=Path, help="write the executed notebooks to this folder, not in place")
+    parser.add_argument("--slim", action="store_true", help="do not run anything: leave out of the stored notebooks "
+                        "what a reader never sees (see slim())")
     args = parser.parse_args(argv)
     paths = select(args.names)
+    if args.slim:
+        for path in paths:
+            before = path.stat().st_size
+            nbformat.write(slim(nbformat.read(path, as_version=4)), path)
+            print(f"{path.name}: {before / 1024:.0f} KB -> {path.stat().st_size / 1024:.0f} KB")
+        return 0
     set_environment()
     results = {p.name: store(p, args.out) for p in paths}
     for name, (ok, seconds) in results.items():
