@@ -466,3 +466,39 @@ def test_floor_counts_offloaded_state_less_what_comes_back_at_once(placements, e
     units = [SimpleNamespace(param_bytes=p * MiB, grad_bytes=p * MiB, optimizer_bytes=2 * p * MiB) for p in (1, 4, 2)]
     plan = SimpleNamespace(placements=placements)
     assert _moved_bytes(SimpleNamespace(units=units), plan) == expected_mib * MiB
+
+
+def test_state_floor_starts_from_the_best_uniform_plan_and_sweeps_while_they_pay():
+    """Without sweeps (passes=0) state_floor is the best uniform plan, each strategy with each placement for every unit
+    (enumerated here with the simulator); on this 6-unit chain the first sweep does not reach what three do, and
+    three stay above the MILP's exact floor (state_floor is an upper bound on it)."""
+    from memopt_nb.core.plan import STATE_CHOICES, state_choices
+    from memopt_nb.harness.synthetic import chain_profile
+    from memopt_nb.planners.floor import state_floor
+    from memopt_nb.sim.simulator import Simulator
+
+    prof = chain_profile(6, seed=6, state_bytes=8 * MiB, spread=2.0)
+    sim = Simulator(prof)
+    allowed = sim.state_table().allowed
+    n = prof.n_units
+    uniform = [(s, c) for s in (0, 1, 2) for c in (STATE_CHOICES.index(x) for x in state_choices(True))]
+    # a unit where the placement is not allowed keeps everything resident (choice 0), as a uniform plan does
+    S = np.array([[s] * n for s, _ in uniform])
+    C = np.array([[c if allowed[u, c] else 0 for u in range(n)] for _, c in uniform])
+    best_uniform = int(sim.evaluate(S, np.ones_like(S), np.ones_like(S), states=C)[0].min())
+    assert state_floor(prof, passes=0)[0] == best_uniform
+    one, three = state_floor(prof, passes=1)[0], state_floor(prof)[0]
+    assert best_uniform > one > three >= memopt.solvers.min_peak(prof, offload_state=True)
+
+
+def test_ppo_defaults_are_cleanrls_except_where_documented():
+    """CleanRL's ppo.py defaults (anneal_lr, norm_adv and clip_vloss on; clip 0.2, entropy 0.01, value 0.5, gradient
+    norm 0.5, GAE lambda 0.95, 4 minibatches, 4 epochs, no target KL); the documented departures: learning rate 1e-3,
+    16 copies, gamma 1 (the objective is the episode's total cost)."""
+    from memopt_nb.planners.rl.ppo import PPOConfig
+
+    c = PPOConfig()
+    assert (c.anneal_lr, c.norm_adv, c.clip_vloss) == (True, True, True)
+    assert (c.clip_coef, c.ent_coef, c.vf_coef, c.max_grad_norm, c.gae_lambda) == (0.2, 0.01, 0.5, 0.5, 0.95)
+    assert (c.num_minibatches, c.update_epochs, c.target_kl) == (4, 4, None)
+    assert (c.learning_rate, c.num_envs, c.gamma) == (1e-3, 16, 1.0)
