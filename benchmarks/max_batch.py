@@ -30,6 +30,14 @@ model's reference batch (:data:`REFERENCE`).
     python benchmarks/max_batch.py                              # 5 models x 3 settings (about 8 min on 2 loaded cores)
     python benchmarks/max_batch.py --quick                      # zoo gpt on the emulated device only (~30 s)
     python benchmarks/max_batch.py --models gpt2,vit_tiny --devices emulated --json rows.json
+    python benchmarks/max_batch.py --profile-cost              # what profiling a step that does not fit costs
+
+``--profile-cost`` (issue 34, must-show 3: at most 3x): per model, ``memopt.profile`` at the reference batch without
+a limit (the step fits; measured) and inside ``memopt.limit_memory(SHARE x the unplanned peak)`` (it does not; the
+profile is extrapolated from smaller batches), after one untimed profile, alternating the two, ``--repeats`` times
+each (default 3); medians, their ratio, and where the extrapolated profile's time goes
+(``meta["extrapolation"]["attempts"]``: the failed step, then each smaller batch tried). The smaller batches come from
+the builder (``batch_fn``: the zoo's losses hold their targets) except for ``gpt2``, whose keyword inputs are sliced.
 
 One torch thread unless ``--threads`` (see ``_common.set_threads``). Throughputs are predicted (profiled step times
 extrapolated to the batch, then simulated under each plan), not measured; on this shared machine they are noisy.
@@ -38,6 +46,7 @@ extrapolated to the batch, then simulated under each plan), not measured; on thi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -56,6 +65,7 @@ import memopt_nb as memopt  # noqa: E402
 
 GOAL_RATIO = 1.25
 GOAL_SECONDS = 60.0
+GOAL_PROFILE_RATIO = 3.0
 SHARE = 0.6
 MODELS = ("gpt", "resnet", "vit", "gpt2", "vit_tiny")
 DEVICES = ("emulated", "a100-40gb", "rtx4090-24gb")
@@ -222,6 +232,111 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _profile_once(model: torch.nn.Module, inputs: Any, loss_fn: Any, opt: torch.optim.Optimizer,
+                  batch_fn: Callable[[int], Any] | None, limit: int | None) -> tuple[float, Any]:
+    """Seconds of one ``memopt.profile`` call (inside ``limit_memory(limit)`` unless ``limit`` is None; entering the
+    block, which indexes the live models once, is not timed: on CUDA it is one allocator setting) and the profile."""
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (tuple(inputs), {})
+    gc.collect()
+    with memopt.limit_memory(limit) if limit is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        prof = memopt.profile(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt,
+                              **({"batch_fn": batch_fn} if limit is not None else {}))
+        secs = time.perf_counter() - t0
+    return secs, prof
+
+
+def profile_cost(name: str, build: Builder, share: float = SHARE, repeats: int = 3) -> dict[str, Any]:
+    """``memopt.profile`` at the reference batch, where it fits (no limit) and where it does not (``limit_memory``),
+    alternated ``repeats`` times: seconds of each, the ratio of the medians, and the extrapolated profile's attempts
+    (median seconds per batch tried)."""
+    ref = REFERENCE.get(name, 8)
+    peak = reference_peak(build, ref)
+    limit = int(share * peak)
+    model, inputs, loss_fn, opt = build(ref)
+
+    def smaller(b: int) -> tuple[Any, Any]:
+        made = build(b)
+        return made[1], made[2]
+
+    batch_fn = None if name == "gpt2" else smaller
+    row: dict[str, Any] = {"model": name, "batch": ref, "peak_bytes": peak, "limit_bytes": limit, "fits": [],
+                           "does_not_fit": [], "sliced": batch_fn is None}
+    attempts: dict[tuple[int, bool], list[float]] = {}
+    order: list[tuple[int, bool]] = []
+    _profile_once(model, inputs, loss_fn, opt, None, None)  # untimed: the process's first steps are slower
+    for _ in range(repeats):
+        secs, prof = _profile_once(model, inputs, loss_fn, opt, None, None)
+        row["fits"].append(secs)
+        row["measured_peak_bytes"] = prof.peak_bytes
+        secs, prof = _profile_once(model, inputs, loss_fn, opt, batch_fn, limit)
+        row["does_not_fit"].append(secs)
+        if prof.meta.get("method") != "extrapolated":
+            raise SystemExit(f"{name}: the profile under the limit was {prof.meta.get('method')!r}, not extrapolated")
+        ext = prof.meta["extrapolation"]
+        row["extrapolated_peak_bytes"] = prof.peak_bytes
+        row["fitted_batches"], row["check_batch"] = ext["fitted_batches"], ext["check_batch"]
+        for b, s, ok in ext["attempts"]:
+            key = (int(b), bool(ok))
+            if key not in attempts:
+                order.append(key)
+            attempts.setdefault(key, []).append(float(s))
+    del model, opt
+    gc.collect()
+    row["fits_median"] = _common.median(row["fits"])
+    row["does_not_fit_median"] = _common.median(row["does_not_fit"])
+    row["ratio"] = row["does_not_fit_median"] / row["fits_median"]
+    row["attempts"] = [{"batch": b, "fitted": ok, "seconds": _common.median(attempts[(b, ok)])} for b, ok in order]
+    return row
+
+
+def cost_table(rows: Sequence[dict[str, Any]]) -> str:
+    headers = ["model (batch)", "limit MiB (of peak)", "fits: profile s", "does not fit: profile s",
+               "ratio", "where the time goes (batch: median s; ✗ ran out of memory)", "peak error"]
+    out = []
+    for r in rows:
+        where = ", ".join(f"{a['batch']}{'' if a['fitted'] else '✗'}: {a['seconds']:.2f}" for a in r["attempts"])
+        err = _common.rel_err(r["extrapolated_peak_bytes"], r["measured_peak_bytes"])
+        out.append([f"{r['model']} ({r['batch']})",
+                    f"{r['limit_bytes'] / _common.MiB:.1f} ({r['limit_bytes'] / r['peak_bytes']:.0%})",
+                    f"{r['fits_median']:.2f} ({', '.join(f'{x:.2f}' for x in r['fits'])})",
+                    f"{r['does_not_fit_median']:.2f} ({', '.join(f'{x:.2f}' for x in r['does_not_fit'])})",
+                    f"{r['ratio']:.2f}×", where, f"{err:+.2f}%"])
+    return _common.md_table(headers, out, align="lrrrrlr")
+
+
+def cost_summary(rows: Sequence[dict[str, Any]]) -> list[str]:
+    ratios = [r["ratio"] for r in rows]
+    if not ratios:
+        return []
+    over = [r["model"] for r in rows if r["ratio"] > GOAL_PROFILE_RATIO]
+    return [f"profile where the step does not fit ÷ where it fits: median {_common.median(ratios):.2f}×, max "
+            f"{max(ratios):.2f}× against the goal ≤ {GOAL_PROFILE_RATIO:.0f}× — "
+            + ("met on every model" if not over else f"NOT met on {', '.join(over)}")]
+
+
+def main_profile_cost(models: Sequence[str], share: float, repeats: int, json_path: str | None) -> list[dict[str, Any]]:
+    t_start = time.perf_counter()
+    print(f"# profiling a step that does not fit — {_common.environment_line()}")
+    print(f"limit = {share} × the unplanned peak at the reference batch; AdamW; {repeats} alternated repeats\n",
+          flush=True)
+    rows = []
+    for name in models:
+        row = profile_cost(name, builder(name), share, repeats)
+        rows.append(row)
+        print(f"  {name}: fits {row['fits_median']:.2f} s, does not fit {row['does_not_fit_median']:.2f} s "
+              f"({row['ratio']:.2f}×)", flush=True)
+    print()
+    print(cost_table(rows))
+    print()
+    for line in cost_summary(rows):
+        print(line)
+    print(f"[{time.perf_counter() - t_start:.0f} s]")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1, default=str))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="zoo gpt on the emulated device only")
@@ -232,9 +347,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     "batch (default 0.6)")
     ap.add_argument("--json", default=None, help="write the rows (MaxBatch.to_dict() plus the ratios) to this path")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 = torch's default)")
+    ap.add_argument("--profile-cost", action="store_true", help="time memopt.profile where the step fits and where "
+                    "it does not (under limit_memory(SHARE x peak)) instead of max_batch")
+    ap.add_argument("--repeats", type=int, default=3, help="--profile-cost: alternated repeats of each (default 3)")
     args = ap.parse_args(argv)
     _common.set_threads(args.threads)
     models = ["gpt"] if args.quick else [m.strip() for m in (args.models or ",".join(MODELS)).split(",") if m.strip()]
+    if args.profile_cost:
+        if args.repeats < 1:
+            ap.error("--repeats must be at least 1")
+        return main_profile_cost(models, args.share, args.repeats, args.json)
     devices = ["emulated"] if args.quick else [d.strip() for d in (args.devices or ",".join(DEVICES)).split(",")
                                                if d.strip()]
     for d in devices:

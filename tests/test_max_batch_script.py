@@ -55,3 +55,21 @@ def test_quick_run_prints_the_table_and_the_summary(mb, tmp_path, capsys) -> Non
 def test_unknown_device_is_refused(mb) -> None:
     with pytest.raises(SystemExit):
         mb.main(["--models", "gpt", "--devices", "tpu"])
+
+
+def test_profile_cost_times_both_profiles_and_says_where_the_time_goes(mb, tmp_path, capsys) -> None:
+    rows = mb.main(["--profile-cost", "--quick", "--repeats", "1", "--json", str(tmp_path / "cost.json")])
+    out = capsys.readouterr().out
+    for column in ("| model (batch)", "fits: profile s", "does not fit: profile s", "ratio", "where the time goes",
+                   "peak error"):
+        assert column in out
+    (r,) = rows
+    assert (r["model"], r["batch"]) == ("gpt", 8) and len(r["fits"]) == len(r["does_not_fit"]) == 1
+    assert r["limit_bytes"] == int(0.6 * r["peak_bytes"]) and r["ratio"] == r["does_not_fit"][0] / r["fits"][0]
+    # the profile under the limit was extrapolated: the step asked for ran out of memory first, then smaller batches
+    first, *probes = r["attempts"]
+    assert (first["batch"], first["fitted"]) == (8, False) and [a["batch"] for a in probes if a["fitted"]] == [4, 2, 1]
+    assert r["fitted_batches"] == [2, 4] and r["check_batch"] == 1
+    assert abs(r["extrapolated_peak_bytes"] - r["measured_peak_bytes"]) <= 0.02 * r["measured_peak_bytes"]
+    assert "profile where the step does not fit ÷ where it fits: median" in out and "goal ≤ 3×" in out
+    assert json.loads((tmp_path / "cost.json").read_text())[0]["ratio"] == pytest.approx(r["ratio"])

@@ -9,8 +9,9 @@ line through the two largest, evaluated at ``B``; parameters, gradients and opti
 the batch, come out unchanged. The third batch checks the line: where a byte count it predicts there is off by more
 than :data:`LINEAR_TOLERANCE` the profile is refused with a :class:`~memopt_nb.errors.ProfileError` naming the unit and
 field, since then it would not predict the batch asked for. Times are extrapolated the same way but not checked
-(small batches are overhead-bound, so they predict the step time less well than the bytes); the profile records the
-check's step-time error.
+(small batches are overhead-bound, so they predict the step time less well than the bytes; the third batch is timed
+with one step, not ``repeats``); the profile records the check's step-time error, and what each batch tried cost
+(``meta["extrapolation"]["attempts"]``: ``[batch, seconds, fitted]``, the batch asked for first).
 
 Why this approach: it needs nothing but the ordinary profiler, on the real device, at sizes that fit; the bytes of a
 training step are linear in the batch for almost every layer (activations grow with it; the fixed state does not), and
@@ -106,6 +107,7 @@ def profile_or_extrapolate(profile_fn: Callable[..., Any], model: torch.nn.Modul
                            kwargs: dict, batch_dim: int | None, batch_fn: Callable[[int], Any] | None) -> Any:
     """:func:`memopt_nb.profile`: the ordinary profile, or where the step runs out of memory the extrapolated one."""
     token = _DIRECT.set(True)
+    t0 = time.perf_counter()
     try:
         try:
             return profile_fn(model, *inputs, **options, **kwargs)
@@ -115,15 +117,18 @@ def profile_or_extrapolate(profile_fn: Callable[..., Any], model: torch.nn.Modul
             first = _first_line(exc)
         # outside the except block: the failed step's traceback, and with it its tensors, are gone
         gc.collect()
-        return _extrapolated_profile(profile_fn, model, inputs, options, kwargs, batch_dim, batch_fn, first)
+        failed = time.perf_counter() - t0
+        return _extrapolated_profile(profile_fn, model, inputs, options, kwargs, batch_dim, batch_fn, first, failed)
     finally:
         _DIRECT.reset(token)
 
 
 def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module, inputs: tuple, options: dict,
                           kwargs: dict, batch_dim: int | None, batch_fn: Callable[[int], Any] | None,
-                          first: str) -> Any:
+                          first: str, failed_seconds: float = 0.0) -> Any:
     t0 = time.perf_counter()
+    #: what each profile tried cost: [batch, seconds, fitted]; the step asked for first (it ran out of memory)
+    attempts: list[list[Any]] = []
     all_kwargs = {**kwargs, **(options.get("model_kwargs") or {})}
     batch = _batch_of(inputs, all_kwargs, batch_dim if batch_dim is not None else 0)
     if batch is None or batch < 2:
@@ -135,7 +140,17 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
                            "forbids slicing the inputs. Pass batch_dim= (the inputs' batch dimension) or "
                            "batch_fn=lambda b: (inputs, loss_fn) to profile it at smaller batches") from None
 
-    def at(b: int) -> Any:
+    def at(b: int, **change: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            prof = _at(b, {**options, **change})
+        except BaseException:
+            attempts.append([b, round(time.perf_counter() - t, 3), False])
+            raise
+        attempts.append([b, round(time.perf_counter() - t, 3), True])
+        return prof
+
+    def _at(b: int, options: dict) -> Any:
         if batch_fn is not None:
             made = batch_fn(b)
             gc.collect()  # whatever batch_fn built besides the inputs (a model) is gone before profiling
@@ -181,7 +196,9 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
     mid = hi // 2
     prof_mid = at(mid)
     low = mid // 2
-    prof_low = at(low) if low >= 1 and low < mid else None
+    # the check batch's bytes are compared with the line; its times only give the recorded step-time error, so one
+    # timed step does (about a quarter less of that profile's time; benchmarks/max_batch.py --profile-cost)
+    prof_low = at(low, repeats=1) if low >= 1 and low < mid else None
     prof = extrapolate({mid: prof_mid, hi: prof_hi}, batch, check=(low, prof_low) if prof_low is not None else None)
     prof.meta["method"] = "extrapolated"
     prof.meta["extrapolation"] = {
@@ -189,8 +206,9 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
         "requested_batch": batch, "fitted_batches": [mid, hi], "check_batch": low if prof_low is not None else None,
         "out_of_memory": first, "too_big_batches": [int(b) for b in tried], "batch_dim": batch_dim,
         "sliced": batch_fn is None,
+        "attempts": [[batch, round(failed_seconds, 3), False], *attempts],
     }
-    prof.meta["profile_seconds"] = round(time.perf_counter() - t0, 3)
+    prof.meta["profile_seconds"] = round(time.perf_counter() - t0 + failed_seconds, 3)
     if prof_low is None:
         warnings.warn(f"memopt.profile: the step at batch {batch} did not fit; extrapolated from batches {mid} and "
                       f"{hi} without a third batch to check the line", UserWarning, stacklevel=3)

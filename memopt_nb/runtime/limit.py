@@ -54,6 +54,23 @@ def uncounted() -> Iterator[None]:
         _LOCAL.uncounted -= 1
 
 
+def _tensor_leaves(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or result (nested tuples, lists and dicts), as ``tree_leaves`` finds
+    them, without its per-node cost (this runs on every operator under a limit)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _tensor_leaves(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _tensor_leaves(x, out)
+    elif obj is not None and not isinstance(obj, (int, float, bool, str, torch.dtype, torch.device, torch.layout,
+                                                  torch.memory_format)):
+        out.extend(t for t in tree_leaves(obj) if isinstance(t, torch.Tensor))  # anything else pytree knows
+    return out
+
+
 def active_limit(device: torch.device | str | None = None) -> int | None:
     """The smallest limit in force for ``device`` (any device if ``None``), in bytes, or ``None`` outside every
     :func:`limit_memory` block."""
@@ -124,6 +141,9 @@ class _EmulatedLimit(StorageTracker):
                     self.add_storage(st)
 
     def _count(self, st: torch.UntypedStorage) -> None:
+        entry = self._live.get(id(st))
+        if entry is not None and entry[0]() is st and entry[1] == st.nbytes():
+            return  # counted already, at this size (the common case: an operator's inputs)
         if st.device.type == self.device.type and not self._is_host(st):
             self.add_storage(st)
 
@@ -142,7 +162,7 @@ class _EmulatedLimit(StorageTracker):
                 extra += st.nbytes()
         return extra
 
-    def check(self, storages: list[torch.UntypedStorage], what: str) -> None:
+    def check(self, storages: list[torch.UntypedStorage], what: Any) -> None:
         """Raise ``torch.OutOfMemoryError`` if counting ``storages`` would take the device above the limit."""
         extra = self._new_bytes(storages)
         if extra and self.current + extra > self.limit:
@@ -163,30 +183,28 @@ class _EmulatedLimit(StorageTracker):
         kwargs = kwargs or {}
         if _uncounting():  # new storages are host memory; views of existing ones are what they were
             out = func(*args, **kwargs)
-            given = {id(q.untyped_storage()) for t in tree_leaves((args, kwargs))
-                     if isinstance(t, torch.Tensor) and not t.is_meta for q in _plain(t)}
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.device.type == self.device.type and not t.is_meta:
+            given = {id(q.untyped_storage()) for t in _tensor_leaves((args, kwargs), [])
+                     if not t.is_meta for q in _plain(t)}
+            for t in _tensor_leaves(out, []):
+                if t.device.type == self.device.type and not t.is_meta:
                     for q in _plain(t):
                         st = q.untyped_storage()
                         if id(st) not in self._live and id(st) not in given:
                             self._mark_host(st)
             return out
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                if self._owner:
-                    roots = self._owner.get(id(t))
-                    if roots is not None:
-                        self._activate(roots)
-                if t.device.type == self.device.type and not t.is_meta:
-                    for q in _plain(t):
-                        self._count(q.untyped_storage())
+        for t in _tensor_leaves((args, kwargs), []):
+            if self._owner:
+                roots = self._owner.get(id(t))
+                if roots is not None:
+                    self._activate(roots)
+            if t.device.type == self.device.type and not t.is_meta:
+                for q in _plain(t):
+                    self._count(q.untyped_storage())
         out = func(*args, **kwargs)
-        made = [q.untyped_storage() for t in tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.device.type == self.device.type and not t.is_meta
-                for q in _plain(t)]
+        made = [q.untyped_storage() for t in _tensor_leaves(out, [])
+                if t.device.type == self.device.type and not t.is_meta for q in _plain(t)]
         if made:
-            self.check(made, str(func))
+            self.check(made, func)  # named only in the error
             for st in made:
                 self._count(st)
         return out
