@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import memopt_nb as memopt
 from memopt_nb.core.errors import BudgetError, ProfileError
+from memopt_nb.planners.floor import estimate_batch
 from memopt_nb.profiling.fallback import extrapolate
 from memopt_nb.runtime.limit import active_limit
 
@@ -188,10 +189,16 @@ def test_a_step_not_linear_in_the_batch_is_refused():
 
 
 # ---------------------------------------------------------------------- max_batch
-def test_max_batch_beats_plain_training_and_its_step_fits(setup):
+@pytest.fixture(scope="module")
+def answer(setup):
+    """memopt.max_batch inside the limit (with its check: a real step at its answer)."""
+    with memopt.limit_memory(setup[1]):
+        return memopt.max_batch(build)
+
+
+def test_max_batch_beats_plain_training_and_its_step_fits(setup, answer):
     _, limit = setup
-    with memopt.limit_memory(limit):
-        res = memopt.max_batch(build)
+    res = answer
     assert res.budget_bytes == limit
     assert res.batch >= WANT > res.plain.batch
     assert res.baseline.batch is None or res.baseline.batch <= res.batch
@@ -209,6 +216,43 @@ def test_max_batch_beats_plain_training_and_its_step_fits(setup):
     with memopt.limit_memory(limit) as lim, memopt.plan(res.plan, model, optimizer=opt):
         train(model, inputs, loss_fn, opt, 2)
     assert lim.peak_bytes <= limit
+
+
+#: how far the profile summary's batch estimate may be from max_batch's answer: plain training's within 10% (at least
+#: one batch); a plan's from 10% below to 35% above (measured on the zoo models at 0.6x and 1.5x their peak: +3% to
+#: +27%; the floor grows a little faster with the batch than its share of activations at the profiled batch)
+PLAIN_TOLERANCE, PLAN_BELOW, PLAN_ABOVE = 0.10, 0.90, 1.35
+
+
+def test_profile_summary_estimates_the_max_batch(setup, answer):
+    _, limit = setup
+    model, inputs, loss_fn, opt = build(WANT)
+    with memopt.limit_memory(limit):
+        prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1, batch_fn=batch_fn)
+    est = estimate_batch(prof)
+    assert est is not None and (est.capacity_bytes, est.batch) == (limit, WANT)
+    # the oracle is max_batch (profiles at other batches, and a real step at its answer), not the estimate's code
+    assert abs(est.plain_batch - answer.plain.batch) <= max(1, PLAIN_TOLERANCE * answer.plain.batch), \
+        (est, answer.plain.batch)
+    assert PLAN_BELOW * answer.batch <= est.plan_batch <= PLAN_ABOVE * answer.batch, (est, answer.batch)
+    html = prof._repr_html_()
+    assert f"plain training fits about batch {est.plain_batch} " in html
+    assert f"a plan reaches about batch {est.plan_batch} (estimated" in html and "memopt.max_batch(builder)" in html
+    assert "%memopt_plan --max-batch BUILDER checks it" in prof._repr_html_("magic")
+    # a profile that does not know its batch: the first dimension of the inputs it recorded
+    unknown = memopt.ModelProfile.from_dict({**prof.to_dict(), "batch_size": None})
+    assert estimate_batch(unknown).batch == WANT
+    no_shapes = unknown.to_dict()
+    for u in no_shapes["units"]:
+        u["input_shapes"] = []
+    assert estimate_batch(memopt.ModelProfile.from_dict(no_shapes)) is None
+    # no known capacity (the emulated device outside limit_memory: its capacity is the host's memory): no line
+    fits = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
+    assert not fits.device.capacity_known and estimate_batch(fits) is None
+    assert "On this device" not in fits._repr_html_() and "Smallest reachable peak" in fits._repr_html_()
+    # a GPU preset's capacity is known
+    big = memopt.ModelProfile.from_dict({**fits.to_dict(), "device": memopt.DeviceSpec.preset("a100-40gb").to_dict()})
+    assert estimate_batch(big).plain_batch > 1000 and "On this device (40.00 GiB)" in big._repr_html_()
 
 
 def test_max_batch_refuses_a_relative_budget():

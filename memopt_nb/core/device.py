@@ -39,11 +39,15 @@ from typing import Any
 from .budget import format_bytes
 from .errors import MemoptError
 
-__all__ = ["DeviceSpec", "GB", "PRESET_EFFICIENCY", "TFLOP", "set_detector"]
+__all__ = ["DeviceSpec", "GB", "LIMIT_NOTE", "PRESET_EFFICIENCY", "TFLOP", "set_detector"]
 
 GB = 10**9
 GiB = 2**30
 TFLOP = 1e12
+
+#: What :meth:`DeviceSpec.detect` adds to the note of a device inside :func:`memopt_nb.limit_memory` (its capacity is
+#: the limit), followed by the limit in bytes.
+LIMIT_NOTE = "capacity limited by memopt.limit_memory to"
 
 #: Fraction of the fp32 peak a preset is assumed to reach on the matmul-heavy part of a step.
 PRESET_EFFICIENCY = 0.6
@@ -204,6 +208,12 @@ class DeviceSpec:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ use
+    @property
+    def capacity_known(self) -> bool:
+        """Whether ``capacity_bytes`` is what a training step must fit in: a GPU (detected or a preset), or the
+        emulated device inside :func:`memopt_nb.limit_memory`; not the emulated device's host memory."""
+        return self.kind != "cpu" or LIMIT_NOTE in self.note
+
     @property
     def has_host_link(self) -> bool:
         """Whether tensors can be swapped to host memory on this device."""

@@ -52,7 +52,7 @@ from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES, Plan
 from ..core.profile import ModelProfile
 from ..harness.compare import Comparison, compare
 from ..harness.maxbatch import MaxBatch, max_batch
-from ..planners.floor import explain_floor
+from ..planners.floor import estimate_batch, explain_floor
 from ..planners.space import allowed_strategies
 from ..profiling.profile import profile as profile_model
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
@@ -225,7 +225,10 @@ def _profile_display(prof: ModelProfile) -> None:
 
     spelling = "magic" if hasattr(prof, MAGIC_CALL) else "python"
     try:
-        floor = explain_floor(prof, offload_state=True).text(spelling)  # the planners' default space
+        found = explain_floor(prof, offload_state=True)  # the planners' default space
+        floor = found.text(spelling)
+        est = estimate_batch(prof, found)  # where the device's capacity is known
+        floor += f"\n{est.text(spelling)}" if est is not None else ""
     except Exception as exc:  # noqa: BLE001 - a display must not fail
         floor = f"smallest reachable peak: not computed ({type(exc).__name__}: {exc})"
     if not in_notebook():

@@ -1,5 +1,6 @@
-"""The profile as a table in a notebook: per unit time and memory, the hierarchy of split units, the totals and the
-smallest peak any plan reaches (from :mod:`memopt_nb.planners.floor`)."""
+"""The profile as a table in a notebook: per unit time and memory, the hierarchy of split units, the totals, the
+smallest peak any plan reaches and, where the device's capacity is known, how big a batch fits it (both from
+:mod:`memopt_nb.planners.floor`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import html
 
 from ..core.budget import format_bytes
 from ..core.profile import ModelProfile, UnitProfile
-from ..planners.floor import explain_floor
+from ..planners.floor import estimate_batch, explain_floor
 
 __all__ = ["PROFILE_LEGEND", "profile_html"]
 
@@ -21,8 +22,13 @@ def _floor_html(prof: ModelProfile, spelling: str = "python") -> str:
         return f"<p>smallest reachable peak: not computed ({html.escape(type(exc).__name__)}: " \
                f"{html.escape(str(exc))})</p>"
     advice = ("<br>To lower it: " + html.escape(floor.advice_text(spelling)) + ".") if floor.advice else ""
+    try:  # where the device's capacity is known: how big a batch fits it, estimated
+        est = estimate_batch(prof, floor)
+    except Exception:  # noqa: BLE001 - a display must not fail
+        est = None
+    batch = f"<br><b>{html.escape(est.text(spelling))}</b>" if est is not None else ""
     return (f"<p><b>Smallest reachable peak (any plan): {format_bytes(floor.floor_bytes)}</b> = "
-            f"{html.escape(floor.breakdown_text())}.<br>{html.escape(floor.bound_text())}{advice}</p>")
+            f"{html.escape(floor.breakdown_text())}.<br>{html.escape(floor.bound_text())}{advice}{batch}</p>")
 
 
 def profile_html(prof: ModelProfile, spelling: str = "python") -> str:

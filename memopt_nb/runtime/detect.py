@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from ..core.device import DeviceSpec, GiB, set_detector
+from ..core.device import LIMIT_NOTE, DeviceSpec, GiB, set_detector
 from ..core.errors import MemoptError
 from ..core.plan import effective_triggers
 from .limit import active_limit, uncounted
@@ -221,7 +221,7 @@ def detect(device: Any = None) -> DeviceSpec:
     limit = active_limit(dev)  # inside memopt.limit_memory the device holds the limit
     if limit is not None:
         spec = spec.with_changes(capacity_bytes=min(limit, spec.capacity_bytes),
-                                 note=spec.note + f"; capacity limited by memopt.limit_memory to {limit} bytes")
+                                 note=spec.note + f"; {LIMIT_NOTE} {limit} bytes")
     return spec
 
 
