@@ -24,12 +24,17 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# two pytest workers (pytest-xdist), each test file on one worker (its module fixtures built once); JOBS=1 runs them
+# in this process, one after another
+JOBS ?= 2
+XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
+
 test: $(STAMP) lint
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q --durations=20 $(XDIST) tests
 
 # the inner loop: every test but those marked slow (pytest -m slow runs just those)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q --durations=10 -m "not slow" tests
+	$(PY) -m pytest -q --durations=10 $(XDIST) -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) -m memopt_nb bench
