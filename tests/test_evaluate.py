@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import memopt_nb as memopt
 from memopt_nb.harness.bench import run_bench
-from memopt_nb.harness.evaluate import evaluate, fit_latency, fit_memory
+from memopt_nb.harness.evaluate import Evaluation, evaluate, fit_latency, fit_memory
 
 evaluate_module = importlib.import_module("memopt_nb.harness.evaluate")  # the function has this name too
 
@@ -191,6 +191,21 @@ def test_fits_recover_known_models():
     g = fit_latency(b, lat)
     assert g["k"] == pytest.approx(0.01, rel=1e-6) and g["c"] == pytest.approx(0.002, abs=1e-6)
     assert g["r2_latency"] == pytest.approx(1.0)
+    # times that fall as the batch grows (noise): the plateau over the whole range, never worse than their mean
+    noisy = fit_latency([128, 256, 512, 1024], [0.9, 0.5, 0.7, 0.4])
+    assert noisy["k"] == 0.0 and noisy["c"] == pytest.approx(0.625) and noisy["r2_latency"] >= 0.0
+
+
+def test_poor_fits_are_named_with_the_result_not_raised():
+    ev = Evaluation(model="m", device="cpu", source="measured", budget_bytes=1, batch_sizes=[1, 2], methods={},
+                    verdict="v — not worth it", worth_it=False, best_method=None,
+                    warnings=["none: r2 of latency fit is 0.87 (< 0.9); read its fitted model with care",
+                              "swap_all: r2 of memory fit is 0.50 (< 0.9); read its fitted model with care",
+                              "sqrt_n: r2 of latency fit is 0.02 (< 0.9); read its fitted model with care"])
+    note = ev.fit_note()
+    assert note.endswith("latency of none 0.87, sqrt_n 0.02; memory of swap_all 0.50"), note
+    assert "busy machine" in note and "⚠" in ev._repr_html_()
+    assert Evaluation(**{**ev.__dict__, "warnings": []}).fit_note() == ""
 
 
 def test_bad_inputs():
