@@ -13,15 +13,21 @@ with R² of both fits (those below 0.9 are named in ``Evaluation.warnings``, sho
 verdict in plain words: worth it, or not, and why.
 
 On this machine's device figures are *measured* (real training steps, ``memopt.measure``); on a preset they are
-*simulated*; every number carries its label.
+*simulated*; every number carries its label. Where this device's memory is known (a GPU, or inside
+``memopt.limit_memory``), nothing that would not fit it runs: the batches are profiled from the smallest up, and a batch
+whose unplanned step the line through the profiled ones predicts above the device is extrapolated on that line
+(``memopt.max_batch``'s machinery, :class:`~memopt_nb.harness.maxbatch.BatchProfiles`; ``Evaluation.profiled`` says
+which), and a plan predicted above the device is not measured (its row's ``source`` says ``simulated (extrapolated
+profile), not run: ...``).
 """
 
 from __future__ import annotations
 
+import gc
 import html
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,15 +36,16 @@ import torch
 
 from ..core.budget import format_bytes, resolve_budget
 from ..core.device import DeviceSpec
-from ..core.errors import BudgetError, MemoptError
+from ..core.errors import BudgetError, MemoptError, ProfileError
 from ..core.plan import Plan
 from ..planners import BASELINES, optimal
 from ..planners.milp import min_peak
 from ..planners.rl.search import search
-from ..profiling.profile import profile as profile_model
 from ..runtime.measure import measure, model_device
 from ..runtime.step import forward_autocast, preserved_state, resolve_autocast, step_autocast
 from ..sim.simulator import Simulator
+from .figures import figure_png, new_figure, styled
+from .maxbatch import BatchProfiles
 from .zoo import BUILDERS, build
 
 __all__ = ["BASELINE_METHODS", "DEFAULT_METHODS", "ECOSYSTEM_METHODS", "Evaluation", "KNOWN_METHODS", "MethodResult",
@@ -120,10 +127,13 @@ class Evaluation:
     min_peak_bytes: dict[int, int] = field(default_factory=dict)
     #: the precision of the forward (``"bfloat16"``, ``"float16"``; ``None``: without autocast)
     autocast: str | None = None
+    #: per batch size, how its profile was obtained: ``"measured"`` (profiled there) or ``"extrapolated"`` (from
+    #: smaller batches: its unplanned step would not fit this device, so it was never run unplanned)
+    profiled: dict[int, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "device": self.device, "source": self.source, "budget_bytes": self.budget_bytes,
-                "autocast": self.autocast,
+                "autocast": self.autocast, "profiled": self.profiled,
                 "batch_sizes": self.batch_sizes, "min_peak_bytes": self.min_peak_bytes,
                 "verdict": self.verdict, "worth_it": self.worth_it,
                 "best_method": self.best_method, "warnings": self.warnings, "seconds": self.seconds,
@@ -145,8 +155,6 @@ class Evaluation:
         registered with pyplot (as every figure of :mod:`memopt_nb.notebook.plots`), so it renders once as the last
         expression of a cell whatever the backend (``inline``, or ``Agg`` in a headless run)."""
         import seaborn as sns
-
-        from ..notebook.plots import new_figure, styled
 
         fig, (ax1, ax2) = new_figure(1, 2, figsize=(11, 4))
         with styled():
@@ -173,8 +181,6 @@ class Evaluation:
 
     def _repr_html_(self) -> str:
         import base64
-
-        from ..notebook.plots import figure_png
 
         img = base64.b64encode(figure_png(self.figure())).decode()
         rows = "".join(
@@ -302,15 +308,6 @@ def _builder_for(model_or_builder: Any) -> tuple[Builder, str, int | None]:
     raise MemoptError("evaluate() needs a zoo model name or a builder: builder(batch_size) -> (model, inputs, loss_fn)")
 
 
-def _unpack(built: Any) -> tuple[torch.nn.Module, tuple[tuple, dict], Any, torch.optim.Optimizer]:
-    """``(model, (positional inputs, keyword inputs), loss_fn, optimizer)``; a builder's inputs may be a dict."""
-    raw = built[1]
-    inputs = ((), dict(raw)) if isinstance(raw, Mapping) else (tuple(raw), {})
-    model, loss_fn = built[0], built[2]
-    optimizer = built[3] if len(built) > 3 and isinstance(built[3], torch.optim.Optimizer) else None
-    return model, inputs, loss_fn, optimizer or torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
 def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn: Any, opt: torch.optim.Optimizer,
                      accum: int, repeats: int = 3, autocast: Any = None) -> float:
     """Median seconds of one optimizer step made of ``accum`` micro-batches (forward+backward each; the forward and
@@ -357,6 +354,54 @@ def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, 
     raise MemoptError(f"unknown method {method!r}; choose from {', '.join(KNOWN_METHODS)}")
 
 
+#: a row's ``source`` where its profile was extrapolated from smaller batches (the unplanned step there would not fit
+#: this device, so it was never run unplanned)
+_SIMULATED_EXTRAPOLATED = "simulated (extrapolated profile)"
+#: added to a row's ``source`` on this device where the plan's predicted peak is above the device's capacity: not run
+_NOT_RUN = ", not run: above this device's memory"
+#: added where the plan's step ran out of this device's memory when measured: the figures are the predicted ones
+_RAN_OUT = ", ran out of memory when measured"
+
+
+def _extrapolated(prof: Any) -> bool:
+    return prof.meta.get("method") == "extrapolated"
+
+
+def _profiles(bp: BatchProfiles, batches: Sequence[int], name: str,
+              say: Callable[[str], None]) -> tuple[dict[int, Any], int | None]:
+    """Each batch's profile, smallest first, and this device's capacity where it is known (else ``None``).
+
+    Where the capacity is known (a GPU, or inside :func:`memopt_nb.limit_memory`), a batch whose unplanned step the line
+    through the two largest batches profiled so far (checked on a third where there is one) predicts above it is not
+    profiled, since its unplanned step would not fit: its profile is extrapolated on that line, as
+    :func:`memopt_nb.max_batch` does. Elsewhere (the emulated device, which holds what the host holds) every batch is
+    profiled."""
+    out: dict[int, Any] = {}
+    here: int | None = None
+    for b in sorted(batches):
+        real = sorted(bp.profiles)
+        if here is not None and len(real) >= 2:
+            try:
+                bp.fit(real[-2], real[-1], check=real[-3] if len(real) >= 3 else None)
+            except ProfileError:
+                pass  # not linear in the batch: profiled (and where it does not fit, refused there)
+            else:
+                predicted = bp.at(b)
+                if predicted.peak_bytes > here:
+                    say(f"extrapolating {name} to batch {b}: its unplanned step would not fit "
+                        f"{format_bytes(here)} ({format_bytes(predicted.peak_bytes)})")
+                    predicted.meta["method"] = "extrapolated"
+                    predicted.meta["extrapolation"].update(requested_batch=b, fitted_batches=list(bp.line),
+                                                           check_batch=real[-3] if len(real) >= 3 else None)
+                    out[b] = predicted
+                    continue
+        say(f"profiling {name} at batch {b}")
+        out[b] = bp.profiled(b)
+        if here is None and out[b].device.capacity_known:
+            here = int(out[b].device.capacity_bytes)
+    return out, here
+
+
 def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budget: Any = None,
              methods: Sequence[str] = DEFAULT_METHODS, batch_sizes: Sequence[int] | None = None, *,
              reference_batch: int | None = None, search_timesteps: int | None = None, seed: int = 0,
@@ -368,7 +413,8 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
         model_or_builder: a zoo model name (``"gpt"``) or ``builder(batch_size) -> (model, inputs, loss_fn[,
             optimizer])``; ``inputs`` is a tuple of positional inputs or a dict of keyword inputs
             (``{"input_ids": ids, "labels": ids}``).
-        device: ``None`` — measure on this machine's device (real training steps); a preset name or DeviceSpec —
+        device: ``None`` — measure on this machine's device (real training steps; where its memory is known, what
+            would not fit it is predicted, not run: see the module's docstring); a preset name or DeviceSpec —
             simulate on it (the model is profiled here).
         budget: bytes, ``"2GiB"``, or a percentage of the unoptimized peak at ``reference_batch`` (default ``"50%"``).
         methods: any of ``none, recompute_all, sqrt_n, swap_all, capuchin, optimal, memopt-ppo, grad_accum``
@@ -400,54 +446,62 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
         raise MemoptError(f"batch sizes must be positive, got {sizes}")
     simulated = device is not None
     spec = None if device is None else (device if isinstance(device, DeviceSpec) else DeviceSpec.preset(device))
-    profiles: dict[int, Any] = {}
-    built: dict[int, Any] = {}
     extra = {"selective": True} if "op_sac" in methods else {}  # op_sac needs the save-sets
+    bp = BatchProfiles(builder, repeats=steps, autocast=autocast, options=extra)
+    profiles, here = _profiles(bp, sorted(set(sizes) | {ref}), name, say)
+    built: dict[int, Any] = {}
 
     def prof_at(b: int) -> Any:
-        if b not in profiles:
-            say(f"profiling {name} at batch {b}")
-            model, inputs, loss_fn, opt = _unpack(builder(b))
-            built[b] = (model, inputs, loss_fn, opt)
-            profiles[b] = profile_model(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt,
-                                        repeats=steps, autocast=autocast, **extra)
         return profiles[b]
+
+    def built_at(b: int) -> Any:
+        """``(model, (args, kwargs), loss_fn, optimizer)`` at batch ``b``, for measuring steps there: the builder's,
+        one batch at a time (the device holds one model, as in training)."""
+        if b not in built:
+            built.clear()
+            gc.collect()
+            model, args, kwargs, loss_fn, opt = bp.make(b)
+            built[b] = (model, (args, kwargs), loss_fn, opt)
+        return built[b]
 
     ref_prof = prof_at(ref)
     value = resolve_budget(budget if budget is not None else "50%", reference=ref_prof.peak_bytes)
-    results: dict[str, MethodResult] = {}
-    plain_max = None
-    for method in methods:
-        if method == "grad_accum":
-            continue
-        res = MethodResult(method, list(sizes), [], [], [], [], [])
-        for b in sizes:
-            prof = prof_at(b)
-            sim = Simulator(prof, spec)
+    results = {m: MethodResult(m, list(sizes), [], [], [], [], []) for m in methods if m != "grad_accum"}
+    for b in sizes:  # batch by batch: one model built at a time, as the device holds it
+        prof = prof_at(b)
+        sim = Simulator(prof, spec)
+        for method, res in results.items():
             plan = _plan_for(method, sim, prof, value, spec, search_timesteps, seed)
             peak = step = None
-            src = "simulated"
+            src = _SIMULATED_EXTRAPOLATED if _extrapolated(prof) else "simulated"
+            fits_here = True
             if plan is not None:
                 peak, step = plan.predicted_peak_bytes, plan.predicted_step_time
-                if not simulated:
+                if not simulated and here is not None and peak is not None and peak > here:
+                    # it would run out of this device's memory: predicted, not run
+                    fits_here = False
+                    src += _NOT_RUN
+                elif not simulated:
                     # measured on this device, within budget or not: the points outside it still feed the fits
                     say(f"measuring {method} at batch {b}")
-                    model, inputs, loss_fn, opt = built[b]
-                    m = measure(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt, plan=plan,
-                                steps=steps, autocast=autocast)
-                    peak, step, src = m.peak_bytes, m.step_time, "measured"
-            ok = peak is not None and peak <= value
+                    model, inputs, loss_fn, opt = built_at(b)
+                    try:
+                        m = measure(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt,
+                                    plan=plan, steps=steps, autocast=autocast)
+                        peak, step, src = m.peak_bytes, m.step_time, "measured"
+                    except torch.OutOfMemoryError:  # above its prediction: the predicted figures, labelled so
+                        fits_here = False
+                        src += _RAN_OUT
+            ok = peak is not None and peak <= value and fits_here
             res.feasible.append(bool(ok))
             res.peak_bytes.append(int(peak) if peak is not None else None)
             res.step_time.append(step)
             res.throughput.append(b / step if step else None)
             res.source.append(src)
             res.plans.append(plan)
-        results[method] = res
-        if method == "none":
-            plain_max = res.max_batch
+    plain_max = results["none"].max_batch if "none" in results else None
     if "grad_accum" in methods:
-        results["grad_accum"] = _grad_accum(results.get("none"), sizes, built, prof_at, value, spec, steps, say,
+        results["grad_accum"] = _grad_accum(results.get("none"), sizes, built_at, prof_at, value, spec, steps, say,
                                             autocast)
     warn: list[str] = []
     for r in results.values():
@@ -479,10 +533,11 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
                       source="simulated" if simulated else "measured", budget_bytes=value, batch_sizes=list(sizes),
                       methods=results, verdict=verdict, worth_it=worth, best_method=best, warnings=warn,
                       seconds=time.perf_counter() - t_start, min_peak_bytes=floor,
-                      autocast=ref_prof.meta.get("autocast"))
+                      autocast=ref_prof.meta.get("autocast"),
+                      profiled={b: ("extrapolated" if _extrapolated(p) else "measured") for b, p in profiles.items()})
 
 
-def _grad_accum(none: MethodResult | None, sizes: list[int], built: dict, prof_at: Callable, budget: int,
+def _grad_accum(none: MethodResult | None, sizes: list[int], built: Callable, prof_at: Callable, budget: int,
                 spec: Any, steps: int, say: Callable[[str], None], autocast: Any = None) -> MethodResult:
     """Plain training at its largest fitting micro-batch, accumulating gradients up to each batch size."""
     res = MethodResult("grad_accum", list(sizes), [], [], [], [], [])
@@ -500,7 +555,7 @@ def _grad_accum(none: MethodResult | None, sizes: list[int], built: dict, prof_a
         prof = prof_at(mb)
         if spec is None:
             say(f"measuring gradient accumulation {accum}×{mb}")
-            model, inputs, loss_fn, opt = built[mb]
+            model, inputs, loss_fn, opt = built(mb)
             step = _accum_step_time(model, inputs, loss_fn, opt, accum, steps, autocast)
             src = "measured"
             peak = none.peak_bytes[sizes.index(mb)]

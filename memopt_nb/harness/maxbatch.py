@@ -35,7 +35,7 @@ from ..profiling.fallback import extrapolate
 from ..profiling.profile import profile
 from ..runtime.measure import measure
 
-__all__ = ["BatchAnswer", "MaxBatch", "max_batch"]
+__all__ = ["BatchAnswer", "BatchProfiles", "MaxBatch", "max_batch"]
 
 #: the largest batch :func:`max_batch` considers
 MAX_BATCH_LIMIT = 1 << 20
@@ -212,6 +212,65 @@ def _batch_inputs(built: Any) -> tuple[Any, Any]:
     return (kwargs if kwargs else args), loss_fn
 
 
+
+class BatchProfiles:
+    """Profiles of a builder's model by batch, as :func:`max_batch` and :func:`memopt_nb.evaluate` use them: measured
+    (:func:`memopt_nb.profile`) at the batches :meth:`profiled`, every other batch on the line through two of them
+    (:meth:`fit`, :func:`~memopt_nb.profiling.fallback.extrapolate`).
+
+    ``builder(batch_size) -> (model, inputs, loss_fn[, optimizer])``, called once per batch profiled (its model is
+    let go before the next is built); ``options``: more keywords for :func:`memopt_nb.profile` (``selective=True``).
+    """
+
+    def __init__(self, builder: Callable[[int], Any], optimizer: Any = None, *, repeats: int = 1,
+                 autocast: torch.dtype | str | None = None,
+                 options: Mapping[str, Any] | None = None) -> None:
+        self.builder, self.optimizer, self.repeats, self.autocast = builder, optimizer, repeats, autocast
+        self.options = dict(options or {})
+        self.profiles: dict[int, Any] = {}
+        self.line: list[int] = []
+        self._cache: dict[tuple[int, int, int], Any] = {}
+
+    def make(self, b: int) -> tuple:
+        """``(model, args, kwargs, loss_fn, optimizer)`` from the builder at batch ``b``."""
+        return _unpack(self.builder(b), self.optimizer)
+
+    def profiled(self, b: int) -> Any:
+        """The profile measured at batch ``b`` (where the step does not fit, :func:`memopt_nb.profile` extrapolates it
+        from smaller batches the builder makes)."""
+        if b not in self.profiles:
+            gc.collect()  # the previous batch's model is gone before this one is built
+            model, args, kwargs, loss_fn, opt = self.make(b)
+            smaller = (lambda k: _batch_inputs(self.builder(k))) if not (args and kwargs) else None
+            self.profiles[b] = profile(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt,
+                                       repeats=self.repeats, autocast=self.autocast, batch_fn=smaller,
+                                       **self.options)
+        return self.profiles[b]
+
+    def fit(self, lo: int, hi: int, check: int | None = None) -> None:
+        """Predict every other batch on the line through the profiles at ``lo`` and ``hi``; with ``check``, the
+        profile there must lie on it (else :class:`~memopt_nb.errors.ProfileError`: not linear in the batch)."""
+        extrapolate({lo: self.profiles[lo], hi: self.profiles[hi]}, hi,
+                    check=(check, self.profiles[check]) if check is not None else None)
+        self.line = [lo, hi]
+        self._cache.clear()
+
+    def at(self, b: int) -> Any:
+        """The profile at batch ``b``: measured where it was profiled, else extrapolated on the line."""
+        if b in self.profiles:
+            return self.profiles[b]
+        if len(self.line) != 2:
+            raise MemoptError(f"no profile at batch {b} and no line to extrapolate it on (BatchProfiles.fit)")
+        key = (self.line[0], self.line[1], b)
+        if key not in self._cache:
+            lo, hi = self.line
+            self._cache[key] = extrapolate({lo: self.profiles[lo], hi: self.profiles[hi]}, b)
+        return self._cache[key]
+
+    def extrapolated(self, b: int) -> bool:
+        return b not in self.profiles or self.profiles[b].meta.get("method") == "extrapolated"
+
+
 def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
               device: DeviceSpec | str | None = None,
               optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None, *,
@@ -256,32 +315,11 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     if isinstance(budget, str) and budget.strip().endswith("%"):
         raise BudgetError(f"max_batch needs an absolute budget (bytes or e.g. '2GiB'), not {budget!r}: a share of "
                           "the peak depends on the batch being answered")
-    profiles: dict[int, Any] = {}
-
-    def profiled(b: int) -> Any:
-        if b not in profiles:
-            gc.collect()  # the previous batch's model is gone before this one is built
-            model, args, kwargs, loss_fn, opt = _unpack(builder(b), optimizer)
-            # where batch b does not fit unplanned, the profile is extrapolated from smaller ones the builder makes
-            smaller = (lambda k: _batch_inputs(builder(k))) if not (args and kwargs) else None
-            profiles[b] = profile(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt,
-                                  repeats=repeats, autocast=autocast, batch_fn=smaller)
-        return profiles[b]
-
-    line: list[int] = probes[1:]
+    bp = BatchProfiles(builder, optimizer, repeats=repeats, autocast=autocast)
+    profiles, profiled, at = bp.profiles, bp.profiled, bp.at
     for b in probes:
         profiled(b)
-    extrapolate({probes[1]: profiles[probes[1]], probes[2]: profiles[probes[2]]}, probes[2],
-                check=(probes[0], profiles[probes[0]]))  # refuses a step that is not linear in the batch
-    cache: dict[tuple[int, int, int], Any] = {}
-
-    def at(b: int) -> Any:
-        if b in profiles:
-            return profiles[b]
-        key = (line[0], line[1], b)
-        if key not in cache:
-            cache[key] = extrapolate({line[0]: profiles[line[0]], line[1]: profiles[line[1]]}, b)
-        return cache[key]
+    bp.fit(probes[1], probes[2], check=probes[0])  # refuses a step that is not linear in the batch
 
     spec = DeviceSpec.resolve(device, profiles[probes[-1]].device) if device is not None \
         else profiles[probes[-1]].device
@@ -302,9 +340,7 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         try:
             profiled(mid)
             profiled(hi)
-            extrapolate({mid: profiles[mid], hi: profiles[hi]}, hi, check=(probes[-1], profiles[probes[-1]]))
-            line[:] = [mid, hi]
-            cache.clear()
+            bp.fit(mid, hi, check=probes[-1])
             plain_max = _largest(lambda b: plain_peak(b) <= value, 1, limit)
         except MemoptError as exc:
             notes.append(f"kept the line through the probe batches: profiling near batch {hi} said: {exc}")

@@ -20,9 +20,7 @@ as a PNG, elsewhere save it with ``fig.savefig("x.png")``. Styling is seaborn's 
 
 from __future__ import annotations
 
-import contextlib
-import io
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import matplotlib as mpl
@@ -35,6 +33,7 @@ from matplotlib.figure import Figure
 
 from ..core.budget import format_bytes, resolve_budget
 from ..core.plan import Plan
+from ..harness.figures import figure_class, figure_png, new_figure, styled
 from ..sim.simulator import SimResult, simulate
 
 __all__ = [
@@ -56,44 +55,8 @@ PLAN_COLOR = _PALETTE[0]
 _OTHER_COLORS = [_PALETTE[i] for i in (1, 2, 4, 5, 6, 8, 9)]
 
 
-class MemoptFigure(Figure):
-    """A matplotlib Figure that renders itself as a PNG in IPython/Jupyter even without a pyplot backend."""
-
-    def _repr_png_(self) -> bytes:
-        return figure_png(self)
-
-
-def figure_png(fig: Figure, dpi: float | None = None, fast: bool = False) -> bytes:
-    """The figure as PNG bytes (what the dashboard's Image widget shows), cropped to what is drawn (legends under the
-    axes included); ``fast`` compresses less (live frames)."""
-    if fig.canvas is None or not isinstance(fig.canvas, FigureCanvasAgg):
-        FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    # a tight box: legends under the axes are never cut off at the figure's edge
-    fig.savefig(buf, format="png", dpi=dpi if dpi is not None else fig.dpi, facecolor=fig.get_facecolor(),
-                bbox_inches="tight", pad_inches=0.08, pil_kwargs={"compress_level": 1 if fast else 6})
-    return buf.getvalue()
-
-
-@contextlib.contextmanager
-def styled() -> Iterator[None]:
-    """seaborn's ``whitegrid`` style, ``deep`` palette and a compact ``notebook`` context, only inside the block."""
-    with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.8), \
-            mpl.rc_context({"axes.titlesize": 10, "legend.fontsize": 8, "legend.framealpha": 0.8,
-                            "axes.prop_cycle": mpl.cycler(color=_PALETTE)}):
-        yield
-
-
-def new_figure(nrows: int = 1, ncols: int = 1, figsize: tuple[float, float] = (7.0, 3.6), dpi: float = 90,
-               **kwargs: Any) -> tuple[MemoptFigure, Any]:
-    """A styled :class:`MemoptFigure` with an Agg canvas and a grid of axes (``Figure.subplots`` semantics), for plots
-    of your own in the same look: ``fig, (a, b) = new_figure(1, 2); a.plot(...); fig``. Draw inside ``with styled():``
-    to keep seaborn's style for artists added later."""
-    with styled():
-        fig = MemoptFigure(figsize=figsize, dpi=dpi, layout="constrained")
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(nrows, ncols, squeeze=True, **kwargs)
-    return fig, axes
+#: A matplotlib Figure that renders itself as a PNG in IPython/Jupyter even without a pyplot backend.
+MemoptFigure = figure_class()
 
 
 def _byte_scale(max_bytes: float) -> tuple[float, str]:
