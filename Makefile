@@ -24,10 +24,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# two pytest workers (pytest-xdist), each test file on one worker (its module fixtures built once); JOBS=1 runs them
-# in this process, one after another
+# two pytest workers (pytest-xdist); an idle worker takes tests from the other's queue (worksteal), so a file of long
+# tests (the tutorials) does not hold one worker while the other waits; JOBS=1 runs them in this process
 JOBS ?= 2
-XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
+XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist worksteal)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=20 $(XDIST) tests

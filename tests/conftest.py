@@ -4,7 +4,18 @@ import pytest
 import torch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# two intra-op threads at most; one per worker when pytest-xdist runs several (make test: two workers on two cores)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(1 if _WORKERS > 1 else max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A test that needs every zoo model's profile (``zoo_profiles``: about a minute of profiling per worker) is slow:
+    ``make test`` runs it, ``make test-fast`` leaves it out."""
+    for item in items:
+        if "zoo_profiles" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")

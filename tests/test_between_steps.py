@@ -411,6 +411,7 @@ def _compiled_training(rows, planned: bool):
     return ws.train_loop(zm.model, opt, plan, forward_loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", ["all_offloaded", "compilable"])
 def test_a_model_compiled_with_aot_eager_trains_under_a_whole_step_plan_as_without_it(rows):
     """``torch.compile(model, backend="aot_eager")`` with parameters, gradients and state offloaded (and recompute):
@@ -421,6 +422,7 @@ def test_a_model_compiled_with_aot_eager_trains_under_a_whole_step_plan_as_witho
     assert got[2]["stats"]["param_h2d_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_swap_under_torch_compile_is_refused_by_name():
     """It used to fail in backward with the swap engine's in-place hint, which blamed the user's code."""
     with pytest.raises(PlanError, match="cannot move the tensors a compiled graph saves"):

@@ -22,6 +22,7 @@ def fake(times, peak):
             for t in times]
 
 
+@pytest.mark.slow
 def test_compare_measures_both_sides_in_pairs_beside_the_prediction(small):
     model, inputs, loss_fn, opt, prof = small
     plan = memopt.solvers.recompute_all(prof)

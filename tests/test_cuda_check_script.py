@@ -32,6 +32,7 @@ def cc():
     torch.use_deterministic_algorithms(deterministic)  # main() turns them on for the whole process
 
 
+@pytest.mark.slow
 def test_dry_run_checks_every_whole_step_plan_and_passes(cc, tmp_path: Path) -> None:
     rc = cc.main(["--dry-run", "--models", "mlp", "--whole-models", "mlp", "--optimizers", "adam", "sgd",
                   "--quick", "--search-timesteps", "200", "--no-fit-check", "--out", str(tmp_path)])
@@ -78,6 +79,7 @@ def test_the_overhead_table_shows_the_paired_median_and_its_interval(cc) -> None
     assert cc._paired({"ratio_c": 1.0}, "c") == "1.000"  # a result file from before the paired columns
 
 
+@pytest.mark.slow
 def test_a_difference_is_reported_as_a_failure(cc) -> None:
     """The comparison is not vacuous: a run whose one parameter changed is reported, and so is a plan whose stats
     show nothing moved."""
@@ -138,6 +140,7 @@ def test_a_check_that_raises_is_a_failure_and_the_run_goes_on(cc, tmp_path: Path
     assert "1 check(s) failed" in (tmp_path / "cuda_check.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_activation_section_checks_a_plan_on_finer_units(cc) -> None:
     """Issue 12's finer units on a model whose blocks split (the zoo GPT: 6 blocks, 24 fine units): the plan mixing
     every strategy on them is bit-identical to plain training, as predicted to the byte, and really offloads."""

@@ -1,6 +1,7 @@
 import contextlib
 import functools
 
+import pytest
 import torch
 
 import memopt_nb as memopt
@@ -25,6 +26,7 @@ def train(plan, steps, seed=0):
     return losses, [p.detach().clone() for p in zm.model.parameters()], state
 
 
+@pytest.mark.slow
 def test_demo_prints_the_figures_and_matches_the_loss():
     lines = []
     res = run_demo("mlp", budget_fraction=0.6, steps=2, planner=functools.partial(memopt.search, total_timesteps=3000),

@@ -120,6 +120,7 @@ def test_limit_nests_restores_and_refuses_what_is_no_size():
 
 
 # ---------------------------------------------------------------------- profile, plan and train past the limit
+@pytest.mark.slow
 def test_profile_plan_and_train_what_does_not_fit(setup):
     peak, limit = setup
     model, inputs, loss_fn, opt = build(WANT)
@@ -196,6 +197,7 @@ def answer(setup):
         return memopt.max_batch(build)
 
 
+@pytest.mark.slow
 def test_max_batch_beats_plain_training_and_its_step_fits(setup, answer):
     _, limit = setup
     res = answer
@@ -224,6 +226,7 @@ def test_max_batch_beats_plain_training_and_its_step_fits(setup, answer):
 PLAIN_TOLERANCE, PLAN_BELOW, PLAN_ABOVE = 0.10, 0.90, 1.35
 
 
+@pytest.mark.slow
 def test_profile_summary_estimates_the_max_batch(setup, answer):
     _, limit = setup
     model, inputs, loss_fn, opt = build(WANT)
@@ -342,6 +345,7 @@ def test_out_of_memory_in_the_optimizer_step_says_what_it_could_not_restore():
     assert all(p.grad is None for p in model.parameters())  # the step began with none: put back as it was
 
 
+@pytest.mark.slow
 def test_max_batch_where_even_a_probe_batch_does_not_fit():
     model, inputs, loss_fn, opt = build(8)
     limit = int(0.6 * memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, steps=1).peak_bytes)

@@ -88,6 +88,7 @@ def check_consistency(ev, budget, peak_of):
     assert ev.worth_it == (kind in ("worth it", "the only way"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,sizes", [("mlp", [128, 256, 512, 1024]), ("unet", [2, 4, 8])])
 def test_evaluate_on_cpu_is_consistent(name, sizes):
     ev = evaluate(name, budget="60%", batch_sizes=sizes, search_timesteps=1500, steps=2)
@@ -215,6 +216,7 @@ def test_bad_inputs():
         evaluate("mlp", methods=("magic",))
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_consistent_files(tmp_path):
     suite = {"models": ("mlp",), "devices": (None, "a100-40gb"), "multipliers": (0.125, 0.25, 0.5),
              "search_timesteps": 1200}

@@ -82,6 +82,7 @@ def test_hierarchy_rows_put_each_split_module_above_its_units(transformers):
     assert html.count("<tr>") >= prof.n_units + len(split)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "vit"])
 def test_plans_over_fine_units_train_bit_identically(transformers, model):
     build, step, inputs = ((lambda: gpt2(transformers), gpt2_step, dict(input_ids=IDS, labels=IDS)) if model == "gpt2"
@@ -150,6 +151,7 @@ class Padded(torch.nn.Module):
         return self.drop(self.ls(self.b(self.act(self.a(x)))))
 
 
+@pytest.mark.slow
 def test_fine_has_no_unit_cap_and_leaves_children_that_do_nothing_out():
     """Forty blocks of three working children each: 120 fine units (more than the old cap of 64), none of them the
     Identity or p=0 Dropout children, which give a plan nothing to decide."""

@@ -62,6 +62,7 @@ def test_kept_activations_advice_is_a_smaller_batch_only():
     assert "kept activations" in f.bound_text() and "70%" in f.bound_text()
 
 
+@pytest.mark.slow
 def test_budget_error_explains_the_floor():
     prof = profile_of([(512, 512)] * 8, 8)
     floor = explain_floor(prof, offload_state=True)  # the search's default space

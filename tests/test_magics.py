@@ -475,6 +475,7 @@ BUILD = ("def build(b):\n"
          "    return z.model, z.inputs, z.loss_fn\n")
 
 
+@pytest.mark.slow
 def test_max_batch_magic_answers_as_max_batch_does(ip, capsys):
     """``%memopt_plan --max-batch build --budget B``: the answer memopt.max_batch gives, stored as ``fit``, with its
     summary (the largest batch a plan fits, plain training's) printed; the same call in Python agrees."""

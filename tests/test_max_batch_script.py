@@ -28,6 +28,7 @@ def mb():
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
+@pytest.mark.slow
 def test_quick_run_prints_the_table_and_the_summary(mb, tmp_path, capsys) -> None:
     rows = mb.main(["--quick", "--json", str(tmp_path / "rows.json")])
     out = capsys.readouterr().out
@@ -57,6 +58,7 @@ def test_unknown_device_is_refused(mb) -> None:
         mb.main(["--models", "gpt", "--devices", "tpu"])
 
 
+@pytest.mark.slow
 def test_profile_cost_times_both_profiles_and_says_where_the_time_goes(mb, tmp_path, capsys) -> None:
     rows = mb.main(["--profile-cost", "--quick", "--repeats", "1", "--json", str(tmp_path / "cost.json")])
     out = capsys.readouterr().out

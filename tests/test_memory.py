@@ -9,6 +9,7 @@ from memopt_nb.runtime.memory import StorageTracker
 from memopt_nb.runtime.step import training_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "resnet", "mlp"])
 def test_tracker_agrees_with_memtracker(name):
     from torch.distributed._tools.mem_tracker import MemTracker

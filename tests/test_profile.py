@@ -49,6 +49,7 @@ def test_profile_json_roundtrip_and_html(zoo_profiles, tmp_path):
     assert "down.0" in html and "<table>" in html
 
 
+@pytest.mark.slow
 def test_profiling_leaves_no_trace():
     zm = memopt.zoo.build("resnet")
     opt = torch.optim.SGD(zm.model.parameters(), lr=0.1, momentum=0.9)
@@ -100,6 +101,7 @@ def test_profile_errors_are_clear():
         memopt.profile(model, x, loss_fn=lambda out: out)
 
 
+@pytest.mark.slow
 def test_depth_units():
     prof = memopt.profile(memopt.zoo.build("mlp").model, torch.randn(8, 128), units=2, repeats=1)
     assert all(n.count(".") == 1 for n in prof.unit_names)

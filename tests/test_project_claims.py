@@ -45,6 +45,23 @@ def test_make_test_lints_and_runs_every_test_and_test_fast_leaves_out_slow():
     assert "torch==2.13.0" in (ROOT / "Makefile").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci and "chromium" in ci.lower()
+    # both run two pytest-xdist workers by default, an idle one stealing the other's tests; JOBS=1 runs one process
+    make = (ROOT / "Makefile").read_text()
+    assert "JOBS ?= 2" in make and "-n $(JOBS) --dist worksteal" in make
+    assert "$(XDIST)" in test and "$(XDIST)" in _make_target("test-fast")
+
+
+def test_tests_that_need_every_zoo_profile_are_slow():
+    """conftest marks every test using the ``zoo_profiles`` fixture slow, so make test-fast never builds it."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                          "not slow", "tests/test_plan.py"], cwd=ROOT, capture_output=True, text=True).stdout
+    fast = {line.split("[")[0].split("::")[1] for line in out.splitlines() if "::" in line}
+    using = set(re.findall(r"def (test_\w+)\([^)]*zoo_profiles", (ROOT / "tests" / "test_plan.py").read_text()))
+    assert using and fast and not using & fast
 
 
 def test_search_stops_after_50_iterations_without_improvement_by_default():

@@ -18,6 +18,7 @@ RO = "recompute_offload"
 # the small zoo models' checks (every timing, BatchNorm, dropout, the floor) are in test_runtime_small.py
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("units", ["auto", "fine"])
 def test_hf_gpt2_with_its_cache(units):
     transformers = pytest.importorskip("transformers")
@@ -48,6 +49,7 @@ def test_recompute_offload_lowers_a_third_party_floor():
     assert new < old
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "vit"])
 def test_third_party_fine_units_measured_as_predicted(model):
     """Hugging Face GPT-2 (KV cache, dropout) and ViT profiled with units='fine': a plan mixing recompute_offload with

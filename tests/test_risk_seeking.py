@@ -94,6 +94,7 @@ def test_wrong_risk_settings_are_refused_before_training():
     assert calls == []
 
 
+@pytest.mark.slow
 def test_search_makes_the_strategy_agent_risk_seeking_only_where_state_may_move(monkeypatch):
     from memopt_nb.harness.synthetic import chain_profile
 

@@ -170,6 +170,7 @@ def test_returns_rank_plans_as_the_simulator_does():
     assert max(misses) < min(fits)  # over budget earns less than any plan within it
 
 
+@pytest.mark.slow
 def test_same_seed_same_plan_and_history():
     prof = chain_profile(8, seed=2)
     a = memopt.search(prof, "70%", total_timesteps=3000, seed=11)
@@ -234,6 +235,7 @@ def test_search_on_a_zoo_profile_and_a_preset(zoo_profiles):
     assert memopt.simulate(prof, plan, device="a100-40gb").peak_bytes == plan.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_same_seed_same_plan_in_another_process(tmp_path):
     """A saved profile and a seed give the same plan in two fresh processes whose string hashing differs
     (PYTHONHASHSEED): nothing in the search may depend on set or dict order of hashed keys, or on the process."""

@@ -74,6 +74,7 @@ def test_plans_do_not_change_results(name, zoo_profiles):
         assert_same(ref, got, name, label)
 
 
+@pytest.mark.slow
 def test_every_swap_timing_trains_identically(zoo_profiles):
     """Every offload window (0-2) and prefetch distance (0-3) the planners use, swap-all and mixed, 3 Adam steps."""
     name = "mlp"
@@ -137,6 +138,7 @@ def test_nested_application_is_refused(zoo_profiles):
     assert _snapshot(zm.model) == before
 
 
+@pytest.mark.slow
 def test_inference_and_accumulation_inside_block(zoo_profiles):
     name = "vit"
     _, _, prof = zoo_profiles[name]

@@ -97,6 +97,7 @@ def check_timing(name, prof, plan, ref, *what):
         assert stats.get("offloaded_bytes", 0) == 0, what
 
 
+@pytest.mark.slow
 def test_every_timing_trains_bit_equal_at_the_predicted_peak(small):
     """Every offload window and prefetch distance, swap-all and mixed, on a 4-unit GPT with dropout."""
     name = "gpt"
@@ -300,6 +301,7 @@ def check_ro(name, prof, plan, ref, *what):
     assert stats.get("on_demand", 0) == 0, what  # started by their trigger, not by the recomputation asking
 
 
+@pytest.mark.slow
 def test_recompute_offload_every_timing_at_the_predicted_peak(small):
     name = "gpt"
     prof = small[name]

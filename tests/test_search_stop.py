@@ -28,6 +28,7 @@ def test_patience_stops_each_agent_pair_once_its_best_plan_stops_improving(chain
     assert again.decisions == p.decisions and again.meta["timesteps_run"] == p.meta["timesteps_run"]
 
 
+@pytest.mark.slow
 def test_without_patience_every_timestep_runs(chain):
     p = memopt.search(chain, "60%", total_timesteps=3_000, seed=0, patience=None, restarts=1, polish_plan=False)
     assert p.meta["stopped"] == "all timesteps run"

@@ -870,6 +870,7 @@ def test_exact_solver_offloads_a_pinnable_group_whenever_nothing_pins_it(seed, d
             assert exact.meta["milp_step_time"] == pytest.approx(exact.predicted_step_time, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_wider_space_is_never_slower():
     """The space with recompute_offload holds the default one, so its optimum is never slower. On this saved zoo GPT
     profile (A100 preset, 34% of the way from the floor to the peak) HiGHS with presolve returned a plan 8% slower as

@@ -201,6 +201,7 @@ BOUNDED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["keep", "recompute"])
 def test_predicted_peak_equals_measured_under_state_manager(mlp, strategy):
     z, opt, prof = mlp

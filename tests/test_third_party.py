@@ -485,6 +485,7 @@ def small_dropout_net():
     return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.1)) for _ in range(2)])
 
 
+@pytest.mark.slow
 def test_compiled_with_aot_eager_is_identical():
     torch._dynamo.reset()
     step = compiled_step("aot_eager")

@@ -405,6 +405,7 @@ def test_a_dropped_model_is_freed_at_once_after_the_block(rows, model_name: str,
     assert [r() is None for r in gone] == [True, True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "unet", "hf-gpt2"])
 def test_profile_measure_and_plan_leave_nothing_holding_the_model(name: str, gc_off) -> None:
     """Profiling, measuring and training under an activation plan leave no reference cycle that holds the model:
@@ -537,6 +538,7 @@ def test_a_plan_without_step_in_backward_allows_accumulation_and_clipping() -> N
 
 
 # ---------------------------------------------------------------------- measure
+@pytest.mark.slow
 def test_measure_under_a_whole_step_plan() -> None:
     zm = memopt.zoo.build("mlp", seed=0, batch_size=4, width=128, depth=4)  # state-heavy: Adam state > activations
     model = zm.model
@@ -635,6 +637,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_ddp_placements_apply_per_rank_bit_identically(tmp_path) -> None:
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():

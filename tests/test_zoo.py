@@ -18,6 +18,7 @@ def test_state_heavy_models_have_their_namesakes_shapes(name, params, tolerance)
     assert torch.isfinite(loss) and all(p.grad is not None for p in z.model.parameters())
 
 
+@pytest.mark.slow
 def test_state_heavy_models_are_state_heavy():
     z = memopt.zoo.build("convnext_atto")
     opt = torch.optim.Adam(z.model.parameters())
