@@ -212,7 +212,6 @@ def _batch_inputs(built: Any) -> tuple[Any, Any]:
     return (kwargs if kwargs else args), loss_fn
 
 
-
 class BatchProfiles:
     """Profiles of a builder's model by batch, as :func:`max_batch` and :func:`memopt_nb.evaluate` use them: measured
     (:func:`memopt_nb.profile`) at the batches :meth:`profiled`, every other batch on the line through two of them

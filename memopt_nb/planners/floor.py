@@ -347,11 +347,10 @@ def _batch_text(b: int) -> str:
 def _profiled_batch(profile: Any) -> int | None:
     if profile.batch_size:
         return int(profile.batch_size)
-    for u in profile.units:  # the first unit's first input, where it has a batch and more
-        shapes = [s for s in u.input_shapes if len(s) >= 2]
+    if profile.units:  # the first unit's first input that has a batch and more
+        shapes = [s for s in profile.units[0].input_shapes if len(s) >= 2]
         if shapes:
             return int(shapes[0][0]) or None
-        break
     return None
 
 
