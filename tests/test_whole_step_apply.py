@@ -149,9 +149,12 @@ def _assert_same_training(ref, got, stepped: bool = False) -> None:
         assert not any(isinstance(v, HostTensor) for v in st.values())
 
 
-def _assert_moved(stats: dict, plan: Plan) -> None:
-    """The plan really did what it says (a plan doing nothing would also train identically)."""
+def _assert_moved(stats: dict, plan: Plan, prof=None) -> None:
+    """The plan really did what it says (a plan doing nothing would also train identically). With ``prof``, a unit
+    without trainable parameters (an activation split off by state) has nothing to step in backward."""
     c = plan.state_counts()
+    if prof is not None:
+        c["step"] = sum(d.grads == "step" and u.grad_bytes > 0 for d, u in zip(plan.decisions, prof.units, strict=True))
     if c["optimizer"]:
         assert stats["state_d2h_bytes"] > 0 and stats["state_h2d_bytes"] > 0
     if c["grads"]:

@@ -193,6 +193,8 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
         raise ProfileError(f"the training step does not fit the device at batch {batch} ({first}) and fits only at "
                            f"batch 1, so it cannot be extrapolated in the batch. Free device memory or lower the "
                            f"batch") from None
+    # the smaller batches are profiled on the same units (how a model is split may depend on its saved bytes)
+    options = {**options, "units": [u.name for u in prof_hi.units]}
     mid = hi // 2
     prof_mid = at(mid)
     low = mid // 2

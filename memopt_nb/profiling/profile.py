@@ -58,7 +58,7 @@ from .tracer import (
     unique_bytes,
     unit_state_bytes,
 )
-from .units import select_units
+from .units import module_state_bytes, select_units
 
 __all__ = ["PROFILE_OPTIONS", "profile"]
 
@@ -174,9 +174,13 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         optimizer: the optimizer you train with (its state counts towards memory); optional.
         units: ``"auto"`` (repeated blocks: children of ModuleList/Sequential containers, about 4–64 of them),
             ``"fine"`` (those blocks, then the unit that saves the most split into its submodules while that lowers
-            the largest unit, up to 64 units; a transformer block becomes attention, MLP and norms — plans reach a
-            lower floor and can recompute the cheap parts only; see ``_split_largest``), a list of qualified module
-            names (units must not contain each other), or an int depth in the module tree.
+            the largest unit; a transformer block becomes attention, MLP and norms — plans reach a lower floor and
+            can recompute the cheap parts only; see ``memopt_nb.profiling.units``), a list of qualified module
+            names (units must not contain each other), or an int depth in the module tree. ``"auto"`` and
+            ``"fine"`` also split a unit that holds much more of the parameters, gradients and optimizer state than
+            the others (a timm ResNet's last stage), which would otherwise bound a whole-step plan's floor;
+            ``profile.meta["split_why"]`` says why each was split. A module that changes its input in place
+            (``ReLU(inplace=True)``), or whose input later code changes in place, is never a unit.
         repeats: timed steps; times are medians.
         device: the DeviceSpec of the device measured (detected by default).
         selective: also measure, per unit, the save-sets selective checkpointing may keep (``UnitProfile.save_sets``,
@@ -241,7 +245,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         info, total_saved = discover(model, inputs, kwargs)
         split: dict[str, str] = {}
         split_why: dict[str, str] = {}
-        names, excluded = select_units(model, units, info, split, split_why)
+        names, excluded = select_units(model, units, info, split, split_why,
+                                          module_state_bytes(model, optimizer))
         n = len(names)
         keep_marks, run, peak = tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=True,
                                               recompute=False, kwargs=kwargs)

@@ -54,9 +54,18 @@ class _OpWatcher(TorchDispatchMode):
 
 def discover(model: nn.Module, inputs: Sequence[Any],
               kwargs: Mapping[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], int]:
-    """One forward with hooks on every module: call counts, order, saved bytes, backward reach, RNG."""
-    info: dict[str, dict[str, Any]] = {n: {"calls": 0, "order": 10**9, "saved": 0, "backward": False, "seen": set()}
+    """One forward with hooks on every module: call counts, order, saved bytes, backward reach, RNG, and whether a
+    module's input tensor is changed in place (``"inplace"``: by the module itself, as ``ReLU(inplace=True)``;
+    ``"input_changed"``: by code that runs after it). Such a module cannot be a unit: recomputing it, or swapping its
+    input back, needs the input as it was."""
+    info: dict[str, dict[str, Any]] = {n: {"calls": 0, "order": 10**9, "saved": 0, "backward": False, "seen": set(),
+                                           "inplace": False, "input_changed": False}
                                        for n, _ in model.named_modules()}
+    #: per module on the stack, its input tensors and their versions when it was called
+    versions: dict[str, list[tuple[weakref.ref, int]]] = {}
+    #: each module's inputs after it returned, as detached aliases (they share the input's version counter and keep
+    #: it readable when the forward's code drops the tensor object), with their versions then
+    after: list[tuple[str, torch.Tensor, int]] = []
     stack: list[str] = []
     rng: set[str] = set()
     order = [0]
@@ -73,6 +82,7 @@ def discover(model: nn.Module, inputs: Sequence[Any],
             if d["order"] == 10**9:
                 d["order"] = order[0]
                 order[0] += 1
+            versions[name] = [(weakref.ref(t), t._version) for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
             stack.append(name)
 
         return hook
@@ -83,6 +93,12 @@ def discover(model: nn.Module, inputs: Sequence[Any],
                 stack.pop()
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out)):
                 info[name]["backward"] = True
+            for ref, v in versions.pop(name, ()):
+                t = ref()
+                if t is not None:
+                    if t._version != v:
+                        info[name]["inplace"] = True
+                    after.append((name, t.detach(), t._version))
 
         return hook
 
@@ -110,6 +126,10 @@ def discover(model: nn.Module, inputs: Sequence[Any],
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpWatcher(stack, rng):
             out = forward(model, inputs, kwargs or {})
+        for name, t, v in after:
+            if t._version != v:
+                info[name]["input_changed"] = True
+        after.clear()
         del out
     finally:
         for h in handles:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ..core.errors import ProfileError
 
-__all__ = ["FINE_MAX_CHILD", "FINE_MAX_UNITS", "FINE_MIN_COVER", "select_units"]
+__all__ = ["FINE_MAX_CHILD", "FINE_MAX_UNITS", "FINE_MIN_COVER", "STATE_MAX_SHARE", "STATE_UNEVEN",
+           "module_state_bytes", "select_units"]
 
 
 def _container_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -40,27 +42,57 @@ def _visit_containers(m: nn.Module, names: dict[nn.Module, str], out: list[tuple
         _visit_containers(child, names, out)
 
 
+def _unusable(d: dict[str, Any]) -> str | None:
+    """Why a module (its ``discover`` record) cannot be a unit, or ``None``."""
+    if d["calls"] == 0:
+        return "not called in forward"
+    if d["calls"] > 1:
+        return f"called {d['calls']} times per forward"
+    if not d["backward"]:
+        return "its output needs no gradient"
+    if d.get("inplace"):
+        return "changes its input in place (a recompute would need the input as it was)"
+    if d.get("input_changed"):
+        return "its input is changed in place after it runs (a recompute would need the input as it was)"
+    return None
+
+
 def select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]],
                  split: dict[str, str] | None = None,
-                 why: dict[str, str] | None = None) -> tuple[list[str], list[dict]]:
+                 why: dict[str, str] | None = None,
+                 state: dict[str, int] | None = None) -> tuple[list[str], list[dict]]:
     """Pick unit names; returns (names in forward order, excluded with reasons). For ``units="fine"``, ``split``
     receives each module split into its children -> its class name, and ``why`` each block's reason to be split or
-    kept whole."""
+    kept whole. ``state``: per module name, the bytes of its trainable parameters with their gradients and
+    optimizer state; with it, ``"auto"`` and ``"fine"`` also split a unit whose state bounds a whole-step plan
+    (:func:`_split_by_state`)."""
     all_names = [n for n, _ in model.named_modules() if n]
-    if units == "fine":
-        blocks, excluded = select_units(model, "auto", info)
-        return _split_largest(model, blocks, info, split if split is not None else {},
-                              why if why is not None else {}), excluded
+    split = split if split is not None else {}
+    why = why if why is not None else {}
+    if units in ("auto", "fine"):
+        if units == "fine":
+            chosen, excluded = select_units(model, "auto", info)
+            chosen = _split_largest(model, chosen, info, split, why)
+        else:
+            chosen, excluded = _select(model, units, info, all_names)
+        if state is not None:
+            chosen = _split_by_state(model, chosen, info, state, split, why)
+        return chosen, excluded
+    return _select(model, units, info, all_names)
+
+
+def _select(model: nn.Module, units: Any, info: dict[str, dict[str, Any]],
+            all_names: list[str]) -> tuple[list[str], list[dict]]:
     if isinstance(units, str) and units != "auto":
         units = [units]
     if units == "auto":
         candidates = [n for n, _ in _container_children(model)]
-        usable = [n for n in candidates if info[n]["calls"] == 1 and info[n]["backward"]]
+        usable = [n for n in candidates if _unusable(info[n]) is None]
         if len(usable) < 2 or len(usable) > 64:
             best = None
             for depth in range(1, 6):
                 names = [n for n in all_names if n.count(".") == depth - 1]
-                ok = [n for n in names if info[n]["calls"] == 1 and info[n]["backward"]]
+                ok = [n for n in names if _unusable(info[n]) is None]
                 cover = sum(info[n]["saved"] for n in ok)
                 score = (4 <= len(ok) <= 64, cover, -abs(len(ok) - 16))
                 if ok and (best is None or score > best[0]):
@@ -91,15 +123,11 @@ def select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]],
         raise ProfileError(f"units must be 'auto', 'fine', an int depth or a list of module names, got {units!r}")
     chosen, excluded = [], []
     for n in candidates:
-        calls = info[n]["calls"]
-        if calls == 0:
-            excluded.append({"name": n, "reason": "not called in forward"})
-        elif calls > 1:
-            excluded.append({"name": n, "reason": f"called {calls} times per forward"})
-        elif not info[n]["backward"]:
-            excluded.append({"name": n, "reason": "its output needs no gradient"})
-        else:
+        reason = _unusable(info[n])
+        if reason is None:
             chosen.append(n)
+        else:
+            excluded.append({"name": n, "reason": reason})
     chosen.sort(key=lambda n: info[n]["order"])
     if not chosen:
         raise ProfileError("no usable units: " + "; ".join(f"{e['name']} ({e['reason']})" for e in excluded)
@@ -160,8 +188,7 @@ def _split_largest(model: nn.Module, units: list[str], info: dict[str, dict[str,
         largest = max(units, key=lambda n: info[n]["saved"])
         saved = info[largest]["saved"]
         kids = [f"{largest}.{c}" for c, _ in modules[largest].named_children()]
-        usable = [k for k in kids if info[k]["calls"] == 1 and info[k]["backward"]
-                  and not _is_noop(modules[k], info[k])]
+        usable = [k for k in kids if _unusable(info[k]) is None and not _is_noop(modules[k], info[k])]
         reason = _why_not(saved, usable, info, len(units))
         if reason is not None:
             why[largest] = "kept whole: " + reason
@@ -178,3 +205,82 @@ def _split_largest(model: nn.Module, units: list[str], info: dict[str, dict[str,
             why[u] = f"kept whole: {largest!r}, which saves more, cannot be split, so splitting this would not lower " \
                      "the floor"
     return units
+
+
+#: A unit whose state (trainable parameters, their gradients and optimizer state) is more than this share of the
+#: model's, more than ``STATE_UNEVEN`` times the units' mean and more than any unit saves for backward, is split into
+#: its children (``"auto"`` and ``"fine"``).
+STATE_MAX_SHARE = 1 / 8
+STATE_UNEVEN = 2.0
+
+
+def _state_children(modules: dict[str, nn.Module], name: str) -> list[str]:
+    """The direct children of ``name``, a list or dict of modules replaced by its members (at any depth)."""
+    out = []
+    for c, m in modules[name].named_children():
+        k = f"{name}.{c}"
+        if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            out.extend(_state_children(modules, k))
+        else:
+            out.append(k)
+    return out
+
+
+def _split_by_state(model: nn.Module, units: list[str], info: dict[str, dict[str, Any]], state: dict[str, int],
+                    split: dict[str, str], why: dict[str, str]) -> list[str]:
+    """Split the unit with the most state into its children while that state bounds a whole-step plan.
+
+    A whole-step plan moves a unit's parameters, gradients and optimizer state as one piece, and the optimizer step
+    needs all of one unit's on the device at once: a unit that holds much of the model's parameters (a timm ResNet's
+    last stage, a ConvNeXt's widest stage) sets the floor however the rest is placed — the size-based wrap policy
+    FSDP uses for the same reason. The largest unit by state is split while it holds more than ``STATE_MAX_SHARE`` of
+    the model's state and more than the most any unit saves for backward (below that, splitting it would not lower
+    the floor), and its children (lists of modules expanded) hold at least ``FINE_MIN_COVER`` of its parameters'
+    state, each less than all of it. Children that cannot be units (see :func:`_unusable`, e.g. an in-place
+    activation) or save and hold nothing stay in the parent's code between units.
+    """
+    modules = dict(model.named_modules())
+    total = state.get("", 0)
+    units = list(units)
+    while units and total > 0:
+        largest = max(units, key=lambda n: state.get(n, 0))
+        have = state.get(largest, 0)
+        most_saved = max(info[u]["saved"] for u in units)
+        mean = sum(state.get(u, 0) for u in units) / len(units)
+        if have <= STATE_MAX_SHARE * total or have <= STATE_UNEVEN * mean or have <= most_saved:
+            break
+        kids = _state_children(modules, largest)
+        usable = [k for k in kids if _unusable(info[k]) is None and not _is_noop(modules[k], info[k])]
+        held = sum(state.get(k, 0) for k in usable)
+        reason = None
+        if not usable:
+            reason = "it has no child that runs once per forward with a gradient and saves or holds anything"
+        elif held < FINE_MIN_COVER * have:
+            reason = (f"its children hold {held / have:.0%} of its parameters' state; the rest are its own "
+                      "parameters, which would stay on the device")
+        elif max(state.get(k, 0) for k in usable) >= have:
+            reason = "one child holds all of its state: splitting would not lower the floor"
+        if reason is not None:
+            why[largest] = f"kept whole although it holds {have / total:.0%} of the model's state: {reason}"
+            break
+        at = units.index(largest)
+        units[at:at + 1] = sorted(usable, key=lambda n: info[n]["order"])
+        split[largest] = type(modules[largest]).__name__
+        saved = info[largest]["saved"]
+        left = saved - sum(info[k]["saved"] for k in usable)
+        why[largest] = (f"split into {len(usable)} units by state: it held {have / total:.0%} of the model's "
+                        "parameters, gradients and optimizer state, which a whole-step plan moves as one piece"
+                        + (f" ({left / saved:.0%} of its saved bytes stay with its own code between them)"
+                           if saved and left > 0.02 * saved else ""))
+    return units
+
+
+def module_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Per module name (``""``: the model), the bytes of its trainable parameters, their gradients and the state
+    ``optimizer`` holds for them (as it is after a step)."""
+    per: dict[int, int] = {}
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in per:
+            st = optimizer.state.get(p, {}) if optimizer is not None else {}
+            per[id(p)] = 2 * p.nbytes + sum(t.nbytes for t in st.values() if isinstance(t, torch.Tensor))
+    return {name: sum(per.get(id(p), 0) for p in m.parameters()) for name, m in model.named_modules()}
