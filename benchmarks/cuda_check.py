@@ -26,7 +26,8 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
 7. from a ``torch.profiler`` trace of one step: the state copies run on side streams (not the compute stream), to and
    from pinned host memory, and how much of their time overlaps compute kernels;
 8. ``--pytest``: the CUDA tests of the test suite (``-k cuda`` in :data:`PYTEST_FILES`: state placements, whole-step
-   plans, mixed precision, the loop's habits between steps), pass/fail counts recorded;
+   plans, mixed precision, the loop's habits between steps, LoRA with parameters offloaded, timm models with units
+   split by state), pass/fail counts recorded;
 9. the runtime overheads of ``benchmarks/runtime_overhead.py`` on the GPU (issue 12 targets <= 1.03, reported, not
    checked): (c) ``recompute_offload`` vs recompute plus the simulator's copy time, (d) ``selective`` keeping every
    op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide;
@@ -632,7 +633,7 @@ def stream_section(cfg: Config, failures: list[str], out: Path) -> list[dict]:
 
 # ---------------------------------------------------------------------- the CUDA tests
 PYTEST_FILES = ("tests/test_state_runtime.py", "tests/test_whole_step_apply.py", "tests/test_autocast.py",
-                "tests/test_between_steps.py")
+                "tests/test_between_steps.py", "tests/test_habits.py", "tests/test_timm_models.py")
 
 
 def junit_counts(path: Path) -> dict[str, Any]:

@@ -399,10 +399,10 @@ class _LoRANet(nn.Module):
         return self.head(x)
 
 
-def _lora():
+def _lora(device: str = "cpu"):
     torch.manual_seed(0)
-    model = _LoRANet()
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    model = _LoRANet().to(device)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     return model, x, opt
 
@@ -420,13 +420,13 @@ LORA_ROWS = {
 
 
 @pytest.mark.parametrize("rows", list(LORA_ROWS))
-def test_lora_adapters_with_parameters_offloaded_train_as_without_the_plan(rows):
+def test_lora_adapters_with_parameters_offloaded_train_as_without_the_plan(rows, device="cpu"):
     """The frozen base weight of an offloaded unit was freed as soon as the adapter's gradients were complete, while
     backward still needed it for the input's gradient ("setStorage ... out of bounds for storage of size 0")."""
     placement, step = LORA_ROWS[rows]
 
     def run(planned: bool):
-        model, x, opt = _lora()
+        model, x, opt = _lora(device)
         plan = None
         if planned:
             prof = memopt.profile(model, x, loss_fn=_lora_loss, optimizer=opt, repeats=1)
@@ -437,6 +437,14 @@ def test_lora_adapters_with_parameters_offloaded_train_as_without_the_plan(rows)
     ws._assert_same_training(ref, got, stepped=step)
     assert got[2]["stats"]["param_h2d_bytes"] > 0
     assert all(not p.requires_grad for n, p in got[0].named_parameters() if ".base." in n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", list(LORA_ROWS))
+def test_cuda_lora_adapters_with_parameters_offloaded_train_as_without_the_plan(rows):  # pragma: no cover - GPU
+    """The LoRA test on CUDA: frozen base weights brought back on the side stream (``benchmarks/cuda_check.py
+    --pytest``)."""
+    test_lora_adapters_with_parameters_offloaded_train_as_without_the_plan(rows, device="cuda")
 
 
 def test_the_exact_planners_lora_plan_trains_as_without_it_at_the_predicted_peak():

@@ -216,27 +216,28 @@ class VisionTransformer(nn.Module):
 
 
 # ---------------------------------------------------------------------- builders: (model, inputs, loss_fn)
-def _batch(batch: int, image: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(batch: int, image: int, classes: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(batch, 3, image, image, generator=g), torch.randint(0, classes, (batch,), generator=g)
+    x, y = torch.randn(batch, 3, image, image, generator=g), torch.randint(0, classes, (batch,), generator=g)
+    return x.to(device), y.to(device)
 
 
-def resnet18(batch: int = 8, image: int = 64, seed: int = 0):
+def resnet18(batch: int = 8, image: int = 64, seed: int = 0, device: str = "cpu"):
     torch.manual_seed(seed)
-    model = ResNet()
-    x, y = _batch(batch, image, 1000, seed)
+    model = ResNet().to(device)
+    x, y = _batch(batch, image, 1000, seed, device)
     return model, (x,), lambda out: F.cross_entropy(out, y)
 
 
-def convnext_atto(batch: int = 4, image: int = 64, seed: int = 0):
+def convnext_atto(batch: int = 4, image: int = 64, seed: int = 0, device: str = "cpu"):
     torch.manual_seed(seed)
-    model = ConvNeXt()
-    x, y = _batch(batch, image, 1000, seed)
+    model = ConvNeXt().to(device)
+    x, y = _batch(batch, image, 1000, seed, device)
     return model, (x,), lambda out: F.cross_entropy(out, y)
 
 
-def vit_tiny(batch: int = 4, image: int = 96, seed: int = 0):
+def vit_tiny(batch: int = 4, image: int = 96, seed: int = 0, device: str = "cpu"):
     torch.manual_seed(seed)
-    model = VisionTransformer(image=image)
-    x, y = _batch(batch, image, 1000, seed)
+    model = VisionTransformer(image=image).to(device)
+    x, y = _batch(batch, image, 1000, seed, device)
     return model, (x,), lambda out: F.cross_entropy(out, y)
