@@ -210,3 +210,30 @@ def test_exact_placements_follow_the_activations_the_polish_moved_to():
     st = place_states(task.sim, task.budget, *got[:3], PlanSpace.of(offload_state=True))
     again = polish_mod.polish(task, *got[:3], np.asarray(st, dtype=np.int64))
     assert polish_mod._time_of(task, *again[:4]) >= got_t * (1 - 1e-12)
+
+
+def test_where_the_agents_find_no_plan_the_closest_one_is_repaired_into_the_budget():
+    """48 units, a budget 2 % of the way from the floor to the peak, 256 timesteps: no episode of the agents fits, so
+    the search repairs the plan they came closest with (one unit at a time down the peak), then polishes it."""
+    prof = chain_profile(48, seed=48)
+    lo = solvers.min_peak(prof, "a100-40gb", offload_state=False)
+    budget = int(lo + 0.02 * (prof.peak_bytes - lo))
+    plan = memopt.search(prof, budget, "a100-40gb", offload_state=False, total_timesteps=256, seed=0)
+    assert plan.meta["agents_found_no_plan"] and plan.meta["repair_moves"] >= 1
+    assert plan.meta["agents_step_time"] is None and not plan.meta.get("no_feasible_plan")
+    assert plan.feasible and memopt.simulate(prof, plan, "a100-40gb").peak_bytes <= budget
+    raw = memopt.search(prof, budget, "a100-40gb", offload_state=False, total_timesteps=256, seed=0,
+                        polish_plan=False)  # the agents' own answer: flagged, not repaired
+    assert raw.meta["no_feasible_plan"] and "agents_found_no_plan" not in raw.meta
+
+
+def test_repair_moves_down_the_peak_until_the_plan_fits():
+    prof = chain_profile(24, seed=3)
+    lo = solvers.min_peak(prof, "a100-40gb", offload_state=False)
+    task = PlanningTask(prof, int(lo + 0.01 * (prof.peak_bytes - lo)), "a100-40gb", offload_state=False)
+    keep = np.zeros(task.n, dtype=np.int64)
+    c, w, d, st, moves, fits = polish_mod.repair(task, keep, keep + 1, keep + 1)
+    peak, _ = task.evaluate(c[None], w[None], d[None], st[None])
+    assert fits and moves >= 1 and peak[0] <= task.budget
+    c2, *_, moves2, fits2 = polish_mod.repair(task, keep, keep + 1, keep + 1, max_rounds=1)
+    assert moves2 == 1 and fits2 == (moves == 1)

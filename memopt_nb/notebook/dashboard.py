@@ -500,7 +500,10 @@ class SearchDashboard:
         agents = m.get("agents_step_time")
         start = m.get("polish_start", "agents")
         from_agents = start == "agents" or start.startswith(("agents_placed", "polished_placed"))
-        if polish == "ran" and not from_agents:
+        if m.get("agents_found_no_plan"):
+            lines.append(f"no plan of the agents fitted the budget; the one they came closest with was repaired "
+                         f"({m.get('repair_moves', 0)} change(s)) and polished: {_fmt_ms(p.predicted_step_time)}")
+        elif polish == "ran" and not from_agents:
             origin = ("keep-all with its best state placement" if start.startswith("plain_placed")
                       else f"the {start} baseline's plan")
             lines.append(f"the agents' best plan took {_fmt_ms(agents)}; a local search (polish) found a faster one "

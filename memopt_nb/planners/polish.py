@@ -25,8 +25,7 @@ from .milp import place_states
 from .rl.task import PlanningTask, code_options, option_codes
 
 __all__ = ["HEURISTIC_ROUNDS", "HEURISTIC_STARTS", "PLACEMENT_SOLVES", "PLACEMENT_SOLVE_SECONDS", "option_arrays",
-           "polish",
-           "polish_exact_placements", "polish_heuristic_starts", "to_options"]
+           "polish", "polish_exact_placements", "polish_heuristic_starts", "repair", "to_options"]
 
 
 def option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,6 +112,13 @@ HEURISTIC_STARTS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "
                     "step_in_backward_recompute")
 
 
+#: The state baselines among :data:`HEURISTIC_STARTS` and the placement each gives every unit.
+_STATE_STARTS = {"state_offload": ("offload", "offload", "resident"),
+                 "state_offload_recompute": ("offload", "offload", "resident"),
+                 "step_in_backward": ("resident", "step", "resident"),
+                 "step_in_backward_recompute": ("resident", "step", "resident")}
+
+
 def _heuristic_starts(task: PlanningTask) -> list[tuple[str, np.ndarray, np.ndarray, float]]:
     """The plans of :data:`HEURISTIC_STARTS` that fit the budget in the task's space, fastest first (ties: the order
     of the list), as (name, options, placements, step time).
@@ -129,6 +135,11 @@ def _heuristic_starts(task: PlanningTask) -> list[tuple[str, np.ndarray, np.ndar
     skip = set()
     if "recompute_offload" not in task.strategies and (task.sim.recomputable & task.sim.swappable).any():
         skip.add("recompute_offload_all")
+    # a state baseline whose placement the task does not allow: not built either (its budget check solves a MILP over
+    # its own space, tens of seconds at a few hundred units, for a plan that would be left out)
+    for name, placement in _STATE_STARTS.items():
+        if STATE_CHOICES.index(placement) not in task.state_ids:
+            skip.add(name)
     for name in HEURISTIC_STARTS:
         if name in skip:
             continue
@@ -235,6 +246,41 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
         moves += 1
     c, w, d = option_arrays(cur)
     return c, w, d, cur_st, moves
+
+
+def repair(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
+           states: np.ndarray | None = None, max_rounds: int | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool]:
+    """From a plan above the budget, move one unit's option at a time down the peak until it fits: each round takes
+    the fastest move that fits the budget if there is one, else the move with the lowest peak (ties: the faster) if it
+    lowers the peak. Placements stay as given. Returns codes, windows, distances, placements, the moves made and
+    whether the plan fits; at most ``max_rounds`` rounds (default: two per unit).
+
+    The search's way out where its agents found nothing within the budget (at a tight budget on hundreds of units a
+    random walk rarely lands inside it): the plan they got closest with, repaired, then polished like theirs."""
+    n = task.n
+    cur = to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
+    st = np.zeros(n, dtype=np.int64) if states is None else np.asarray(states, dtype=np.int64).copy()
+    peak, _ = task.evaluate(*[a[None] for a in option_arrays(cur)], st[None])
+    cur_peak = float(peak[0])
+    units, opts = np.nonzero(task.option_ok)
+    rows = np.arange(units.size)
+    sts = np.repeat(st[None], units.size, axis=0)
+    moves = 0
+    for _ in range(2 * n if max_rounds is None else max_rounds):
+        if cur_peak <= task.budget:
+            break
+        cand = np.repeat(cur[None], units.size, axis=0)
+        cand[rows, units] = opts
+        peak, t = task.evaluate(*option_arrays(cand), sts)
+        fits = peak <= task.budget
+        i = int(np.argmin(np.where(fits, t, math.inf))) if fits.any() else int(np.lexsort((t, peak))[0])
+        if not (fits[i] or peak[i] < cur_peak):
+            break
+        cur, cur_peak = cand[i], float(peak[i])
+        moves += 1
+    c, w, d = option_arrays(cur)
+    return c, w, d, st, moves, cur_peak <= task.budget
 
 
 #: Rounds one :func:`polish` takes at most (each makes one move).

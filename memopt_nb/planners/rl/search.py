@@ -24,6 +24,7 @@ from ..polish import (
     polish,
     polish_exact_placements,
     polish_heuristic_starts,
+    repair,
     to_options,
 )
 from ..space import make_plan, plan_decisions
@@ -229,6 +230,12 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     (see :func:`polish_exact_placements`) or a baseline's name). The plan's own ``predicted_peak_bytes`` /
     ``predicted_step_time`` are the final figures.
 
+    Where no episode of the agents fitted the budget (a tight budget on hundreds of units), the plan they came closest
+    with is repaired (:func:`~memopt_nb.planners.polish.repair`: one unit at a time down the peak) and, if it then
+    fits, polished as theirs would be: ``meta["agents_found_no_plan"]`` is ``True``, ``repair_moves`` counts the
+    moves and ``agents_step_time`` is ``None``. Otherwise (or with ``polish_plan=False``) the least infeasible plan is
+    returned flagged, ``meta["no_feasible_plan"]``, with a warning.
+
     The global torch, NumPy and ``random`` RNG states are left as the search found them.
     """
     if time_limit is not None and not time_limit > 0:
@@ -383,9 +390,16 @@ class SearchTracker:
 
 def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
             t0: float) -> Plan:
-    """The plan to return: the agents' best feasible one (polished), else the least infeasible one, flagged."""
+    """The plan to return: the agents' best feasible one (polished), else their least infeasible one repaired into
+    the budget (polished), else that one, flagged."""
     meta = tracker.meta(interrupted)
     best, least_bad = tracker.best, tracker.least_bad
+    repaired: dict[str, Any] = {}
+    if best["plan"] is None and polish_plan and not interrupted and least_bad["plan"] is not None:
+        c, w, d, st, moves, fits = repair(task, *least_bad["plan"])
+        if fits:  # polished below as the agents' plan would be; the agents' own time stays None
+            repaired = {"agents_found_no_plan": True, "repair_moves": moves}
+            best = {"plan": (c, w, d, st), "time": None, "peak": None}
     if best["plan"] is None:
         warnings.warn("the agents found no plan within the budget; returning the least infeasible one, flagged",
                       stacklevel=3)
@@ -408,7 +422,7 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
         placement["polish_start"] = "agents"
         c, w, d, st, moves = polish_exact_placements(task, (c, w, d, st), best["plan"], moves, placement)
         c, w, d, st, moves = polish_heuristic_starts(task, (c, w, d, st, moves), placement)
-    plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta,
+    plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta, **repaired,
                             agents_step_time=agents_time, agents_peak=best["peak"],
                             agents_decisions=[int(x) for x in to_options(*best["plan"][:3])],
                             agents_states=[int(x) for x in best["plan"][3]],
