@@ -75,3 +75,29 @@ def test_a_share_that_rounds_to_zero_bytes_is_refused():
                                            ("1000%", 10_000)])
 def test_bytes_and_percentages_keep_their_meaning(text, expected):
     assert resolve_budget(text, reference=1000) == expected
+
+
+def test_a_budget_a_uniform_plan_meets_is_accepted_without_solving_the_floor(monkeypatch):
+    """At a few hundred units the floor's MILP takes tens of seconds; where recompute-all, swap-all (or another
+    uniform plan of the space) already fits, the budget is feasible and the MILP is not solved. Below the floor the
+    refusal is as before."""
+    import importlib
+
+    import memopt_nb as memopt
+    from memopt_nb.core.space import PlanSpace
+    from memopt_nb.harness.synthetic import chain_profile
+    from memopt_nb.planners import milp
+    from memopt_nb.sim.simulator import Simulator
+
+    checks = importlib.import_module("memopt_nb.planners.checks")
+    prof = chain_profile(12, seed=1)
+    sim = Simulator(prof, "a100-40gb")
+    space = PlanSpace.of(offload_state=False)
+    floor = milp.solve_min_peak(sim, space)
+    rc = memopt.simulate(prof, memopt.Plan.uniform(prof, "recompute"), "a100-40gb").peak_bytes
+    solved = []
+    monkeypatch.setattr(checks, "cached_min_peak", lambda s, sp: solved.append(1) or floor)
+    assert checks.check_budget(sim, rc, space) == rc and not solved
+    with pytest.raises(memopt.BudgetError):
+        checks.check_budget(sim, floor - 1, space)
+    assert solved
