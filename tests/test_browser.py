@@ -23,7 +23,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow  # JupyterLab in headless Chromium
 
@@ -148,10 +147,6 @@ def test_quickstart_dashboard_renders_in_jupyterlab(tmp_path, capsys):
     env.pop("MPLBACKEND", None)  # as a user's kernel: the inline backend
     env.update({
         "MEMOPT_NB_TIMESTEPS": os.environ.get("MEMOPT_NB_TIMESTEPS", "2000"),
-        # the kernel computes on as many threads as this worker (tests/conftest.py: one per pytest-xdist worker), as
-        # the notebook tests' kernels do (tests/test_notebooks.py, kernel_threads): at torch's default, one per core,
-        # beside the other worker it oversubscribes the cores and runs several times slower
-        "OMP_NUM_THREADS": str(torch.get_num_threads()),
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
         "JUPYTERLAB_SETTINGS_DIR": str(settings),
         "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),

@@ -70,21 +70,9 @@ def drifted(stored: dict, fresh: dict, keys: dict[str, float]) -> list[tuple[str
     return out
 
 
-def kernel_threads() -> str:
-    """The intra-op threads of a kernel (or any process) a test starts: as many as this worker computes on
-    (tests/conftest.py: one per pytest-xdist worker), passed as ``OMP_NUM_THREADS``. A kernel left at torch's default
-    (one per core) beside the other worker's puts twice as many busy threads as cores, and OpenMP threads waiting for
-    each other on a shared core made the notebooks 4-10x slower under ``make test`` (benchmarks.ipynb: 357 s with
-    two threads, 72 s with one; 03_evaluate 346 s, 83 s; both at once, 2 workers on 2 cores, 2026-12-06)."""
-    import torch
-
-    return str(torch.get_num_threads())
-
-
 @pytest.fixture
 def notebook_env(monkeypatch):
     monkeypatch.setenv("MEMOPT_NB_TIMESTEPS", os.environ.get("MEMOPT_NB_TIMESTEPS", CI_TIMESTEPS))
-    monkeypatch.setenv("OMP_NUM_THREADS", kernel_threads())
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
 

@@ -70,11 +70,9 @@ def select_units(model: nn.Module, units: Any, info: dict[str, dict[str, Any]],
     split = split if split is not None else {}
     why = why if why is not None else {}
     if units in ("auto", "fine"):
+        chosen, excluded = _select(model, "auto", info, all_names)
         if units == "fine":
-            chosen, excluded = select_units(model, "auto", info)
             chosen = _split_largest(model, chosen, info, split, why)
-        else:
-            chosen, excluded = _select(model, units, info, all_names)
         if state is not None:
             chosen = _split_by_state(model, chosen, info, state, split, why)
         return chosen, excluded
@@ -234,10 +232,11 @@ def _split_by_state(model: nn.Module, units: list[str], info: dict[str, dict[str
     needs all of one unit's on the device at once: a unit that holds much of the model's parameters (a timm ResNet's
     last stage, a ConvNeXt's widest stage) sets the floor however the rest is placed — the size-based wrap policy
     FSDP uses for the same reason. The largest unit by state is split while it holds more than ``STATE_MAX_SHARE`` of
-    the model's state and more than the most any unit saves for backward (below that, splitting it would not lower
-    the floor), and its children (lists of modules expanded) hold at least ``FINE_MIN_COVER`` of its parameters'
-    state, each less than all of it. Children that cannot be units (see :func:`_unusable`, e.g. an in-place
-    activation) or save and hold nothing stay in the parent's code between units.
+    the model's state, more than ``STATE_UNEVEN`` times an average unit's (blocks of one size, as a transformer's,
+    stay whole: each then holds only its share) and more than the most any unit saves for backward (below that,
+    splitting it would not lower the floor), and its children (lists of modules expanded) hold at least
+    ``FINE_MIN_COVER`` of its parameters' state, each less than all of it. Children that cannot be units (see
+    :func:`_unusable`, e.g. an in-place activation) or save and hold nothing stay in the parent's code between units.
     """
     modules = dict(model.named_modules())
     total = state.get("", 0)
