@@ -33,8 +33,11 @@ def test_parts_add_up_to_the_floor_and_name_the_largest():
     assert floor.floor_bytes == memopt.solvers.min_peak(prof, offload_state=False)  # activations only
     assert sum(floor.parts().values()) == floor.floor_bytes
     assert floor.bound == max(floor.parts(), key=floor.parts().get)
-    fixed = prof.param_bytes + prof.grad_bytes + prof.optimizer_state_bytes + prof.buffer_bytes
-    assert floor.fixed_bytes == min(fixed, floor.floor_bytes)
+    # the state on the device where the floor's plan peaks (the optimizer step: with the step's own working set), not
+    # the whole state at its end-of-step size
+    parts = floor.peak_parts
+    fixed = parts["parameters"] + parts["optimizer state"] + parts["gradients made so far"]
+    assert floor.fixed_bytes == fixed + (parts["working set"] if floor.peak_phase == "optimizer step" else 0)
     assert memopt.format_bytes(floor.floor_bytes) in floor.text()
 
 
@@ -71,3 +74,33 @@ def test_budget_error_explains_the_floor():
     msg = str(err.value)
     assert floor.bound_text() in msg and "FSDP2" in msg
     assert "add units" not in msg and "finer units" not in msg
+
+
+def test_breakdown_names_where_the_floor_plan_peaks_and_its_parts_add_up():
+    """A chain whose unit 0 has by far the largest working set (512 MiB when recomputed) that the floor's plan never
+    recomputes: the breakdown names the segment where that plan peaks (not unit 0), and its parts add up to the
+    floor exactly; that segment's peak under the MILP's plan is the floor."""
+    import dataclasses
+
+    import numpy as np
+
+    from memopt_nb.core.space import PlanSpace
+    from memopt_nb.harness.synthetic import chain_profile
+    from memopt_nb.planners.floor import PEAK_PARTS
+    from memopt_nb.planners.milp import cached_min_peak_plan
+    from memopt_nb.sim.simulator import Simulator
+
+    prof = chain_profile(4, seed=0)
+    units = list(prof.units)
+    units[0] = dataclasses.replace(units[0], rc_bwd_rel_peak=512 * 2**20)
+    prof = dataclasses.replace(prof, units=units)
+    floor = explain_floor(prof)
+    assert floor.largest_unit == "blocks.3" and floor.peak_where == "the backward of blocks.3"
+    assert floor.peak_phase == "backward"
+    assert floor.breakdown_text().startswith("peak in the backward of blocks.3: parameters ")
+    assert list(floor.peak_parts) == list(PEAK_PARTS) and sum(floor.peak_parts.values()) == floor.floor_bytes
+    assert sum(floor.parts().values()) == floor.floor_bytes
+    sim = Simulator(prof)
+    value, arrays = cached_min_peak_plan(sim, PlanSpace.of(("keep", "recompute", "swap"), False, False))
+    peaks = sim.evaluate(*(np.array([a]) for a in arrays[:3]), details=True)["peaks"][0]
+    assert value == floor.floor_bytes == int(np.ceil(peaks[prof.units[3].bwd_segment]))

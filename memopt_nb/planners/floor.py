@@ -2,15 +2,26 @@
 
 A per-unit plan (keep, recompute or swap each unit's saved activations) lowers the activation memory of a training
 step. It cannot touch what every step holds regardless of the plan, and it cannot split a unit. The smallest peak any
-plan reaches (:func:`memopt_nb.planners.min_peak`, "the floor") is therefore roughly the sum of three parts:
+plan reaches (:func:`memopt_nb.planners.min_peak`, "the floor") is split at the place where the floor's plan (the
+MILP's min-peak solution) peaks: a unit's forward or backward, the code between units, or the optimizer step. There it
+is exactly the sum of
 
-* **fixed state** — parameters, gradients, optimizer state and buffers, held through the step;
-* **the largest unit's working set** — the memory one unit needs while it is recomputed and back-propagated;
-* **kept activations** — the rest: unit inputs that recompute needs, activations no plan frees, and what code
-  outside the units holds.
+* the **parameters** (and buffers) and **optimizer state** on the device, and the **gradients made so far** (the
+  units whose backward has ended; a unit's own gradients, made during its backward, are in its working set);
+* the **activations the plan holds** at that moment (what it keeps, and the inputs recompute keeps);
+* what is **held outside units**: the caller's input batch, the gradient passed between units, what code outside the
+  units holds (and the gradients of parameters outside units);
+* in a unit's backward, **its saved tensors** (what it saved in its forward and the plan kept) and **the gradient it
+  receives** (the gradient of its output: its output's size, taken from what is held outside units);
+* the segment's **working set**: its own peak above everything held when it starts (the gradients a backward makes,
+  its temporaries, what a recomputed unit recreates).
 
-:func:`explain_floor` computes the split and names the largest part (what *bounds* the floor), with advice that would
-lower that part. The split is an estimate from the profile's totals; the floor itself is exact (the MILP's minimum).
+From that split :func:`explain_floor` names what *bounds* the floor, one of three parts — **fixed state** (parameters,
+optimizer state and gradients at the peak; with the optimizer step's own working set when the peak is in the step),
+**the peak's unit** (its saved tensors, the gradient it receives and its working set, ``LARGEST_UNIT``), **kept
+activations** (the rest) — with advice that would lower that part. Where no plan's peak is the given floor
+(``floor_bytes=`` not the MILP's), the split is an estimate from the profile's totals: the whole state, the unit with
+the largest working set, and the rest.
 
 **Optimizer state, gradients and parameters.** With ``offload_state`` (see :func:`memopt_nb.core.plan.state_choices`) a
 plan also decides, per unit, where its optimizer state, gradients and parameters live, so the fixed state shrinks to
@@ -33,16 +44,21 @@ from ..core.budget import format_bytes
 from ..core.plan import DEFAULT_STRATEGIES as every
 from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan, state_choices
 from ..sim.simulator import CODES, SELECTIVE, Simulator
-from .milp import min_peak
-from .space import plan_decisions
+from .milp import cached_min_peak_plan, min_peak
+from .space import PlanSpace, as_simulator, plan_decisions
 
-__all__ = ["FIXED_STATE", "KEPT_ACTIVATIONS", "LARGEST_UNIT", "Advice", "BatchEstimate", "Floor", "estimate_batch",
-           "explain_floor", "state_floor"]
+__all__ = ["FIXED_STATE", "KEPT_ACTIVATIONS", "LARGEST_UNIT", "PEAK_PARTS", "UNIT_PARTS", "Advice", "BatchEstimate",
+           "Floor", "estimate_batch", "explain_floor", "state_floor"]
 
 #: Names of the three parts (the values of :attr:`Floor.bound`).
 FIXED_STATE = "fixed state"
 LARGEST_UNIT = "largest unit"
 KEPT_ACTIVATIONS = "kept activations"
+#: Names of the parts of the floor plan's peak (the keys of :attr:`Floor.peak_parts`), in the order they are written.
+PEAK_PARTS = ("parameters", "optimizer state", "gradients made so far", "activations the plan holds",
+              "held outside units", "its saved tensors", "the gradient it receives", "working set")
+#: The parts of :data:`PEAK_PARTS` that belong to the unit whose backward holds the peak.
+UNIT_PARTS = ("its saved tensors", "the gradient it receives", "working set")
 
 
 class Advice(str):
@@ -65,10 +81,18 @@ class Floor:
 
     Attributes:
         floor_bytes: the smallest peak any plan reaches (:func:`memopt_nb.planners.min_peak`).
-        fixed_bytes: parameters + gradients + optimizer state + buffers (capped at the floor).
-        largest_unit: the unit with the largest working set; largest_unit_bytes: that working set (capped at what is
-            left of the floor after the fixed state).
-        kept_bytes: the rest of the floor: kept unit inputs, activations no plan frees, code outside units.
+        fixed_bytes: parameters + optimizer state + buffers + the gradients made so far, on the device at the floor
+            plan's peak (with the optimizer step's working set when the peak is in the step); without that plan (a
+            given ``floor_bytes`` no plan peaks at) the whole state. Capped at the floor.
+        largest_unit: the unit whose forward or backward holds the floor plan's peak (``None`` when the peak is in code
+            outside units or the optimizer step); largest_unit_bytes: that segment's working set. Without the plan:
+            the unit with the largest working set, and that (capped at what is left of the floor after the fixed
+            state). With the plan, largest_unit_bytes is the unit's parts of the peak (:data:`UNIT_PARTS`).
+        kept_bytes: the rest of the floor: activations the plan holds, what is held outside units, the working set of
+            code outside units.
+        peak_where / peak_phase: where the floor plan's peak is (e.g. ``"the backward of blocks.0.mlp.act"``,
+            ``"backward"``); peak_parts: the peak split into :data:`PEAK_PARTS` (they add up to ``floor_bytes``
+            exactly). ``None`` / empty where no plan's peak is the floor.
         bound: the largest of the three parts: ``"fixed state"``, ``"largest unit"`` or ``"kept activations"``.
         advice: what would lower the floor (only options that help with this bound), each an :class:`Advice`: a str in
             Python spelling with its magics' spelling as ``.magic``.
@@ -90,6 +114,9 @@ class Floor:
     moved_bytes: int = 0
     state_floor_bytes: int | None = None
     plan: Any = None
+    peak_where: str | None = None
+    peak_phase: str | None = None
+    peak_parts: dict[str, int] = field(default_factory=dict)
 
     def parts(self) -> dict[str, int]:
         """``{part name: bytes}`` of the three parts, in the order they are explained."""
@@ -104,20 +131,36 @@ class Floor:
             what = (f"the state that stays on the device — parameters, gradients and optimizer state outside units or "
                     f"not movable, and the units whose state the step needs at the peak — {fb(self.fixed_bytes)} "
                     f"({share:.0%}; {fb(self.moved_bytes)} of state is off the device)")
+        elif self.bound == FIXED_STATE and self.peak_parts:
+            what = (f"the fixed state — parameters, optimizer state and the gradients made so far, on the device where "
+                    f"the floor's plan peaks ({self.peak_where}) — {fb(self.fixed_bytes)} ({share:.0%})")
         elif self.bound == FIXED_STATE:
             what = (f"the fixed state — parameters, gradients and optimizer state, held through the whole step — "
                     f"{fb(self.fixed_bytes)} ({share:.0%})")
+        elif self.bound == LARGEST_UNIT and self.peak_parts:
+            what = (f"{self.peak_where}, where the floor's plan peaks (what {self.largest_unit} saved, the gradient "
+                    f"it receives and its working set) — {fb(self.largest_unit_bytes)} ({share:.0%})")
         elif self.bound == LARGEST_UNIT:
             what = (f"the largest unit's working set ({self.largest_unit}: what it needs while recomputed and "
                     f"back-propagated) — {fb(self.largest_unit_bytes)} ({share:.0%})")
+        elif self.peak_parts:
+            what = (f"the kept activations — what the floor's plan holds where it peaks ({self.peak_where}): "
+                    f"activations, what is held outside units, the working set of code outside units — "
+                    f"{fb(self.kept_bytes)} ({share:.0%})")
         else:
             what = (f"the kept activations — unit inputs recompute needs and activations no plan frees — "
                     f"{fb(self.kept_bytes)} ({share:.0%})")
         return f"The floor is bounded by {what}."
 
     def breakdown_text(self) -> str:
-        """The three parts in one line."""
+        """Where the floor's plan peaks and the parts of that peak in one line (parts of zero bytes left out, the
+        parameters always named); without that plan the three estimated parts."""
         fb = format_bytes
+        if self.peak_parts:
+            names = {"working set": "its own working set" if self.largest_unit is None else "its working set"}
+            parts = " + ".join(f"{names.get(k, k)} {fb(v)}" for k, v in self.peak_parts.items()
+                               if v or k == "parameters")
+            return f"peak in {self.peak_where}: {parts}"
         unit = f" ({self.largest_unit})" if self.largest_unit else ""
         return (f"fixed state {fb(self.fixed_bytes)} + largest unit{unit} {fb(self.largest_unit_bytes)} + kept "
                 f"activations {fb(self.kept_bytes)}")
@@ -136,6 +179,115 @@ class Floor:
 
 def _working_set(unit: Any) -> int:
     return int(max(unit.rc_fwd_rel_peak, unit.rc_bwd_rel_peak, unit.saved_bytes))
+
+
+@dataclass
+class _PeakSplit:
+    peak: int
+    phase: str
+    where: str
+    unit: str | None
+    parts: dict[str, int]
+
+
+def _state_off(up: Any, u: int, n: int, choice: tuple[str, str, str], sim: Simulator, k: int,
+               step_point: bool) -> tuple[int, int, int]:
+    """(parameters, optimizer state, gradients) of unit ``u`` that its placement keeps off the device at segment ``k``
+    (or, ``step_point``, at point ``k`` of the unit-by-unit step), by :class:`~memopt_nb.sim.simulator.StateTable`'s
+    rules; gradients not yet made count as on the device here (the caller counts only those made)."""
+    o, g, p = choice
+    P, G, Ost = int(up.param_bytes), int(getattr(up, "grad_bytes", 0)), int(getattr(up, "optimizer_bytes", 0))
+    if step_point:  # point u steps what comes before unit u, point u + 1 unit u: its state is back there
+        back = k in (u, u + 1) and g != "step"
+        return (P if p == "offload" and not back else 0, Ost if o == "offload" and not back else 0,
+                G if g != "resident" and not (g == "offload" and k == u + 1) else 0)
+    fs, bs = int(sim.fwd_seg[u]), int(sim.bwd_seg[u])
+    fwd_from = int(sim.fwd_seg[u - 1]) if u > 0 else fs
+    bwd_from = int(sim.bwd_seg[u + 1]) if u + 1 < n else bs
+    here = fwd_from <= k <= fs or bwd_from <= k <= bs
+    return (P if p == "offload" and not here else 0, Ost if o == "offload" else 0,
+            G if g != "resident" and k > bs else 0)
+
+
+def _peak_split(sim: Simulator, codes: Sequence[int], windows: Sequence[int], distances: Sequence[int],
+                states: Sequence[int]) -> _PeakSplit:
+    """Where a plan (as arrays) peaks, and that peak split into :data:`PEAK_PARTS` (exact: the working set is what the
+    segment adds above everything else held when it starts, so the parts add up to the simulator's peak)."""
+    prof, n = sim.profile, sim.n
+    C = np.array([list(states)], dtype=np.int64)
+    det = sim.evaluate(np.array([list(codes)]), np.array([list(windows)]), np.array([list(distances)]), states=C,
+                       details=True)
+    peak = int(np.ceil(float(det["peak"][0])))
+    peaks, step_peak, moved = det["peaks"][0], float(det["step_peak"][0]), bool(det["moved"][0])
+    phase, _ = sim._where(peaks, step_peak, moved)
+    ss = sim.step_segment
+    tab = sim.state_table() if moved else None
+    point = -1
+    if moved and phase == "optimizer step" and tab is not None:  # a point of the unit-by-unit step
+        vals = tab.step_base + sum(tab.step_delta[u, c] for u, c in enumerate(states) if c)
+        point, k = int(np.argmax(vals)), ss
+    else:
+        seg_peaks = peaks.copy()
+        if moved and ss >= 0:
+            seg_peaks[ss] = -np.inf
+        k = int(np.argmax(seg_peaks))
+    # what the plan's storage groups hold at k, and what every unit kept would (the profiled level's share)
+    births = []
+    for g in sim.g_list:
+        firsts = [int(sim.fwd_seg[u]) for u in (*g.savers, *g.consumers)]
+        births.append(int(sim.fwd_seg[g.producer]) + 1 if g.producer >= 0 else min(firsts, default=0))
+    birth = np.array(births, dtype=np.int64)
+    off = det["off"][0].astype(bool) & (det["r_pos"][0] <= k) & (k < det["t_pos"][0])
+    in_plan = (birth <= k) & (k <= det["plan_end"][0]) & ~off
+    in_base = (birth <= k) & (k <= sim.g_base_end)
+    # made outside the units and referred to after the forward: the caller's (its input batch); no plan frees it
+    caller = np.array([g.producer < 0 and g.free_pos is None and g.release_pos is None for g in sim.g_list], dtype=bool)
+    nb = sim.g_nb.astype(np.int64)
+    seg = prof.segments[k]
+    u_bwd = seg.unit if seg.kind == "bwd" and point < 0 else -1
+    own = np.array([u_bwd in g.savers for g in sim.g_list], dtype=bool) & in_plan & ~caller
+    acts = int(nb[in_plan & ~caller & ~own].sum())
+    for u, c in enumerate(codes):  # a selective unit's save-set holds its outputs from its forward to its backward
+        if c >= SELECTIVE and sim.fwd_seg[u] < k <= sim.bwd_seg[u]:
+            acts += int(sim.sel_held[u, c - SELECTIVE])
+    made = sum(int(getattr(up, "grad_bytes", 0)) for up in prof.units if up.bwd_segment < k)
+    params, optim = int(prof.param_bytes + prof.buffer_bytes), int(prof.optimizer_state_bytes)
+    outside = (int(prof.segments[k].start_level) - params - optim - made - int(nb[in_base].sum())
+               + int(nb[in_plan & caller].sum()))
+    for u, (up, c) in enumerate(zip(prof.units, states, strict=True)):
+        if c and getattr(up, "grad_bytes", 0) > 0 and (tab is None or tab.allowed[u, c]):
+            p_off, o_off, g_off = _state_off(up, u, n, STATE_CHOICES[c], sim, point if point >= 0 else k, point >= 0)
+            params, optim, made = params - p_off, optim - o_off, made - g_off
+    # a backward starts holding the gradient of its unit's output (its size, as long as that much is held outside)
+    incoming = min(int(prof.units[u_bwd].output_bytes), max(outside, 0)) if u_bwd >= 0 else 0
+    parts = {"parameters": params, "optimizer state": optim, "gradients made so far": made,
+             "activations the plan holds": acts, "held outside units": outside - incoming,
+             "its saved tensors": int(nb[own].sum()), "the gradient it receives": incoming}
+    parts["working set"] = peak - sum(parts.values())
+    if point >= 0:
+        what = prof.units[point - 1].name if point > 0 else "the parameters outside units"
+        return _PeakSplit(peak, phase, f"the optimizer step of {what}", None, parts)
+    if seg.unit >= 0 and seg.kind in ("fwd", "bwd"):
+        unit = prof.units[seg.unit].name
+        return _PeakSplit(peak, phase, f"the {'forward' if seg.kind == 'fwd' else 'backward'} of {unit}", unit, parts)
+    if k == sim.step_segment:
+        return _PeakSplit(peak, phase, f"the optimizer step (segment {seg.label!r})", None, parts)
+    return _PeakSplit(peak, phase, f"code outside units in the {phase} (segment {seg.label!r})", None, parts)
+
+
+def _floor_split(sim: Simulator, space: Any, floor: int, plan: Any) -> _PeakSplit | None:
+    """The split of a plan that peaks at ``floor``: the MILP's min-peak solution, else ``plan`` (the state search's);
+    ``None`` if neither does (a ``floor_bytes`` given that is not the floor of this space)."""
+    arrays = [cached_min_peak_plan(sim, space)[1]]
+    if plan is not None:
+        s, w, d = sim.encode(plan)
+        arrays.append((list(s[0]), list(w[0]), list(d[0]), list(plan.state_indices)))
+    for a in arrays:
+        if a is not None:
+            split = _peak_split(sim, *a)
+            if split.peak == floor:
+                return split
+    return None
 
 
 def _has_state(profile: Any) -> bool:
@@ -219,8 +371,9 @@ def _grads_may_move(offload_state: Any) -> bool:
 def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None = None,
                   strategies: Sequence[str] = ("keep", "recompute", "swap"), offload_state: Any = False,
                   step_in_backward: bool = False) -> Floor:
-    """Split the smallest reachable peak of ``profile`` (on ``device``) into fixed state, the largest unit's working set
-    and kept activations, and say which bounds it and what would lower it.
+    """Split the smallest reachable peak of ``profile`` (on ``device``) where the floor's plan peaks (the parts of
+    :data:`PEAK_PARTS`; grouped into fixed state, that unit's working set and kept activations), and say which bounds
+    it and what would lower it.
 
     ``floor_bytes``: the floor if already known (else :func:`memopt_nb.planners.min_peak` computes it, or with
     ``offload_state`` :func:`state_floor`). ``offload_state`` / ``step_in_backward``: the state placements a plan may
@@ -229,25 +382,37 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     plan = None
     state_floor_bytes = None
     moved = 0
-    if offload_state is not False and _has_state(profile):
+    sim = as_simulator(profile, device)
+    with_state = offload_state is not False and _has_state(profile)
+    space = (PlanSpace.of(strategies, offload_state, step_in_backward) if with_state
+             else PlanSpace.of(strategies, False, False))
+    if with_state:
         found, plan = state_floor(profile, device, strategies, offload_state, step_in_backward)
         if floor_bytes is None:  # the exact floor (the MILP's); the search above gives the plan reaching ~it
-
-            floor_bytes = min(found, min_peak(profile, device, strategies, offload_state=offload_state,
-                                              step_in_backward=step_in_backward))
+            floor_bytes = min(found, cached_min_peak_plan(sim, space)[0])
         state_floor_bytes = int(floor_bytes)
         moved = _moved_bytes(profile, plan)
     if floor_bytes is None:
-        floor_bytes = min_peak(profile, device, strategies, offload_state=False)
+        floor_bytes = cached_min_peak_plan(sim, space)[0]
     floor = int(floor_bytes)
-    fixed = int(profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes + profile.buffer_bytes)
-    fixed = min(max(fixed - moved, 0), floor)
-    units = list(profile.units)
-    if units:
-        big = max(units, key=_working_set)
-        name, work = big.name, min(_working_set(big), floor - fixed)
-    else:
-        name, work = None, 0
+    split = _floor_split(sim, space, floor, plan)
+    if split is not None:  # the parts of the floor plan's peak, where it is
+        fixed = split.parts["parameters"] + split.parts["optimizer state"] + split.parts["gradients made so far"]
+        if split.phase == "optimizer step":  # the step's own working set is the state's (it grows with it)
+            fixed += split.parts["working set"]
+        fixed = min(max(fixed, 0), floor)
+        name = split.unit
+        own = sum(split.parts[k] for k in UNIT_PARTS)
+        work = min(max(own, 0), floor - fixed) if name is not None else 0
+    else:  # an estimate from the profile's totals
+        fixed = int(profile.param_bytes + profile.grad_bytes + profile.optimizer_state_bytes + profile.buffer_bytes)
+        fixed = min(max(fixed - moved, 0), floor)
+        units = list(profile.units)
+        if units:
+            big = max(units, key=_working_set)
+            name, work = big.name, min(_working_set(big), floor - fixed)
+        else:
+            name, work = None, 0
     kept = max(floor - fixed - work, 0)
     parts = {FIXED_STATE: fixed, LARGEST_UNIT: work, KEPT_ACTIVATIONS: kept}
     bound = max(parts, key=lambda k: parts[k])
@@ -297,7 +462,8 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
                                  what + "--strategies keep,recompute,swap,recompute_offload)"))
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
                  bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
-                 state_floor_bytes=state_floor_bytes, plan=plan)
+                 state_floor_bytes=state_floor_bytes, plan=plan, peak_where=split.where if split else None,
+                 peak_phase=split.phase if split else None, peak_parts=split.parts if split else {})
 
 
 #: the largest batch :func:`estimate_batch` names (what grows with the batch may be next to nothing)

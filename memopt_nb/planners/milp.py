@@ -71,7 +71,8 @@ from .space import (
     unit_states,
 )
 
-__all__ = ["Formulation", "cached_min_peak", "min_peak", "place_states", "solve_min_peak"]
+__all__ = ["Formulation", "cached_min_peak", "cached_min_peak_plan", "min_peak", "place_states", "solve_min_peak",
+           "solve_min_peak_plan"]
 
 Expr = dict[int, float]
 _RC_LIKE = (RECOMPUTE, RECOMPUTE_OFFLOAD)  # recomputed in backward (and every selective code, >= SELECTIVE)
@@ -626,30 +627,45 @@ class Formulation:
 # ---------------------------------------------------------------------- the floor and budget checks
 def solve_min_peak(sim: Simulator, space: PlanSpace, time_limit: float = 60.0) -> int:
     """The smallest peak any plan in ``space`` reaches (bytes), by MILP, checked with the simulator."""
+    return solve_min_peak_plan(sim, space, time_limit)[0]
+
+
+#: a plan as arrays: strategy codes, windows, distances and state placements (what :meth:`Formulation.read_back` gives)
+PlanArrays = tuple[list[int], list[int], list[int], list[int]]
+
+
+def solve_min_peak_plan(sim: Simulator, space: PlanSpace, time_limit: float = 60.0) -> tuple[int, PlanArrays | None]:
+    """:func:`solve_min_peak` and a plan that reaches it (``None`` when the solve hit its time limit: the value is then
+    the solver's lower bound, which no plan it found reaches)."""
     form = Formulation(sim, space)
     objective = form.minimize_peak()
     res = form.solve(objective, time_limit)
     if res.x is None:  # pragma: no cover - solver failure
         raise BudgetError(f"could not compute the minimum peak: {res.message}")
     if res.status != 0:  # pragma: no cover - time limit: never refuse a budget some plan might meet
-        return int(np.floor(float(res.mip_dual_bound) * form.mem_scale))
+        return int(np.floor(float(res.mip_dual_bound) * form.mem_scale)), None
     codes, ws, ds, states = form.read_back(res.x)
     value = evaluate_arrays(sim, np.array([codes]), np.array([ws]), np.array([ds]), np.array([states]))[0][0]
-    return int(np.ceil(value))
+    return int(np.ceil(value)), (codes, ws, ds, states)
 
 
-_MIN_PEAK: dict[tuple[Any, ...], tuple[weakref.ref, int]] = {}
+_MIN_PEAK: dict[tuple[Any, ...], tuple[weakref.ref, int, PlanArrays | None]] = {}
 
 
 def cached_min_peak(sim: Simulator, space: PlanSpace) -> int:
     """:func:`min_peak` for a compiled simulator, cached per profile, device, simulator class and space."""
+    return cached_min_peak_plan(sim, space)[0]
+
+
+def cached_min_peak_plan(sim: Simulator, space: PlanSpace) -> tuple[int, PlanArrays | None]:
+    """:func:`solve_min_peak_plan`, cached like :func:`cached_min_peak` (which shares its cache)."""
     key = (id(sim.profile), repr(sim.device), type(sim), space)
     hit = _MIN_PEAK.get(key)
     if hit is not None and hit[0]() is sim.profile:
-        return hit[1]
-    value = solve_min_peak(sim, space)
-    _MIN_PEAK[key] = (weakref.ref(sim.profile), value)
-    return value
+        return hit[1], hit[2]
+    value, arrays = solve_min_peak_plan(sim, space)
+    _MIN_PEAK[key] = (weakref.ref(sim.profile), value, arrays)
+    return value, arrays
 
 
 def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: Sequence[int],

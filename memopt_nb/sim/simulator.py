@@ -456,6 +456,7 @@ class Simulator:
             return bool(g.savers) or g.free_pos is not None or getattr(g, "release_pos", None) is not None
 
         gs = [g for g in groups if changes(g)]
+        self.g_list = gs  # the groups the arrays below describe, in their order
         self.G = G = len(gs)
         ks = max([len(g.savers) for g in gs] + [1])
         kc = max([len(g.consumers) for g in gs] + [1])
@@ -614,7 +615,7 @@ class Simulator:
                     "step_peak": st_step, "state_time": st_time, "moved": st_moved,
                     "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
                     "compute": self.dur.sum() + recompute + copy_time, "trig": trig, "off": off, "r_pos": r_pos,
-                    "t_pos": t_pos, "storages": off_count}
+                    "t_pos": t_pos, "storages": off_count, "plan_end": plan_end}
         # the training thread's per-storage share of the copies; the bytes run on the copy queues below
         thread_copy = dev.copy_seconds(0.0, off_count, "both")
         t = np.zeros(B)
@@ -660,7 +661,7 @@ class Simulator:
                 "step_peak": st_step, "state_time": st_time, "moved": st_moved,
                 "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
                 "compute": np.full(B, self.dur.sum()) + recompute + thread_copy, "trig": trig, "off": off,
-                "r_pos": r_pos, "t_pos": t_pos, "storages": off_count}
+                "r_pos": r_pos, "t_pos": t_pos, "storages": off_count, "plan_end": plan_end}
 
     # ------------------------------------------------------------------ plans
     def encode(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
