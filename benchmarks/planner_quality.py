@@ -30,11 +30,14 @@ batch 8 × 128), profiled here with ``units="fine"`` and ``selective=True`` (mea
 (the emulated device it was profiled on) and the A100 preset.
 
 ``--depth``: how the planners scale with the number of units: synthetic chains of ``--sizes`` units (default 48, 96,
-192, 384) and, with ``--hf gpt2-24``, a 24-layer transformers GPT-2 (n_embd 128, batch 8 x 128) profiled with
-``units="fine"`` (about 200 units); activations only (``--offload-state`` adds state placements) at 25 % and 60 % of
-the way from the floor. Per case: the agents alone, the search's plan and random sampling with 4x the agents'
-evaluations, each divided by the MILP's plan after ``--time-limit`` seconds (its incumbent where it proves nothing),
-with the search's and the MILP's seconds.
+192, 384) and, with ``--hf gpt2-24,gpt2-48``, transformers GPT-2s of 24 and 48 layers (n_embd 128, batch 8 x 128)
+profiled with ``units="fine"`` (7 units per layer); activations only (``--offload-state`` adds state placements) at
+25 % and 60 % of the way from the floor. Per case: the agents alone, the search's plan and random sampling with 4x the
+agents' evaluations, each divided by the MILP's plan after ``--time-limit`` seconds (its incumbent where it proves
+nothing), with the search's and the MILP's seconds.
+
+``--depth-gpt2``: the GPT-2 of ``--layers`` layers (default 24) at the budget halfway between its fine and block
+floors: the search against the MILP, then two steps trained under the search's plan (see :func:`depth_gpt2`).
 """
 
 from __future__ import annotations
@@ -177,24 +180,98 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tu
           f"otherwise)")
 
 
-def gpt2_24_fine():
-    """The 24-layer GPT-2 of ``--depth`` (random init, no download), profiled with ``units="fine"``."""
+def gpt2_fine(layers: int = 24):
+    """The deep GPT-2 of ``--depth`` (random init, no download), profiled with ``units="fine"``."""
+    model, inputs, loss_fn, opt = gpt2_deep(layers)
+    return memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+
+
+def gpt2_deep(layers: int = 24):
+    """The deep GPT-2 of ``--depth`` (random init, no download): model, batch, loss and SGD, the same each call."""
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=24, n_embd=128, n_head=4, n_positions=128, vocab_size=1000)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=128, n_head=4, n_positions=128, vocab_size=1000)
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 1000, (8, 128))
-    return memopt.profile(model, input_ids=ids, labels=ids, loss_fn=lambda o: o.loss,
-                          optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), units="fine", repeats=1)
+    return model, {"input_ids": ids, "labels": ids}, (lambda o: o.loss), torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def depth_gpt2(time_limit: float, timesteps: int | None, layers: int = 24) -> None:
+    """``--depth-gpt2``: the GPT-2 of ``layers`` layers with ``units="fine"`` at the budget halfway between its
+    activation-only fine floor (every activation strategy the profile allows) and its block floor (``units="auto"``,
+    keep / recompute / swap): the search's plan and seconds against the MILP's plan after ``time_limit`` s, then two
+    training steps under the search's plan inside ``limit_memory(budget)``, compared bit for bit with two steps
+    without a plan."""
+    strategies = tuple(s for s in STRATEGIES if s != "selective")
+    model, inputs, loss_fn, opt = gpt2_deep(layers)
+    t0 = time.perf_counter()
+    fine = memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+    fine_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    block = memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="auto", repeats=1)
+    block_s = time.perf_counter() - t0
+    lo = solvers.min_peak(fine, None, strategies, offload_state=False)
+    hi = solvers.min_peak(block, None, DEFAULT_STRATEGIES, offload_state=False)
+    budget = (lo + hi) // 2
+    print(f"units: fine {fine.n_units} (profiled in {fine_s:.1f} s), auto {block.n_units} ({block_s:.1f} s)")
+    print(f"floors: fine {lo / 2**20:.2f} MiB, block {hi / 2**20:.2f} MiB; budget {budget / 2**20:.2f} MiB")
+    t0 = time.perf_counter()
+    plan = memopt.search(fine, budget, strategies=strategies, offload_state=False, total_timesteps=timesteps, seed=0)
+    search_s = time.perf_counter() - t0
+    sim = memopt.Simulator(fine)
+    base = [b for b in (fn(sim, budget) for fn in solvers.BASELINES.values()) if b.feasible]
+    best = min(base, key=lambda b: b.predicted_step_time, default=None)
+    print(f"no plan: {fine.step_time * 1e3:.1f} ms, {fine.peak_bytes / 2**20:.2f} MiB; best baseline within the "
+          "budget: " + (f"{best.method} {best.predicted_step_time * 1e3:.1f} ms" if best else "none"))
+    print("| plan | simulated step | peak | seconds | note |")
+    print("|---|---|---|---|---|")
+    agents = plan.meta.get("agents_step_time")
+    print(f"| search | {plan.predicted_step_time * 1e3:.1f} ms | {plan.predicted_peak_bytes / 2**20:.2f} MiB | "
+          f"{search_s:.1f} | agents alone {'no plan within the budget' if agents is None else f'{agents * 1e3:.1f} ms'}"
+          f"; stopped: {plan.meta.get('stopped')}; polish from {plan.meta.get('polish_start')} |", flush=True)
+    t0 = time.perf_counter()
+    try:
+        opt_plan = solvers.optimal(fine, budget, strategies=strategies, offload_state=False, time_limit=time_limit)
+    except memopt.BudgetError as e:  # no incumbent within the time limit
+        print(f"| MILP | – | – | {time.perf_counter() - t0:.1f} | no plan: {e} |")
+    else:
+        gap = opt_plan.meta.get("mip_gap")
+        print(f"| MILP | {opt_plan.predicted_step_time * 1e3:.1f} ms | {opt_plan.predicted_peak_bytes / 2**20:.2f} MiB "
+              f"| {time.perf_counter() - t0:.1f} | proven {bool(opt_plan.meta.get('proven_optimal'))}"
+              f"{'' if gap is None else f', gap {gap:.2%}'} |")
+        print(f"search ÷ MILP: {plan.predicted_step_time / opt_plan.predicted_step_time:.4f}")
+
+    def train(m, o, steps=2):
+        losses = []
+        for _ in range(steps):
+            loss = loss_fn(m(**inputs))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(1)
+    with memopt.plan(plan), memopt.limit_memory(budget) as lim:
+        got = train(model, opt)
+    measured = lim.peak_bytes
+    ref_model, _, _, ref_opt = gpt2_deep(layers)
+    torch.manual_seed(1)
+    want = train(ref_model, ref_opt)
+    same = got == want and all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters(),
+                                                                   strict=True))
+    print(f"2 steps under the plan: losses and parameters bit-identical: {same}; measured peak "
+          f"{measured / 2**20:.2f} MiB (predicted {plan.predicted_peak_bytes / 2**20:.2f}, budget "
+          f"{budget / 2**20:.2f})")
 
 
 def depth(time_limit: float, timesteps: int | None, sizes: tuple[int, ...], hf: tuple[str, ...],
           offload_state: bool) -> None:
     cases = [(f"chain{n}" + ("+state" if offload_state else ""),
               chain_profile(n, seed=n, state_bytes=16 * 2**20 if offload_state else 0)) for n in sizes]
-    if "gpt2-24" in hf:
-        cases.append(("hf-gpt2-24 fine", gpt2_24_fine()))
+    for name in hf:  # gpt2-24, gpt2-48: GPT-2 with that many layers
+        cases.append((f"hf-{name} fine", gpt2_fine(int(name.removeprefix("gpt2-")))))
     space = {"offload_state": offload_state, "strategies": DEFAULT_STRATEGIES}
     print("| case | units | budget | agents ÷ MILP | search ÷ MILP | random (4x evals) ÷ MILP | search s | MILP s "
           "| MILP proven (gap) |")
@@ -254,7 +331,14 @@ def main() -> None:
                     "(cpu: the profiled one)")
     ap.add_argument("--depth", action="store_true", help="48 to 384 units: agents, search, MILP and random sampling")
     ap.add_argument("--sizes", default="48,96,192,384", help="--depth: synthetic chain sizes")
+    ap.add_argument("--depth-gpt2", action="store_true", help="the 24-layer GPT-2 with fine units halfway between "
+                    "its fine and block floors: search vs MILP, then 2 steps trained under the plan")
+    ap.add_argument("--layers", type=int, default=24, help="--depth-gpt2: GPT-2's layers")
     args = ap.parse_args()
+    if args.depth_gpt2:
+        torch.set_num_threads(1)
+        depth_gpt2(args.time_limit, args.timesteps, args.layers)
+        return
     if args.depth:
         torch.set_num_threads(1)
         depth(args.time_limit, args.timesteps, tuple(int(x) for x in args.sizes.split(",") if x),

@@ -237,3 +237,30 @@ def test_repair_moves_down_the_peak_until_the_plan_fits():
     assert fits and moves >= 1 and peak[0] <= task.budget
     c2, *_, moves2, fits2 = polish_mod.repair(task, keep, keep + 1, keep + 1, max_rounds=1)
     assert moves2 == 1 and fits2 == (moves == 1)
+
+
+@pytest.mark.slow
+def test_at_depth_a_round_stacks_moves_and_the_polish_still_ends_where_no_single_move_helps():
+    """From STACK_FROM_UNITS units up a round takes its best move and the other improving moves that still help on top
+    of it: never slower than the round's best single move, fewer rounds than one move each, and the polish still stops
+    only where no single move is faster."""
+    strategies = ("keep", "recompute", "swap", "recompute_offload")
+    task = _task(polish_mod.STACK_FROM_UNITS + 8, 7, "a100-40gb", 0.3, strategies)
+    c, w, d = polish_mod.option_arrays(np.where(task.option_ok[:, 1], 1, task.plain_options()))  # recompute all
+    one = reference_polish(task, c, w, d, max_rounds=1)
+    units, opts = np.nonzero(task.option_ok)
+    cur = polish_mod.to_options(c, w, d)
+    cand = np.repeat(cur[None], units.size, axis=0)
+    cand[np.arange(units.size), units] = opts
+    zero = np.zeros(task.n, dtype=np.int64)
+    stacked, t = polish_mod._stacked_moves(task, cur, zero, units, opts, cand, polish_mod._time_of(task, c, w, d, zero))
+    assert stacked is not None and t <= polish_mod._time_of(task, *one[:4]) * (1 + 1e-12)
+    assert (stacked != cur).sum() > 1  # more than one unit moved in the round
+
+    got = polish_mod.polish(task, c, w, d)
+    want = reference_polish(task, c, w, d)
+    assert 0 < got[4] < want[4]
+    got_t = polish_mod._time_of(task, *got[:4])
+    assert math.isfinite(got_t)
+    again = reference_polish(task, *got[:4], max_rounds=1)  # no single move improves the result
+    assert again[4] == 0

@@ -215,7 +215,9 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     that needs a little more memory can be paid for by moving some state). Pairs are scored with the cost model's
     separable state part (``sim/COST_MODEL.md``) and the chosen move is checked with the exact evaluation before it is
     taken. Without placements, a move is simulated only where a lower bound on its time does not already rule it out
-    (:func:`_best_move`): the same moves as simulating every one.
+    (:func:`_best_move`): the same moves as simulating every one. From :data:`STACK_FROM_UNITS` units up (activations
+    only) a round takes its best move and then the others that still help on top of it (:func:`_stacked_moves`), so
+    one "move" may change several units.
     """
     n = task.n
     cur = to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
@@ -236,6 +238,13 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
             t = np.where(peak <= task.budget, t, math.inf)
             i = int(np.argmin(t))
             found = float(t[i])
+        elif n >= STACK_FROM_UNITS:  # at depth: the round's improving moves, stacked
+            stacked, found = _stacked_moves(task, cur, cur_st, units, opts, cand, best_t * (1 - 1e-12))
+            if stacked is None:
+                break
+            cur, best_t = stacked, found
+            moves += 1
+            continue
         else:  # where the bound left most moves in the running last round, one batch of all (fewer simulator calls)
             i, found, simulated = _best_move(task, cand, cur_st, best_t * (1 - 1e-12),
                                              block=cand.shape[0] if simulated > 0.75 * cand.shape[0] else None)
@@ -286,6 +295,17 @@ def repair(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
 #: Rounds one :func:`polish` takes at most (each makes one move).
 POLISH_ROUNDS = 100
 
+#: From this many units up (activations only), a round of :func:`polish` takes several of its improving moves at once
+#: (:func:`_stacked_moves`): a round simulates every unit's every option, so at depth one move per round would cost
+#: rounds in proportion to the units and time in proportion to their square.
+STACK_FROM_UNITS = 96
+
+#: Batches of stacked plans :func:`_stacked_moves` tries per round (each drops the move that stopped the last one).
+STACK_TRIES = 4
+
+#: Improving moves :func:`_stacked_moves` stacks per batch at most.
+STACK_MOVES = 32
+
 #: Rows :func:`_best_move` simulates in its first batch (then 4x more each time): few enough that a bound that rules
 #: most moves out saves most of the work, enough that the simulator's per-call overhead stays small.
 MOVE_BLOCK = 128
@@ -328,6 +348,52 @@ def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: 
         if m < best or (m == best and at < best_i):
             best_i, best = at, m
     return best_i, best, simulated
+
+
+def _stacked_moves(task: PlanningTask, cur: np.ndarray, states: np.ndarray, units: np.ndarray, opts: np.ndarray,
+                   cand: np.ndarray, below: float) -> tuple[np.ndarray | None, float]:
+    """One round of the polish at depth: the plan (option indices) that takes this round's best move and as many of
+    its other improving moves as help, with its time; ``(None, inf)`` where no move is faster than ``below``.
+
+    Every move (row of ``cand``: ``cur`` with unit ``units[r]`` set to ``opts[r]``) whose time bound is below ``below``
+    is simulated; those within budget and faster than ``below`` are ranked fastest first (ties: the earlier row), one
+    per unit. Stacked on the best one in that order, each prefix is simulated in one batch and the fastest prefix within
+    budget is kept; the move after it is dropped and the rest tried again, :data:`STACK_TRIES` batches in all. The
+    result is never slower than the round's best single move, and the polish still ends at a plan no single move
+    improves."""
+    floor = task.time_floor(cand) if not states.any() else None
+    rows = np.arange(cand.shape[0]) if floor is None else np.flatnonzero(floor < below)
+    if not rows.size:
+        return None, math.inf
+    sts = np.repeat(states[None], rows.size, axis=0)
+    peak, t = task.evaluate(*option_arrays(cand[rows]), sts)
+    good = (peak <= task.budget) & (t < below)
+    if not good.any():
+        return None, math.inf
+    rows, t = rows[good], t[good]
+    order = np.lexsort((rows, t))
+    rows, t = rows[order], t[order]
+    _, first = np.unique(units[rows], return_index=True)  # each unit's fastest move
+    keep = np.sort(first)
+    rows, t = rows[keep], t[keep]
+    best, best_t = cand[rows[0]].copy(), float(t[0])
+    queue = list(rows[1:])
+    for _ in range(STACK_TRIES):
+        if not queue:
+            break
+        batch = queue[:STACK_MOVES]
+        plans = np.repeat(best[None], len(batch), axis=0)
+        for k, r in enumerate(batch):
+            plans[k:, units[r]] = opts[r]
+        peak, tt = task.evaluate(*option_arrays(plans), np.repeat(states[None], len(batch), axis=0))
+        tt = np.where(peak <= task.budget, tt, math.inf)
+        j = int(np.argmin(tt))
+        if tt[j] < best_t * (1 - 1e-12):
+            best, best_t = plans[j], float(tt[j])
+            queue = batch[j + 2:] + queue[len(batch):]  # the move after the kept prefix stopped it: dropped
+        else:
+            queue = queue[1:]  # the next move alone does not help on top of the best: dropped
+    return best, best_t
 
 
 def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
