@@ -180,6 +180,20 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tu
           f"otherwise)")
 
 
+def feasible_baselines(sim, budget: int) -> list:
+    """The plans of the classic baselines that fit ``budget`` (those outside the profile's space, e.g. selective
+    without save-sets, left out)."""
+    out = []
+    for fn in solvers.BASELINES.values():
+        try:
+            plan = fn(sim, budget)
+        except memopt.MemoptError:
+            continue
+        if plan.feasible:
+            out.append(plan)
+    return out
+
+
 def gpt2_fine(layers: int = 24):
     """The deep GPT-2 of ``--depth`` (random init, no download), profiled with ``units="fine"``."""
     model, inputs, loss_fn, opt = gpt2_deep(layers)
@@ -220,7 +234,7 @@ def depth_gpt2(time_limit: float, timesteps: int | None, layers: int = 24) -> No
     plan = memopt.search(fine, budget, strategies=strategies, offload_state=False, total_timesteps=timesteps, seed=0)
     search_s = time.perf_counter() - t0
     sim = memopt.Simulator(fine)
-    base = [b for b in (fn(sim, budget) for fn in solvers.BASELINES.values()) if b.feasible]
+    base = feasible_baselines(sim, budget)
     best = min(base, key=lambda b: b.predicted_step_time, default=None)
     print(f"no plan: {fine.step_time * 1e3:.1f} ms, {fine.peak_bytes / 2**20:.2f} MiB; best baseline within the "
           "budget: " + (f"{best.method} {best.predicted_step_time * 1e3:.1f} ms" if best else "none"))
@@ -293,8 +307,7 @@ def run_case(label: str, prof, device, frac: float, time_limit: float, timesteps
     t0 = time.perf_counter()
     opt = solvers.optimal(sim, budget, time_limit=time_limit)
     opt_s = time.perf_counter() - t0
-    base = [fn(sim, budget) for fn in solvers.BASELINES.values()]
-    feasible = [b for b in base if b.feasible]
+    feasible = feasible_baselines(sim, budget)
     best_base = min(feasible, key=lambda b: b.predicted_step_time) if feasible else None
     t0 = time.perf_counter()
     plan = memopt.search(prof, budget, device, total_timesteps=timesteps, seed=0)

@@ -167,3 +167,54 @@ def test_penalty_steps_to_one_at_the_budget_and_overhead_is_relative():
     peak, time = task.evaluate(np.zeros((1, task.n), dtype=int), np.ones((1, task.n), dtype=int),
                                np.ones((1, task.n), dtype=int))
     assert peak[0] == task.base_peak and time[0] == pytest.approx(task.base_time)
+
+
+def test_the_completion_plan_fits_the_budget_and_is_none_where_no_uniform_plan_does():
+    """The plan the environment's masks assume for the units still undecided: the lowest-peak uniform plan, which the
+    simulator says fits; ``None`` at a budget only a mixed plan meets (the masks then keep their best case alone)."""
+    from memopt_nb.planners.rl.task import option_codes
+
+    prof = chain_profile(24, seed=3)
+    lo = solvers.min_peak(prof, "a100-40gb", offload_state=False)
+    task = PlanningTask(prof, int(lo + 0.3 * (prof.peak_bytes - lo)), "a100-40gb", offload_state=False)
+    assert task.completion is None  # below COMPLETION_FROM_UNITS the masks keep every plan reachable
+    comp = task.completion_options()
+    assert comp is not None and task.option_ok[np.arange(task.n), comp].all()
+    c, w, d = option_codes(comp[None])
+    peak, _ = task.evaluate(c, w, d, np.zeros((1, task.n), dtype=np.int64))
+    assert peak[0] <= task.budget
+    rows = []  # every uniform plan's peak: at the floor (below all of them, where mixed plans fit) there is none
+    for o in range(1, task.n_options):
+        if task.option_ok[:, o].all():
+            c, w, d = option_codes(np.full((1, task.n), o))
+            rows.append(task.evaluate(c, w, d, np.zeros((1, task.n), dtype=np.int64))[0][0])
+    if lo < min(rows):
+        assert PlanningTask(prof, lo, "a100-40gb", offload_state=False).completion_options() is None
+
+
+def test_masks_with_the_completion_plan_keep_random_episodes_within_a_tight_budget_more_often():
+    """At a budget 5 % of the way from the floor on 48 units, random masked episodes: the masks that assume the
+    completion plan for the rest fit the budget more often than the masks that assume each unit's best case per
+    segment (which no single plan reaches, so that episodes walk into a budget they can no longer meet)."""
+    from memopt_nb.planners.rl.env import MemoryPlanningEnv
+
+    prof = chain_profile(48, seed=48)
+    lo = solvers.min_peak(prof, "a100-40gb", offload_state=False)
+    budget = int(lo + 0.05 * (prof.peak_bytes - lo))
+    fits = {}
+    for comp in (True, False):
+        task = PlanningTask(prof, budget, "a100-40gb", offload_state=False)
+        task.completion = task.completion_options() if comp else None  # 48 units: below COMPLETION_FROM_UNITS
+        assert comp == (task.completion is not None)
+        env = MemoryPlanningEnv(task, order="forward")
+        fits[comp] = 0
+        for seed in range(20):
+            rng = np.random.default_rng(seed)
+            obs, _ = env.reset(seed=seed)
+            info: dict = {}
+            while env.agents:
+                acts = {a: int(rng.choice(np.flatnonzero(obs[a]["action_mask"]))) for a in env.agents}
+                obs, _, _, _, infos = env.step(acts)
+                info = infos.get("strategy", info)
+            fits[comp] += bool(info["feasible"])
+    assert fits[True] > fits[False], fits

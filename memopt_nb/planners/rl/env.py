@@ -44,7 +44,12 @@ recompute/swap where the unit allows it, a save-set where the unit offers it, sw
 only where the state table says it changes something (not for units without parameters), timings only for swapped units
 and only where they differ in effect, and any action after which the budget is out of reach even if every remaining unit
 takes its most frugal option (by the marginal model; for the unit decided at the same step by the other agent, its most
-frugal allowed option is assumed). An action outside the mask is replaced by the first allowed one.
+frugal allowed option is assumed). Activations only, on :data:`~memopt_nb.planners.rl.task.COMPLETION_FROM_UNITS`
+units or more, where the task knows a plan that fits (its *completion*, the lowest-peak uniform plan,
+:meth:`~memopt_nb.planners.rl.task.PlanningTask.completion_options`), the masks go further:
+only the actions after which that plan for the units still undecided keeps the budget, or the ones closest to it where
+none does. The per-segment best case of every unit at once is no plan at all, and on a hundred units or more it let
+episodes walk into budgets they could no longer meet. An action outside the mask is replaced by the first allowed one.
 
 Reward (cooperative, from the exact simulator at the end of the episode): the team objective is
 ``J = overhead + penalty`` with ``overhead = step_time / keep_all_time − 1`` and a penalty that jumps to 1 and grows
@@ -153,6 +158,12 @@ class MemoryPlanningEnv(ParallelEnv):
         self._pos = np.argsort(self.order)
         self._order_key = self.order.tobytes()  # copies that walk the units alike are observed together
         self._suffix_min, self._suffix_step, self._suffix_can_move, self._suffix_red = task.suffixes(self.order)
+        #: what the task's completion plan (a plan known to fit) takes off each segment from position ``k`` of the
+        #: order on, ``(n + 1, S)``; ``None`` without one
+        self._suffix_comp = None
+        if task.completion is not None:
+            marg = task.marg_peak[self.order, task.completion[self.order]]
+            self._suffix_comp = np.concatenate([np.cumsum(marg[::-1], axis=0)[::-1], np.zeros((1, task.S))])
         self.lookahead = lookahead
         self.reward_scale = reward_scale
         self.possible_agents = [STRATEGY, TIMING]
@@ -469,6 +480,14 @@ class MemoryPlanningEnv(ParallelEnv):
         s_mask = (ok[None] & (with_rest.reshape(E, -1) <= tol)).astype(np.int8)
         none = ~s_mask.any(axis=1)
         s_mask[none] = ok
+        comp = first._suffix_comp
+        if comp is not None:  # the actions that keep the budget with the completion plan for the rest (else the
+            # ones closest to it: where an earlier choice of the other agent went over, back towards the budget)
+            with_comp = (seg + comp[t + 1]).max(axis=3)
+            if task.has_step:
+                with_comp = task.bounds(with_comp, rest_max, moved[:, None], rest_move)
+            with_comp = np.where(ok[None], with_comp.reshape(E, -1), np.inf)
+            s_mask = (ok[None] & (with_comp <= np.maximum(tol, with_comp.min(axis=1, keepdims=True)))).astype(np.int8)
         step_max = _rowmax(step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
         est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
         cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
@@ -518,6 +537,12 @@ class MemoryPlanningEnv(ParallelEnv):
                 peaks = seg_max
             tm = (popt[None] & (peaks <= tol)).astype(np.int8)
             tm[~tm.any(axis=1)] = popt
+            if comp is not None:  # likewise with unit u and the rest on the completion plan
+                cseg = ((base_level[k] + comp[t])[:, None, :] + marg[None]).max(axis=2)
+                if task.has_step:
+                    cseg = np.maximum(cseg, np.where(was_moved[k], -np.inf, task.plain_step)[:, None])
+                cseg = np.where(popt[None], cseg, np.inf)
+                tm = (popt[None] & (cseg <= np.maximum(tol, cseg.min(axis=1, keepdims=True)))).astype(np.int8)
             t_mask[k] = tm
             ref = base_level[k].max(axis=1)
             red = (ref[:, None] - (base_level[k][:, None, :] + marg[None]).max(axis=2)) / need[k, None]

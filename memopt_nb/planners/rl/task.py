@@ -32,13 +32,20 @@ from ..floor import Advice
 from ..space import as_simulator, check_save_sets
 
 __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS", "SELECTIVE_BASE",
-           "code_options", "option_codes"]
+           "COMPLETION_FROM_UNITS", "code_options", "option_codes"]
 
 #: Timing actions: (offload window, prefetch distance) pairs.
 TIMINGS: tuple[tuple[int, int], ...] = tuple((w, d) for w in WINDOWS for d in DISTANCES)
 #: The timing a swap gets when nobody chooses one (the timing agent's difference reward is measured against it).
 DEFAULT_TIMING = TIMINGS.index((1, 1))
 N_OPTIONS = 2 + len(TIMINGS)  # keep, recompute, swap × timings (a task with recompute_offload: task.n_options)
+#: From this many units up (activations only) the environment's masks assume a plan that fits for the units still
+#: undecided (:meth:`PlanningTask.completion_options`) rather than each unit's best case per segment. The best case
+#: keeps every plan reachable (the optimum included), but summed over a hundred units or more it is so far from any
+#: one plan that most episodes miss a tight budget; the completion keeps them within it and may mask a plan that
+#: needed a mix the uniform completion does not have.
+COMPLETION_FROM_UNITS = 96
+
 #: The first option index of the selective options, in a task that offers them (``SELECTIVE_BASE + j``: save-set
 #: ``SAVE_SETS[j]``): after keep, recompute and both timed strategies' timings (recompute_offload's columns are
 #: there, not allowed, when it is not in ``strategies``), so that an option index means the same in every such task.
@@ -275,6 +282,32 @@ class PlanningTask:
         swap_bytes = np.array([u.interior_bytes + u.input_bytes for u in self.profile.units], dtype=float)
         copy = np.maximum(dev.copy_seconds(swap_bytes, owned, "d2h"), dev.copy_seconds(swap_bytes, owned, "h2d"))
         self.copy_ratio = copy / np.maximum(sim.dur[sim.fwd_seg], 1e-9)
+        #: activations only, from :data:`COMPLETION_FROM_UNITS` units up: a plan known to fit the budget (option
+        #: indices; ``None`` where none is known), whose options the environment's masks assume for the units still
+        #: undecided (:meth:`completion_options`)
+        self.completion = (self.completion_options() if self.C == 1 and n >= COMPLETION_FROM_UNITS else None)
+
+    def completion_options(self) -> np.ndarray | None:
+        """Option indices of the lowest-peak plan that gives every unit one allowed timed or recompute option
+        (each timing the same for every unit), if the simulator says it fits the budget; else ``None``.
+
+        The environment masks an action unless, with this plan for the units still undecided, the marginal model keeps
+        the budget (where some action passes that test): a real plan, not the per-segment best case of every unit at
+        once, so that on hundreds of units an episode does not walk into a budget it can no longer meet."""
+        n, T = self.n, len(TIMINGS)
+        plain = self.plain_options()
+        rows = []
+        for lo, hi in [(RECOMPUTE, RECOMPUTE + 1)] + [(self.timed_base[c], self.timed_base[c] + T)
+                                                     for c in self.timed_codes]:
+            group = self.option_ok[:, lo:hi]
+            # a unit without this option: the strategy's first timing it has (the same effect), else its plainest
+            first = np.where(group.any(axis=1), lo + group.argmax(axis=1), plain)
+            rows += [np.where(self.option_ok[:, o], o, first) for o in range(lo, hi)]
+        rows = np.unique(np.array(rows, dtype=np.int64), axis=0)
+        c, w, d = option_codes(rows)
+        peak, _ = self.evaluate(c, w, d, np.zeros((rows.shape[0], n), dtype=np.int64))
+        i = int(np.argmin(peak))
+        return rows[i].copy() if peak[i] <= self.budget else None
 
     def _compile_states(self) -> None:
         """The allowed placements' rows of the state table, per unit and local choice ``j`` (``state_ids[j]``)."""
