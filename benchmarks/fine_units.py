@@ -7,6 +7,7 @@ the two configurations of issue 12. Plain SGD (no optimizer state) unless ``--ad
 
     python benchmarks/fine_units.py                # all sections, about 5 minutes on 2 CPU cores
     python benchmarks/fine_units.py --floor --train
+    python benchmarks/fine_units.py --timm-vit 32,64,96   # timm's ViT-Tiny: fine vs block floor per batch
 
 Sections:
 Spaces: ``old`` = blocks (``units="auto"``) with keep / recompute / swap; ``fine`` = ``units="fine"`` with the same
@@ -249,13 +250,45 @@ def max_batch_section(names, adam):
     print(f"\nmax batch, fine+ro ÷ best baseline: median {statistics.median(ratios):.3f} over {len(ratios)} models")
 
 
+def timm_vit_section(batches: list[int]) -> None:
+    """``--timm-vit``: timm's ViT-Tiny (``tests/timm_like.py``, 12 blocks, 96 px, SGD) at each batch: the
+    activation-only floor of fine units with every strategy but selective against the block floor with keep /
+    recompute / swap, and where the fine floor's plan peaks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import timm_like
+
+    from memopt_nb.core.plan import STRATEGIES
+    from memopt_nb.planners.floor import explain_floor
+
+    every = tuple(s for s in STRATEGIES if s != "selective")
+    print("| batch | block floor | fine floor | fine ÷ block | where the fine floor's plan peaks |")
+    print("|---|---|---|---|---|")
+    for b in batches:
+        floors = {}
+        for units in ("auto", "fine"):
+            model, inputs, loss_fn = timm_like.vit_tiny(batch=b, image=96)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, units=units, repeats=1)
+            strategies = every if units == "fine" else ("keep", "recompute", "swap")
+            floors[units] = (solvers.min_peak(prof, None, strategies, offload_state=False), prof, strategies)
+        (block, _, _), (fine, prof, strategies) = floors["auto"], floors["fine"]
+        where = explain_floor(prof, floor_bytes=fine, strategies=strategies, offload_state=False).breakdown_text()
+        print(f"| {b} | {block / 2**20:.2f} MiB | {fine / 2**20:.2f} MiB | {fine / block:.3f} | {where} |", flush=True)
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag in ("floor", "train", "bench", "max-batch"):
         ap.add_argument(f"--{flag}", action="store_true")
     ap.add_argument("--adam", action="store_true", help="AdamW instead of SGD (the fixed state then grows 2x)")
     ap.add_argument("--models", default="gpt2,vit")
+    ap.add_argument("--timm-vit", default="", help="batches, e.g. 32,64,96: timm's ViT-Tiny fine vs block floor "
+                    "(only this section)")
     args = ap.parse_args(argv)
+    if args.timm_vit:
+        torch.set_num_threads(1)
+        timm_vit_section([int(b) for b in args.timm_vit.split(",")])
+        return
     every = not (args.floor or args.train or args.bench or args.max_batch)
     names = args.models.split(",")
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
