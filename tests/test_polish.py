@@ -264,3 +264,21 @@ def test_at_depth_a_round_stacks_moves_and_the_polish_still_ends_where_no_single
     assert math.isfinite(got_t)
     again = reference_polish(task, *got[:4], max_rounds=1)  # no single move improves the result
     assert again[4] == 0
+
+
+@pytest.mark.slow
+def test_at_depth_rounds_with_placements_stack_too_and_the_polish_still_ends_at_a_local_optimum():
+    """With state placements (the pairs of option and placement moves), from STACK_FROM_UNITS units up: in the same
+    number of rounds the stacked polish gets at least as far as one move a round, and where it stops by itself no
+    single (paired) move is faster."""
+    task = _task(polish_mod.STACK_FROM_UNITS, 5, "a100-40gb", 0.3, ("keep", "recompute", "swap"), offload_state=True)
+    assert task.C > 1
+    starts = polish_mod._heuristic_starts(task)  # baselines' plans that fit: the slowest, with the most to gain
+    _, opts, st, _ = starts[-1]
+    c, w, d = polish_mod.option_arrays(opts)
+    got = polish_mod.polish(task, c, w, d, st, max_rounds=40)
+    want = reference_polish(task, c, w, d, st, max_rounds=40)
+    got_t, want_t = polish_mod._time_of(task, *got[:4]), polish_mod._time_of(task, *want[:4])
+    assert math.isfinite(got_t) and got_t < want_t  # one move a round is still far from done after 40
+    if got[4] < 40:  # it stopped by itself: no single move improves its plan
+        assert reference_polish(task, *got[:4], max_rounds=1)[4] == 0

@@ -215,9 +215,9 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     that needs a little more memory can be paid for by moving some state). Pairs are scored with the cost model's
     separable state part (``sim/COST_MODEL.md``) and the chosen move is checked with the exact evaluation before it is
     taken. Without placements, a move is simulated only where a lower bound on its time does not already rule it out
-    (:func:`_best_move`): the same moves as simulating every one. From :data:`STACK_FROM_UNITS` units up (activations
-    only) a round takes its best move and then the others that still help on top of it (:func:`_stacked_moves`), so
-    one "move" may change several units.
+    (:func:`_best_move`): the same moves as simulating every one. From :data:`STACK_FROM_UNITS` units up a round takes
+    its best move and then the others that still help on top of it (:func:`_stack`), so one "move" may change several
+    units.
     """
     n = task.n
     cur = to_options(np.asarray(codes), np.asarray(windows), np.asarray(dists))
@@ -238,6 +238,12 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
             t = np.where(peak <= task.budget, t, math.inf)
             i = int(np.argmin(t))
             found = float(t[i])
+            if n >= STACK_FROM_UNITS and found < best_t * (1 - 1e-12):  # at depth: the round's moves, stacked
+                ok = np.flatnonzero(t < best_t * (1 - 1e-12))
+                ok = ok[np.lexsort((ok, t[ok]))]
+                cur, cur_st, best_t = _stack(task, cur, cur_st, cand[ok], cand_st[ok], t[ok])
+                moves += 1
+                continue
         elif n >= STACK_FROM_UNITS:  # at depth: the round's improving moves, stacked
             stacked, found = _stacked_moves(task, cur, cur_st, units, opts, cand, best_t * (1 - 1e-12))
             if stacked is None:
@@ -295,9 +301,9 @@ def repair(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
 #: Rounds one :func:`polish` takes at most (each makes one move).
 POLISH_ROUNDS = 100
 
-#: From this many units up (activations only), a round of :func:`polish` takes several of its improving moves at once
-#: (:func:`_stacked_moves`): a round simulates every unit's every option, so at depth one move per round would cost
-#: rounds in proportion to the units and time in proportion to their square.
+#: From this many units up, a round of :func:`polish` takes several of its improving moves at once (:func:`_stack`): a
+#: round simulates every unit's every option, so at depth one move per round would cost rounds in proportion to the
+#: units and time in proportion to their square.
 STACK_FROM_UNITS = 96
 
 #: Batches of stacked plans :func:`_stacked_moves` tries per round (each drops the move that stopped the last one).
@@ -352,15 +358,13 @@ def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: 
 
 def _stacked_moves(task: PlanningTask, cur: np.ndarray, states: np.ndarray, units: np.ndarray, opts: np.ndarray,
                    cand: np.ndarray, below: float) -> tuple[np.ndarray | None, float]:
-    """One round of the polish at depth: the plan (option indices) that takes this round's best move and as many of
-    its other improving moves as help, with its time; ``(None, inf)`` where no move is faster than ``below``.
+    """One round of the polish at depth, activations only: the plan (option indices) that takes this round's best move
+    and as many of its other improving moves as help (:func:`_stack`), with its time; ``(None, inf)`` where no move is
+    faster than ``below``.
 
     Every move (row of ``cand``: ``cur`` with unit ``units[r]`` set to ``opts[r]``) whose time bound is below ``below``
     is simulated; those within budget and faster than ``below`` are ranked fastest first (ties: the earlier row), one
-    per unit. Stacked on the best one in that order, each prefix is simulated in one batch and the fastest prefix within
-    budget is kept; the move after it is dropped and the rest tried again, :data:`STACK_TRIES` batches in all. The
-    result is never slower than the round's best single move, and the polish still ends at a plan no single move
-    improves."""
+    per unit."""
     floor = task.time_floor(cand) if not states.any() else None
     rows = np.arange(cand.shape[0]) if floor is None else np.flatnonzero(floor < below)
     if not rows.size:
@@ -374,26 +378,51 @@ def _stacked_moves(task: PlanningTask, cur: np.ndarray, states: np.ndarray, unit
     order = np.lexsort((rows, t))
     rows, t = rows[order], t[order]
     _, first = np.unique(units[rows], return_index=True)  # each unit's fastest move
-    keep = np.sort(first)
-    rows, t = rows[keep], t[keep]
-    best, best_t = cand[rows[0]].copy(), float(t[0])
-    queue = list(rows[1:])
+    rows, t = rows[np.sort(first)], t[np.sort(first)]
+    best, _, best_t = _stack(task, cur, states, cand[rows], np.repeat(states[None], rows.size, axis=0), t)
+    return best, best_t
+
+
+def _stack(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, plans: np.ndarray, plan_st: np.ndarray,
+           times: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Stack improving moves: ``plans`` / ``plan_st`` are moves from (``cur``, ``cur_st``) (options and placements),
+    within budget, ranked fastest first with their ``times``. Starting from the first, the changes of the others are
+    added in that order (a move that touches a unit already changed is skipped), each prefix simulated in one batch,
+    and the fastest prefix within budget is kept; the move after it is dropped and the rest tried again,
+    :data:`STACK_TRIES` batches of at most :data:`STACK_MOVES`. Returns options, placements and time: never slower
+    than the first move, which is returned where nothing on top of it helps."""
+    best, best_st, best_t = plans[0].copy(), plan_st[0].copy(), float(times[0])
+    changes = [((p != cur), (s != cur_st)) for p, s in zip(plans, plan_st, strict=True)]
+    queue = list(range(1, len(plans)))
     for _ in range(STACK_TRIES):
+        taken = (best != cur) | (best_st != cur_st)
+        queue = [k for k in queue if not ((changes[k][0] | changes[k][1]) & taken).any()]
         if not queue:
             break
-        batch = queue[:STACK_MOVES]
-        plans = np.repeat(best[None], len(batch), axis=0)
-        for k, r in enumerate(batch):
-            plans[k:, units[r]] = opts[r]
-        peak, tt = task.evaluate(*option_arrays(plans), np.repeat(states[None], len(batch), axis=0))
+        out, out_st, kept = [], [], []
+        p, s = best.copy(), best_st.copy()
+        for k in queue:
+            if len(kept) == STACK_MOVES:
+                break
+            co, cs = changes[k]
+            if ((co | cs) & taken).any():
+                continue
+            p, s = p.copy(), s.copy()
+            p[co], s[cs] = plans[k][co], plan_st[k][cs]
+            taken = taken | co | cs
+            out.append(p)
+            out_st.append(s)
+            kept.append(k)
+        peak, tt = task.evaluate(*option_arrays(np.array(out)), np.array(out_st))
         tt = np.where(peak <= task.budget, tt, math.inf)
         j = int(np.argmin(tt))
         if tt[j] < best_t * (1 - 1e-12):
-            best, best_t = plans[j], float(tt[j])
-            queue = batch[j + 2:] + queue[len(batch):]  # the move after the kept prefix stopped it: dropped
+            best, best_st, best_t = out[j], out_st[j], float(tt[j])
+            drop = set(kept[: j + 2])  # the kept prefix, and the move after it that stopped it
         else:
-            queue = queue[1:]  # the next move alone does not help on top of the best: dropped
-    return best, best_t
+            drop = {kept[0]}  # the next move does not help on top of the best: dropped
+        queue = [k for k in queue if k not in drop]
+    return best, best_st, best_t
 
 
 def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: np.ndarray,
