@@ -306,10 +306,10 @@ POLISH_ROUNDS = 100
 #: units and time in proportion to their square.
 STACK_FROM_UNITS = 96
 
-#: Batches of stacked plans :func:`_stacked_moves` tries per round (each drops the move that stopped the last one).
+#: Batches of stacked plans :func:`_stack` tries per round (each drops the move that stopped the last one).
 STACK_TRIES = 4
 
-#: Improving moves :func:`_stacked_moves` stacks per batch at most.
+#: Improving moves :func:`_stack` stacks per batch at most.
 STACK_MOVES = 32
 
 #: Rows :func:`_best_move` simulates in its first batch (then 4x more each time): few enough that a bound that rules

@@ -475,19 +475,19 @@ class MemoryPlanningEnv(ParallelEnv):
         step = step_level[:, None, :] + task.st_step[u][None]
         moved = was_moved[:, None] | (np.arange(C) > 0)[None]  # (E, C)
         rest_max = _rowmax(step + rest_step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
-        with_rest = (task.bounds((seg + rest).max(axis=3), rest_max, moved[:, None], rest_move) if task.has_step
-                     else (seg + rest).max(axis=3))
-        s_mask = (ok[None] & (with_rest.reshape(E, -1) <= tol)).astype(np.int8)
-        none = ~s_mask.any(axis=1)
-        s_mask[none] = ok
         comp = first._suffix_comp
-        if comp is not None:  # the actions that keep the budget with the completion plan for the rest (else the
-            # ones closest to it: where an earlier choice of the other agent went over, back towards the budget)
-            with_comp = (seg + comp[t + 1]).max(axis=3)
-            if task.has_step:
-                with_comp = task.bounds(with_comp, rest_max, moved[:, None], rest_move)
-            with_comp = np.where(ok[None], with_comp.reshape(E, -1), np.inf)
-            s_mask = (ok[None] & (with_comp <= np.maximum(tol, with_comp.min(axis=1, keepdims=True)))).astype(np.int8)
+        # the rest at its best case per segment, or (comp) on the completion plan
+        with_rest = (seg + (rest if comp is None else comp[t + 1])).max(axis=3)
+        if task.has_step:
+            with_rest = task.bounds(with_rest, rest_max, moved[:, None], rest_move)
+        with_rest = with_rest.reshape(E, -1)
+        if comp is None:  # the actions after which the budget stays in reach (all, where none does)
+            s_mask = (ok[None] & (with_rest <= tol)).astype(np.int8)
+            s_mask[~s_mask.any(axis=1)] = ok
+        else:  # the actions that keep the budget with the completion plan for the rest (else the ones closest to it:
+            # where an earlier choice of the other agent went over, back towards the budget)
+            with_rest = np.where(ok[None], with_rest, np.inf)
+            s_mask = (ok[None] & (with_rest <= np.maximum(tol, with_rest.min(axis=1, keepdims=True)))).astype(np.int8)
         step_max = _rowmax(step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
         est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
         cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
@@ -520,24 +520,25 @@ class MemoryPlanningEnv(ParallelEnv):
             sp = first._static(p)
             k = np.flatnonzero(pcode == code)
             bo = task.timed_base[code]
-            sel = s_mask[k].astype(bool)
-            frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
-            frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
-            t_move = (sel & (np.arange(sel.shape[1]) % C > 0)[None]).any(axis=1)
-            base = base_level[k] + frugal + rest
-            base_step = step_level[k] + frugal_step + rest_step
             popt = task.option_ok[p, bo:bo + T]
             marg = task.marg_peak[p, bo:bo + T]
-            seg_max = (base[:, None, :] + marg[None]).max(axis=2)
-            if task.has_step:
-                bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
-                still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
-                peaks = np.maximum(seg_max, np.where(was_moved[k], bmax, still)[:, None])
-            else:
-                peaks = seg_max
-            tm = (popt[None] & (peaks <= tol)).astype(np.int8)
-            tm[~tm.any(axis=1)] = popt
-            if comp is not None:  # likewise with unit u and the rest on the completion plan
+            if comp is None:  # unit u at its most frugal allowed action, the rest at their best case
+                sel = s_mask[k].astype(bool)
+                frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
+                frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
+                t_move = (sel & (np.arange(sel.shape[1]) % C > 0)[None]).any(axis=1)
+                base = base_level[k] + frugal + rest
+                base_step = step_level[k] + frugal_step + rest_step
+                seg_max = (base[:, None, :] + marg[None]).max(axis=2)
+                if task.has_step:
+                    bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
+                    still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
+                    peaks = np.maximum(seg_max, np.where(was_moved[k], bmax, still)[:, None])
+                else:
+                    peaks = seg_max
+                tm = (popt[None] & (peaks <= tol)).astype(np.int8)
+                tm[~tm.any(axis=1)] = popt
+            else:  # likewise with unit u and the rest on the completion plan
                 cseg = ((base_level[k] + comp[t])[:, None, :] + marg[None]).max(axis=2)
                 if task.has_step:
                     cseg = np.maximum(cseg, np.where(was_moved[k], -np.inf, task.plain_step)[:, None])
