@@ -190,22 +190,47 @@ class _PeakSplit:
     parts: dict[str, int]
 
 
+def _stream_held(up: Any, with_grads: bool, with_peak: bool = True) -> tuple[int, int]:
+    """A unit whose optimizer state streams, during its own part of the step (one parameter at a time): the
+    (optimizer state, gradients) of it on the device — the stepping parameter's state and the next one's on its way
+    in, and the stepping parameter's gradient when ``with_grads`` (brought back for its step) — at the parameter where
+    that (``with_peak``: with the parameter's own step peak) is largest (``UnitProfile.param_steps``; COST_MODEL.md,
+    section 5)."""
+    rows = up.param_steps
+    best = None
+    for j, r in enumerate(rows):
+        o = int(r["optimizer_bytes"]) + (int(rows[j + 1]["optimizer_bytes"]) if j + 1 < len(rows) else 0)
+        g = int(r["grad_bytes"]) if with_grads else 0
+        total = o + g + (int(r["step_rel_peak"]) if with_peak else 0)
+        if best is None or total > best[0]:
+            best = (total, o, g)
+    return (best[1], best[2]) if best is not None else (0, 0)
+
+
 def _state_off(up: Any, u: int, n: int, choice: tuple[str, str, str], sim: Simulator, k: int,
                step_point: bool) -> tuple[int, int, int]:
     """(parameters, optimizer state, gradients) of unit ``u`` that its placement keeps off the device at segment ``k``
     (or, ``step_point``, at point ``k`` of the unit-by-unit step), by :class:`~memopt_nb.sim.simulator.StateTable`'s
-    rules; gradients not yet made count as on the device here (the caller counts only those made)."""
+    rules; gradients not yet made count as on the device here (the caller counts only those made). Streamed optimizer
+    state is off like offloaded state, except in the step: the point before the unit's has its first parameter's
+    state, the unit's own point the state and gradient of the parameter its stream peaks at (the rest of that peak is
+    the point's working set)."""
     o, g, p = choice
     P, G, Ost = int(up.param_bytes), int(getattr(up, "grad_bytes", 0)), int(getattr(up, "optimizer_bytes", 0))
     if step_point:  # point u steps what comes before unit u, point u + 1 unit u: its state is back there
         back = k in (u, u + 1) and g != "step"
-        return (P if p == "offload" and not back else 0, Ost if o == "offload" and not back else 0,
+        if o == "stream" and back:
+            if k == u:  # the previous part brings its first parameter's state (its parameters whole)
+                return 0, Ost - int(up.param_steps[0]["optimizer_bytes"]), G if g != "resident" else 0
+            o_on, g_on = _stream_held(up, g == "offload")
+            return 0, Ost - o_on, G - g_on if g == "offload" else 0
+        return (P if p == "offload" and not back else 0, Ost if o != "resident" and not back else 0,
                 G if g != "resident" and not (g == "offload" and k == u + 1) else 0)
     fs, bs = int(sim.fwd_seg[u]), int(sim.bwd_seg[u])
     fwd_from = int(sim.fwd_seg[u - 1]) if u > 0 else fs
     bwd_from = int(sim.bwd_seg[u + 1]) if u + 1 < n else bs
     here = fwd_from <= k <= fs or bwd_from <= k <= bs
-    return (P if p == "offload" and not here else 0, Ost if o == "offload" else 0,
+    return (P if p == "offload" and not here else 0, Ost if o != "resident" else 0,
             G if g != "resident" and k > bs else 0)
 
 
@@ -352,13 +377,21 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
 
 def _moved_bytes(profile: Any, plan: Any) -> int:
     """State the plan keeps off the device, less the largest amount its schedule brings back at once (a unit's
-    state, gradients and parameters with the next unit's state and parameters on their way in)."""
+    state, gradients and parameters with the next unit's state and parameters on their way in; a unit whose state
+    streams brings back at most a parameter's state and gradient with the next parameter's state, and the part before
+    it only its first parameter's state)."""
     per = []
     for u, (o, g, p) in zip(profile.units, plan.placements, strict=True):
-        op = (u.optimizer_bytes if o == "offload" and g != "step" else 0) + (u.param_bytes if p == "offload" else 0)
-        per.append((op + (u.grad_bytes if g == "offload" else 0), op,
-                    (u.optimizer_bytes if o == "offload" else 0) + (u.grad_bytes if g != "resident" else 0)
-                    + (u.param_bytes if p == "offload" else 0)))
+        params = u.param_bytes if p == "offload" else 0
+        if o == "stream" and g != "step":
+            o_on, g_on = _stream_held(u, g == "offload", with_peak=False)
+            own, ahead = params + o_on + g_on, params + int(u.param_steps[0]["optimizer_bytes"])
+        else:
+            ahead = (u.optimizer_bytes if o == "offload" and g != "step" else 0) + params
+            own = ahead + (u.grad_bytes if g == "offload" else 0)
+        per.append((own, ahead,
+                    (u.optimizer_bytes if o != "resident" else 0) + (u.grad_bytes if g != "resident" else 0)
+                    + params))
     moved = sum(total for _, _, total in per)
     window = max([per[i][0] + (per[i + 1][1] if i + 1 < len(per) else 0) for i in range(len(per))] + [0])
     return max(moved - window, 0)

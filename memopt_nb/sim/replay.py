@@ -71,16 +71,25 @@ there all step and each ``G`` from its unit's backward on. A unit whose optimize
   of the unit before it are fetched; when its gradients are complete, its own go (charged from the next segment on).
 * Gradients of a unit with ``grads="offload"`` or ``"step"`` leave the device when its backward ends (they are made
   there, so it holds them). ``"step"`` then steps the unit: at that moment the device holds the level after its
-  backward plus the step's own peak. Offloaded optimizer state is never on the device outside a step.
+  backward plus the step's own peak. Optimizer state that is offloaded or streamed is never on the device outside a
+  step.
 * The optimizer step: if the plan moves anything it runs in parts, the parameters outside units first, then unit
   0, 1, …; before part ``i`` steps, part ``i`` is on the device, the state sent back after part ``i - 1`` has left,
   and part ``i + 1``'s state and parameters are on their way in; part ``i``'s offloaded gradients are brought in for
   its step alone; after it, its parameters leave. Each part peaks at the level plus its own step peak.
+* ``optimizer="stream"`` (the profile's ``param_steps``, one row per parameter the optimizer steps): as
+  ``"offload"``, except that the unit's part steps one parameter at a time. The part before it brings only its first
+  parameter's state; during its own part the unit holds, per parameter ``j``, ``j``'s state, the next parameter's on
+  its way in, ``j``'s gradient when offloaded, and ``j``'s own step peak (the largest of these counts); after it,
+  none of its state. Stepped in backward, the same walk replaces the unit's state and step peak at that moment. A
+  unit profiled without ``param_steps`` cannot stream (:class:`~memopt_nb.core.errors.PlanError`).
 * Time: every byte a placement moves is a copy job priced by :func:`copy_seconds`. Without ``copy_overlap`` all add
   to the step. With it the training thread's per-storage share adds, and a job that the runtime starts ahead (a
   fetch of the next unit's parameters or state) shows only where it outlasts the compute it runs beside: the previous
-  unit's forward, the next unit's backward, the previous part of the step. Jobs the runtime waits for at once show in
-  full. The parted step costs ``chunked_step_time`` instead of the plain step's time, when longer.
+  unit's forward, the next unit's backward, the previous part of the step; a streamed parameter's state, the step of
+  the parameter before it (its first, the previous part). Jobs the runtime waits for at once show in full. The parted
+  step costs ``chunked_step_time`` instead of the plain step's time, when longer; a streamed unit's per-parameter
+  steps replace its own step's time.
 """
 
 from __future__ import annotations
@@ -267,6 +276,10 @@ class _StateReplay:
             if pl[2] == "offload" and not units[u].params_offloadable:
                 raise PlanError(f"unit {u} ({units[u].name}): its parameters cannot be offloaded (shared with another "
                                 "module, a view or not resizable); keep params='resident' for it")
+            if pl[0] == "stream" and not getattr(units[u], "param_steps", None):
+                raise PlanError(f"unit {u} ({units[u].name}): its optimizer state cannot stream: the profile has no "
+                                "per-parameter steps for it (made without an optimizer, or by an older version); "
+                                "re-profile with memopt.profile(..., optimizer=opt), or use optimizer='offload'")
         self.moves = any(pl != ("resident", "resident", "resident") for pl in self.place)
         self.step_seg = next((k for k, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1)
         self.dev, self.factor = dev, factor
@@ -295,6 +308,29 @@ class _StateReplay:
         up = self.units[u]
         return {"O": up.optimizer_bytes, "G": up.grad_bytes, "P": up.param_bytes}[kind]
 
+    def streamed(self, u: int) -> bool:
+        return self.place[u][0] == "stream"
+
+    def stream_moments(self, u: int, grads_brought: bool) -> list[int]:
+        """Unit ``u`` streaming its step: per parameter ``j``, what the unit holds of its own while ``j`` steps —
+        ``j``'s state, the next parameter's state on its way in (the last one has none), ``j``'s gradient when it is
+        brought back for the step, and that step's own peak."""
+        rows = self.units[u].param_steps
+        out = []
+        for j, row in enumerate(rows):
+            held = int(row["optimizer_bytes"]) + int(row["step_rel_peak"])
+            if j + 1 < len(rows):
+                held += int(rows[j + 1]["optimizer_bytes"])
+            if grads_brought:
+                held += int(row["grad_bytes"])
+            out.append(held)
+        return out
+
+    def first_state(self, u: int) -> int:
+        """What of unit ``u``'s optimizer state the part before its own brings in: all of it, or, streaming, its
+        first parameter's."""
+        return int(self.units[u].param_steps[0]["optimizer_bytes"]) if self.streamed(u) else self.size(("O", u))
+
     def profiled(self, item: tuple[str, int], k: int) -> bool:
         kind, u = item
         return k >= self.units[u].bwd_segment if kind == "G" else True
@@ -318,7 +354,11 @@ class _StateReplay:
             return 0
         u = seg.unit
         after = self.segs[k + 1].start_level if k + 1 < len(self.segs) else seg.start_level
-        moment = after + getattr(self.units[u], "grads_done_extra", 0) + self.units[u].step_rel_peak
+        if self.streamed(u):  # its state comes in one parameter at a time: the reference level holds all of it
+            own = max(self.stream_moments(u, False)) - self.size(("O", u))
+        else:
+            own = self.units[u].step_rel_peak
+        moment = after + getattr(self.units[u], "grads_done_extra", 0) + own
         without = seg.start_level + seg.rel_peak + sum(
             (self.size(it) if here else 0) - (self.size(it) if self.profiled(it, k) else 0)
             for it, here in self.on_device(k).items() if it[1] == u)
@@ -327,15 +367,15 @@ class _StateReplay:
     def parted_step(self, base: int, outside_rel: int) -> list[tuple[str, int]]:
         """Walk the parted step: ``(label, peak)`` per part."""
         units, n = self.units, self.n
-        here = {}  # item -> on the device now (start of the step: after backward)
+        here: dict[tuple[str, int], int] = {}  # item -> its bytes on the device now (start of the step: after backward)
         for u in range(n):
             o, g, p = self.place[u]
-            here[("O", u)] = o == "resident"
-            here[("G", u)] = g == "resident"
-            here[("P", u)] = p == "resident"
+            here[("O", u)] = self.size(("O", u)) if o == "resident" else 0
+            here[("G", u)] = self.size(("G", u)) if g == "resident" else 0
+            here[("P", u)] = self.size(("P", u)) if p == "resident" else 0
 
         def level() -> int:
-            return base + sum(self.size(it) * (int(on) - 1) for it, on in here.items())  # profiled: all there
+            return base + sum(nbytes - self.size(it) for it, nbytes in here.items())  # profiled: all there
 
         def stepped(u: int) -> bool:
             return self.place[u][1] == "step"
@@ -343,8 +383,9 @@ class _StateReplay:
         def bring(part: int) -> None:  # part 0: outside units; part i: unit i - 1
             u = part - 1
             if 0 <= u < n and not stepped(u):
-                here[("O", u)] = True
-                here[("P", u)] = True
+                if self.place[u][0] != "resident":  # brought in (streaming: its first parameter's state only)
+                    here[("O", u)] = self.first_state(u)
+                here[("P", u)] = self.size(("P", u))
 
         points = []
         bring(0)
@@ -353,10 +394,8 @@ class _StateReplay:
             bring(part)
             if u >= 1:  # the state sent back after the previous part has left
                 v = u - 1
-                if self.place[v][0] == "offload":
-                    here[("O", v)] = False
-            elif u == 0:
-                pass
+                if self.place[v][0] != "resident":
+                    here[("O", v)] = 0
             bring(part + 1)
             if u < 0:
                 points.append(("step outside units", level() + outside_rel))
@@ -364,13 +403,20 @@ class _StateReplay:
             if stepped(u):
                 points.append((f"step of {units[u].name} (in backward)", level()))
                 continue
-            if self.place[u][1] == "offload":
-                here[("G", u)] = True
-            points.append((f"step of {units[u].name}", level() + units[u].step_rel_peak))
-            if self.place[u][1] == "offload":
-                here[("G", u)] = False
+            if self.streamed(u):
+                # one parameter at a time: the unit's state on the device is the stream's moments (each parameter's
+                # offloaded gradient comes in with it); once the last has stepped, nothing of it is left
+                here[("O", u)] = 0
+                own = max(self.stream_moments(u, self.place[u][1] == "offload"))
+                points.append((f"step of {units[u].name} (streamed)", level() + own))
+            else:
+                if self.place[u][1] == "offload":
+                    here[("G", u)] = self.size(("G", u))
+                points.append((f"step of {units[u].name}", level() + units[u].step_rel_peak))
+                if self.place[u][1] == "offload":
+                    here[("G", u)] = 0
             if self.place[u][2] == "offload":
-                here[("P", u)] = False
+                here[("P", u)] = 0
         return points
 
     def seconds(self) -> float:
@@ -391,6 +437,17 @@ class _StateReplay:
             if o == "offload":
                 t += job("h2d", up.optimizer_bytes, up.optimizer_storages, part_time[u] if g != "step" else None)
                 t += job("d2h", up.optimizer_bytes, up.optimizer_storages, None)
+            if o == "stream":
+                rows = up.param_steps
+                t += sum(float(r["step_time"]) for r in rows) * f - up.step_time * f  # its step, parameter by parameter
+                t += job("d2h", up.optimizer_bytes, up.optimizer_storages, None)
+                if not dev.copy_overlap:
+                    t += job("h2d", up.optimizer_bytes, up.optimizer_storages, None)
+                else:  # parameter j's state comes in beside the step before it: the previous part's, then j - 1's
+                    t += thread_seconds(dev, up.optimizer_storages)
+                    beside = [part_time[u]] + [float(r["step_time"]) * f for r in rows[:-1]]
+                    for r, window in zip(rows, beside, strict=True):
+                        t += job("h2d", int(r["optimizer_bytes"]), 0, window if g != "step" else None)
             if g == "offload":
                 t += job("d2h", up.grad_bytes, up.grad_storages, None)
                 t += job("h2d", up.grad_bytes, up.grad_storages, None)
