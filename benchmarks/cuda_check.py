@@ -15,8 +15,9 @@ Whole-step plans (optimizer state, gradients and parameters placed per unit), on
 fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
 
 5. three training steps bit-equal to plain training (losses, readable gradients, parameters, buffers,
-   ``opt.state_dict()`` inside and after the block) under plans that offload the optimizer state, the gradients, the
-   parameters, step in backward, all of these together, and mixed with recompute/swap — for Adam (foreach, the
+   ``opt.state_dict()`` inside and after the block) under plans that offload the optimizer state (moved a unit at a
+   time, or streamed a parameter at a time), the gradients, the parameters, step in backward, all of these together,
+   and mixed with recompute/swap — for Adam (foreach, the
    default on CUDA), Adam ``fused=True``, AdamW and SGD with momentum — and that each plan really moved bytes
    (``AppliedPlan.stats``);
 6. per whole-step plan, the measured peak (``memopt.measure``: ``torch.cuda.max_memory_allocated`` on CUDA) and step
@@ -30,7 +31,8 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
    split by state), pass/fail counts recorded;
 9. the runtime overheads of ``benchmarks/runtime_overhead.py`` on the GPU (issue 12 targets <= 1.03, reported, not
    checked): (c) ``recompute_offload`` vs recompute plus the simulator's copy time, (d) ``selective`` keeping every
-   op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide;
+   op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide —
+   and (e) optimizer state streamed a parameter at a time vs moved a unit at a time, beside the simulated ratio;
 10. the swap engine's cost per storage copied on the GPU, beyond the bytes (three runs, reported next to the
    ``DeviceSpec.copy_overhead_s`` that CUDA detection measured the same way);
 11. a step that does not fit: inside ``memopt.limit_memory(0.6 × its unplanned peak)`` (on CUDA
@@ -121,9 +123,13 @@ VARIANTS: dict[str, list[tuple[str, str, str, str]]] = {
               ("keep", "offload", "offload", "offload"), ("recompute", "resident", "offload", "offload")],
     "mixed_step": [("recompute", "offload", "step", "resident"), ("swap", "offload", "resident", "offload"),
                    ("keep", "resident", "step", "offload"), ("swap", "offload", "offload", "resident")],
+    # optimizer state streamed one parameter at a time (issue 35), beside units that move it whole
+    "stream": [("keep", "stream", "offload", "resident"), ("recompute", "stream", "resident", "offload"),
+               ("keep", "offload", "offload", "resident")],
+    "stream_step": [("keep", "stream", "step", "offload"), ("swap", "stream", "offload", "resident")],
 }
 #: --quick: every variant with the default Adam, these with the other optimizers
-QUICK_VARIANTS = ("all_step", "mixed")
+QUICK_VARIANTS = ("all_step", "mixed", "stream")
 
 
 @dataclasses.dataclass
@@ -828,7 +834,7 @@ def peak_problem(what: str, sim_bytes: int, meas_bytes: int) -> str | None:
 
 # ---------------------------------------------------------------------- runtime overhead (issue 12)
 def overhead_section(cfg: Config, failures: list[str]) -> list[dict]:
-    """``runtime_overhead.run_model`` per activation model on this device: the ratios (a)-(d), reported (goals, not
+    """``runtime_overhead.run_model`` per activation model on this device: the ratios (a)-(e), reported (goals, not
     pass/fail checks: timing on a shared machine is not a correctness check)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import runtime_overhead
@@ -842,9 +848,9 @@ def overhead_section(cfg: Config, failures: list[str]) -> list[dict]:
         if got:
             rows.append({k: got[k] for k in ("model", "batch", "keep", "rc", "ro", "copy", "sac", "ratio_a",
                                              "ratio_b", "ratio_c", "ratio_d", "paired_c", "paired_d", "ci_c",
-                                             "ci_d")})
+                                             "ci_d", "ratio_e", "paired_e", "ci_e", "sim_e")})
             print(f"{name}: (a) {got['ratio_a']:.3f} (b) {got['ratio_b']:.3f} (c) {got['ratio_c']:.3f} "
-                  f"(d) {got['ratio_d']:.3f}")
+                  f"(d) {got['ratio_d']:.3f} (e) {got['ratio_e']:.3f} (simulated {got['sim_e']:.3f})")
     return rows
 
 
@@ -932,10 +938,11 @@ def tables(result: dict) -> str:
     if ov:
         lines += ["", "### Runtime overhead (goal <= 1.03 each; medians of interleaved pairs)", "",
                   "| model | batch | keep ms | (a) keep ÷ none | (b) recompute ÷ hand checkpoint | (c) "
-                  "recompute_offload ÷ (recompute + copies) | (d) selective, everything kept ÷ keep |",
-                  "|---|---|---|---|---|---|---|"]
+                  "recompute_offload ÷ (recompute + copies) | (d) selective, everything kept ÷ keep | (e) state "
+                  "streamed ÷ moved per unit (simulated) |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['batch']} | {r['keep'] * 1e3:.2f} | {r['ratio_a']:.3f} | {r['ratio_b']:.3f} "
-                  f"| {_paired(r, 'c')} | {_paired(r, 'd')} |" for r in ov]
+                  f"| {_paired(r, 'c')} | {_paired(r, 'd')} | {_paired(r, 'e')} ({r['sim_e']:.3f}) |" for r in ov]
         lines += ["", "(c) and (d): median ÷ median (the paired median; a 95 % interval for it where there are enough "
                   "pairs): an interval reaching past 1.03 says this run cannot tell.", ""]
     pt = result.get("pytest")

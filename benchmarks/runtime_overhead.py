@@ -17,6 +17,11 @@ the two variants interleaved A B, B A, A B, ... so that drift of this (shared, n
     (``memopt_nb.runtime.apply.PlannedForward``): (d) measures that the machinery gets out of the way; with
     ``--first-step`` it measures the checkpoint and the caching modes of the first forward.
 
+(e) the keep plan with every unit's optimizer state and gradients offloaded, its state streamed one parameter at a
+    time (``optimizer="stream"``) vs. moved a whole unit at a time (``"offload"``): what streaming costs over today's
+    per-unit movement, beside the simulator's predicted ratio for the same two plans (per-parameter steps are
+    smaller kernels; the copies are the same bytes) — target ratio <= 1.03.
+
 Every variant runs on the same model (and Adam), its plan entered and left around each sample: a settling step, then
 the timed step, both inside the block — the timed step runs as every step after the first in a notebook loop inside
 one ``with memopt.plan(p):``. The reference variants (no plan, hand checkpointing) run the same way. With
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -201,12 +207,18 @@ def save_everything(prof: memopt.ModelProfile, model: torch.nn.Module, inputs: t
                        model_fingerprint=prof.meta.get("model_fingerprint"))
 
 
-COMPARISONS = "abcd"
+COMPARISONS = "abcde"
+
+
+def placed(plan: memopt.Plan, optimizer: str, grads: str, params: str) -> memopt.Plan:
+    """``plan`` with one placement for every unit."""
+    decisions = tuple(dataclasses.replace(d, optimizer=optimizer, grads=grads, params=params) for d in plan.decisions)
+    return plan.with_meta(decisions=decisions)
 
 
 def run_model(name: str, batch: int, reps: int, device: str = "cpu", first: bool = False,
               comparisons: str = COMPARISONS) -> dict[str, Any]:
-    """The comparisons (``comparisons``: some of ``"abcd"``, see the module docs) on zoo model ``name`` at ``batch``
+    """The comparisons (``comparisons``: some of ``"abcde"``, see the module docs) on zoo model ``name`` at ``batch``
     on ``device`` (``"cuda"``: the real device, its copy engines and the simulator's copy time for it; run by
     ``cuda_check.py``); ``first``: time each plan's first step (see :class:`Timed`). Per comparison ``x``:
     ``ratio_x`` (median ÷ median), ``paired_x`` (the median of the per-pair ratios) and ``ci_x`` (a 95 % interval for
@@ -250,6 +262,12 @@ def run_model(name: str, batch: int, reps: int, device: str = "cpu", first: bool
         sac = save_everything(prof, model, inputs)
         _, t_sac = compare("d", keep_t, Timed(model, sac, first=first))
         out.update(sac=med(t_sac))
+    if "e" in comparisons:
+        keep = memopt.Plan.uniform(prof, "keep")
+        whole, streamed = placed(keep, "offload", "offload", "resident"), placed(keep, "stream", "offload", "resident")
+        t_whole, t_stream = compare("e", Timed(model, whole, first=first), Timed(model, streamed, first=first))
+        out.update(whole=med(t_whole), stream=med(t_stream),
+                   sim_e=memopt.simulate(prof, streamed).step_time / memopt.simulate(prof, whole).step_time)
     applied = keep_t.apply_s + rc_t.apply_s
     out["apply_us"] = med(applied) * 1e6 if applied else math.nan
     assert forwards_untouched(model), "a variant left a wrapped forward behind"
@@ -267,7 +285,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 = torch's default)")
     ap.add_argument("--first-step", action="store_true", help="time each plan's first step (no settling step inside "
                     "the block): what the plan costs before it settles")
-    ap.add_argument("--only", default=COMPARISONS, help="which comparisons to run, some of 'abcd' (default all), "
+    ap.add_argument("--only", default=COMPARISONS, help="which comparisons to run, some of 'abcde' (default all), "
                     "e.g. --only c --reps 200 to narrow one ratio's interval")
     args = ap.parse_args()
     if not args.only or set(args.only) - set(COMPARISONS):
@@ -311,7 +329,7 @@ def main() -> None:
 
 
 LABELS = {"a": "keep-plan/no-plan", "b": "recompute-plan/hand checkpoint", "c": "recompute_offload/(recompute + copy)",
-          "d": "selective, everything saved/keep"}
+          "d": "selective, everything saved/keep", "e": "state streamed/moved per unit"}
 
 
 def table(results: list[dict[str, Any]], comparisons: str) -> str:
@@ -339,6 +357,9 @@ def table(results: list[dict[str, Any]], comparisons: str) -> str:
                  ("ro copy ms (simulated)", lambda r: f"{r['copy'] * 1e3:.2f}"), *ratio("c")]
     if "d" in comparisons:
         cols += [("sac-all ms", ms("sac")), *ratio("d")]
+    if "e" in comparisons:
+        cols += [("per-unit state ms", ms("whole")), ("streamed state ms", ms("stream")), *ratio("e"),
+                 ("(e) simulated ratio", lambda r: f"{r['sim_e']:.3f}")]
     headers += [h for h, _ in cols]
     align += "r" * len(cols)
     headers.append(" / ".join(f"({x})" for x in comparisons))

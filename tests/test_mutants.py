@@ -29,7 +29,7 @@ LAST_PAIR = (64, 64, 64, 1024, 64)
 # parameters come in, so it reads whether unit 0 (the first unit) is prefetched
 FIRST_PREFETCH = (64, 1024, 1024, 64, 64)
 
-RES, OFF, S = "resident", "offload", "step"
+RES, OFF, S, STREAM = "resident", "offload", "step", "stream"
 # (optimizer state, gradients, parameters) of every unit
 PLACEMENTS = {
     "optimizer offload": (OFF, RES, RES),
@@ -39,6 +39,10 @@ PLACEMENTS = {
     "step in backward": (RES, S, RES),
     "step in backward, params offload": (RES, S, OFF),
     "all + step in backward": (OFF, S, OFF),
+    "optimizer streamed": (STREAM, RES, RES),
+    "streamed, grads offload": (STREAM, OFF, RES),
+    "all streamed": (STREAM, OFF, OFF),
+    "streamed + step in backward": (STREAM, S, OFF),
 }
 
 

@@ -286,7 +286,8 @@ def test_state_choices_parses_offload_state():
     from memopt_nb.core.plan import STATE_CHOICES, state_choices
     assert state_choices(True) == tuple(c for c in STATE_CHOICES if c[1] != "step")
     assert state_choices(False) == (STATE_CHOICES[0],)
-    assert state_choices({"optimizer"}) == (STATE_CHOICES[0], ("offload", "resident", "resident"))
+    assert state_choices({"optimizer"}) == (STATE_CHOICES[0], ("offload", "resident", "resident"),
+                                            ("stream", "resident", "resident"))
     assert state_choices("grads, params") == state_choices({"grads", "params"})
     with_step = state_choices({"optimizer"}, step_in_backward=True)
     assert ("resident", "step", "resident") in with_step and ("offload", "step", "resident") in with_step

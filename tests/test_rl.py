@@ -369,7 +369,7 @@ def test_state_table_plans_are_scored_by_the_contract_formula(with_table):
     prof = chain_profile(4, seed=3)
     table = with_table(prof)
     task = PlanningTask(prof, None)
-    assert task.C == len(state_choices(True)) == 8
+    assert task.C == len(state_choices(True)) == 12
     assert list(task.state_ids) == [STATE_CHOICES.index(c) for c in state_choices(True)]
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 3, (20, 4))
@@ -445,7 +445,7 @@ def test_without_state_offload_the_search_is_the_activation_only_one(with_table)
     same = memopt.search(prof, "70%", total_timesteps=1500, seed=4, offload_state=False)
     assert same == plain and same.same_decisions(plain) and not same.moves_state
     assert [r["reward_strategy"] for r in same.meta["history"]] == [r["reward_strategy"] for r in plain.meta["history"]]
-    assert MemoryPlanningEnv(PlanningTask(prof, "70%")).action_space("strategy").n == 3 * 8
+    assert MemoryPlanningEnv(PlanningTask(prof, "70%")).action_space("strategy").n == 3 * 12
 
 
 def test_state_env_passes_the_pettingzoo_api_and_reports_placements(with_table):
@@ -453,7 +453,7 @@ def test_state_env_passes_the_pettingzoo_api_and_reports_placements(with_table):
     with_table(prof)
     lo = solvers.min_peak(prof)
     task = PlanningTask(prof, int(lo - 0.2 * prof.optimizer_state_bytes), step_in_backward=True)
-    assert task.C == 12
+    assert task.C == 18
     parallel_api_test(MemoryPlanningEnv(task), num_cycles=100)
     _, info = rollout(MemoryPlanningEnv(task), 3, 4)
     assert set(info["strategy"]["states"]) <= set(task.state_ids)
@@ -591,7 +591,7 @@ def test_placements_no_unit_can_take_leave_the_action_space(with_table, monkeypa
                           table.chunked_step_extra)
     monkeypatch.setattr(rl_task, "state_model_for", lambda sim: rl_task.StateModel(sim, part, native=False))
     task = PlanningTask(prof, "80%")
-    assert task.C == 7 and gone not in task.state_ids
+    assert task.C == 11 and gone not in task.state_ids
 
 
 class StateSimulator(Simulator):

@@ -46,6 +46,13 @@ MIXED = [("recompute", "offload", "offload", "resident"), ("swap", "resident", "
          ("keep", "offload", "offload", "offload"), ("recompute", "resident", "offload", "offload")]
 MIXED_STEP = [("recompute", "offload", "step", "resident"), ("swap", "offload", "resident", "offload"),
               ("keep", "resident", "step", "offload"), ("swap", "offload", "offload", "resident")]
+# optimizer state streamed one parameter at a time, beside units that move it whole
+MIXED_STREAM = [("recompute", "stream", "offload", "resident"), ("swap", "stream", "resident", "offload"),
+                ("keep", "offload", "offload", "offload"), ("keep", "stream", "offload", "offload")]
+MIXED_STREAM_STEP = [("recompute", "stream", "step", "resident"), ("swap", "stream", "resident", "offload"),
+                     ("keep", "stream", "step", "offload"), ("swap", "offload", "offload", "resident")]
+VARIANTS = {"mixed": (MIXED, False), "mixed_step": (MIXED_STEP, True), "stream": (MIXED_STREAM, False),
+            "stream_step": (MIXED_STREAM_STEP, True)}
 
 
 def _build(name: str):
@@ -173,11 +180,11 @@ ZOO_CASES = ([("mlp", o) for o in OPTIMIZERS] + [("gpt", o) for o in OPTIMIZERS 
              + [("resnet", "adamw"), ("vit", "adamw")])
 
 
-@pytest.mark.parametrize("variant", ["mixed", "mixed_step"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize(("model", "opt_name"), ZOO_CASES)
 def test_zoo_whole_step_plan_trains_bit_identically(model: str, opt_name: str, variant: str) -> None:
-    step = variant == "mixed_step"
-    plan = _whole(Plan.uniform(_profile(model), "keep"), MIXED_STEP if step else MIXED, step_in_backward=step)
+    rows, step = VARIANTS[variant]
+    plan = _whole(Plan.uniform(_profile(model), "keep"), rows, step_in_backward=step)
     ref = _train(lambda: _build(model), opt_name, None)
     got = _train(lambda: _build(model), opt_name, plan)
     _assert_same_training(ref, got, stepped=step)
@@ -193,13 +200,13 @@ def _gpt2():
     return memopt.zoo.ZooModel(model, (ids,), lambda out: out.logits.float().square().mean(), "gpt2")
 
 
-@pytest.mark.parametrize("variant", ["mixed", "mixed_step"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gpt2_whole_step_plan_trains_bit_identically(variant: str) -> None:
     zm = _gpt2()
     prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, repeats=1)
     assert len(prof.units) == 4, prof.unit_names
-    step = variant == "mixed_step"
-    plan = _whole(Plan.uniform(prof, "keep"), MIXED_STEP if step else MIXED, step_in_backward=step)
+    rows, step = VARIANTS[variant]
+    plan = _whole(Plan.uniform(prof, "keep"), rows, step_in_backward=step)
     for opt_name in ("adamw", "sgd"):
         ref = _train(_gpt2, opt_name, None)
         got = _train(_gpt2, opt_name, plan)

@@ -23,8 +23,10 @@ Timing of a swapped (or ``recompute_offload``) unit ``i`` (both are counted in u
 
 Where a unit's training state lives (schema 2; a schema-1 plan loads with everything ``"resident"``):
 
-* ``optimizer`` — ``"resident"`` or ``"offload"``: the unit's optimizer state lives on the host between steps and comes
-  back unit by unit for the step (which still runs on the device, with the user's optimizer).
+* ``optimizer`` — ``"resident"``, ``"offload"`` or ``"stream"``: the unit's optimizer state lives on the host between
+  steps. ``"offload"`` brings it back unit by unit for the step (which still runs on the device, with the user's
+  optimizer); ``"stream"`` brings it back one parameter at a time (the next one's on its way while one steps), so the
+  step holds at most two of the unit's parameters' state instead of all of it (torchao's and ZeRO-Offload's grain).
 * ``grads`` — ``"resident"``, ``"offload"`` (copied to the host as soon as backward has accumulated them, brought back
   for the step) or ``"step"`` (the unit's optimizer step runs inside backward, then its gradients are freed; only in a
   plan made with ``step_in_backward=True``, because it changes what the training loop may do).
@@ -72,7 +74,7 @@ RECOMPUTING = ("recompute", "recompute_offload", "selective")
 #: kernels only. A profile made with ``selective=True`` says which of them each unit offers and what each costs.
 SAVE_SETS = ("matmuls", "alternate", "attention")
 #: Where a unit's optimizer state may live.
-OPTIMIZER_PLACES = ("resident", "offload")
+OPTIMIZER_PLACES = ("resident", "offload", "stream")
 #: Where a unit's gradients may live (``"step"``: stepped in backward, then freed).
 GRAD_PLACES = ("resident", "offload", "step")
 #: Where a unit's parameters may live.
@@ -103,7 +105,8 @@ class Decision:
             module docs).
         prefetch_distance: for swap and recompute_offload, how many units ahead in backward the copy back starts (0 =
             on demand).
-        optimizer: where the unit's optimizer state lives: ``"resident"`` or ``"offload"`` (see module docs).
+        optimizer: where the unit's optimizer state lives: ``"resident"``, ``"offload"`` (brought back for the unit's
+            step) or ``"stream"`` (brought back one parameter at a time for the step; see module docs).
         grads: where its gradients live: ``"resident"``, ``"offload"`` or ``"step"`` (stepped in backward).
         params: where its parameters live: ``"resident"`` or ``"offload"``.
         save_set: for selective, the name of its save-set (one of :data:`SAVE_SETS`); ``""`` otherwise.
@@ -212,7 +215,7 @@ def state_choices(offload_state: bool | str | Iterable[str] = True, *,
         raise PlanError(f"step_in_backward must be True or False, got {step_in_backward!r}")
     out = []
     for o, g, p in STATE_CHOICES:
-        if o == "offload" and "optimizer" not in pieces:
+        if o != "resident" and "optimizer" not in pieces:
             continue
         if g == "offload" and "grads" not in pieces:
             continue
@@ -612,7 +615,7 @@ class Plan:
 
     def state_counts(self) -> dict[str, int]:
         """How many units offload their optimizer state / gradients / parameters, and step in backward."""
-        return {"optimizer": sum(d.optimizer == "offload" for d in self.decisions),
+        return {"optimizer": sum(d.optimizer != "resident" for d in self.decisions),
                 "grads": sum(d.grads == "offload" for d in self.decisions),
                 "step": sum(d.grads == "step" for d in self.decisions),
                 "params": sum(d.params == "offload" for d in self.decisions)}
@@ -823,6 +826,9 @@ class Plan:
         moved = [f"{k} {v}" for k, v in (("optimizer offloaded", sc["optimizer"]),
                                          ("grads offloaded", sc["grads"]), ("stepped in backward", sc["step"]),
                                          ("params offloaded", sc["params"])) if v]
+        streamed = sum(d.optimizer == "stream" for d in self.decisions)
+        if streamed:
+            moved[0] += f" ({streamed} streamed a parameter at a time)"
         if moved:
             parts.append("state: " + ", ".join(moved))
         if self.budget_bytes:

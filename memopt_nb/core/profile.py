@@ -56,6 +56,10 @@ class UnitProfile:
             grad_storages, optimizer_storages: how many storages each is (the per-copy cost counts them).
         step_time, step_rel_peak: the optimizer step over this unit's parameters alone, as the unit-by-unit step of
             :class:`~memopt_nb.runtime.state.StateManager` runs it: seconds, and peak above the level before it.
+        param_steps: per parameter the optimizer steps, in ``param_groups`` order, the step of that parameter alone
+            (as ``optimizer="stream"`` runs it): a dict with ``optimizer_bytes``, ``optimizer_storages`` (its
+            movable state), ``grad_bytes``, ``step_time`` and ``step_rel_peak`` (the step's seconds and peak above the
+            level before it). Empty in a profile made without an optimizer (or an older one): the unit cannot stream.
         params_offloadable: every parameter is a whole, resizable storage used by no module outside the unit.
         grads_done_extra: the level when backward has accumulated the unit's last gradient (where a step in backward
             runs) minus the level where its backward segment ends (every unit kept): what the backward still holds
@@ -98,6 +102,7 @@ class UnitProfile:
     optimizer_storages: int = 0
     step_time: float = 0.0
     step_rel_peak: int = 0
+    param_steps: list[dict[str, Any]] = field(default_factory=list)
     params_offloadable: bool = False
     save_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
     grads_done_extra: int = 0

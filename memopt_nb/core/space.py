@@ -64,7 +64,7 @@ class PlanSpace:
         """The space of ``strategies=``, ``offload_state=`` and ``step_in_backward=`` as the planners take them."""
         choices = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
         moved = frozenset(piece for choice in choices for piece, place in zip(STATE_PIECES, choice, strict=True)
-                          if place == "offload")
+                          if place in ("offload", "stream"))
         return cls(allowed_strategies(strategies), moved, step_in_backward)
 
     @cached_property

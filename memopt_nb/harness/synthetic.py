@@ -126,7 +126,7 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
             rc_bwd_rel_peak=int(interior[u] + transient_b[u] + transient_f[u]),
             grad_bytes=int(pb[u]), optimizer_bytes=int(2 * pb[u]), param_storages=2 if pb[u] else 0,
             grad_storages=2 if pb[u] else 0, optimizer_storages=4 if pb[u] else 0, step_time=float(step_t[u]),
-            step_rel_peak=int(pb[u] // 2), params_offloadable=bool(pb[u])))
+            step_rel_peak=int(pb[u] // 2), params_offloadable=bool(pb[u]), param_steps=_param_steps(int(pb[u]))))
         unit_list[-1].param_bytes = int(pb[u])
     peak = int(max(s.start_level + s.rel_peak for s in seg_list))
     return ModelProfile(
@@ -169,3 +169,13 @@ def with_save_sets(prof: ModelProfile, seed: int = 0, offered: float = 0.8, pare
                 }
         units.append(dataclasses.replace(u, save_sets=sets))
     return dataclasses.replace(prof, units=units)
+
+
+def _param_steps(nbytes: int) -> list[dict[str, float]]:
+    """A unit's two parameters (a weight of 3/4 of its bytes and a bias) stepped one at a time, Adam-like: twice the
+    parameter in state, a quarter more time per byte than the unit's step (``UnitProfile.param_steps``)."""
+    if not nbytes:
+        return []
+    weight = 3 * nbytes // 4
+    return [{"optimizer_bytes": 2 * b, "optimizer_storages": 2, "grad_bytes": b, "step_time": b * 5.0 / 200e9 + 2e-5,
+             "step_rel_peak": b // 2} for b in (weight, nbytes - weight)]

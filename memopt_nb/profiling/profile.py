@@ -51,6 +51,7 @@ from .tracer import (
     discover,
     forward,
     groups_from,
+    param_steps,
     segments_from,
     static_bytes,
     timed_step,
@@ -282,6 +283,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         state_bytes = unit_state_bytes(model, optimizer, unit_params, [modules[nm] for nm in names])
         chunked = (chunked_step(model, inputs, loss_fn, optimizer, unit_params, dev, kwargs)
                    if optimizer is not None else None)
+        streamed = (param_steps(model, inputs, loss_fn, optimizer, unit_params, dev, kwargs)
+                    if optimizer is not None else None)
     segs, fwd_seg, bwd_seg = segments_from(keep_marks, n)
     for i, seg in enumerate(segs):
         seg.time = statistics.median(t[i] for t in timings)
@@ -311,7 +314,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             rc_bwd_rel_peak=rc_rel.get(bwd_seg[i], segs[bwd_seg[i]].rel_peak + 0),
             input_shapes=in_shapes, output_shapes=out_shapes, **state_bytes[i],
             step_time=chunked[0][i + 1] if chunked else 0.0, step_rel_peak=chunked[1][i + 1] if chunked else 0,
-            save_sets=save_sets.get(i, {}),
+            param_steps=streamed[i] if streamed else [], save_sets=save_sets.get(i, {}),
             grads_done_extra=(run.grads_done[i] - segs[bwd_seg[i] + 1].start_level
                               if i in run.grads_done and bwd_seg[i] + 1 < len(segs) else 0),
         ))

@@ -27,8 +27,8 @@ from ..runtime.step import (
 )
 from ..runtime.storages import is_plain, movable, tensor_on, use_count
 
-__all__ = ["chunked_step", "discover", "forward", "groups_from", "segments_from", "static_bytes", "timed_step",
-           "tracked_step", "unique_bytes", "unit_state_bytes"]
+__all__ = ["chunked_step", "discover", "forward", "groups_from", "param_steps", "segments_from", "static_bytes",
+           "timed_step", "tracked_step", "unique_bytes", "unit_state_bytes"]
 
 _RNG_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "randperm", "exponential")
 
@@ -629,6 +629,30 @@ def chunked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimize
     d = clock.durations()
     times = [d[2 * i] for i in range(len(chunks))]
     return times, rel, float(sum(d))
+
+
+def param_steps(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any,
+                unit_params: list[list[nn.Parameter]], device: torch.device,
+                kwargs: Mapping[str, Any] | None) -> list[list[dict[str, Any]]]:
+    """Per unit, per parameter the optimizer steps (``param_groups`` order): the step of that parameter alone, as
+    ``optimizer="stream"`` runs it (:attr:`~memopt_nb.core.profile.UnitProfile.param_steps`)."""
+    order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    per_unit = [sorted((p for p in ps if p.requires_grad and id(p) in order), key=lambda p: order[id(p)])
+                for ps in unit_params]
+    flat = [[p] for ps in per_unit for p in ps]
+    times, rel, _ = chunked_step(model, inputs, loss_fn, optimizer, flat, device, kwargs)
+    out, i = [], 1  # chunk 0: everything outside these chunks
+    for ps in per_unit:
+        rows = []
+        for p in ps:
+            state = [v for v in optimizer.state.get(p, {}).values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device == p.device]
+            rows.append({"optimizer_bytes": sum(v.untyped_storage().nbytes() for v in state),
+                         "optimizer_storages": len(state), "grad_bytes": p.nbytes, "step_time": times[i],
+                         "step_rel_peak": rel[i]})
+            i += 1
+        out.append(rows)
+    return out
 
 
 def static_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:

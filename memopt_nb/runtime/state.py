@@ -3,9 +3,10 @@
 This is the runtime half of plans that move more than activations. A *unit* is a set of parameters (a module, or a
 list of parameters); per unit a :class:`Placement` says
 
-* ``optimizer``: ``"resident"`` or ``"offload"`` — between steps the unit's optimizer-state tensors live on the host;
-  ``opt.step()`` brings them back unit by unit, runs the user's own optimizer on the device over that unit's
-  parameters only, and sends them back.
+* ``optimizer``: ``"resident"``, ``"offload"`` or ``"stream"`` — between steps the unit's optimizer-state tensors live
+  on the host; ``opt.step()`` brings them back unit by unit, runs the user's own optimizer on the device over that
+  unit's parameters only, and sends them back. ``"stream"`` does the same one parameter at a time (the next
+  parameter's state comes in while one steps), so the step holds two parameters' state of the unit, not all of it.
 * ``grads``: ``"resident"``, ``"offload"`` (copied to the host as soon as backward has accumulated them, freed on the
   device, brought back for the step) or ``"step"`` (the unit's optimizer step runs inside backward as soon as its
   gradients are complete, then they are dropped; opt-in with ``step_in_backward=True``).
@@ -73,7 +74,10 @@ model of :mod:`memopt_nb.sim.simulator` sums over units and relies on it):
   thread as it finishes (which would make the peak inside the unit's backward depend on that thread's timing);
 * ``opt.step()`` with any placement managed runs in parts: the parameters outside units, then unit 0, 1, … each alone
   (a unit stepped in backward is an empty part), bringing part ``i + 1``'s state and parameters while part ``i``
-  steps. With every placement resident it is one plain step.
+  steps. A streamed unit's part is one chunk per parameter: when the part starts, the next part's first chunk (its
+  first parameter's state, or a whole unit's, and its offloaded parameters) starts coming in; each chunk's state comes
+  in while the one before it steps and leaves once the one after it is on the device. With every placement resident
+  it is one plain step.
 
 Transfers: on the CPU (the emulated device) host copies are ``torch.UntypedStorage`` objects and a worker thread per
 direction copies with ``memmove``, so the meter of :mod:`memopt_nb.runtime.memory` does not count the host store
@@ -346,7 +350,7 @@ class StateManager:
                 for p in ps:
                     if id(p) in in_opt and p.grad is not None and not isinstance(p.grad, HostTensor):
                         self._offload_grad(p)
-            if pl.optimizer == "offload":
+            if pl.optimizer != "resident":
                 for p in ps:
                     if p in opt.state:
                         self._send_state(p)
@@ -525,11 +529,12 @@ class StateManager:
 
     def _step_in_backward(self, u: int) -> None:
         in_opt = self._opt_ids()
-        chunk = [p for p in self.unit_params[u] if id(p) in in_opt and p.grad is not None]
+        chunk = sorted((p for p in self.unit_params[u] if id(p) in in_opt and p.grad is not None),
+                       key=lambda p: in_opt[id(p)])  # param_groups order, as opt.step() and the profile step them
         if not chunk:
             return
         keep = (lambda ps: self._keep_for_undo(u, ps)) if UNDO_STEPS_IN_BACKWARD else None
-        self._run_chunks([chunk], closure=None, before_step=keep)
+        self._run_parts([self._chunks_of(u, chunk)], before_step=keep)
         for p in chunk:
             p.grad = stepped_placeholder(p.grad)
             self._stale += 1
@@ -802,46 +807,66 @@ class StateManager:
             if self._param_slots[u]:
                 self._fetch_params(u, wait=True)
 
-    def _run_chunks(self, chunks: list[list[nn.Parameter]], closure: Any, before_step: Any = None) -> None:
-        """Step ``chunks`` one after another (see the module docstring); ``before_step(chunk)``, if given, runs when
-        a chunk's parameters, gradients and state are on the device, just before it steps."""
-        if not chunks:
+    def _chunks_of(self, u: int, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """Unit ``u``'s part of the step (``params`` in ``param_groups`` order): one chunk, or one per trainable
+        parameter when its optimizer state streams (frozen ones, which step nothing, ride with the first)."""
+        if self.placements[u].optimizer != "stream":
+            return [params]
+        chunks = [[p] for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        if frozen:
+            chunks = [chunks[0] + frozen, *chunks[1:]] if chunks else [frozen]
+        return chunks
+
+    def _run_parts(self, parts: list[list[list[nn.Parameter]]], before_step: Any = None) -> None:
+        """Step ``parts`` one after another, each one chunk after another (see the module docstring).
+
+        With prefetch, part ``i + 1``'s first chunk comes in when part ``i`` starts and the next chunk of a part while
+        the one before it steps; a chunk's state leaves once the next chunk is on the device. ``before_step(chunk)``,
+        if given, runs when a chunk's parameters, gradients and state are on the device, just before it steps."""
+        if not parts:
             return
-        pending: list[Slot] | None = None
-        for i, chunk in enumerate(chunks):
-            if pending is None:
-                pending = self._bring(chunk, wait=False)
-            self._finish_bring(chunk, pending)
-            self._release_pending()  # the previous chunk's state has reached the host
-            # with prefetch the next chunk comes while this one steps (2 units on the device), else after it (1)
-            pending = self._bring(chunks[i + 1], wait=False) if self.prefetch and i + 1 < len(chunks) else None
-            # materialize offloaded gradients for the step; the host copy stays valid (steps do not write grads)
-            swapped = []
-            for p in chunk:
-                g = p.grad
-                if isinstance(g, HostTensor) and not g._stepped:
-                    p.grad = g._slot.materialize()
-                    self.stats["grad_h2d_bytes"] += g._slot.nbytes
-                    swapped.append((p, g))
-            if chunk:
-                if before_step is not None:
-                    before_step(chunk)
-                self._raw_step(chunk)
-            for p, g in swapped:
-                p.grad = g
-            del swapped
-            for p in chunk:
-                u = self.unit_of.get(id(p))
-                if u is None:
-                    continue
-                if self.placements[u].optimizer == "offload":
-                    self._send_state(p)
-            for u in sorted({self.unit_of[id(p)] for p in chunk if id(p) in self.unit_of}):
+        ahead: list[Slot] | None = None  # the next part's first chunk, on its way in
+        for i, part in enumerate(parts):
+            pending, ahead = ahead, None
+            for j, chunk in enumerate(part):
+                if pending is None:
+                    pending = self._bring(chunk, wait=False)
+                self._finish_bring(chunk, pending)
+                self._release_pending()  # the previous chunk's state has reached the host
+                pending = None
+                if self.prefetch:  # else each chunk comes after the one before it has stepped (one on the device)
+                    if j == 0 and i + 1 < len(parts):
+                        ahead = self._bring(parts[i + 1][0], wait=False)
+                    if j + 1 < len(part):
+                        pending = self._bring(part[j + 1], wait=False)
+                self._step_chunk(chunk, before_step)
+                for p in chunk:
+                    u = self.unit_of.get(id(p))
+                    if u is not None and self.placements[u].optimizer != "resident":
+                        self._send_state(p)
+            for u in sorted({self.unit_of[id(p)] for chunk in part for p in chunk if id(p) in self.unit_of}):
                 if self._param_slots[u]:
                     self._param_dirty[u] = True
                     if not self._in_bw[u]:
                         self._free_params(u)
         self._release_pending()
+
+    def _step_chunk(self, chunk: list[nn.Parameter], before_step: Any) -> None:
+        """Step one chunk, its offloaded gradients brought back for the step (their host copies stay valid)."""
+        swapped = []
+        for p in chunk:
+            g = p.grad
+            if isinstance(g, HostTensor) and not g._stepped:
+                p.grad = g._slot.materialize()
+                self.stats["grad_h2d_bytes"] += g._slot.nbytes
+                swapped.append((p, g))
+        if chunk:
+            if before_step is not None:
+                before_step(chunk)
+            self._raw_step(chunk)
+        for p, g in swapped:
+            p.grad = g
 
     def _all_chunks(self, opt: torch.optim.Optimizer, closure: Any = None) -> Any:
         self._refuse_after_undo("opt.step()")
@@ -864,10 +889,11 @@ class StateManager:
             # a fixed schedule: the parameters outside units, then every unit in order, each while the next one's
             # state and parameters come in (a unit stepped in backward is an empty chunk), so what is on the device
             # at each point of the step depends on each unit's own placement only
-            chunks = [outside, *by_unit]
+            # (a unit whose state streams steps one parameter at a time)
+            parts = [[outside]] + [self._chunks_of(u, ps) or [[]] for u, ps in enumerate(by_unit)]
         else:
-            chunks = [outside + [p for ps in by_unit for p in ps]]
-        self._run_chunks(chunks, closure=None)
+            parts = [[outside + [p for ps in by_unit for p in ps]]]
+        self._run_parts(parts)
         self._stepped.clear()
         self._reorder_state(order)
         if self._lr_sched:
@@ -948,7 +974,7 @@ class StateManager:
             prev(state_dict)
         self._state_slots.clear()
         for u, pl in enumerate(self.placements):
-            if pl.optimizer == "offload":
+            if pl.optimizer != "resident":
                 for p in self.unit_params[u]:
                     if p in opt.state:
                         self._send_state(p)
@@ -1019,7 +1045,7 @@ class StateManager:
             records.append((p, (host, n), kept))
         for t in tickets:  # the step changes them in place: the copies must have read them first
             self._mover.wait(t)
-        self._undo[u] = records
+        self._undo.setdefault(u, []).extend(records)  # a streamed unit keeps its parameters one at a time
 
     def _write_back(self, t: torch.Tensor, host: Any, n: int) -> None:
         if isinstance(host, torch.Tensor):  # a clone (see _host_copy)
@@ -1050,7 +1076,7 @@ class StateManager:
                         st[k] = tensor
                     else:
                         st[k] = v
-                if self.placements[u].optimizer == "offload":
+                if self.placements[u].optimizer != "resident":
                     self._send_state(p)
             self._release_pending()
             if offloaded:

@@ -132,6 +132,15 @@ def save_set_of(code: int) -> str:
     return SAVE_SETS[code - SELECTIVE]
 
 
+def stream_peak(unit: Any, with_grads: bool) -> int:
+    """The most a streamed unit's step holds of its own state at once, its step's peak included: per parameter ``j``
+    its state, the next parameter's on its way in, its gradient when ``with_grads`` (brought back for its step) and
+    the step's own peak (``UnitProfile.param_steps``)."""
+    rows = unit.param_steps
+    return max(int(r["optimizer_bytes"]) + (int(rows[j + 1]["optimizer_bytes"]) if j + 1 < len(rows) else 0)
+               + (int(r["grad_bytes"]) if with_grads else 0) + int(r["step_rel_peak"]) for j, r in enumerate(rows))
+
+
 @dataclass(frozen=True)
 class StateTable:
     """The state part of the cost model, in the separable form the planners use (one row per unit and placement).
@@ -357,19 +366,24 @@ class Simulator:
                     continue
                 if p == "offload" and not getattr(up, "params_offloadable", False):
                     continue
-                if movable is not None and ((o == "offload" and "optimizer" not in movable)
+                if movable is not None and ((o != "resident" and "optimizer" not in movable)
                                             or (g != "resident" and "grads" not in movable)
                                             or (p == "offload" and "params" not in movable)):
                     continue
-                allowed[u, c] = True
                 d = np.zeros(S, dtype=np.int64)
                 k = np.zeros(n + 1, dtype=np.int64)
                 mine = u + 1  # the step point of unit u; point u is the one before, while u's state comes in
                 near = np.zeros(n + 1, dtype=bool)
                 near[u:u + 2] = True
-                if o == "offload":
+                if o == "stream" and not up.param_steps:
+                    continue  # profiled without the per-parameter steps: it cannot stream
+                allowed[u, c] = True
+                if o != "resident":
                     d -= Ost
                     k -= np.where(near & (g != "step"), 0, Ost)
+                if o == "stream" and g != "step":  # one parameter's state at a time (stream_peak)
+                    k[u] += int(up.param_steps[0]["optimizer_bytes"]) - Ost  # the previous part brings the first
+                    k[mine] += stream_peak(up, g == "offload") - Ost - (G if g == "offload" else 0) - rel[mine]
                 if g in ("offload", "step"):
                     d -= np.where(after_bwd, G, 0)
                     k -= G
@@ -381,7 +395,8 @@ class Simulator:
                     d -= np.where(p_here, 0, P)
                     k -= np.where(near & (g != "step"), 0, P)
                 if g == "step":  # the step at the end of its backward: the level there plus the step's own peak
-                    spike = int(level_after[bs]) + int(getattr(up, "grads_done_extra", 0)) + rel[mine]
+                    own = rel[mine] if o != "stream" else stream_peak(up, False) - Ost
+                    spike = int(level_after[bs]) + int(getattr(up, "grads_done_extra", 0)) + own
                     d[bs] = max(int(peak0[bs]) + int(d[bs]), spike) - int(peak0[bs])
                 if ss >= 0:
                     d[ss] = -plain
@@ -399,9 +414,12 @@ class Simulator:
         """Seconds unit ``u``'s placement adds: its copies, less what hides behind the compute beside them."""
         dev = self.device
         cost = lambda nbytes, count, direction: dev.copy_seconds(nbytes, count, direction)  # noqa: E731
+        up_steps = self.profile.units[u].param_steps
+        # streaming steps the unit one parameter at a time: their seconds replace the unit's step
+        t0 = (sum(float(r["step_time"]) for r in up_steps) * self.factor - step_t[u + 1]) if o == "stream" else 0.0
         if not dev.copy_overlap:
-            t = 0.0
-            if o == "offload":
+            t = t0
+            if o != "resident":
                 t += cost(Ost, nO, "both")
             if g == "offload":
                 t += cost(G, nG, "both")
@@ -409,11 +427,17 @@ class Simulator:
                 t += 2 * cost(P, nP, "h2d") + cost(P, nP, "both" if g != "step" else "d2h")
             return float(t)
         n = self.n
+        t = t0
         hidden = lambda nbytes, direction, window: max(0.0, dev.copy_seconds(nbytes, 0, direction) - window)  # noqa
-        t = 0.0
         if o == "offload":
             t += cost(0, nO, "both") + dev.copy_seconds(Ost, 0, "d2h")
             t += hidden(Ost, "h2d", step_t[u]) if g != "step" else dev.copy_seconds(Ost, 0, "h2d")
+        if o == "stream":  # each parameter's state comes in beside the step before it (the previous part's first)
+            t += cost(0, nO, "both") + dev.copy_seconds(Ost, 0, "d2h")
+            windows = [step_t[u]] + [float(r["step_time"]) * self.factor for r in up_steps[:-1]]
+            for r, w in zip(up_steps, windows, strict=True):
+                nbytes = int(r["optimizer_bytes"])
+                t += hidden(nbytes, "h2d", w) if g != "step" else dev.copy_seconds(nbytes, 0, "h2d")
         if g == "offload":
             t += cost(G, nG, "both")
         if p == "offload":
