@@ -5,6 +5,7 @@
     PYTHONPATH=$PWD python benchmarks/whole_step.py --bench --step-in-backward   # the same, search + MILP may step in
                                                                                  # backward (the opt-in space)
     PYTHONPATH=$PWD python benchmarks/whole_step.py --max-batch  # Must show 3: max batch per method (simulated)
+    PYTHONPATH=$PWD python benchmarks/whole_step.py --stream     # issue 35: state streamed per parameter vs per unit
 
 Models: the zoo's fixed-state-heavy models (``memopt.zoo.STATE_HEAVY`` at their default batch), zoo ``gpt`` and ``mlp``
 (small configs), a transformers GPT-2 from a small config (random init), and ``resnet18-split`` (resnet18 with the
@@ -14,6 +15,7 @@ blocks of ``layers.3`` split into conv1/bn1/conv2/bn2/short units), all with Ada
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -214,6 +216,49 @@ def bench(names: list[str], fractions: tuple[float, ...], timesteps: int | None,
               f"{statistics.median(gpu):.3f} (goal ≥ 1.3; below in {sum(v < 1.3 for v in gpu)} of {len(gpu)})")
 
 
+# ------------------------------------------------------------------ issue 35: state streamed per parameter
+def without_streaming(prof):
+    """``prof`` as a profile without per-parameter steps: no unit may stream (``UnitProfile.param_steps``)."""
+    units = [dataclasses.replace(u, param_steps=[]) for u in prof.units]
+    return dataclasses.replace(prof, units=units)
+
+
+def stream_table(names: list[str], time_limit: float) -> None:
+    """Per model, side by side: the whole-step floor and the exact plan at a budget with units moving their optimizer
+    state whole only, and with streaming too; the streamed floor plan and a plan only streaming reaches, measured."""
+    print("| model | units | params per unit (max) | floor ÷ peak, whole units | streamed | + step in backward, whole "
+          "| streamed | floor plan: streamed units | predicted MiB | measured MiB | between the floors: MILP ms "
+          "(measured peak ≤ budget) | at 50 %: MILP ms whole → streamed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        model, inputs, loss_fn, opt, prof = setup(name)
+        whole = without_streaming(prof)
+        peak = prof.peak_bytes
+        f = {}
+        for sib in (False, True):
+            f[sib] = (solvers.min_peak(whole, offload_state=True, step_in_backward=sib),
+                      solvers.min_peak(prof, offload_state=True, step_in_backward=sib))
+        fl = explain_floor(prof, offload_state=True)
+        pred = memopt.simulate(prof, fl.plan).peak_bytes
+        meas = memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, plan=fl.plan, steps=1).peak_bytes
+        streamed = sum(d.optimizer == "stream" for d in fl.plan.decisions)
+        between = ""
+        if f[False][1] < f[False][0]:
+            budget = (f[False][0] + f[False][1]) // 2
+            p = solvers.optimal(prof, budget, time_limit=time_limit, offload_state=True)
+            m = memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, plan=p, steps=1).peak_bytes
+            between = f"{p.predicted_step_time * 1e3:.2f} ({'yes' if m <= budget else 'NO'})"
+        half = peak // 2
+        at = []
+        for q in (whole, prof):
+            p = refused_or(solvers.optimal, q, half, time_limit=time_limit, offload_state=True)
+            at.append(f"{p.predicted_step_time * 1e3:.2f}" if p is not None and p.feasible else "no plan")
+        most = max(len(u.param_steps) for u in prof.units)
+        print(f"| {name} | {prof.n_units} | {most} | {f[False][0] / peak:.3f} | {f[False][1] / peak:.3f} | "
+              f"{f[True][0] / peak:.3f} | {f[True][1] / peak:.3f} | {streamed} | {mib(pred)} | {mib(meas)} | "
+              f"{between or '–'} | {at[0]} → {at[1]} |", flush=True)
+
+
 # ------------------------------------------------------------------ Must show 3: max batch
 def max_batch(names: list[str], batches: tuple[int, ...], timesteps: int | None, time_limit: float) -> None:
     """Budget = the unoptimized peak at the first batch; per method the largest batch whose plan fits it, and the
@@ -255,6 +300,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--floor", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--max-batch", action="store_true")
+    ap.add_argument("--stream", action="store_true", help="optimizer state streamed per parameter vs moved per unit")
     ap.add_argument("--models", default=None, help="comma-separated (default per part)")
     ap.add_argument("--timesteps", type=int, default=None, help="PPO timesteps per search (default: memopt's own, "
                     "memopt_nb.planners.rl.search.default_timesteps)")
@@ -274,6 +320,8 @@ def main(argv: list[str]) -> None:
         bench((args.models or "resnet18,vit_tiny,convnext_atto,gpt,mlp").split(","),
               tuple(float(x) for x in args.fractions.split(",")), args.timesteps, args.time_limit,
               not args.no_measure, step_in_backward=args.step_in_backward)
+    if args.stream:
+        stream_table((args.models or "resnet18,convnext_atto,vit_tiny,gpt,gpt2").split(","), args.time_limit)
     if args.max_batch:
         max_batch((args.models or ",".join(memopt.zoo.STATE_HEAVY)).split(","),
                   tuple(int(x) for x in args.batches.split(",")), args.timesteps, args.time_limit)

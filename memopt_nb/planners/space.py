@@ -147,7 +147,10 @@ def unit_states(sim: Simulator, space: PlanSpace, table: Any = _FETCH) -> list[l
     """Per unit the placements (indices into :data:`STATE_CHOICES`, 0 first) a planner may choose from.
 
     A placement other than 0 is offered only if the state table says it changes something for the unit (its memory
-    at some segment or step point, or its time). ``table``: the simulator's state table if already fetched.
+    at some segment or step point, or its time), and a streamed one only if it does better than moving the same
+    state whole somewhere (lower memory at some segment or step point, or less time): otherwise the whole move is at
+    least as good in every respect (a unit of one parameter, say). ``table``: the simulator's state table if already
+    fetched.
     """
     allowed = space.placements
     if table is _FETCH:
@@ -157,10 +160,20 @@ def unit_states(sim: Simulator, space: PlanSpace, table: Any = _FETCH) -> list[l
     seg = np.asarray(table.seg_delta)
     step = np.asarray(table.step_delta)
     tm = np.asarray(table.time, dtype=float)
+    whole = {c: STATE_CHOICES.index(("offload", *STATE_CHOICES[c][1:])) for c in allowed
+             if STATE_CHOICES[c][0] == "stream"}
+    allowed_rows = getattr(table, "allowed", None)
+
+    def better_than_whole(u: int, c: int) -> bool:
+        w = whole.get(c)
+        if w is None or w not in allowed or (allowed_rows is not None and not allowed_rows[u, w]):
+            return True
+        return bool((seg[u, c] < seg[u, w]).any() or (step[u, c] < step[u, w]).any() or tm[u, c] < tm[u, w])
+
     out = []
     for u in range(sim.n):
         out.append([0] + [c for c in allowed[1:]
-                          if seg[u, c].any() or step[u, c].any() or tm[u, c] != 0.0])
+                          if (seg[u, c].any() or step[u, c].any() or tm[u, c] != 0.0) and better_than_whole(u, c)])
     return out
 
 

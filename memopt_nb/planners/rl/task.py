@@ -29,7 +29,7 @@ from ...core.space import PlanSpace
 from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
 from ..checks import check_budget
 from ..floor import Advice
-from ..space import as_simulator, check_save_sets
+from ..space import as_simulator, check_save_sets, unit_states
 
 __all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS", "SELECTIVE_BASE",
            "COMPLETION_FROM_UNITS", "code_options", "option_codes"]
@@ -331,12 +331,12 @@ class PlanningTask:
             self.plain_step = sm.plain_step_peak
             self.chunk_extra = sm.chunked_step_extra
         # a placement other than all-resident is offered only where it changes something (a unit without parameters
-        # has all-zero rows: moving "its" state would only switch to the unit-by-unit step)
+        # has all-zero rows: moving "its" state would only switch to the unit-by-unit step), and a streamed one only
+        # where it beats moving the same state whole (planners.space.unit_states, the MILP's rule)
         self.state_ok = np.ones((n, C), dtype=bool)
         if C > 1:
-            self.state_ok[:, 1:] = (np.abs(self.st_seg[:, 1:]).max(axis=2) > 0) | (self.st_time[:, 1:] != 0)
-            if self.K:
-                self.state_ok[:, 1:] |= np.abs(self.st_step[:, 1:]).max(axis=2) > 0
+            offered = unit_states(self.sim, self.space, table=sm)
+            self.state_ok[:, 1:] = [[int(c) in offered[u] for c in ids[1:]] for u in range(n)]
             usable = np.concatenate([[True], self.state_ok[:, 1:].any(axis=0)])
             if not usable.all():  # placements no unit can take leave the action space (none: activations only)
                 self.state_ids = ids[usable]
