@@ -113,3 +113,35 @@ def test_streamed_state_with_weight_decay_groups_is_measured_as_predicted(grads)
     predicted = memopt.simulate(prof, plan).peak_bytes
     measured = memopt.measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=1).peak_bytes
     assert measured == predicted, (grads, predicted, measured)
+
+
+def _torch_optimizers():
+    """Every optimizer torch ships that steps parameters one by one (LBFGS couples them and is refused; SparseAdam
+    takes sparse gradients only), with each kernel it has on the CPU."""
+    out = []
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD, torch.optim.RMSprop, torch.optim.Rprop,
+                torch.optim.SGD):
+        extra = {"momentum": 0.9} if cls in (torch.optim.SGD, torch.optim.RMSprop) else {}
+        kernels = [{"foreach": False}, {"foreach": True}]
+        if cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad):
+            kernels.append({"fused": True})
+        for k in kernels:
+            label = f"{cls.__name__}-{'fused' if 'fused' in k else 'foreach' if k['foreach'] else 'single'}"
+            out.append(pytest.param(cls, {**extra, **k}, id=label))
+    return out
+
+
+@pytest.mark.parametrize("placement", ["stream_all", "stream_step_params"])
+@pytest.mark.parametrize(("cls", "kw"), _torch_optimizers())
+def test_every_torch_optimizer_streamed_trains_as_plain_training(cls, kw, placement):
+    from test_state_runtime import PLACEMENTS, _assert_same_training, _train
+
+    def make(ps, _k=None):
+        return cls(ps, lr=1e-2, **kw)
+
+    ref = _train("adam", False, None, make_opt=make)
+    got = _train("adam", False, PLACEMENTS[placement], make_opt=make)
+    _assert_same_training(ref, got)
+    stats = got[3].stats
+    assert stats["state_h2d_bytes"] > 0 or not got[1].state_dict()["state"]  # moved, where the optimizer has state
