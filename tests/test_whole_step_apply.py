@@ -735,7 +735,7 @@ def test_plans_for_a_rank_place_only_what_the_rank_may_move():
     for sharding, movable in (("fsdp", set()), ("ddp", {"optimizer", "params"})):
         table = memopt.Simulator(per_rank(prof, 2, sharding)).state_table()
         for c, (o, g, p) in enumerate(STATE_CHOICES):
-            needs = {k for k, moved in (("optimizer", o == "offload"), ("grads", g != "resident"),
+            needs = {k for k, moved in (("optimizer", o != "resident"), ("grads", g != "resident"),
                                         ("params", p == "offload")) if moved}
             may = needs <= movable
             assert (table.allowed[:, c] == (plain.allowed[:, c] & may)).all(), (sharding, c)
