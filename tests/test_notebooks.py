@@ -273,7 +273,8 @@ def test_notebook_executes(path, notebook_env):
         assert summary["params_equal"] is True and summary["losses_equal"] is True and summary["moves_state"]
         assert summary["measured_peak"] <= summary["budget"] and summary["predicted_peak"] <= summary["budget"]
         assert summary["clip_refused"] is True and summary["sib_steps"] >= 1 and summary["sib_feasible"] is True
-        assert summary["sib_floor"] <= summary["sib_budget"] < summary["whole_step_floor"]
+        # streaming brings the whole-step floor down to (or near) step in backward's; the budget is just above it
+        assert summary["sib_floor"] <= summary["whole_step_floor"] < summary["sib_budget"] < summary["budget"]
     if path.name == "benchmarks.ipynb":
         assert summary["cases"] >= 2 and summary["seconds"] > 0
 
