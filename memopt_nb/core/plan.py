@@ -55,9 +55,9 @@ from .errors import PlanError
 
 __all__ = ["DEFAULT_STRATEGIES", "DISTANCES", "Decision", "FORMAT", "GRAD_PLACES", "MAX_TIMING", "OFFLOADING",
            "OPTIMIZER_PLACES", "PARAM_PLACES", "Plan", "RECOMPUTING", "SAVE_SETS", "SCHEMA_VERSION", "STATE_CHOICES",
-           "STATE_PIECES", "STRATEGIES", "STREAM_SMALL", "WINDOWS", "effective_triggers", "model_fingerprint",
+           "STATE_PIECES", "STRATEGIES", "WINDOWS", "effective_triggers", "model_fingerprint",
            "optimizer_differences", "optimizer_fingerprint", "plain_module_type", "selective_decision",
-           "state_choices", "stream_chunks", "unit_fingerprint", "with_profile_facts"]
+           "state_choices", "unit_fingerprint", "with_profile_facts"]
 
 SCHEMA_VERSION = 2
 FORMAT = "memopt_nb.plan"
@@ -106,8 +106,7 @@ class Decision:
         prefetch_distance: for swap and recompute_offload, how many units ahead in backward the copy back starts (0 =
             on demand).
         optimizer: where the unit's optimizer state lives: ``"resident"``, ``"offload"`` (brought back for the unit's
-            step) or ``"stream"`` (brought back a parameter at a time for the step, small ones with a large one; see
-            module docs).
+            step) or ``"stream"`` (brought back one parameter at a time for the step; see module docs).
         grads: where its gradients live: ``"resident"``, ``"offload"`` or ``"step"`` (stepped in backward).
         params: where its parameters live: ``"resident"`` or ``"offload"``.
         save_set: for selective, the name of its save-set (one of :data:`SAVE_SETS`); ``""`` otherwise.
@@ -185,33 +184,6 @@ class Decision:
         else:
             d["save_ops"] = [list(x) for x in self.save_ops]
         return d
-
-
-#: A streamed unit's step moves its state in chunks: each parameter of at least ``1 / STREAM_SMALL`` of the unit's
-#: largest starts a chunk, smaller ones (biases, norms) ride with the chunk before them, or the first chunk when they
-#: come first (:func:`stream_chunks`).
-STREAM_SMALL = 16
-
-
-def stream_chunks(nbytes: Sequence[int]) -> list[list[int]]:
-    """How a streamed unit's parameters (their sizes in bytes, in ``param_groups`` order) are stepped: lists of
-    positions, one list per chunk. Every chunk is one hand-off with the copy threads and one optimizer call, so the
-    small parameters go with a large one instead of alone; the profile measures these chunks
-    (``UnitProfile.param_steps``) and the runtime steps them."""
-    if not nbytes:
-        return []
-    small = max(nbytes) / STREAM_SMALL
-    chunks: list[list[int]] = []
-    leading: list[int] = []
-    for i, b in enumerate(nbytes):
-        if b >= small:
-            chunks.append([*leading, i])
-            leading = []
-        elif chunks:
-            chunks[-1].append(i)
-        else:
-            leading.append(i)
-    return chunks
 
 
 def state_choices(offload_state: bool | str | Iterable[str] = True, *,

@@ -56,9 +56,7 @@ class UnitProfile:
             grad_storages, optimizer_storages: how many storages each is (the per-copy cost counts them).
         step_time, step_rel_peak: the optimizer step over this unit's parameters alone, as the unit-by-unit step of
             :class:`~memopt_nb.runtime.state.StateManager` runs it: seconds, and peak above the level before it.
-        param_steps: per chunk of the parameters the optimizer steps (``param_groups`` order, grouped by
-            :func:`~memopt_nb.core.plan.stream_chunks`: a large parameter with the small ones beside it), the step of
-            that chunk alone
+        param_steps: per parameter the optimizer steps, in ``param_groups`` order, the step of that parameter alone
             (as ``optimizer="stream"`` runs it): a dict with ``optimizer_bytes``, ``optimizer_storages`` (its
             movable state), ``grad_bytes``, ``step_time`` and ``step_rel_peak`` (the step's seconds and peak above the
             level before it). Empty in a profile made without an optimizer (or an older one): the unit cannot stream.

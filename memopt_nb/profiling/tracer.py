@@ -17,7 +17,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..core.errors import ProfileError
-from ..core.plan import stream_chunks
 from ..core.profile import Segment, StorageGroup
 from ..runtime.memory import meter_for
 from ..runtime.recompute import checkpointed
@@ -635,25 +634,22 @@ def chunked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimize
 def param_steps(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any,
                 unit_params: list[list[nn.Parameter]], device: torch.device,
                 kwargs: Mapping[str, Any] | None) -> list[list[dict[str, Any]]]:
-    """Per unit, per chunk of the parameters the optimizer steps (``param_groups`` order, grouped by
-    :func:`~memopt_nb.core.plan.stream_chunks`): the step of that chunk alone, as ``optimizer="stream"`` runs it
-    (:attr:`~memopt_nb.core.profile.UnitProfile.param_steps`)."""
+    """Per unit, per parameter the optimizer steps (``param_groups`` order): the step of that parameter alone, as
+    ``optimizer="stream"`` runs it (:attr:`~memopt_nb.core.profile.UnitProfile.param_steps`)."""
     order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    per_unit = []
-    for ps in unit_params:
-        stepped = sorted((p for p in ps if p.requires_grad and id(p) in order), key=lambda p: order[id(p)])
-        per_unit.append([[stepped[i] for i in c] for c in stream_chunks([p.nbytes for p in stepped])])
-    flat = [chunk for chunks in per_unit for chunk in chunks]
+    per_unit = [sorted((p for p in ps if p.requires_grad and id(p) in order), key=lambda p: order[id(p)])
+                for ps in unit_params]
+    flat = [[p] for ps in per_unit for p in ps]
     times, rel, _ = chunked_step(model, inputs, loss_fn, optimizer, flat, device, kwargs)
     out, i = [], 1  # chunk 0: everything outside these chunks
-    for chunks in per_unit:
+    for ps in per_unit:
         rows = []
-        for chunk in chunks:
-            state = [v for p in chunk for v in optimizer.state.get(p, {}).values()
+        for p in ps:
+            state = [v for v in optimizer.state.get(p, {}).values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device == p.device]
             rows.append({"optimizer_bytes": sum(v.untyped_storage().nbytes() for v in state),
-                         "optimizer_storages": len(state), "grad_bytes": sum(p.nbytes for p in chunk),
-                         "step_time": times[i], "step_rel_peak": rel[i]})
+                         "optimizer_storages": len(state), "grad_bytes": p.nbytes, "step_time": times[i],
+                         "step_rel_peak": rel[i]})
             i += 1
         out.append(rows)
     return out

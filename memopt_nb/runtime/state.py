@@ -6,8 +6,7 @@ list of parameters); per unit a :class:`Placement` says
 * ``optimizer``: ``"resident"``, ``"offload"`` or ``"stream"`` — between steps the unit's optimizer-state tensors live
   on the host; ``opt.step()`` brings them back unit by unit, runs the user's own optimizer on the device over that
   unit's parameters only, and sends them back. ``"stream"`` does the same one parameter at a time (the next
-  parameter's state comes in while one steps; small ones, biases and norms, go with a large one:
-  :func:`~memopt_nb.core.plan.stream_chunks`), so the step holds two chunks' state of the unit, not all of it.
+  parameter's state comes in while one steps), so the step holds two parameters' state of the unit, not all of it.
 * ``grads``: ``"resident"``, ``"offload"`` (copied to the host as soon as backward has accumulated them, freed on the
   device, brought back for the step) or ``"step"`` (the unit's optimizer step runs inside backward as soon as its
   gradients are complete, then they are dropped; opt-in with ``step_in_backward=True``).
@@ -102,7 +101,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from ..core.plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES, stream_chunks
+from ..core.plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
 from .foreign import unwatch as _unwatch_foreign
 from .foreign import watch as _watch_foreign
 from .hooks import uncopied
@@ -809,13 +808,11 @@ class StateManager:
                 self._fetch_params(u, wait=True)
 
     def _chunks_of(self, u: int, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-        """Unit ``u``'s part of the step (``params`` in ``param_groups`` order): one chunk, or when its optimizer
-        state streams the chunks :func:`~memopt_nb.core.plan.stream_chunks` makes of its trainable parameters (as
-        the profile measured them; frozen ones, which step nothing, ride with the first)."""
+        """Unit ``u``'s part of the step (``params`` in ``param_groups`` order): one chunk, or one per trainable
+        parameter when its optimizer state streams (frozen ones, which step nothing, ride with the first)."""
         if self.placements[u].optimizer != "stream":
             return [params]
-        stepped = [p for p in params if p.requires_grad]
-        chunks = [[stepped[i] for i in c] for c in stream_chunks([p.nbytes for p in stepped])]
+        chunks = [[p] for p in params if p.requires_grad]
         frozen = [p for p in params if not p.requires_grad]
         if frozen:
             chunks = [chunks[0] + frozen, *chunks[1:]] if chunks else [frozen]

@@ -77,7 +77,7 @@ there all step and each ``G`` from its unit's backward on. A unit whose optimize
   0, 1, …; before part ``i`` steps, part ``i`` is on the device, the state sent back after part ``i - 1`` has left,
   and part ``i + 1``'s state and parameters are on their way in; part ``i``'s offloaded gradients are brought in for
   its step alone; after it, its parameters leave. Each part peaks at the level plus its own step peak.
-* ``optimizer="stream"`` (the profile's ``param_steps``, one row per chunk of parameters, called "parameter" below): as
+* ``optimizer="stream"`` (the profile's ``param_steps``, one row per parameter the optimizer steps): as
   ``"offload"``, except that the unit's part steps one parameter at a time. The part before it brings only its first
   parameter's state; during its own part the unit holds, per parameter ``j``, ``j``'s state, the next parameter's on
   its way in, ``j``'s gradient when offloaded, and ``j``'s own step peak (the largest of these counts); after it,
