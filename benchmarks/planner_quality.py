@@ -38,6 +38,10 @@ nothing), with the search's and the MILP's seconds.
 
 ``--depth-gpt2``: the GPT-2 of ``--layers`` layers (default 24) at the budget halfway between its fine and block
 floors: the search against the MILP, then two steps trained under the search's plan (see :func:`depth_gpt2`).
+
+``--depth-default``: the search as a user runs it at depth: the same GPT-2 with Adam, ``units="fine"``,
+``memopt.search(prof, "50%", seed=0)`` with every default (state placements in the space); its seconds, where its
+polish spent them, and its plan (:func:`depth_default`).
 """
 
 from __future__ import annotations
@@ -214,6 +218,24 @@ def gpt2_deep(layers: int = 24):
     return model, {"input_ids": ids, "labels": ids}, (lambda o: o.loss), torch.optim.SGD(model.parameters(), lr=1e-3)
 
 
+def depth_default(layers: int = 24) -> None:
+    """``--depth-default``: the default search (state placements included) on the deep GPT-2 with Adam."""
+    model, inputs, loss_fn, _ = gpt2_deep(layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    t0 = time.perf_counter()
+    prof = memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+    print(f"profile: {prof.n_units} units in {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    plan = memopt.search(prof, "50%", seed=0)
+    m, took = plan.meta, time.perf_counter() - t0
+    print(f"| layers | units | search s | heuristic polish s | starts polished | skipped | plan ms | no plan ms |\n"
+          f"|---|---|---|---|---|---|---|---|\n"
+          f"| {layers} | {prof.n_units} | {took:.1f} | {m.get('polish_heuristic_seconds', 0):.1f} | "
+          f"{', '.join(m.get('polish_heuristic_starts', []))} | {', '.join(m.get('polish_heuristic_skipped', []))} | "
+          f"{plan.predicted_step_time * 1e3:.2f} | {prof.step_time * 1e3:.2f} |")
+    print(plan.summary())
+
+
 def depth_gpt2(time_limit: float, timesteps: int | None, layers: int = 24) -> None:
     """``--depth-gpt2``: the GPT-2 of ``layers`` layers with ``units="fine"`` at the budget halfway between its
     activation-only fine floor (every activation strategy the profile allows) and its block floor (``units="auto"``,
@@ -351,7 +373,13 @@ def main() -> None:
     ap.add_argument("--depth-gpt2", action="store_true", help="the 24-layer GPT-2 with fine units halfway between "
                     "its fine and block floors: search vs MILP, then 2 steps trained under the plan")
     ap.add_argument("--layers", type=int, default=24, help="--depth-gpt2: GPT-2's layers")
+    ap.add_argument("--depth-default", action="store_true", help="the default search (state placements too) on the "
+                    "GPT-2 of --layers layers with Adam and fine units, at 50 %%: its seconds and plan")
     args = ap.parse_args()
+    if args.depth_default:
+        torch.set_num_threads(1)
+        depth_default(args.layers)
+        return
     if args.depth_gpt2:
         torch.set_num_threads(1)
         depth_gpt2(args.time_limit, args.timesteps, args.layers)

@@ -282,3 +282,36 @@ def test_at_depth_rounds_with_placements_stack_too_and_the_polish_still_ends_at_
     assert math.isfinite(got_t) and got_t < want_t  # one move a round is still far from done after 40
     if got[4] < 40:  # it stopped by itself: no single move improves its plan
         assert reference_polish(task, *got[:4], max_rounds=1)[4] == 0
+
+
+@pytest.mark.parametrize("n", [100, 50])
+def test_at_depth_the_heuristic_starts_stop_after_two_in_a_row_that_do_not_win(monkeypatch, n):
+    """From STACK_FROM_UNITS units, polishing the baselines' plans (fastest first) stops once HEURISTIC_PATIENCE in a
+    row did not beat the best plan: each costs hundreds of rounds there. Below it every start is polished."""
+    polish_mod = importlib.import_module("memopt_nb.planners.polish")
+    assert polish_mod.HEURISTIC_PATIENCE == 2 and 50 < polish_mod.STACK_FROM_UNITS <= 100
+    names = ["a", "b", "c", "d", "e"]
+    # start k: options all k (so none is a duplicate), polished to the time below (e would win, if polished)
+    times = {0: 1.0, 1: 0.9, 2: 0.95, 3: 0.92, 4: 0.91, 5: 0.5}
+    starts = [(nm, np.full(n, k + 1), np.zeros(n, dtype=np.int64), float(k)) for k, nm in enumerate(names)]
+    monkeypatch.setattr(polish_mod, "_heuristic_starts", lambda task: starts)
+    monkeypatch.setattr(polish_mod, "polish", lambda task, c, w, d, st, max_rounds=None: (c, w, d, st, 0))
+    monkeypatch.setattr(polish_mod, "option_arrays", lambda opts: (opts, opts, opts))
+    monkeypatch.setattr(polish_mod, "to_options", lambda c, w, d: np.asarray(c))
+    monkeypatch.setattr(polish_mod, "_time_of", lambda task, c, w, d, st: times[int(np.asarray(c)[0])])
+
+    class Task:
+        pass
+
+    task = Task()
+    task.n = n
+    current = (np.zeros(n, dtype=np.int64),) * 3 + (np.zeros(n, dtype=np.int64), 0)
+    info: dict = {}
+    best = polish_mod.polish_heuristic_starts(task, current, info)
+    if n >= polish_mod.STACK_FROM_UNITS:
+        # a wins (0.9 < 1.0); b and c do not: d and e are left out, though e would have won
+        assert info["polish_heuristic_starts"] == ["a", "b", "c"] and info["polish_heuristic_skipped"] == ["d", "e"]
+        assert info["polish_start"] == "a" and int(best[0][0]) == 1
+    else:
+        assert info["polish_heuristic_starts"] == names and info["polish_heuristic_skipped"] == []
+        assert info["polish_start"] == "e" and int(best[0][0]) == 5

@@ -24,8 +24,8 @@ from .baselines import BASELINES
 from .milp import place_states
 from .rl.task import PlanningTask, code_options, option_codes
 
-__all__ = ["HEURISTIC_ROUNDS", "HEURISTIC_STARTS", "PLACEMENT_SOLVES", "PLACEMENT_SOLVE_SECONDS", "option_arrays",
-           "polish", "polish_exact_placements", "polish_heuristic_starts", "repair", "to_options"]
+__all__ = ["HEURISTIC_PATIENCE", "HEURISTIC_ROUNDS", "HEURISTIC_STARTS", "PLACEMENT_SOLVES", "PLACEMENT_SOLVE_SECONDS",
+           "option_arrays", "polish", "polish_exact_placements", "polish_heuristic_starts", "repair", "to_options"]
 
 
 def option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -105,6 +105,11 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
 #: machine is; normally all of them run to the end.
 HEURISTIC_ROUNDS = 300
 
+#: At depth (from :data:`STACK_FROM_UNITS` units), the heuristic starts stop once this many in a row, polished, did not
+#: beat the best plan so far (``meta["polish_heuristic_skipped"]`` lists the rest): a round there simulates every
+#: unit's every option and placement pair, and the starts are taken fastest first, so the later ones rarely win.
+HEURISTIC_PATIENCE = 2
+
 #: The baselines (:data:`memopt_nb.planners.BASELINES`) whose plans the polish also starts from, where their plan fits
 #: the budget and lies in the search's space.
 HEURISTIC_STARTS = ("none", "recompute_all", "sqrt_n", "swap_all", "capuchin", "selective_layer", "op_sac",
@@ -180,10 +185,11 @@ def polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, 
     seen = {(to_options(*current[:3]).tobytes(), np.asarray(current[3], dtype=np.int64).tobytes())}
     used: list[str] = []
     cut: list[str] = []  # polished until the rounds ran out, perhaps short of where moves stop helping
+    misses = 0  # starts in a row that did not beat the best plan
     for name, opts, st, _ in starts:
         if (opts.tobytes(), st.tobytes()) in seen:
             continue
-        if left <= 0:
+        if left <= 0 or (task.n >= STACK_FROM_UNITS and misses >= HEURISTIC_PATIENCE):
             late.append(name)
             continue
         seen.add((opts.tobytes(), st.tobytes()))
@@ -197,6 +203,9 @@ def polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, 
         if t < best_t * (1 - 1e-12):
             best, best_t = (c, w, d, st2, m), t
             info["polish_start"] = name
+            misses = 0
+        else:
+            misses += 1
     info.update(polish_heuristic_starts=used, polish_heuristic_skipped=late, polish_heuristic_cut=cut,
                 polish_heuristic_budget_rounds=HEURISTIC_ROUNDS, polish_heuristic_seconds=time.perf_counter() - t0)
     return best
@@ -442,9 +451,15 @@ def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: n
     sts[np.arange(1, st_units.size + 1), st_units] = task.state_ids[st_local]
     local = np.searchsorted(task.state_ids, sts)  # placements as local choices j
     units = np.arange(n)[None]
-    seg = task.st_seg[units, local].sum(axis=1)  # (Z, S)
+    # each row changes one unit's placement of the current ones: the current sum plus that unit's difference (the
+    # rows are bytes, whole numbers, so this is the sum over every unit exactly, without a (Z, n, S) array)
+    cur_local = local[0]
+    seg = np.repeat(task.st_seg[units[0], cur_local].sum(axis=0)[None], st_units.size + 1, axis=0)  # (Z, S)
+    seg[1:] += task.st_seg[st_units, st_local] - task.st_seg[st_units, cur_local[st_units]]
+    step = np.repeat((task.step_base + task.st_step[units[0], cur_local].sum(axis=0))[None], st_units.size + 1, axis=0)
+    step[1:] += task.st_step[st_units, st_local] - task.st_step[st_units, cur_local[st_units]]
     moved = (sts != 0).any(axis=1)
-    step_max = task.step_part_many(task.step_base[None] + task.st_step[units, local].sum(axis=1), moved)
+    step_max = task.step_part_many(step, moved)
     st_time = task.st_time[units, local].sum(axis=1) + np.where(moved, task.chunk_extra, 0.0)
     key = acts.tobytes()
     det = last.get(key) if last is not None else None
