@@ -509,17 +509,27 @@ def _first_feasible(time: np.ndarray, cand: np.ndarray, fits: Callable[[np.ndarr
     """Of the flat indices ``cand`` (ascending), the ``keep`` with the smallest finite ``time`` (ties: the lower index)
     that ``fits``, checking them in that order a block at a time (blocks growing 4x), so most are never checked."""
     cand = cand[np.isfinite(time[cand])]
-    order = cand[np.argsort(time[cand], kind="stable")]
+    tc = time[cand]
     found: list[np.ndarray] = []
     count, lo = 0, 0
-    while count < keep and lo < order.size:
-        idx = order[lo: lo + block]
+    while count < keep and lo < cand.size:
+        idx = _smallest(tc, cand, lo + block)[lo:]
         ok = idx[fits(idx)][: keep - count]
         found.append(ok)
         count += ok.size
         lo += block
         block *= 4
     return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
+
+def _smallest(tc: np.ndarray, cand: np.ndarray, m: int) -> np.ndarray:
+    """The first ``m`` of ``cand`` (ascending) ordered by ``tc`` (ties: the lower index), as a stable sort of all of
+    them would give, without sorting them all (a round at depth has millions)."""
+    if m >= tc.size:
+        return cand[np.argsort(tc, kind="stable")]
+    kth = np.partition(tc, m - 1)[m - 1]
+    sel = np.flatnonzero(tc <= kth)  # every one that can be among the first m, ties at the m-th included
+    return cand[sel[np.lexsort((sel, tc[sel]))][:m]]
 
 
 def _best_state_pairs(task: PlanningTask, peaks: np.ndarray, time0: float, cur_st: np.ndarray, units: np.ndarray,
