@@ -315,3 +315,18 @@ def test_at_depth_the_heuristic_starts_stop_after_two_in_a_row_that_do_not_win(m
     else:
         assert info["polish_heuristic_starts"] == names and info["polish_heuristic_skipped"] == []
         assert info["polish_start"] == "e" and int(best[0][0]) == 5
+
+
+def test_the_first_m_by_time_are_those_a_full_stable_sort_gives():
+    """polish._smallest partitions instead of sorting millions of pair moves: it must give the same first m, ties
+    broken by the lower index."""
+    polish_mod = importlib.import_module("memopt_nb.planners.polish")
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        size = int(rng.integers(1, 2000))
+        tc = rng.random(size) if trial % 3 == 0 else rng.integers(0, int(rng.integers(1, 40)), size).astype(float)
+        cand = np.sort(rng.choice(10 * size, size, replace=False))
+        full = cand[np.argsort(tc, kind="stable")]
+        for m in (1, 7, 256, size - 1, size, size + 3):
+            if m >= 1:
+                assert np.array_equal(polish_mod._smallest(tc, cand, m), full[:m]), (trial, m)
