@@ -454,10 +454,12 @@ def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: n
     # each row changes one unit's placement of the current ones: the current sum plus that unit's difference (the
     # rows are bytes, whole numbers, so this is the sum over every unit exactly, without a (Z, n, S) array)
     cur_local = local[0]
-    seg = np.repeat(task.st_seg[units[0], cur_local].sum(axis=0)[None], st_units.size + 1, axis=0)  # (Z, S)
-    seg[1:] += task.st_seg[st_units, st_local] - task.st_seg[st_units, cur_local[st_units]]
-    step = np.repeat((task.step_base + task.st_step[units[0], cur_local].sum(axis=0))[None], st_units.size + 1, axis=0)
-    step[1:] += task.st_step[st_units, st_local] - task.st_step[st_units, cur_local[st_units]]
+    seg0 = task.st_seg[units[0], cur_local].sum(axis=0)  # (S,) the current placements
+    step0 = task.step_base + task.st_step[units[0], cur_local].sum(axis=0)  # (K,)
+    d_seg = task.st_seg[st_units, st_local] - task.st_seg[st_units, cur_local[st_units]]  # one unit's change each
+    d_step = task.st_step[st_units, st_local] - task.st_step[st_units, cur_local[st_units]]
+    seg = np.concatenate([seg0[None], seg0[None] + d_seg])  # (Z, S)
+    step = np.concatenate([step0[None], step0[None] + d_step])
     moved = (sts != 0).any(axis=1)
     step_max = task.step_part_many(step, moved)
     st_time = task.st_time[units, local].sum(axis=1) + np.where(moved, task.chunk_extra, 0.0)
@@ -482,8 +484,8 @@ def _best_pairs(task: PlanningTask, cur: np.ndarray, cur_st: np.ndarray, cand: n
         a, z = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
     out_a, out_s = acts[a], sts[z]
     # two units' placements changed at once, options unchanged (e.g. two units trading what they offload)
-    pairs = _best_state_pairs(task, peaks[0], float(det["time"][0]), cur_st, st_units, task.state_ids[st_local],
-                              keep)
+    pairs = _best_state_pairs(task, peaks[0] + seg0, step0, d_seg, d_step, float(det["time"][0]), cur_st, st_units,
+                              st_local, keep)
     if pairs.size:
         out_a = np.concatenate([out_a, np.repeat(cur[None], pairs.shape[0], axis=0)])
         out_s = np.concatenate([out_s, pairs])
@@ -532,21 +534,17 @@ def _smallest(tc: np.ndarray, cand: np.ndarray, m: int) -> np.ndarray:
     return cand[sel[np.lexsort((sel, tc[sel]))][:m]]
 
 
-def _best_state_pairs(task: PlanningTask, peaks: np.ndarray, time0: float, cur_st: np.ndarray, units: np.ndarray,
-                      ids: np.ndarray, keep: int) -> np.ndarray:
-    """The ``keep`` fastest placements within budget that change two units' placements of ``cur_st`` (options fixed,
-    their per-segment peaks ``peaks`` and time ``time0``), scored by the separable state part (ties: the earlier
-    pair)."""
+def _best_state_pairs(task: PlanningTask, seg0: np.ndarray, step0: np.ndarray, d_seg: np.ndarray, d_step: np.ndarray,
+                      time0: float, cur_st: np.ndarray, units: np.ndarray, local: np.ndarray, keep: int) -> np.ndarray:
+    """The ``keep`` fastest placements within budget that change two units' placements of ``cur_st`` (options fixed),
+    scored by the separable state part (ties: the earlier pair). ``seg0`` / ``step0``: the per-segment peaks and the
+    step points of the current plan, with its time ``time0``; single change ``i`` sets unit ``units[i]`` to local
+    choice ``local[i]``, changing them by ``d_seg[i]`` / ``d_step[i]`` (as :func:`_best_pairs` computed them)."""
     n = task.n
+    ids = task.state_ids[local]
     loc = np.searchsorted(task.state_ids, cur_st)
-    new_loc = np.searchsorted(task.state_ids, ids)
-    d_seg = task.st_seg[units, new_loc] - task.st_seg[units, loc[units]]  # (Z, S) each single change's difference
-    d_step = task.st_step[units, new_loc] - task.st_step[units, loc[units]]
-    d_time = task.st_time[units, new_loc] - task.st_time[units, loc[units]]
-    r = np.arange(n)
-    seg0 = peaks + task.st_seg[r, loc].sum(axis=0)
-    step0 = task.step_base + task.st_step[r, loc].sum(axis=0)
-    time_base = time0 + task.st_time[r, loc].sum()
+    d_time = task.st_time[units, local] - task.st_time[units, loc[units]]
+    time_base = time0 + task.st_time[np.arange(n), loc].sum()
     nonzero = int((cur_st != 0).sum())
     d_nz = (ids != 0).astype(int) - (cur_st[units] != 0).astype(int)
     Z = units.size

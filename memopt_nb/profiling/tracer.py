@@ -563,11 +563,7 @@ def unit_state_bytes(model: nn.Module, optimizer: Any, unit_params: list[list[nn
     for ps, mod in zip(unit_params, unit_modules, strict=True):
         inside = {id(m) for m in mod.modules()}
         grads = [p for p in ps if p.requires_grad and id(p) in in_opt]
-        state = []
-        for p in grads:
-            for v in optimizer.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device == p.device:
-                    state.append(v)
+        state = [v for p in grads for v in _movable_state(optimizer, p)]
         offloadable = bool(ps) and all(movable(p) and owners[id(p)] <= inside for p in ps)
         out.append({
             "grad_bytes": sum(p.nbytes for p in grads), "grad_storages": len(grads),
@@ -575,6 +571,13 @@ def unit_state_bytes(model: nn.Module, optimizer: Any, unit_params: list[list[nn
             "param_storages": len(ps), "params_offloadable": offloadable,
         })
     return out
+
+
+def _movable_state(optimizer: Any, p: nn.Parameter) -> list[torch.Tensor]:
+    """The optimizer-state tensors of ``p`` a placement moves: at least one dimension, on ``p``'s device (a 0-dim
+    ``step`` count stays)."""
+    return [v for v in optimizer.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device == p.device]
 
 
 class _ChunkedOptimizer:
@@ -645,8 +648,7 @@ def param_steps(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer
     for ps in per_unit:
         rows = []
         for p in ps:
-            state = [v for v in optimizer.state.get(p, {}).values()
-                     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device == p.device]
+            state = _movable_state(optimizer, p)
             rows.append({"optimizer_bytes": sum(v.untyped_storage().nbytes() for v in state),
                          "optimizer_storages": len(state), "grad_bytes": p.nbytes, "step_time": times[i],
                          "step_rel_peak": rel[i]})

@@ -366,18 +366,18 @@ class Simulator:
                     continue
                 if p == "offload" and not getattr(up, "params_offloadable", False):
                     continue
+                if o == "stream" and not up.param_steps:
+                    continue  # profiled without the per-parameter steps: it cannot stream
                 if movable is not None and ((o != "resident" and "optimizer" not in movable)
                                             or (g != "resident" and "grads" not in movable)
                                             or (p == "offload" and "params" not in movable)):
                     continue
+                allowed[u, c] = True
                 d = np.zeros(S, dtype=np.int64)
                 k = np.zeros(n + 1, dtype=np.int64)
                 mine = u + 1  # the step point of unit u; point u is the one before, while u's state comes in
                 near = np.zeros(n + 1, dtype=bool)
                 near[u:u + 2] = True
-                if o == "stream" and not up.param_steps:
-                    continue  # profiled without the per-parameter steps: it cannot stream
-                allowed[u, c] = True
                 if o != "resident":
                     d -= Ost
                     k -= np.where(near & (g != "step"), 0, Ost)
@@ -429,11 +429,11 @@ class Simulator:
         n = self.n
         t = t0
         hidden = lambda nbytes, direction, window: max(0.0, dev.copy_seconds(nbytes, 0, direction) - window)  # noqa
-        if o == "offload":
+        if o != "resident":
             t += cost(0, nO, "both") + dev.copy_seconds(Ost, 0, "d2h")
+        if o == "offload":
             t += hidden(Ost, "h2d", step_t[u]) if g != "step" else dev.copy_seconds(Ost, 0, "h2d")
         if o == "stream":  # each parameter's state comes in beside the step before it (the previous part's first)
-            t += cost(0, nO, "both") + dev.copy_seconds(Ost, 0, "d2h")
             windows = [step_t[u]] + [float(r["step_time"]) * self.factor for r in up_steps[:-1]]
             for r, w in zip(up_steps, windows, strict=True):
                 nbytes = int(r["optimizer_bytes"])
