@@ -21,6 +21,7 @@ from . import planners
 from .core import plan as _plan_module
 from .core import profile as _profile_data
 from .core.budget import format_bytes, parse_bytes, resolve_budget
+from .core.cuts import merge_units
 from .core.device import DeviceSpec
 from .core.errors import BudgetError, MemoptError, MemoptWarning, PlanError, ProfileError, WrapOrderError
 from .core.plan import Decision, Plan
@@ -29,6 +30,7 @@ from .harness import zoo
 from .harness.compare import Comparison, compare
 from .harness.evaluate import Evaluation, evaluate
 from .harness.maxbatch import MaxBatch, max_batch
+from .planners.depths import search_depths
 from .planners.rl.search import search
 from .profiling import profile as _profile_module
 from .profiling.profile import profile
@@ -67,8 +69,8 @@ __all__ = [
     "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "MaxBatch", "Measurement",
     "MemoptError", "MemoptWarning", "MemoryLimit", "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult",
     "Simulator", "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError", "compare", "distributed",
-    "evaluate", "format_bytes", "limit_memory", "max_batch", "measure", "parse_bytes", "plan", "profile",
-    "resolve_budget", "search", "simulate", "solvers", "zoo",
+    "evaluate", "format_bytes", "limit_memory", "max_batch", "measure", "merge_units", "parse_bytes", "plan",
+    "profile", "resolve_budget", "search", "search_depths", "simulate", "solvers", "zoo",
 ]
 
 

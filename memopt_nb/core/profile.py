@@ -146,6 +146,9 @@ class StorageGroup:
             segment's peak. ``None`` and 0 when that is nothing. With several storages freed in one segment, each
             storage's share leaves out only the room below the peak that earlier ones' shares did not use, so any set of
             them held together is never predicted below what the run would hold (exact for the first to die).
+        made_pos: for storages made in the step by code outside units (``producer == -1``), the last boundary before
+            they were made: which tells a split block's own code from the code between blocks when units are merged
+            (:mod:`~memopt_nb.core.cuts`). ``None`` for what existed before the step (the batch).
     """
 
     nbytes: int
@@ -159,6 +162,7 @@ class StorageGroup:
     release_pos: int | None = None
     death_seg: int | None = None
     late_bytes: int = 0
+    made_pos: int | None = None
 
 
 @dataclass
@@ -172,6 +176,10 @@ class ModelProfile:
     unit-by-unit step that state placements use is described by each unit's ``step_time`` / ``step_rel_peak`` and,
     for the parameters outside units (stepped first), ``outside_step_time`` / ``outside_step_rel_peak``;
     ``chunked_step_time`` is that whole step's seconds (0 when no optimizer was given).
+
+    ``merges`` (``units="fine"``): per module split into units that can be one unit again, what it costs as one
+    (:mod:`memopt_nb.core.cuts`: ``units`` its first and last unit, its peaks recomputed whole, its inputs, its
+    fingerprint); ``memopt.merge_units(profile, blocks)`` makes the profile with those blocks merged.
     """
 
     units: list[UnitProfile]
@@ -196,6 +204,7 @@ class ModelProfile:
     outside_step_time: float = 0.0
     outside_step_rel_peak: int = 0
     chunked_step_time: float = 0.0
+    merges: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._model_ref: weakref.ref | None = None
@@ -222,6 +231,11 @@ class ModelProfile:
             if u.name == name:
                 return u
         raise ProfileError(f"no unit named {name!r}; units: {', '.join(self.unit_names)}")
+
+    def _adopt(self, other: ModelProfile) -> ModelProfile:
+        """This profile, knowing the live model and optimizer ``other`` was made from (a profile derived from it)."""
+        self._model_ref, self._optimizer_ref = other._model_ref, other._optimizer_ref
+        return self
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:

@@ -250,7 +250,7 @@ def _merge(a: Any, b: Any, xa: int, xb: int, x: int, key: str, where: str) -> An
 
 
 _GROUP_KEY = ("producer", "savers", "consumers", "outside_saver", "free_pos", "outside_release", "release_pos",
-              "death_seg")
+              "death_seg", "made_pos")
 
 
 def _groups(ga: list[dict], gb: list[dict], xa: int, xb: int, x: int) -> list[dict]:
@@ -259,7 +259,7 @@ def _groups(ga: list[dict], gb: list[dict], xa: int, xb: int, x: int) -> list[di
     differ between batches (a storage freed partway through a segment counts as late only where the peak came after
     it), so groups are matched by what they are, not by position; the number of storages is the larger batch's."""
     def key(g: dict) -> tuple:
-        return tuple(tuple(g[k]) if isinstance(g[k], list) else g[k] for k in _GROUP_KEY)
+        return tuple(tuple(g[k]) if isinstance(g.get(k), list) else g.get(k) for k in _GROUP_KEY)
 
     small: dict[tuple, list[int]] = {}
     for g in ga:

@@ -45,6 +45,7 @@ from ..runtime.step import (
     training_step,
 )
 from .fallback import extrapolating, profile_or_extrapolate
+from .merges import measure_merges
 from .opsets import mark_pareto, propose_save_sets, record_ops
 from .tracer import (
     chunked_step,
@@ -253,6 +254,9 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
                                               recompute=False, kwargs=kwargs)
         rc_marks, _, _ = tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True,
                                        kwargs=kwargs)
+        _, fwd_ref, bwd_ref = segments_from(keep_marks, n)
+        merges, merge_why = (measure_merges(model, inputs, loss_fn, optimizer, names, dev, kwargs, split, info,
+                                            keep_marks, fwd_ref, bwd_ref) if split else ({}, {}))
         timings: list[list[float]] = []
         labels_ref = [m[0] for m in keep_marks]
         proposed: dict[int, dict[str, dict[str, Any]]] = {}
@@ -346,13 +350,14 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "units_rule": units if units in ("auto", "fine") else "depth" if isinstance(units, int) else "names",
             "split": split,  # units="fine": module split into its children -> its class (the table's hierarchy)
             "split_why": split_why,  # units="fine": why each block was split or kept whole
+            "merge_why": merge_why,  # split blocks that cannot be one unit again (merge_units), and why
             "selective": ({"measured": True, "notes": sac_notes} if selective else None),
             "autocast": autocast_name(amp),  # the forward's, if any
             "method": "measured",  # or "extrapolated" from smaller batches (memopt_nb.profiling.fallback)
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,
-        chunked_step_time=chunked[2] if chunked else 0.0,
+        chunked_step_time=chunked[2] if chunked else 0.0, merges=merges,
     )
     _mark_side_effects(prof, effects)
     prof._model_ref = weakref.ref(model)

@@ -52,6 +52,26 @@ class _OpWatcher(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Births(TorchDispatchMode):
+    """Notes the mark at which each storage an op makes was made (where code outside units made it: the profile's
+    ``made_pos``)."""
+
+    def __init__(self, run: _Run) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        born = self.run.born
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+                st = t.untyped_storage()
+                entry = born.get(id(st))
+                if entry is None or entry[0]() is not st:
+                    born[id(st)] = (weakref.ref(st), self.run.n_marks - 1)
+        return out
+
+
 def discover(model: nn.Module, inputs: Sequence[Any],
               kwargs: Mapping[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], int]:
     """One forward with hooks on every module: call counts, order, saved bytes, backward reach, RNG, and whether a
@@ -144,7 +164,7 @@ def discover(model: nn.Module, inputs: Sequence[Any],
 # ====================================================================== instrumented runs
 class _SInfo:
     __slots__ = ("nbytes", "producer", "savers", "consumers", "outside", "free_pos", "weak", "outside_release",
-                 "release_pos", "death_seg", "late", "__weakref__")
+                 "release_pos", "death_seg", "late", "made_pos", "__weakref__")
 
     def __init__(self, st: torch.UntypedStorage, producer: int) -> None:
         self.nbytes = st.nbytes()
@@ -157,6 +177,7 @@ class _SInfo:
         self.release_pos: int | None = None
         self.death_seg: int | None = None  # the segment in which the storage was freed, and what it adds there
         self.late = 0  # to the segment's peak when held past it (see StorageGroup.late_bytes)
+        self.made_pos: int | None = None  # made by code outside units during the step: the boundary before
         self.weak = weakref.ref(st)  # never a strong reference: handles keep saved storages alive, as autograd would
 
 
@@ -187,8 +208,12 @@ class _Run:
 
     def __init__(self, model: nn.Module, unit_names: list[str], mark: Callable[[Any], None], *, observe: bool,
                  recompute: bool, save_ops: Mapping[int, Any] | None = None,
-                 split: Callable[[int | None], int] | None = None) -> None:
+                 split: Callable[[int | None], int] | None = None, blocks: Sequence[str] = ()) -> None:
         self.model = model
+        # modules that hold units, each run as one checkpoint (a merged unit's recomputation, measured at the units'
+        # own marks); a unit's forward called after the forward ended is then that recomputation: no marks
+        self.blocks = list(blocks)
+        self.block_io: dict[str, tuple[list[list[int]], int]] = {}
         # observe mode with a meter: when a storage dies, ``split`` closes a part of the segment's peak there, so the
         # peak after its death is known (StorageGroup.late_bytes)
         self.split = split
@@ -207,6 +232,7 @@ class _Run:
         self.infos: dict[int, _SInfo] = {}
         self.all_infos: list[_SInfo] = []
         self.produced: dict[int, tuple[weakref.ref, int]] = {}
+        self.born: dict[int, tuple[weakref.ref, int]] = {}  # observe mode: per storage made in the step, its mark
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
         self.hook_events: dict[int, tuple[list[tuple[str, int]], int]] = {}
@@ -246,6 +272,9 @@ class _Run:
         inf = self.infos.get(id(st))
         if inf is None or inf.weak() is not st:
             inf = _SInfo(st, producer)
+            born = self.born.get(id(st)) if producer == -1 else None
+            if born is not None and born[0]() is st:
+                inf.made_pos = born[1]
             self.infos[id(st)] = inf
             self.all_infos.append(inf)
             if self.split is not None:
@@ -327,7 +356,10 @@ class _Run:
     def outer_hooks(self) -> Any:
         if not self.observe:
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._outside_pack, _unpack)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._outside_pack, _unpack))
+        stack.enter_context(_Births(self))
+        return stack
 
     # -- backward marks: one hook per tensor, "end" events before "start" events
     def _tensor_event(self, t: torch.Tensor, kind: str, unit: int) -> None:
@@ -359,6 +391,12 @@ class _Run:
             inner = previous or type(module).forward.__get__(module, type(module))
             module.forward = self._wrapper(index, module, inner)
             self._installed.append((module, previous))
+        for name in self.blocks:
+            module = self.model.get_submodule(name)
+            previous = module.__dict__.get("forward")
+            inner = previous or type(module).forward.__get__(module, type(module))
+            module.forward = self._block_wrapper(name, module, inner)
+            self._installed.append((module, previous))
 
     def remove(self) -> None:
         for module, previous in reversed(self._installed):
@@ -368,8 +406,18 @@ class _Run:
                 module.forward = previous
         self._installed.clear()
 
+    def _block_wrapper(self, name: str, module: nn.Module, inner: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self.block_io[name] = ([list(t.shape) for t in leaves], unique_bytes(leaves))
+            return checkpointed(module, inner, args, kwargs)
+
+        return forward
+
     def _wrapper(self, index: int, module: nn.Module, inner: Callable) -> Callable:
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.blocks and self.forward_done:  # a block's recomputation in backward
+                return inner(*args, **kwargs)
             pos = self._mark(("fwd_start", index))
             leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             grad_inputs = {id(t): t for t in leaves if t.requires_grad}
@@ -443,12 +491,15 @@ def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],
                   device: torch.device, *, observe: bool, recompute: bool,
                   kwargs: Mapping[str, Any] | None = None,
-                  save_ops: Mapping[int, Any] | None = None) -> tuple[list, _Run, int]:
+                  save_ops: Mapping[int, Any] | None = None, blocks: Sequence[str] = ()) -> tuple[list, _Run, int]:
+    """One training step with marks at the units' boundaries: ``(label, level, peak)`` per mark, the run's records
+    and the step's peak. ``observe``: follow every saved storage (the groups); ``recompute``: every unit
+    checkpointed; ``blocks``: these modules (each holding units) checkpointed as wholes instead."""
     meter = meter_for(device)
     meter.track(model, optimizer, list(inputs), kwargs)
     meter.reset_peak()
     run = _Run(model, names, meter.mark, observe=observe, recompute=recompute, save_ops=save_ops,
-               split=meter.split if observe else None)
+               split=meter.split if observe else None, blocks=blocks)
     run.install()
     handles = _watch_grads_done(run.modules, lambda u: run.grads_done.setdefault(u, int(meter.current)))
     try:
@@ -651,7 +702,7 @@ def param_steps(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer
             state = _movable_state(optimizer, p)
             rows.append({"optimizer_bytes": sum(v.untyped_storage().nbytes() for v in state),
                          "optimizer_storages": len(state), "grad_bytes": p.nbytes, "step_time": times[i],
-                         "step_rel_peak": rel[i]})
+                         "step_rel_peak": rel[i], "order": order[id(p)]})
             i += 1
         out.append(rows)
     return out
@@ -678,12 +729,13 @@ def groups_from(run: _Run) -> list[StorageGroup]:
         if not inf.savers and not inf.consumers:
             continue
         key = (inf.producer, tuple(sorted(inf.savers)), tuple(sorted(inf.consumers)), inf.outside, inf.free_pos,
-               inf.outside_release, inf.release_pos, inf.death_seg if inf.late else None)
+               inf.outside_release, inf.release_pos, inf.death_seg if inf.late else None, inf.made_pos)
         agg[key][0] += inf.nbytes
         agg[key][1] += 1
         agg[key][2] += inf.late
     out = [StorageGroup(nbytes=v[0], count=v[1], producer=k[0], savers=k[1], consumers=k[2], outside_saver=k[3],
-                        free_pos=k[4], outside_release=k[5], release_pos=k[6], death_seg=k[7], late_bytes=v[2])
+                        free_pos=k[4], outside_release=k[5], release_pos=k[6], death_seg=k[7], late_bytes=v[2],
+                        made_pos=k[8])
            for k, v in agg.items()]
     out.sort(key=lambda g: (g.savers[-1] if g.savers else max(g.consumers), g.producer, g.free_pos or 0))
     return out

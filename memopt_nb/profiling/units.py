@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ..core.errors import ProfileError
 
-__all__ = ["FINE_MAX_CHILD", "FINE_MAX_UNITS", "FINE_MIN_COVER", "STATE_MAX_SHARE", "STATE_UNEVEN",
+__all__ = ["unusable", "FINE_MAX_CHILD", "FINE_MAX_UNITS", "FINE_MIN_COVER", "STATE_MAX_SHARE", "STATE_UNEVEN",
            "module_state_bytes", "select_units"]
 
 
@@ -42,7 +42,7 @@ def _visit_containers(m: nn.Module, names: dict[nn.Module, str], out: list[tuple
         _visit_containers(child, names, out)
 
 
-def _unusable(d: dict[str, Any]) -> str | None:
+def unusable(d: dict[str, Any]) -> str | None:
     """Why a module (its ``discover`` record) cannot be a unit, or ``None``."""
     if d["calls"] == 0:
         return "not called in forward"
@@ -85,12 +85,12 @@ def _select(model: nn.Module, units: Any, info: dict[str, dict[str, Any]],
         units = [units]
     if units == "auto":
         candidates = [n for n, _ in _container_children(model)]
-        usable = [n for n in candidates if _unusable(info[n]) is None]
+        usable = [n for n in candidates if unusable(info[n]) is None]
         if len(usable) < 2 or len(usable) > 64:
             best = None
             for depth in range(1, 6):
                 names = [n for n in all_names if n.count(".") == depth - 1]
-                ok = [n for n in names if _unusable(info[n]) is None]
+                ok = [n for n in names if unusable(info[n]) is None]
                 cover = sum(info[n]["saved"] for n in ok)
                 score = (4 <= len(ok) <= 64, cover, -abs(len(ok) - 16))
                 if ok and (best is None or score > best[0]):
@@ -121,7 +121,7 @@ def _select(model: nn.Module, units: Any, info: dict[str, dict[str, Any]],
         raise ProfileError(f"units must be 'auto', 'fine', an int depth or a list of module names, got {units!r}")
     chosen, excluded = [], []
     for n in candidates:
-        reason = _unusable(info[n])
+        reason = unusable(info[n])
         if reason is None:
             chosen.append(n)
         else:
@@ -186,7 +186,7 @@ def _split_largest(model: nn.Module, units: list[str], info: dict[str, dict[str,
         largest = max(units, key=lambda n: info[n]["saved"])
         saved = info[largest]["saved"]
         kids = [f"{largest}.{c}" for c, _ in modules[largest].named_children()]
-        usable = [k for k in kids if _unusable(info[k]) is None and not _is_noop(modules[k], info[k])]
+        usable = [k for k in kids if unusable(info[k]) is None and not _is_noop(modules[k], info[k])]
         reason = _why_not(saved, usable, info, len(units))
         if reason is not None:
             why[largest] = "kept whole: " + reason
@@ -236,7 +236,7 @@ def _split_by_state(model: nn.Module, units: list[str], info: dict[str, dict[str
     stay whole: each then holds only its share) and more than the most any unit saves for backward (below that,
     splitting it would not lower the floor), and its children (lists of modules expanded) hold at least
     ``FINE_MIN_COVER`` of its parameters' state, each less than all of it. Children that cannot be units (see
-    :func:`_unusable`, e.g. an in-place activation) or save and hold nothing stay in the parent's code between units.
+    :func:`unusable`, e.g. an in-place activation) or save and hold nothing stay in the parent's code between units.
     """
     modules = dict(model.named_modules())
     total = state.get("", 0)
@@ -249,7 +249,7 @@ def _split_by_state(model: nn.Module, units: list[str], info: dict[str, dict[str
         if have <= STATE_MAX_SHARE * total or have <= STATE_UNEVEN * mean or have <= most_saved:
             break
         kids = _state_children(modules, largest)
-        usable = [k for k in kids if _unusable(info[k]) is None and not _is_noop(modules[k], info[k])]
+        usable = [k for k in kids if unusable(info[k]) is None and not _is_noop(modules[k], info[k])]
         held = sum(state.get(k, 0) for k in usable)
         reason = None
         if not usable:

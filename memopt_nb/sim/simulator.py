@@ -82,6 +82,7 @@ from typing import Any
 import numpy as np
 
 from ..core.budget import format_bytes
+from ..core.cuts import profile_for
 from ..core.device import DeviceSpec
 from ..core.errors import PlanError, ProfileError
 from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan
@@ -768,4 +769,4 @@ def simulate(profile: Any, plan: Plan, device: DeviceSpec | str | None = None,
     compute times by the FLOP/s ratio (see :class:`~memopt_nb.core.device.DeviceSpec`). ``budget`` defaults to the
     plan's.
     """
-    return Simulator(profile, device).run(plan, budget)
+    return Simulator(profile_for(profile, plan), device).run(plan, budget)

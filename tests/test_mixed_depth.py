@@ -1,0 +1,218 @@
+"""Plans that mix depths (issue 36): a fine profile measures what each split block costs recomputed as one checkpoint,
+``merge_units`` makes the profile of any cut (whole blocks here, units there) from it, and ``search_depths`` plans the
+fine units, the whole blocks and mixed cuts. A merged block is an ordinary unit for the simulator, the planners and
+the runtime: predicted = measured to the byte, training bit for bit."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import memopt_nb as memopt
+from memopt_nb import solvers
+from memopt_nb.core.cuts import merge_units, mergeable, profile_for
+from memopt_nb.core.errors import BudgetError, ProfileError
+from memopt_nb.core.plan import Plan
+from memopt_nb.core.profile import ModelProfile
+from memopt_nb.planners import depths
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+transformers = pytest.importorskip("transformers")
+
+BLOCKS = ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+CUTS = {"fine": [], "one block": ["transformer.h.1"], "one mlp": ["transformer.h.0.mlp"],
+        "mixed": ["transformer.h.0", "transformer.h.2.mlp"], "blocks": BLOCKS}
+
+
+def gpt2(optimizer=torch.optim.Adam):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=500)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 500, (4, 64))
+    return model, {"input_ids": ids, "labels": ids}, optimizer(model.parameters(), lr=1e-3)
+
+
+def loss_fn(out):
+    return out.loss
+
+
+@pytest.fixture(scope="module")
+def fine():
+    model, inputs, opt = gpt2()
+    prof = memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+    return model, inputs, opt, prof
+
+
+def _random_plan(prof, rng, placements):
+    base = Plan.uniform(prof, "keep")
+    decisions = []
+    for d, u in zip(base.decisions, prof.units, strict=True):
+        kw = {"strategy": rng.choice(["keep", "recompute", "swap", "recompute_offload"])}
+        if placements and u.grad_bytes:
+            places = ["resident", "offload", "stream"] if u.param_steps else ["resident", "offload"]
+            kw["optimizer"] = rng.choice(places)
+            kw["grads"] = rng.choice(["resident", "offload"])
+        decisions.append(dataclasses.replace(d, **kw))
+    return base.with_meta(decisions=tuple(decisions))
+
+
+def test_a_fine_profile_measures_every_split_block_and_each_is_one_unit_of_its_cut(fine):
+    _, _, _, prof = fine
+    assert mergeable(prof) == BLOCKS + [f"{b}.mlp" for b in BLOCKS]
+    assert prof.meta["merge_why"] == {}
+    for name, blocks in CUTS.items():
+        cut = merge_units(prof, blocks)
+        outer = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks if o != b)]
+        for b in outer:
+            u = cut.unit(b)
+            first, last = prof.merges[b]["units"]
+            kids = prof.units[first:last + 1]
+            assert u.fwd_time == pytest.approx(sum(s.time for s in prof.segments[kids[0].fwd_segment:
+                                                                                    kids[-1].fwd_segment + 1]))
+            assert u.param_bytes == sum(k.param_bytes for k in kids) and u.save_sets == {}
+            assert [r["order"] for r in u.param_steps] == sorted(r["order"] for k in kids for r in k.param_steps)
+        assert cut.n_units == prof.n_units - sum(prof.merges[b]["units"][1] - prof.merges[b]["units"][0]
+                                                 for b in outer), name
+        # keep-all is the reference run at any cut: the same peak and time
+        assert memopt.simulate(cut, Plan.uniform(cut, "keep")).peak_bytes == prof.peak_bytes
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_predicted_peak_equals_measured_at_every_cut(fine, cut):
+    """Uniform strategies and random plans of every activation strategy, with and without state placements (stream
+    included), on cuts that merge blocks, a nested MLP, or both at once: the simulator's peak is the measured one."""
+    model, inputs, opt, prof = fine
+    profile = merge_units(prof, CUTS[cut])
+    rng = random.Random(len(cut))
+    plans = [Plan.uniform(profile, s) for s in ("recompute", "swap", "recompute_offload")]
+    plans += [_random_plan(profile, rng, placements=k % 2 == 1) for k in range(4)]
+    for plan in plans:
+        predicted = memopt.simulate(profile, plan).peak_bytes
+        measured = memopt.measure(model, **inputs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1).peak_bytes
+        assert predicted == measured, (cut, [d.strategy for d in plan.decisions], predicted - measured)
+
+
+def test_a_recomputed_block_holds_less_than_its_units_recomputed_one_by_one(fine):
+    """The reason to merge: recomputing unit by unit pins every unit's input until its backward; the block's
+    checkpoint pins its own input only."""
+    _, _, _, prof = fine
+    blocks = merge_units(prof, BLOCKS)
+    by_units = memopt.simulate(prof, Plan.uniform(prof, "recompute")).peak_bytes
+    by_blocks = memopt.simulate(blocks, Plan.uniform(blocks, "recompute")).peak_bytes
+    assert by_blocks < by_units
+    strategies = ("keep", "recompute")
+    assert (solvers.min_peak(blocks, None, strategies, offload_state=False)
+            < solvers.min_peak(prof, None, strategies, offload_state=False))
+
+
+def test_merging_nothing_changes_nothing_and_merges_survive_json(fine, tmp_path):
+    _, _, _, prof = fine
+    same = merge_units(prof, [])
+    assert same.to_dict() == prof.to_dict()
+    loaded = ModelProfile.load(prof.save(tmp_path / "p.json"))
+    assert loaded.merges == prof.merges
+    a, b = merge_units(prof, CUTS["mixed"]), merge_units(loaded, CUTS["mixed"])
+    plan = Plan.uniform(a, "recompute")
+    assert memopt.simulate(a, plan).peak_bytes == memopt.simulate(b, plan).peak_bytes
+
+
+def test_an_unknown_block_is_refused_naming_those_that_can_be_merged(fine):
+    _, _, _, prof = fine
+    with pytest.raises(ProfileError, match=r"cannot merge 'transformer\.h\.9'.*transformer\.h\.0"):
+        merge_units(prof, ["transformer.h.9"])
+    auto = ModelProfile.from_dict({**prof.to_dict(), "merges": {}})
+    with pytest.raises(ProfileError, match="has none"):
+        merge_units(auto, ["transformer.h.0"])
+
+
+def test_simulate_reads_a_mixed_plan_against_the_fine_profile(fine):
+    _, _, _, prof = fine
+    cut = merge_units(prof, CUTS["mixed"])
+    plan = Plan.uniform(cut, "recompute").with_meta(meta={"merged": CUTS["mixed"]})
+    assert profile_for(prof, plan).unit_names == cut.unit_names
+    assert memopt.simulate(prof, plan).peak_bytes == memopt.simulate(cut, plan).peak_bytes
+
+
+def test_the_blocks_a_plan_treats_alike_are_merged_and_the_others_split(fine):
+    _, _, _, prof = fine
+    plan = Plan.uniform(prof, "keep")
+    first, last = prof.merges["transformer.h.1"]["units"]
+    decisions = list(plan.decisions)
+    for k in range(first, last + 1):
+        decisions[k] = dataclasses.replace(decisions[k], strategy="recompute")
+    first, last = prof.merges["transformer.h.2.mlp"]["units"]
+    for k in range(first, last + 1):
+        decisions[k] = dataclasses.replace(decisions[k], strategy="swap")
+    plan = plan.with_meta(decisions=tuple(decisions))
+    assert depths._alike(plan, prof) == ["transformer.h.1", "transformer.h.2.mlp"]
+    # a block plan mapped onto a cut that splits its kept blocks: the units take their block's decision
+    blocks = merge_units(prof, BLOCKS)
+    whole = Plan.uniform(blocks, "keep")
+    whole = whole.with_meta(decisions=(dataclasses.replace(whole.decisions[0], strategy="recompute"),
+                                       *whole.decisions[1:]))
+    cut = merge_units(prof, ["transformer.h.0"])
+    codes = depths._arrays(whole, cut)[0]
+    assert codes[0] == depths.code_of("recompute", "") and set(codes[1:].tolist()) == {depths.code_of("keep", "")}
+
+
+def _exact(strategies):
+    def planner(profile, budget, device):
+        return solvers.optimal(profile, budget, device, strategies=strategies, offload_state=False)
+    return planner
+
+
+def test_the_mixed_depth_plan_is_never_slower_and_trains_bit_for_bit_at_its_predicted_peak():
+    """Checkpointing only, at a budget below the fine units' floor and above the blocks': no fine plan fits, and the
+    mixed search returns a plan no slower than the whole blocks'; it trains two steps as without a plan, inside the
+    budget, its measured peak the predicted one."""
+    model, inputs, opt = gpt2(torch.optim.SGD)
+    prof = memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+    strategies = ("keep", "recompute")
+    lo = solvers.min_peak(merge_units(prof, BLOCKS), None, strategies, offload_state=False)
+    hi = solvers.min_peak(prof, None, strategies, offload_state=False)
+    assert lo < hi
+    budget = (lo + hi) // 2
+    with pytest.raises(BudgetError):
+        solvers.optimal(prof, budget, strategies=strategies, offload_state=False)
+    plan = memopt.search_depths(prof, budget, planner=_exact(strategies), strategies=strategies, offload_state=False)
+    d = plan.meta["depths"]
+    assert d["fine_step_time"] is None and plan.feasible
+    assert plan.predicted_step_time <= d["blocks_step_time"]
+    assert plan.meta["merged"] and set(plan.meta["merged"]) <= set(mergeable(prof))
+    assert plan.units == merge_units(prof, plan.meta["merged"]).unit_names
+
+    torch.manual_seed(1)
+    losses = []
+    with memopt.plan(plan), memopt.limit_memory(budget) as lim:
+        for _ in range(2):
+            loss = model(**inputs).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert lim.peak_bytes <= budget
+    ref, ref_inputs, ref_opt = gpt2(torch.optim.SGD)
+    torch.manual_seed(1)
+    ref_losses = []
+    for _ in range(2):
+        loss = ref(**ref_inputs).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+    measured = memopt.measure(model, **inputs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1).peak_bytes
+    assert measured == plan.predicted_peak_bytes
+
+
+def test_search_depths_refuses_a_budget_below_both_floors_naming_both(fine):
+    _, _, _, prof = fine
+    with pytest.raises(BudgetError, match="with whole blocks"):
+        memopt.search_depths(prof, 1024, planner=_exact(("keep", "recompute")), strategies=("keep", "recompute"),
+                             offload_state=False)
+    with pytest.raises(memopt.PlanError, match="rounds"):
+        memopt.search_depths(prof, "50%", rounds=-1)
