@@ -45,29 +45,43 @@ def profiles(layers: int, rounds: int = 2) -> tuple[memopt.ModelProfile, dict[st
 
 
 def measured(layers: int, plans: dict[str, memopt.Plan], reps: int) -> dict[str, tuple[float, int]]:
-    """Per plan, the median seconds of a training step and the peak, the plans' steps interleaved (A B C, C B A, …)."""
-    model, inputs, loss_fn, opt = gpt2_deep(layers)
-    names = list(plans)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    peaks: dict[str, int] = {}
+    """Per plan, the median seconds of a training step and the measured peak. Each plan is applied once to its own
+    copy of the model (the same weights), and the copies' steps are interleaved (A B C, C B A, …) so that a drift hits
+    them alike; the peaks come from ``memopt.measure`` afterwards."""
+    runs = {}
+    for k, p in plans.items():
+        model, inputs, loss_fn, opt = gpt2_deep(layers)
+        applied = memopt.plan(p, model, optimizer=opt)
+        applied.apply()
+        runs[k] = (model, inputs, loss_fn, opt, applied)
+    times: dict[str, list[float]] = {k: [] for k in runs}
 
-    def step(name: str) -> float:
-        with memopt.plan(plans[name]), memopt.limit_memory(plans[name].budget_bytes) as lim:
-            t0 = time.perf_counter()
-            loss = loss_fn(model(**inputs))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            took = time.perf_counter() - t0
-        peaks[name] = max(peaks.get(name, 0), lim.peak_bytes)
-        return took
+    def step(k: str) -> float:
+        model, inputs, loss_fn, opt, _ = runs[k]
+        t0 = time.perf_counter()
+        loss = loss_fn(model(**inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
 
-    for k in names:  # warm-up
-        step(k)
-    for r in range(reps):
-        for k in (names if r % 2 == 0 else names[::-1]):
-            times[k].append(step(k))
-    return {k: (statistics.median(times[k]), peaks[k]) for k in names}
+    try:
+        names = list(runs)
+        for _ in range(2):  # warm-up
+            for k in names:
+                step(k)
+        for r in range(reps):
+            for k in (names if r % 2 == 0 else names[::-1]):
+                times[k].append(step(k))
+    finally:
+        for *_, applied in runs.values():
+            applied.remove()
+    out = {}
+    for k, p in plans.items():
+        model, inputs, loss_fn, opt, _ = runs[k]
+        peak = memopt.measure(model, **inputs, loss_fn=loss_fn, optimizer=opt, plan=p, steps=1).peak_bytes
+        out[k] = (statistics.median(times[k]), peak)
+    return out
 
 
 def main() -> None:
@@ -118,6 +132,7 @@ def main() -> None:
         plans = {"fine": planner(fine, budget, None),
                  "blocks": planner(whole, budget, None).with_meta(meta={"merged": blocks}), "mixed": mixed}
         plans = {k: p for k, p in plans.items() if p.feasible}
+        print(f"depths: {mixed.meta['depths']}", flush=True)
         got = measured(args.layers, plans, args.reps)
         for k, p in plans.items():
             merged = len(p.meta.get("merged") or [])
@@ -125,7 +140,6 @@ def main() -> None:
                   f"{p.predicted_step_time * 1e3:.1f} | {got[k][0] * 1e3:.1f} | {got[k][1] / MiB:.2f} MiB"
                   f"{'' if got[k][1] == p.predicted_peak_bytes else ' (predicted ' + str(p.predicted_peak_bytes) + ')'}"
                   f" | {took if k == 'mixed' else 0:.1f} |", flush=True)
-        print(f"depths: {mixed.meta['depths']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -506,3 +506,26 @@ def test_max_batch_magic_mistakes(ip, line, expected):
     with pytest.raises(UsageError) as err:
         ip.run_line_magic("memopt_plan", line)
     assert expected in str(err.value)
+
+
+def test_mixed_depths_plans_whole_blocks_where_the_fine_units_do_not_fit(ip, prof, capsys):
+    """Checkpointing only, a fine profile's units each pin their input when recomputed: below their floor the budget is
+    refused, naming ``--mixed-depths``; with it, whole blocks are planned where that is enough."""
+    ip.run_line_magic("memopt_profile", "model x --loss loss_fn --optimizer opt --repeats 1 --units fine -q -o pfine")
+    fine = ip.user_ns["pfine"]
+    assert fine.merges
+    space = ("keep", "recompute")
+    blocks = memopt.merge_units(fine, [b for b in fine.merges if not any(b.startswith(o + ".") for o in fine.merges)])
+    lo = memopt.solvers.min_peak(blocks, None, space, offload_state=False)
+    hi = memopt.solvers.min_peak(fine, None, space, offload_state=False)
+    assert lo < hi
+    line = (f"pfine --budget {(lo + hi) // 2} --strategies keep,recompute --offload-state none --timesteps 96 "
+            "--no-widget")
+    with pytest.raises(UsageError, match="--mixed-depths"):
+        ip.run_line_magic("memopt_plan", line)
+    p = ip.run_line_magic("memopt_plan", line + " --mixed-depths -o pmixed")
+    assert p is ip.user_ns["pmixed"] and p.feasible and p.meta["merged"]
+    assert p.meta["depths"]["fine_step_time"] is None
+    assert "whole blocks" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--units fine"):
+        ip.run_line_magic("memopt_plan", "prof --budget 60% --mixed-depths")

@@ -216,3 +216,66 @@ def test_search_depths_refuses_a_budget_below_both_floors_naming_both(fine):
                              offload_state=False)
     with pytest.raises(memopt.PlanError, match="rounds"):
         memopt.search_depths(prof, "50%", rounds=-1)
+
+
+# ---------------------------------------------------------------------- models this project did not write
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit_tiny", "convnext_atto"])
+def test_timm_style_blocks_merged_predict_the_measured_peak_and_train_bit_for_bit(name):
+    """timm's ViT-Tiny (residual code and Identity placeholders between a block's units) and ConvNeXt-Atto, module for
+    module: every other block the fine profile can merge, merged, recomputed or swapped with the rest random (state
+    placements too): predicted = measured; and a mixed plan trains three steps as without it, buffers and optimizer
+    state included."""
+    import timm_like
+    from test_whole_step_apply import _assert_same_training, train_loop
+
+    build = getattr(timm_like, name)
+    model, x, loss_fn = build(batch=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = memopt.profile(model, *x, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+    can = mergeable(prof)
+    assert can, prof.meta["merge_why"]
+    rng = random.Random(0)
+    chosen = [b for b in can if not any(b.startswith(o + ".") for o in can)][::2]
+    cut = merge_units(prof, chosen)
+    for k in range(4):
+        plan = _random_plan(cut, rng, placements=k % 2 == 1)
+        first = {b: cut.unit_names.index(b) for b in chosen}
+        plan = plan.with_meta(decisions=tuple(
+            dataclasses.replace(d, strategy=("recompute", "swap")[k % 2]) if d.unit in first else d
+            for d in plan.decisions))
+        predicted = memopt.simulate(cut, plan).peak_bytes
+        measured = memopt.measure(model, *x, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1).peak_bytes
+        assert predicted == measured, (name, k, predicted - measured)
+    ref = build(batch=2)
+    got = build(batch=2)
+    ref_opt = torch.optim.AdamW(ref[0].parameters(), lr=1e-3)
+    got_opt = torch.optim.AdamW(got[0].parameters(), lr=1e-3)
+    _assert_same_training(train_loop(ref[0], ref_opt, None, lambda m: ref[2](m(*ref[1]))),
+                          train_loop(got[0], got_opt, plan, lambda m: got[2](m(*got[1]))))
+
+
+def test_a_block_whose_own_code_after_its_units_saves_for_backward_is_not_merged():
+    """timm's ResNet-18 BasicBlock ends in ``x += shortcut; x = self.act2(x)`` with an in-place ReLU, which is no unit
+    and saves its output: checkpointed whole, the block's recomputation would start in that code's backward, before
+    its units' backward, where no merged block's figure is measured. The profiler says so instead of merging."""
+    import timm_like
+
+    model, x, loss_fn = timm_like.resnet18(batch=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = memopt.profile(model, *x, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+    assert prof.meta["split"] and not prof.merges
+    assert set(prof.meta["merge_why"]) == set(prof.meta["split"])
+    assert all("before its units' backward" in why for why in prof.meta["merge_why"].values())
+
+
+def test_an_extrapolated_fine_profile_merges_no_block_and_says_why():
+    """A step that does not fit is profiled at smaller batches on the same units (a list of names, no splits): its
+    blocks were not measured whole, so none is offered for merging, and ``meta["merge_why"]`` says so."""
+    model, inputs, opt = gpt2(torch.optim.SGD)
+    peak = memopt.measure(model, **inputs, loss_fn=loss_fn, optimizer=opt).peak_bytes
+    with memopt.limit_memory(int(0.8 * peak)):
+        prof = memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+    assert prof.meta["method"] == "extrapolated" and prof.meta["split"]
+    assert prof.merges == {} and prof.meta["merge_why"]
+    assert all(why == "not measured in an extrapolated profile" for why in prof.meta["merge_why"].values())

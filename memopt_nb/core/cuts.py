@@ -52,8 +52,9 @@ def merge_units(profile: ModelProfile, blocks: Iterable[str]) -> ModelProfile:
     A block's forward is its first unit's forward to its last's, its backward the reverse; its peaks when recomputed
     were measured with the block checkpointed whole (:mod:`~memopt_nb.profiling.merges`); storages its own units and
     its own code between them make, save or read are its own, and it pins only what comes from outside it. Everything
-    else is the fine profile's. Blocks nested in another block given are merged with it. Optimizer-state figures of a
-    merged block are its units' summed (its unit-by-unit step peak is then a bound, not a measurement).
+    else is the fine profile's. Blocks nested in another block given are merged with it. A merged block's state is
+    its units' summed; its part of the unit-by-unit optimizer step was measured (a profile without it: the units'
+    seconds and peaks summed, a bound).
     """
     blocks = list(dict.fromkeys(blocks))
     spans = _spans(profile, blocks)
@@ -206,8 +207,9 @@ def _merged_unit(profile: ModelProfile, block: str, old: list[int], index: int, 
         not_recomputable_reason=next((u.not_recomputable_reason for u in parts if u.not_recomputable_reason), ""),
         grad_bytes=sum(u.grad_bytes for u in parts), optimizer_bytes=sum(u.optimizer_bytes for u in parts),
         param_storages=sum(u.param_storages for u in parts), grad_storages=sum(u.grad_storages for u in parts),
-        optimizer_storages=sum(u.optimizer_storages for u in parts), step_time=sum(u.step_time for u in parts),
-        step_rel_peak=sum(u.step_rel_peak for u in parts),
+        optimizer_storages=sum(u.optimizer_storages for u in parts),
+        step_time=float(m.get("step_time", sum(u.step_time for u in parts))),
+        step_rel_peak=int(m.get("step_rel_peak", sum(u.step_rel_peak for u in parts))),
         param_steps=sorted(copy.deepcopy(rows), key=lambda r: r["order"]) if stream else [],
         params_offloadable=all(u.params_offloadable for u in parts), save_sets={}, grads_done_extra=int(gde),
     )

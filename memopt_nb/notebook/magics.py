@@ -52,7 +52,9 @@ from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES, Plan
 from ..core.profile import ModelProfile
 from ..harness.compare import Comparison, compare
 from ..harness.maxbatch import MaxBatch, max_batch
+from ..planners.depths import search_depths
 from ..planners.floor import estimate_batch, explain_floor
+from ..planners.rl.search import search
 from ..planners.space import allowed_strategies
 from ..profiling.profile import profile as profile_model
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
@@ -465,6 +467,10 @@ class MemoptMagics(Magics):
                  help="the activation strategies the plan may use, comma-separated (default: keep,recompute,swap); "
                       "e.g. keep,recompute for checkpointing only, or add recompute_offload or selective (opt-in; "
                       "selective needs a profile made with selective=True)")
+    @ma.argument("--mixed-depths", action="store_true",
+                 help="with a profile made with --units fine: also plan its whole blocks and cuts that mix whole "
+                      "blocks with split ones, and keep the fastest plan that fits (memopt.search_depths; a whole "
+                      "block's checkpoint holds only its input, so blocks may fit where their units do not)")
     @ma.argument("-o", "--output", metavar="NAME", default=None,
                  help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME}; with --max-batch the "
                       f"answer, default {DEFAULT_FIT_NAME})")
@@ -555,10 +561,16 @@ class MemoptMagics(Magics):
         # the cell's result is the plan itself, right under the dashboard: the dashboard then does not repeat it
         dash = SearchDashboard(prof, device=device, total_timesteps=steps, mode=mode, title=title,
                                show_plan=silenced or args.quiet)
+        if args.mixed_depths and not prof.merges:
+            raise UsageError("--mixed-depths needs a profile whose blocks were split and measured whole: "
+                             "%memopt_profile ... --units fine")
         try:
             stop = {"time_limit": args.time_limit, **({"patience": args.patience} if args.patience else {})}
-            plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, offload_state=offload_state,
-                            step_in_backward=args.step_in_backward, strategies=strategies, **stop)
+            space = dict(offload_state=offload_state, step_in_backward=args.step_in_backward, strategies=strategies)
+            if args.mixed_depths:
+                plan = _mixed_depths(dash, prof, budget, device, steps, args.seed, space, stop, quiet=args.quiet)
+            else:
+                plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, **space, **stop)
         except BudgetError as exc:
             if exc.minimum_bytes is not None:  # below the floor: what to ask for first, in the magic's spelling
                 raise UsageError(exc.reworded("magic")) from None
@@ -680,3 +692,25 @@ def unload_ipython_extension(ip: Any) -> None:
     formatter.pop(ModelProfile, None)
     if state is not None and state["previous"] is not None:
         formatter.for_type(ModelProfile, state["previous"])
+
+
+def _mixed_depths(dash: SearchDashboard, prof: ModelProfile, budget: int, device: Any, steps: int | None, seed: int,
+                  space: dict[str, Any], stop: dict[str, Any], quiet: bool) -> Plan:
+    """``%memopt_plan --mixed-depths``: :func:`memopt_nb.search_depths`, the fine units searched in the dashboard and
+    the other cuts with a line each."""
+    def planner(p: ModelProfile, b: Any, d: Any) -> Plan:
+        if p is prof:
+            return dash.run(p, b, d, total_timesteps=steps, seed=seed, **space, **stop)
+        if not quiet:
+            merged = len(p.meta.get("merged") or [])
+            print(f"memopt: searching {p.n_units} units ({merged} blocks whole)…", flush=True)
+        return search(p, b, d, total_timesteps=steps, seed=seed, **space, **stop)
+
+    plan = search_depths(prof, budget, device, planner=planner, seed=seed, **space)
+    depths = plan.meta.get("depths") or {}
+    if not quiet and "chosen" in depths:
+        ms = {k: (f"{depths[f'{k}_step_time'] * 1e3:.1f} ms" if depths.get(f"{k}_step_time") is not None
+                  else "none fits") for k in ("fine", "blocks", "mixed")}
+        print(f"memopt: units {ms['fine']}, whole blocks {ms['blocks']}, mixed {ms['mixed']}: kept the "
+              f"{depths['chosen']} plan ({depths['merged_blocks']} blocks whole)")
+    return plan

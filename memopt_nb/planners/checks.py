@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from ..core.budget import format_bytes, resolve_budget
-from ..core.errors import BudgetError
+from ..core.cuts import merge_units
+from ..core.errors import BudgetError, MemoptError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES
 from ..core.space import PlanSpace
 from ..sim.simulator import CODES, SELECTIVE, Simulator
@@ -32,6 +33,23 @@ def _space_text(sim: Simulator, space: PlanSpace) -> str:
         if kept:
             parts.append(f"with {', '.join(kept)} resident")
     return (" " + " ".join(parts)) if parts else ""
+
+
+def _blocks_text(sim: Simulator, space: PlanSpace, value: int) -> str:
+    """For a fine profile whose whole blocks reach ``value`` where its units do not (recomputing unit by unit pins
+    every unit's input): that, and how to plan them."""
+    profile = sim.profile
+    blocks = [b for b in getattr(profile, "merges", {}) if not any(b.startswith(o + ".") for o in profile.merges)]
+    if not blocks:
+        return ""
+    try:  # a hint only: a space the whole blocks cannot take (selective: merged blocks have no save-sets) gets none
+        whole = Simulator(merge_units(profile, blocks), sim.device)
+        if not _a_uniform_plan_fits(whole, value, space) and value < cached_min_peak(whole, space):
+            return ""
+    except MemoptError:
+        return ""
+    return (" Its whole blocks fit this budget: memopt.search_depths(profile, budget) plans whole blocks where that "
+            "is enough and their units where the budget needs them (%memopt_plan --mixed-depths).")
 
 
 def _a_uniform_plan_fits(sim: Simulator, value: int, space: PlanSpace) -> bool:
@@ -61,7 +79,7 @@ def check_budget(sim: Simulator, budget: Any, space: PlanSpace) -> int:
             "", minimum_bytes=int(lowest), budget_bytes=int(value), options=floor.advice,
             context=(f"Budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches "
                      f"for this profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes)."),
-            detail=f"That floor = {floor.breakdown_text()}. {floor.bound_text()}")
+            detail=f"That floor = {floor.breakdown_text()}. {floor.bound_text()}{_blocks_text(sim, space, value)}")
         err.args = (err.reworded("python"),)
         raise err
     return value

@@ -193,8 +193,12 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
         raise ProfileError(f"the training step does not fit the device at batch {batch} ({first}) and fits only at "
                            f"batch 1, so it cannot be extrapolated in the batch. Free device memory or lower the "
                            f"batch") from None
-    # the smaller batches are profiled on the same units (how a model is split may depend on its saved bytes)
+    # the smaller batches are profiled on the same units (how a model is split may depend on its saved bytes); split
+    # blocks are not measured whole there, so an extrapolated profile merges none (memopt.merge_units)
     options = {**options, "units": [u.name for u in prof_hi.units]}
+    if prof_hi.merges:
+        prof_hi.meta["merge_why"] = {b: "not measured in an extrapolated profile" for b in prof_hi.merges}
+        prof_hi.merges = {}
     mid = hi // 2
     prof_mid = at(mid)
     low = mid // 2

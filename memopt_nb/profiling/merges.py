@@ -1,5 +1,6 @@
 """What a block ``units="fine"`` split into units costs as one unit again: its peaks when recomputed as one
-checkpoint, measured at its units' own marks in one more tracked step per level of nesting (what
+checkpoint, measured at its units' own marks in one more tracked step per level of nesting, and its part of the
+unit-by-unit optimizer step (what
 :func:`memopt_nb.core.cuts.merge_units` needs besides the fine profile)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..core.plan import unit_fingerprint
-from .tracer import tracked_step
+from .tracer import chunked_step, tracked_step
 from .units import unusable
 
 __all__ = ["measure_merges"]
@@ -45,7 +46,8 @@ def measure_merges(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimi
                    info: Mapping[str, dict], ref_marks: list, fwd_seg: Mapping[int, int],
                    bwd_seg: Mapping[int, int]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Per split module that can be a unit again: its first and last unit, its peaks above the start of its forward
-    and backward when it is recomputed as one checkpoint, its inputs and its fingerprint. Also returns why the others
+    and backward when it is recomputed as one checkpoint, its own part of the unit-by-unit optimizer step (seconds,
+    peak above the level before it), its inputs and its fingerprint. Also returns why the others
     cannot be merged. Modules nested in one another are measured in separate steps, one per level."""
     why: dict[str, str] = {}
     cands = _candidates(model, names, split, info, why)
@@ -62,7 +64,11 @@ def measure_merges(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimi
         if [m[0] for m in marks] != labels:
             why.update({b: "the step ran differently with it checkpointed whole" for b in blocks})
             continue
-        for block in blocks:
+        # the block's own part of the unit-by-unit optimizer step (what its state placements cost at the step)
+        steps = (chunked_step(model, inputs, loss_fn, optimizer, [list(model.get_submodule(b).parameters())
+                                                                  for b in blocks], device, kwargs)
+                 if optimizer is not None else None)
+        for i, block in enumerate(blocks):
             first, last = cands[block][0], cands[block][-1]
             f0, f1, b0, b1 = fwd_seg[first], fwd_seg[last], bwd_seg[last], bwd_seg[first]
             before = marks[b0][2] - marks[b0 - 1][1]  # the code before its units' backward: no recomputation there
@@ -80,6 +86,7 @@ def measure_merges(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimi
                 "input_shapes": shapes,
                 "input_bytes": int(nbytes),
                 "fingerprint": unit_fingerprint(block, mod),
+                **({"step_time": steps[0][i + 1], "step_rel_peak": int(steps[1][i + 1])} if steps else {}),
                 # the candidate units beside it, as a plan's model fingerprint records them
                 "siblings": [c for c, _ in model.get_submodule(block.rpartition(".")[0]).named_children()],
             }
