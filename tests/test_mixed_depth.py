@@ -94,6 +94,26 @@ def test_predicted_peak_equals_measured_at_every_cut(fine, cut):
         assert predicted == measured, (cut, [d.strategy for d in plan.decisions], predicted - measured)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_independent_replay_agrees_with_the_simulator_at_every_cut(fine, overlap):
+    """The replay (``sim/replay.py``, written apart from the simulator) reads a merged block as any unit: the same
+    peak and step time on every cut, for 30 random plans each with placements, copies overlapping compute or not."""
+    from memopt_nb.core.device import DeviceSpec
+    from memopt_nb.sim.replay import replay
+
+    _, _, _, prof = fine
+    device = DeviceSpec.from_dict({**prof.device.to_dict(), "copy_overlap": overlap})
+    rng = random.Random(int(overlap))
+    for name, blocks in CUTS.items():
+        cut = merge_units(prof, blocks)
+        for k in range(30):
+            plan = _random_plan(cut, rng, placements=k % 3 > 0)
+            sim = memopt.simulate(cut, plan, device=device)
+            rep = replay(cut, plan, device=device)
+            assert rep.peak_bytes == sim.peak_bytes, (name, k)
+            assert rep.step_time == pytest.approx(sim.step_time, rel=1e-9), (name, k)
+
+
 def test_a_recomputed_block_holds_less_than_its_units_recomputed_one_by_one(fine):
     """The reason to merge: recomputing unit by unit pins every unit's input until its backward; the block's
     checkpoint pins its own input only."""
