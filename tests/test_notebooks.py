@@ -53,7 +53,8 @@ STORED_KEYS = {
         "whole_step_floor": REL, "params_equal": EXACT, "losses_equal": EXACT, "moves_state": EXACT,
         "clip_refused": EXACT, "sib_floor": REL, "sib_budget": REL, "sib_feasible": EXACT},
     "06_when_activations_are_the_problem.ipynb": {"old_floor": REL, "new_floor": REL, "budget": REL, "equal": EXACT,
-                                                   "sel_equal": EXACT},
+                                                   "sel_equal": EXACT, "ck_fine_floor": REL, "ck_blocks_floor": REL,
+                                                   "ck_budget": REL, "mixed_feasible": EXACT, "mixed_equal": EXACT},
 }
 
 
@@ -267,6 +268,13 @@ def test_notebook_executes(path, notebook_env):
         assert summary["measured_peak"] == summary["predicted_peak"] <= summary["budget"]
         # a wider space is never slower (the MILP is exact here); whether selective pays is measured, so not asserted
         assert summary["sel_time"] <= summary["old_time"] * (1 + 1e-9)
+        # mixed depths: checkpointing only, a whole block reaches lower than its units one by one; the mixed plan fits,
+        # is never slower than the fine units' or the whole blocks' plan, trains exactly, peaks where predicted
+        assert summary["ck_blocks_floor"] < summary["ck_fine_floor"] < summary["ck_budget"]
+        assert summary["mixed_feasible"] is True and summary["mixed_equal"] is True
+        times = [t for k, t in summary["mixed_depths"].items() if k.endswith("_step_time") and t is not None]
+        assert summary["mixed_time"] <= min(times) * (1 + 1e-9)
+        assert summary["mixed_measured_peak"] == summary["mixed_predicted_peak"] <= summary["ck_budget"]
     if path.name == "05_when_the_optimizer_state_is_the_problem.ipynb":
         assert summary["state_bytes"] >= 2 * summary["budget"]  # the model's state is over twice the budget
         assert summary["activations_only_floor"] > summary["budget"] >= summary["whole_step_floor"]
