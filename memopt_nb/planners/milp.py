@@ -678,6 +678,8 @@ def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: S
     Everything stays resident when ``space`` moves no state, or the simulator has no state model.
     """
     n = sim.n
+    if not any(len(row) > 1 for row in unit_states(sim, space, table=state_table_of(sim))):
+        return [0] * n  # nothing can move: no formulation to build (its memory rows take seconds at depth)
     trig = effective_triggers([NAMES[int(c)] for c in codes], list(distances))
     # a swap's distance as the trigger it really gets, so the MILP's monotone-trigger rows hold
     options = [[(int(c), int(w), int(t - u) if t is not None else int(d))]
