@@ -31,6 +31,11 @@ def _floor_html(prof: ModelProfile, spelling: str = "python") -> str:
             f"{html.escape(floor.breakdown_text())}.<br>{html.escape(floor.bound_text())}{advice}{batch}</p>")
 
 
+#: A split block's row, where the profile also measured it whole (``ModelProfile.merges``).
+_WHOLE = ('; <span title="memopt.search_depths (%memopt_plan --mixed-depths) may plan it as one unit where that is '
+          'enough">also measured whole</span>')
+
+
 def profile_html(prof: ModelProfile, spelling: str = "python") -> str:
     """The profile as HTML (``ModelProfile._repr_html_``): summary, totals with a legend of their terms, the floor
     (advice spelt for ``"python"`` or the magics, ``"magic"``) and the per-unit table."""
@@ -44,7 +49,7 @@ def profile_html(prof: ModelProfile, spelling: str = "python") -> str:
         if index is None:
             cells.append(f'<tr><td colspan="{10 if numbered else 9}" style="text-align:left;padding-left:'
                          f'{1.2 * depth:.1f}em"><b>{html.escape(label)}</b> ({html.escape(split.get(name, ""))}, '
-                         "split into the units below)</td></tr>")
+                         "split into the units below" + (_WHOLE if name in prof.merges else "") + ")</td></tr>")
             parents.append(name)
         else:
             cells.append(_unit_row(prof.units[index], numbered, depth, label))
