@@ -299,3 +299,30 @@ def test_an_extrapolated_fine_profile_merges_no_block_and_says_why():
     assert prof.meta["method"] == "extrapolated" and prof.meta["split"]
     assert prof.merges == {} and prof.meta["merge_why"]
     assert all(why == "not measured in an extrapolated profile" for why in prof.meta["merge_why"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_llama_style_blocks_merged_are_predicted_at_or_above_the_measured_peak(name):
+    """Llama and Qwen2 decoder layers merged whole (and their MLPs): the prediction is not exact as on GPT-2 but never
+    below the measured peak, and above it by at most 32 KiB here (a 0.5 MB model), under recompute, swap and random
+    plans. Known, not yet explained: a storage the attention frees partway through its backward (``late_bytes``) is
+    counted in the merged block's backward where the block's own recomputation already holds less."""
+    import test_more_transformers as tm
+
+    build, inputs, _ = tm.MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    prof = memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1, **inputs)
+    can = mergeable(prof)
+    outer = [b for b in can if not any(b.startswith(o + ".") for o in can)]
+    assert outer and prof.meta["merge_why"] == {}
+    rng = random.Random(0)
+    for blocks in (outer, [b for b in can if b not in outer]):
+        cut = merge_units(prof, blocks)
+        plans = [Plan.uniform(cut, s) for s in ("recompute", "swap")] + [_random_plan(cut, rng, k) for k in (0, 1)]
+        for plan in plans:
+            predicted = memopt.simulate(cut, plan).peak_bytes
+            measured = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1, **inputs).peak_bytes
+            assert 0 <= predicted - measured <= 32 * 1024, (name, blocks, predicted - measured)
