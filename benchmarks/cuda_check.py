@@ -347,8 +347,8 @@ def selective_or_recompute(prof: Any) -> list[str]:
 
 
 def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
-    """Keep / recompute / swap / recompute_offload / selective / mixed / fine-unit / searched activation-only plans on
-    zoo model ``name``."""
+    """Keep / recompute / swap / recompute_offload / selective / mixed / fine-unit / mixed-depth / searched
+    activation-only plans on zoo model ``name``."""
     build = builder(name, cfg, whole=False)
     zm = build()
     model, inputs, loss_fn = zm.model, zm.inputs, zm.loss_fn
@@ -383,6 +383,15 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
     cycle = [("recompute_offload", "swap", "keep", s)[i % 4] for i, s in enumerate(selective_or_recompute(fine))]
     plans["fine_mixed"] = Plan.from_strategies(fine, cycle, offload_window=[i % 3 for i in range(fine.n_units)],
                                                prefetch_distance=[(i + 1) % 4 for i in range(fine.n_units)])
+    # issue 36: mixed depths, every other split block one unit again (its measured whole-block recomputation), the
+    # rest fine, strategies cycled over the cut
+    outer = [b for b in fine.merges if not any(b.startswith(o + ".") for o in fine.merges)][::2]
+    if outer:
+        cut = memopt.merge_units(fine, outer)
+        profiles["depths_mixed"] = cut
+        plans["depths_mixed"] = Plan.from_strategies(
+            cut, [("recompute", "swap", "keep", "recompute_offload")[i % 4] for i in range(cut.n_units)],
+            offload_window=1, prefetch_distance=1)
 
     def search() -> Plan:  # half-way between the activation-only floor and keep-all
         floor = memopt.solvers.min_peak(prof, offload_state=False)
