@@ -1,12 +1,12 @@
-"""Units merged back into the blocks ``units="fine"`` split them from: what a merged block costs and the profile
-with blocks merged.
+"""Units merged back into the blocks ``units="fine"`` split them from: the profile of a cut with some blocks whole.
 
 A fine profile decides on a transformer block's attention, norms and MLP layers one by one. Where a plan recomputes a
 whole block, deciding on the block itself is better: its checkpoint holds the block's input only, where recomputing
-each child holds every child's input. the profiler measures, in the same profile, what recomputing each
-split block as one checkpoint peaks at (one more tracked step per level of nesting, marks at the children's own
-boundaries); :func:`merge_units` turns the profile into one whose units are those blocks where asked, with every other
-figure taken from the fine profile itself (the same run, the same times: no second profile's noise). The planners and
+each child holds every child's input. The profiler measures, in the same profile, what recomputing each split block
+as one checkpoint peaks at (:mod:`memopt_nb.profiling.merges`: one more tracked step per level of nesting, marks at
+the children's own boundaries); :func:`merge_units` turns the profile into one whose units are those blocks where
+asked, with every other figure taken from the fine profile itself (the same run, the same times: no second profile's
+noise). The planners and
 the runtime need nothing else: a merged block is a unit like any other. :mod:`memopt_nb.planners.depths` searches which
 blocks to merge.
 """
