@@ -86,6 +86,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
+from memopt_nb.core.cuts import outermost  # noqa: E402
 from memopt_nb.core.plan import Plan, optimizer_fingerprint  # noqa: E402
 from memopt_nb.runtime.state import HostTensor  # noqa: E402
 
@@ -385,7 +386,7 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
                                                prefetch_distance=[(i + 1) % 4 for i in range(fine.n_units)])
     # issue 36: mixed depths, every other split block one unit again (its measured whole-block recomputation), the
     # rest fine, strategies cycled over the cut
-    outer = [b for b in fine.merges if not any(b.startswith(o + ".") for o in fine.merges)][::2]
+    outer = outermost(fine.merges)[::2]
     if outer:
         cut = memopt.merge_units(fine, outer)
         profiles["depths_mixed"] = cut

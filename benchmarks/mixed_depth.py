@@ -24,7 +24,7 @@ from planner_quality import gpt2_deep
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.core.cuts import merge_units, mergeable
+from memopt_nb.core.cuts import merge_units, mergeable, outermost
 
 SPACES = {"checkpoint": ("keep", "recompute"), "default": ("keep", "recompute", "swap")}
 
@@ -102,7 +102,7 @@ def main() -> None:
           f"{', '.join(f'{s:.1f}' for s in seconds['fine'])} s (fine ÷ auto, medians: "
           f"{statistics.median(seconds['fine']) / statistics.median(seconds['auto']):.2f}); {fine.n_units} fine units, "
           f"{len(fine.merges)} blocks measured whole")
-    blocks = [b for b in mergeable(fine) if not any(b.startswith(o + ".") for o in mergeable(fine))]
+    blocks = outermost(mergeable(fine))
     whole = merge_units(fine, blocks)
     lo = solvers.min_peak(fine, None, strategies, offload_state=False)
     hi = solvers.min_peak(whole, None, strategies, offload_state=False)

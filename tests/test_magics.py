@@ -10,6 +10,7 @@ from IPython.utils.capture import capture_output
 import memopt_nb as memopt
 import memopt_nb.notebook.dashboard as dashboard_mod  # where the magic's search is looked up
 import memopt_nb.notebook.magics as magics_mod
+from memopt_nb.core.cuts import outermost
 from memopt_nb.notebook import magics
 from memopt_nb.planners.floor import explain_floor
 
@@ -515,7 +516,7 @@ def test_mixed_depths_plans_whole_blocks_where_the_fine_units_do_not_fit(ip, pro
     fine = ip.user_ns["pfine"]
     assert fine.merges
     space = ("keep", "recompute")
-    blocks = memopt.merge_units(fine, [b for b in fine.merges if not any(b.startswith(o + ".") for o in fine.merges)])
+    blocks = memopt.merge_units(fine, outermost(fine.merges))
     lo = memopt.solvers.min_peak(blocks, None, space, offload_state=False)
     hi = memopt.solvers.min_peak(fine, None, space, offload_state=False)
     assert lo < hi

@@ -11,7 +11,7 @@ import torch
 
 import memopt_nb as memopt
 from memopt_nb import solvers
-from memopt_nb.core.cuts import merge_units, mergeable, profile_for
+from memopt_nb.core.cuts import merge_units, mergeable, outermost, profile_for
 from memopt_nb.core.errors import BudgetError, ProfileError
 from memopt_nb.core.plan import Plan
 from memopt_nb.core.profile import ModelProfile
@@ -64,7 +64,7 @@ def test_a_fine_profile_measures_every_split_block_and_each_is_one_unit_of_its_c
     assert prof.meta["merge_why"] == {}
     for name, blocks in CUTS.items():
         cut = merge_units(prof, blocks)
-        outer = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks if o != b)]
+        outer = outermost(blocks)
         for b in outer:
             u = cut.unit(b)
             first, last = prof.merges[b]["units"]
@@ -203,26 +203,15 @@ def test_the_mixed_depth_plan_is_never_slower_and_trains_bit_for_bit_at_its_pred
     assert plan.meta["merged"] and set(plan.meta["merged"]) <= set(mergeable(prof))
     assert plan.units == merge_units(prof, plan.meta["merged"]).unit_names
 
+    from test_depth import train
+
     torch.manual_seed(1)
-    losses = []
     with memopt.plan(plan), memopt.limit_memory(budget) as lim:
-        for _ in range(2):
-            loss = model(**inputs).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = train(model, inputs, opt)
     assert lim.peak_bytes <= budget
     ref, ref_inputs, ref_opt = gpt2(torch.optim.SGD)
     torch.manual_seed(1)
-    ref_losses = []
-    for _ in range(2):
-        loss = ref(**ref_inputs).loss
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-    assert losses == ref_losses
+    assert losses == train(ref, ref_inputs, ref_opt)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
     measured = memopt.measure(model, **inputs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1).peak_bytes
@@ -256,7 +245,7 @@ def test_timm_style_blocks_merged_predict_the_measured_peak_and_train_bit_for_bi
     can = mergeable(prof)
     assert can, prof.meta["merge_why"]
     rng = random.Random(0)
-    chosen = [b for b in can if not any(b.startswith(o + ".") for o in can)][::2]
+    chosen = outermost(can)[::2]
     cut = merge_units(prof, chosen)
     for k in range(4):
         plan = _random_plan(cut, rng, placements=k % 2 == 1)
@@ -316,7 +305,7 @@ def test_llama_style_blocks_merged_are_predicted_at_or_above_the_measured_peak(n
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     prof = memopt.profile(model, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1, **inputs)
     can = mergeable(prof)
-    outer = [b for b in can if not any(b.startswith(o + ".") for o in can)]
+    outer = outermost(can)
     assert outer and prof.meta["merge_why"] == {}
     rng = random.Random(0)
     for blocks in (outer, [b for b in can if b not in outer]):

@@ -6,9 +6,8 @@ each child holds every child's input. The profiler measures, in the same profile
 as one checkpoint peaks at (:mod:`memopt_nb.profiling.merges`: one more tracked step per level of nesting, marks at
 the children's own boundaries); :func:`merge_units` turns the profile into one whose units are those blocks where
 asked, with every other figure taken from the fine profile itself (the same run, the same times: no second profile's
-noise). The planners and
-the runtime need nothing else: a merged block is a unit like any other. :mod:`memopt_nb.planners.depths` searches which
-blocks to merge.
+noise). The planners and the runtime need nothing else: a merged block is a unit like any other.
+:mod:`memopt_nb.planners.depths` searches which blocks to merge.
 """
 
 from __future__ import annotations
@@ -22,7 +21,13 @@ from typing import Any
 from .errors import ProfileError
 from .profile import ModelProfile, Segment, StorageGroup, UnitProfile
 
-__all__ = ["merge_units", "mergeable", "profile_for"]
+__all__ = ["merge_units", "mergeable", "outermost", "profile_for"]
+
+
+def outermost(names: Iterable[str]) -> list[str]:
+    """Those of the module ``names`` that no other of them contains, in their order."""
+    names = list(names)
+    return [b for b in names if not any(b.startswith(o + ".") for o in names)]
 
 
 def mergeable(profile: ModelProfile) -> list[str]:
@@ -37,8 +42,7 @@ def _spans(profile: ModelProfile, blocks: list[str]) -> list[tuple[int, int, str
         hint = (f"; blocks that can be merged: {', '.join(have[:8])}{', …' if len(have) > 8 else ''}" if have else
                 "; this profile has none (profile with units=\"fine\" to get blocks split and measured whole)")
         raise ProfileError(f"cannot merge {', '.join(map(repr, unknown))}{hint}")
-    outer = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks)]
-    return sorted((profile.merges[b]["units"][0], profile.merges[b]["units"][1], b) for b in outer)
+    return sorted((profile.merges[b]["units"][0], profile.merges[b]["units"][1], b) for b in outermost(blocks))
 
 
 def _relabel(label: str, index: Mapping[int, int]) -> str:
@@ -150,20 +154,22 @@ def merge_units(profile: ModelProfile, blocks: Iterable[str]) -> ModelProfile:
             fp["not_recomputable"] = reason
         fingerprint.append(fp)
     merged_names = [b for _, _, b in spans]
+
+    def within(name: str) -> bool:  # a merged block, or a module inside one
+        return any(name == b or name.startswith(b + ".") for b in merged_names)
+
     meta = copy.deepcopy(profile.meta)
     meta["merged"] = sorted(set(meta.get("merged") or []) | set(merged_names))
-    meta["split"] = {k: v for k, v in (meta.get("split") or {}).items()
-                     if not any(k == b or k.startswith(b + ".") for b in merged_names)}
+    meta["split"] = {k: v for k, v in (meta.get("split") or {}).items() if not within(k)}
     fp = meta.get("model_fingerprint")
     if isinstance(fp, dict) and isinstance(fp.get("containers"), dict):  # the modules holding units now
-        within = lambda k: any(k == b or k.startswith(b + ".") for b in merged_names)  # noqa: E731
         fp["containers"] = {k: v for k, v in fp["containers"].items() if not within(k)}
         for b in merged_names:
             if "siblings" in profile.merges[b]:
                 fp["containers"][b.rpartition(".")[0]] = list(profile.merges[b]["siblings"])
     merges = {}
     for name, m in profile.merges.items():
-        if any(name == b or name.startswith(b + ".") for b in merged_names):
+        if within(name):
             continue
         m = copy.deepcopy(m)
         m["units"] = [new_of[m["units"][0]], new_of[m["units"][1]]]

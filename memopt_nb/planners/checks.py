@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..core.budget import format_bytes, resolve_budget
-from ..core.cuts import merge_units
+from ..core.cuts import merge_units, outermost
 from ..core.errors import BudgetError, MemoptError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES
 from ..core.space import PlanSpace
@@ -39,7 +39,7 @@ def _blocks_text(sim: Simulator, space: PlanSpace, value: int) -> str:
     """For a fine profile whose whole blocks reach ``value`` where its units do not (recomputing unit by unit pins
     every unit's input): that, and how to plan them."""
     profile = sim.profile
-    blocks = [b for b in getattr(profile, "merges", {}) if not any(b.startswith(o + ".") for o in profile.merges)]
+    blocks = outermost(getattr(profile, "merges", {}))
     if not blocks:
         return ""
     try:  # a hint only: a space the whole blocks cannot take (selective: merged blocks have no save-sets) gets none

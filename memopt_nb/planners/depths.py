@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.cuts import merge_units, mergeable
+from ..core.cuts import merge_units, mergeable, outermost
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
@@ -36,11 +36,6 @@ __all__ = ["MERGE_STRATEGIES", "search_depths"]
 #: mixed cut: recomputed, its checkpoint holds its input only; swapped, its saved bytes move in fewer, larger copies.
 #: Kept blocks are split: keeping their units costs the same, and the polish may then recompute their cheap ones.
 MERGE_STRATEGIES = ("recompute", "swap", "recompute_offload")
-
-
-def _outermost(names: Iterable[str]) -> list[str]:
-    names = list(names)
-    return [b for b in names if not any(b.startswith(o + ".") for o in names)]
 
 
 def _arrays(plan: Plan, profile: ModelProfile) -> tuple[np.ndarray, ...]:
@@ -73,7 +68,7 @@ def _alike(plan: Plan, profile: ModelProfile) -> list[str]:
         alike = {(d.strategy, d.offload_window, d.prefetch_distance, d.placement) for d in ds}
         if len(alike) == 1 and ds[0].strategy in MERGE_STRATEGIES:
             out.append(block)
-    return _outermost(out)
+    return outermost(out)
 
 
 def _fits(profile: ModelProfile, merged: list[str], plan: Plan, task_of: Callable[[ModelProfile], PlanningTask]
@@ -99,11 +94,11 @@ def _mixed_from(start: Plan, profile: ModelProfile, task_of: Callable[[ModelProf
         if found is None:  # merged all at once it does not fit (a block's recomputation peaks higher): one at a time
             took: list[str] = []
             for b in want:
-                if _fits(profile, took + [b], cur, task_of) is not None:
-                    took.append(b)
-            want, found = took, _fits(profile, took, cur, task_of)
+                if (more := _fits(profile, took + [b], cur, task_of)) is not None:
+                    took, found = took + [b], more
             if found is None:
                 break
+            want = took
         task, (c, w, d, st) = found
         c, w, d, st, moves = polish(task, c, w, d, st)
         plans = [plan_from_arrays(task, c, w, d, st, seed=seed, polish="depths", polish_moves=moves)]
@@ -147,23 +142,22 @@ def search_depths(profile: ModelProfile, budget: Any = None, device: DeviceSpec 
         def planner(p: ModelProfile, b: Any, d: Any) -> Plan:
             return search(p, b, d, seed=seed, **space, **search_options)
 
-    blocks = _outermost(mergeable(profile))
+    blocks = outermost(mergeable(profile))
     if not blocks:
         return planner(profile, budget, device).with_meta(
             meta={"depths": {"note": "no block of this profile can be merged (profile with units=\"fine\")"}})
-    results: dict[str, Plan | None] = {}
-    errors: list[BudgetError] = []
+    made: dict[str, Plan] = {}
+    errors: dict[str, BudgetError] = {}
     for key, cut in (("fine", profile), ("blocks", merge_units(profile, blocks))):
         try:  # each has its own floor: recomputing unit by unit pins every unit's input, a block only its own
-            made = planner(cut, budget, device)
-            results[key] = made.with_meta(meta={"merged": sorted(blocks) if key == "blocks" else []})
+            made[key] = planner(cut, budget, device).with_meta(
+                meta={"merged": sorted(blocks) if key == "blocks" else []})
         except BudgetError as exc:
-            results[key], made = None, None
-            errors.append(exc)
-        if made is not None and not made.feasible:
-            results[key] = None
+            errors[key] = exc
     if len(errors) == 2:
-        raise BudgetError(f"{errors[0]} (with whole blocks: {errors[1]})") from None
+        raise BudgetError(f"{errors['fine']} (with whole blocks: {errors['blocks']})") from None
+    results: dict[str, Plan | None] = {k: (p if (p := made.get(k)) is not None and p.feasible else None)
+                                       for k in ("fine", "blocks")}
 
     def task_of(cut: ModelProfile) -> PlanningTask:
         return PlanningTask(cut, budget, device, **space)
@@ -173,8 +167,10 @@ def search_depths(profile: ModelProfile, budget: Any = None, device: DeviceSpec 
              and (p := _mixed_from(results[k], profile, task_of, again, rounds, seed)) is not None]
     results["mixed"] = min(mixed, key=lambda p: p.predicted_step_time, default=None)
     fits = {k: p for k, p in results.items() if p is not None}
-    if not fits:  # neither planner's plan fits (flagged infeasible): the fine one, as the planner returned it
-        return planner(profile, budget, device)
+    if not fits:  # neither planner's plan fits (flagged infeasible): the fine one as the planner returned it
+        if "fine" in errors:
+            raise errors["fine"]
+        return made["fine"]
     chosen = min(fits, key=lambda k: (fits[k].predicted_step_time, ["fine", "blocks", "mixed"].index(k)))
     plan = fits[chosen]
     depths = {f"{k}_step_time": (p.predicted_step_time if p is not None else None) for k, p in results.items()}

@@ -387,16 +387,17 @@ class _Run:
     # -- unit wrappers
     def install(self) -> None:
         for index, module in enumerate(self.modules):
-            previous = module.__dict__.get("forward")
-            inner = previous or type(module).forward.__get__(module, type(module))
-            module.forward = self._wrapper(index, module, inner)
-            self._installed.append((module, previous))
+            self._install(module, lambda inner, i=index, m=module: self._wrapper(i, m, inner))
         for name in self.blocks:
             module = self.model.get_submodule(name)
-            previous = module.__dict__.get("forward")
-            inner = previous or type(module).forward.__get__(module, type(module))
-            module.forward = self._block_wrapper(name, module, inner)
-            self._installed.append((module, previous))
+            self._install(module, lambda inner, b=name, m=module: self._block_wrapper(b, m, inner))
+
+    def _install(self, module: nn.Module, wrap: Callable[[Callable], Callable]) -> None:
+        """Replace ``module.forward`` by ``wrap(its forward)``; :meth:`remove` puts it back."""
+        previous = module.__dict__.get("forward")
+        inner = previous or type(module).forward.__get__(module, type(module))
+        module.forward = wrap(inner)
+        self._installed.append((module, previous))
 
     def remove(self) -> None:
         for module, previous in reversed(self._installed):
