@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import ProfileError
+from .heads import with_head
 from .profile import ModelProfile, Segment, StorageGroup, UnitProfile
 
 __all__ = ["merge_units", "mergeable", "outermost", "profile_for"]
@@ -177,7 +178,8 @@ def merge_units(profile: ModelProfile, blocks: Iterable[str]) -> ModelProfile:
     out = dataclasses.replace(
         profile, units=new_units, segments=new_segs, groups=groups, fingerprint=tuple(fingerprint), meta=meta,
         merges=merges, step_segment=seg_new.get(profile.step_segment, -1) if profile.step_segment >= 0 else -1,
-        excluded=copy.deepcopy(profile.excluded), device=profile.device)
+        excluded=copy.deepcopy(profile.excluded), device=profile.device,
+        heads={})  # the head options' segments are the fine units' (profile_for chunks the head before merging)
     return out._adopt(profile)
 
 
@@ -222,8 +224,10 @@ def _merged_unit(profile: ModelProfile, block: str, old: list[int], index: int, 
 
 
 def profile_for(profile: ModelProfile, plan: Any) -> ModelProfile:
-    """The profile ``plan`` was made for: ``profile`` itself, or, for a plan that merged blocks of this fine profile
-    (``plan.meta["merged"]``), ``profile`` with those blocks merged."""
+    """The profile ``plan`` was made for: ``profile`` itself, or, for a plan that chunks the LM head (``plan.head``)
+    and merged blocks of this fine profile (``plan.meta["merged"]``), ``profile`` with that head and those blocks
+    merged."""
+    profile = with_head(profile, getattr(plan, "head", None))
     merged = (getattr(plan, "meta", None) or {}).get("merged") or []
     if not merged or list(getattr(plan, "units", [])) == profile.unit_names:
         return profile

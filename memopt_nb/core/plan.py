@@ -506,6 +506,10 @@ class Plan:
             what the training loop may do (no gradient accumulation, no clipping), so it is opt-in.
         optimizer_fingerprint: the optimizer the plan was made for (its class, hyper-parameters and the shapes of
             each parameter group), ``None`` when the plan moves no state or was made without one.
+        head: ``{"module": name, "chunks": k}`` when the plan computes the LM head and its cross-entropy ``k`` chunks
+            of tokens at a time (:mod:`memopt_nb.runtime.head`; opt-in, ``profile(..., head="chunked")``): the logits
+            are never whole, the loss is bit-identical but the gradients are summed in another order, so the plan is
+            not :attr:`exact`. ``None``: the head runs as written.
     """
 
     decisions: tuple[Decision, ...]
@@ -521,6 +525,7 @@ class Plan:
     model_fingerprint: dict[str, Any] | None = None
     step_in_backward: bool = False
     optimizer_fingerprint: dict[str, Any] | None = None
+    head: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.decisions = tuple(self.decisions)
@@ -544,6 +549,11 @@ class Plan:
             raise PlanError(f"units {', '.join(stepped[:4])}{more} have grads='step' but the "
                             "plan was not made with step_in_backward=True; stepping in backward changes what the "
                             "training loop may do (no gradient accumulation or clipping), so it must be asked for")
+        if self.head is not None and not (
+                isinstance(self.head, dict) and isinstance(self.head.get("module"), str)
+                and _is_int(self.head.get("chunks")) and self.head["chunks"] >= 1):
+            raise PlanError("head must be None or {'module': name, 'chunks': a whole number >= 1}, "
+                            f"got {self.head!r}")
         self._model_ref: weakref.ref | None = None
         self._optimizer_ref: weakref.ref | None = None
 
@@ -590,6 +600,12 @@ class Plan:
         return plan
 
     # ------------------------------------------------------------------ views
+    @property
+    def exact(self) -> bool:
+        """Whether training under the plan is bit-identical to training without it (``False``: the head is chunked,
+        see :attr:`head`)."""
+        return self.head is None
+
     @property
     def units(self) -> list[str]:
         return [d.unit for d in self.decisions]
@@ -729,6 +745,7 @@ class Plan:
             "model_fingerprint": self.model_fingerprint,
             "step_in_backward": self.step_in_backward,
             "optimizer_fingerprint": self.optimizer_fingerprint,
+            "head": self.head,
             "meta": _jsonable(self.meta),
         }
 
@@ -762,6 +779,7 @@ class Plan:
                                              "true or false") or False,
             "optimizer_fingerprint": _check_field(data, "optimizer_fingerprint", lambda v: isinstance(v, dict),
                                                   "an object"),
+            "head": _check_field(data, "head", lambda v: isinstance(v, dict), "an object"),
         }
         fingerprint = _check_unit_fingerprint(data.get("fingerprint"))
         model_fp = _check_model_fingerprint(data.get("model_fingerprint"))
@@ -831,6 +849,9 @@ class Plan:
             moved[0] += f" ({streamed} streamed a parameter at a time)"
         if moved:
             parts.append("state: " + ", ".join(moved))
+        if self.head:
+            parts.append(f"LM head {self.head['module']} in {self.head['chunks']} chunks (not bit-identical: "
+                         "gradients summed in another order)")
         if self.budget_bytes:
             parts.append(f"budget {format_bytes(self.budget_bytes)}")
         if self.predicted_peak_bytes is not None:

@@ -180,6 +180,10 @@ class ModelProfile:
     ``merges`` (``units="fine"``): per module split into units that can be one unit again, what it costs as one
     (:mod:`memopt_nb.core.cuts`: ``units`` its first and last unit, its peaks recomputed whole, its inputs, its
     fingerprint); ``memopt.merge_units(profile, blocks)`` makes the profile with those blocks merged.
+
+    ``heads`` (``profile(..., head="chunked")``): per number of chunks of the LM head (a string key), the step's
+    segments and storage groups with the head chunked (:mod:`memopt_nb.core.heads`); ``meta["head"]`` names the head
+    of a profile made from one of them.
     """
 
     units: list[UnitProfile]
@@ -205,6 +209,7 @@ class ModelProfile:
     outside_step_rel_peak: int = 0
     chunked_step_time: float = 0.0
     merges: dict[str, dict[str, Any]] = field(default_factory=dict)
+    heads: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._model_ref: weakref.ref | None = None

@@ -62,6 +62,7 @@ from ..core.errors import BudgetError
 from ..core.plan import DEFAULT_STRATEGIES, effective_triggers
 from ..core.space import PlanSpace
 from ..sim.simulator import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
+from .heads import head_min_peak
 from .space import (
     Option,
     as_simulator,
@@ -698,6 +699,7 @@ def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: S
     return form.read_back(res.x)[3]
 
 
+@head_min_peak
 def min_peak(profile: Any, device: DeviceSpec | str | None = None,
              strategies: str | Sequence[str] = DEFAULT_STRATEGIES, *,
              offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False) -> int:

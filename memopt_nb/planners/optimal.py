@@ -15,6 +15,7 @@ from ..core.plan import DEFAULT_STRATEGIES, OFFLOADING, STATE_CHOICES, Plan
 from ..core.space import PlanSpace
 from ..sim.simulator import Simulator
 from .checks import check_budget
+from .heads import choosing_head
 from .milp import Formulation
 from .space import (
     OffloadState,
@@ -49,6 +50,7 @@ def _fallback(sim: Simulator, b: int, space: PlanSpace, time_limit: float) -> tu
     return None, ""
 
 
+@choosing_head()
 def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
             strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 120.0, *,
             offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:

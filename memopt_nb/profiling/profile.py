@@ -28,11 +28,12 @@ import torch
 import torch.nn as nn
 
 from ..core.device import DeviceSpec
-from ..core.errors import ProfileError
+from ..core.errors import PlanError, ProfileError
 from ..core.plan import SAVE_SETS, model_fingerprint, optimizer_fingerprint, unit_fingerprint
 from ..core.profile import ModelProfile, Segment, UnitProfile
 from ..runtime.distributed import check_plain
 from ..runtime.effects import ForwardEffects, forward_side_effects
+from ..runtime.head import find_head
 from ..runtime.measure import model_device
 from ..runtime.outside import preserved_outside
 from ..runtime.replay_guard import running_stat_modules
@@ -45,6 +46,7 @@ from ..runtime.step import (
     training_step,
 )
 from .fallback import extrapolating, profile_or_extrapolate
+from .heads import measure_heads, use_unit_times
 from .merges import measure_merges
 from .opsets import mark_pareto, propose_save_sets, record_ops
 from .tracer import (
@@ -151,14 +153,15 @@ def _selective_time(fraction: float, segs: list[Segment], f: int, b: int, rc_tim
 
 #: profile()'s own keyword options; every other keyword goes to the model.
 PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective", "autocast",
-                   "batch_dim", "batch_fn")
+                   "batch_dim", "batch_fn", "head", "head_module")
 
 
 def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
             device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
             selective: bool = False, autocast: torch.dtype | str | None = None, batch_dim: int | None = 0,
-            batch_fn: Callable[[int], Any] | None = None, **example_kwargs: Any) -> ModelProfile:
+            batch_fn: Callable[[int], Any] | None = None, head: str | None = None, head_module: str | None = None,
+            **example_kwargs: Any) -> ModelProfile:
     """Profile one training step of ``model`` on ``example_inputs``.
 
     The model is called as ``model(*example_inputs, **example_kwargs)``, as you call it in training:
@@ -202,6 +205,13 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             ``batch_fn(b) -> (inputs, loss_fn)`` (a tuple of positional or a dict of keyword inputs) where the loss
             function holds targets of the full batch. A step that fits is profiled as always
             (``meta["method"] == "measured"``).
+        head, head_module: ``head="chunked"`` also measures the step with the LM head and its cross-entropy computed a
+            chunk of tokens at a time (:mod:`memopt_nb.runtime.head`: the logits are never whole), in each of
+            :data:`~memopt_nb.profiling.heads.HEAD_CHUNKS` chunks; planners may then choose it
+            (``Plan.head``). Opt-in because it is not bit-identical: the loss is, but the head's gradients are summed
+            in another order (see the README for the measured difference). The head is the model's output embeddings
+            (transformers' ``get_output_embeddings()``) or the ``nn.Linear`` named by ``head_module``; the loss must
+            call ``F.cross_entropy`` on its logits (transformers' loss with ``labels=`` does).
 
     The model, optimizer and RNG state are restored afterwards, and so is every module outside the model that
     ``loss_fn`` calls (a discriminator: its gradients, buffers and training flags). Modules that run more than once
@@ -214,7 +224,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         raise ProfileError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
     if not extrapolating():  # the step as it is; where it runs out of memory, smaller batches extrapolated
         options = dict(loss_fn=loss_fn, optimizer=optimizer, units=units, repeats=repeats, device=device,
-                       model_kwargs=model_kwargs, selective=selective, autocast=autocast)
+                       model_kwargs=model_kwargs, selective=selective, autocast=autocast, head=head,
+                       head_module=head_module)
         return profile_or_extrapolate(profile, model, example_inputs, options, example_kwargs, batch_dim, batch_fn)
     check_plain(model, "profile")  # DDP / FSDP2: profile the plain model, then wrap it (memopt_nb.runtime.distributed)
     kwargs = model_keywords(model, "profile", PROFILE_OPTIONS, model_kwargs, example_kwargs)
@@ -227,6 +238,14 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         raise ProfileError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats must be a positive int, got {repeats!r}")
+    if head not in (None, "chunked"):
+        raise ProfileError(f"head={head!r} is not an option: head='chunked' measures the LM head computed a chunk of "
+                           "tokens at a time (not bit-identical); leave it out for the head as written")
+    if head is not None:
+        try:
+            find_head(model, head_module)
+        except PlanError as exc:
+            raise ProfileError(str(exc)) from None
     dev = model_device(model, example_inputs, kwargs)
     amp = resolve_autocast(autocast, dev, "profile")
     spec = device if device is not None else DeviceSpec.detect(dev)
@@ -289,9 +308,12 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
                    if optimizer is not None else None)
         streamed = (param_steps(model, inputs, loss_fn, optimizer, unit_params, dev, kwargs)
                     if optimizer is not None else None)
+        heads, head_why = (measure_heads(model, inputs, loss_fn, optimizer, names, dev, kwargs, head_module,
+                                         labels_ref, repeats) if head else ({}, ""))
     segs, fwd_seg, bwd_seg = segments_from(keep_marks, n)
     for i, seg in enumerate(segs):
         seg.time = statistics.median(t[i] for t in timings)
+    use_unit_times(heads, segs)
     rc_rel = {}
     if [m[0] for m in rc_marks] == labels_ref:
         for i in range(len(rc_marks) - 1):
@@ -354,10 +376,11 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "selective": ({"measured": True, "notes": sac_notes} if selective else None),
             "autocast": autocast_name(amp),  # the forward's, if any
             "method": "measured",  # or "extrapolated" from smaller batches (memopt_nb.profiling.fallback)
+            **({"head_why": head_why} if head_why else {}),  # head options the profile could not measure, and why
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,
-        chunked_step_time=chunked[2] if chunked else 0.0, merges=merges,
+        chunked_step_time=chunked[2] if chunked else 0.0, merges=merges, heads=heads,
     )
     _mark_side_effects(prof, effects)
     prof._model_ref = weakref.ref(model)

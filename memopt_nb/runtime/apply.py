@@ -20,6 +20,7 @@ from ..core.budget import format_bytes
 from ..core.errors import MemoptWarning, PlanError
 from ..core.plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
 from .distributed import check_state_placements, order_guard, unwrap
+from .head import ChunkedHead, find_head
 from .hooks import uncopied
 from .oom import StepGuard, leave_plan
 from .recompute import checkpointed
@@ -326,6 +327,7 @@ class AppliedPlan:
         self._autocast_hook: Any = None  # checks the first training forward's autocast against the profile's
         self._shape_hooks: list[Any] = []  # warn once when a unit's inputs are larger than profiled
         self._oom_guard: StepGuard | None = None
+        self._head: ChunkedHead | None = None  # the LM head computed in chunks (plan.head)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> AppliedPlan:
@@ -377,6 +379,7 @@ class AppliedPlan:
                 if a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + "."):
                     raise PlanError(f"plan units {a!r} and {b!r} are nested; units must not contain each other")
         state = self._state_manager(modules)  # every check before anything changes
+        head = ChunkedHead(find_head(model, plan.head["module"])[1], plan.head["chunks"]) if plan.head else None
         self._stats = {}
         strategies = plan.strategies
         has_swap = any(s in OFFLOADING for s in strategies)
@@ -399,6 +402,8 @@ class AppliedPlan:
             if state is not None:
                 self.state = state
                 state.apply()
+            if head is not None:
+                self._head = head.install()
             self._oom_guard = StepGuard(self)  # what a step that runs out of memory must give back
             if "autocast" in plan.meta:  # the profile said how its forward ran (plans made before it did: no check)
                 self._autocast_hook = model.register_forward_pre_hook(uncopied(self._check_autocast))
@@ -430,6 +435,9 @@ class AppliedPlan:
                     self._stats.update(self.state.stats)
         finally:
             self.state = None
+            if self._head is not None:
+                self._head.remove()
+                self._head = None
             for module, had_own, previous in reversed(self._installed):
                 if had_own:
                     module.forward = previous

@@ -19,6 +19,8 @@ from ...core.errors import PlanError
 from ...core.plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
 from ...runtime.limit import uncounted
 from ...sim.simulator import RECOMPUTE_OFFLOAD
+from ..heads import choosing_head
+from ..optimal import optimal
 from ..polish import (
     option_arrays,
     polish,
@@ -144,6 +146,7 @@ def _keeps_global_rng(fn: Callable[..., Plan]) -> Callable[..., Plan]:
     return wrapper
 
 
+@choosing_head(optimal)
 @_keeps_global_rng
 def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
