@@ -1,7 +1,7 @@
 """A swap plan's slowdown on the emulated CPU device: ``memopt.compare`` beside the prediction, and where time goes.
 
-Issue 37, must-show 5: on the zoo GPT at 60 % the predicted slowdown and the measured one (median of >= 5 paired steps)
-should agree within 20 % on a quiet machine. The plan is the default search's (``memopt.search(profile, "60%")``,
+The goal: on the zoo GPT at 60 % the predicted slowdown and the measured one (median of >= 5 paired steps) should
+agree within 20 % on a quiet machine. The plan is the default search's (``memopt.search(profile, "60%")``,
 seed 0), which swaps blocks. Per repeat: the machine's load average, the plan, ``memopt.compare`` (``--pairs`` paired
 steps: median and range of the per-pair ratios) beside the prediction on the profiled device, and the prediction the
 same device gives without copy overlap (the copy threads without a core of their own).

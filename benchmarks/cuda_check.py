@@ -1,9 +1,9 @@
-"""CUDA verification: the one script a session with an NVIDIA GPU runs to check everything that needs a GPU.
+"""CUDA verification: the one script to run on a machine with an NVIDIA GPU to check everything that needs a GPU.
 
 Activation plans, per zoo model (GPT-style and ResNet-style by default) at a GPU-sized batch:
 
 1. loss and gradients under keep / recompute / swap / mixed plans equal plain training (deterministic algorithms on);
-   so do those under issue 12's ``recompute_offload``, ``selective`` and a plan on finer units (``units="fine"``, each
+   so do those under ``recompute_offload``, ``selective`` and a plan on finer units (``units="fine"``, each
    block's children a unit: ``fine_mixed``, every strategy mixed);
 2. the swap engine really uses its side copy streams and pinned pool (engine stats: bytes moved, pool reuse);
 3. ``torch.cuda.max_memory_allocated`` under each plan vs the simulator's predicted peak (the profile is taken on the
@@ -29,7 +29,7 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
 8. ``--pytest``: the CUDA tests of the test suite (``-k cuda`` in :data:`PYTEST_FILES`: state placements, whole-step
    plans, mixed precision, the loop's habits between steps, LoRA with parameters offloaded, timm models with units
    split by state), pass/fail counts recorded;
-9. the runtime overheads of ``benchmarks/runtime_overhead.py`` on the GPU (issue 12 targets <= 1.03, reported, not
+9. the runtime overheads of ``benchmarks/runtime_overhead.py`` on the GPU (target <= 1.03, reported, not
    checked): (c) ``recompute_offload`` vs recompute plus the simulator's copy time, (d) ``selective`` keeping every
    op output vs keep — on the CPU these miss the target by the per-op cost of Python dispatch, which a GPU may hide —
    and (e) optimizer state streamed a parameter at a time vs moved a unit at a time, beside the simulated ratio;
@@ -45,9 +45,8 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
 Bit equality runs with deterministic algorithms and their NaN fill of new memory; timing runs without the fill (one
 kernel per new tensor, which would charge a plan for every buffer it makes).
 
-    python benchmarks/cuda_check.py [--quick] [--pytest] [--out DIR]     # on the GPU machine (--quick --pytest:
-                                                                        # 83-101 s on an H200, 2026-12-04; the full
-                                                                        # set: not run)
+    python benchmarks/cuda_check.py [--quick] [--pytest] [--out DIR]     # on the GPU machine (run times:
+                                                                        # benchmarks/RESULTS.md)
     python benchmarks/cuda_check.py --dry-run                               # anywhere: every plan and check on CPU
 
 ``--dry-run`` builds every plan and runs every check on the CPU at tiny sizes (the trace check needs CUDA and is
@@ -124,7 +123,7 @@ VARIANTS: dict[str, list[tuple[str, str, str, str]]] = {
               ("keep", "offload", "offload", "offload"), ("recompute", "resident", "offload", "offload")],
     "mixed_step": [("recompute", "offload", "step", "resident"), ("swap", "offload", "resident", "offload"),
                    ("keep", "resident", "step", "offload"), ("swap", "offload", "offload", "resident")],
-    # optimizer state streamed one parameter at a time (issue 35), beside units that move it whole
+    # optimizer state streamed one parameter at a time, beside units that move it whole
     "stream": [("keep", "stream", "offload", "resident"), ("recompute", "stream", "resident", "offload"),
                ("keep", "offload", "offload", "resident")],
     "stream_step": [("keep", "stream", "step", "offload"), ("swap", "stream", "offload", "resident")],
@@ -365,18 +364,18 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
         "mixed": Plan.from_strategies(prof, (["swap", "recompute", "keep"] * n)[:n],
                                       offload_window=[i % 3 for i in range(n)],
                                       prefetch_distance=[(2 * i) % 4 for i in range(n)]),
-        # issue 12: recompute with the checkpoint's inputs on the host (pinned, on the copy streams)
+        # recompute_offload: recompute with the checkpoint's inputs on the host (pinned, on the copy streams)
         "recompute_offload": Plan.uniform(prof, "recompute_offload", offload_window=1, prefetch_distance=1),
         "mixed_ro": Plan.from_strategies(prof, (["recompute_offload", "swap", "keep", "recompute"] * n)[:n],
                                          offload_window=[i % 3 for i in range(n)],
                                          prefetch_distance=[(i + 1) % 4 for i in range(n)]),
-        # issue 12: selective checkpointing (torch's SAC modes keep the matmul / attention outputs of the save-set)
+        # selective checkpointing (torch's SAC modes keep the matmul / attention outputs of the save-set)
         "selective": Plan.from_strategies(prof, sel),
         "mixed_sel": Plan.from_strategies(prof, [s if i % 3 == 0 else ("swap", "keep", "recompute")[i % 3 - 1]
                                                  for i, s in enumerate(sel)], offload_window=1, prefetch_distance=1),
     }
 
-    # issue 12: finer units, each block's children a unit of their own (units="fine"; the same units where a model's
+    # finer units, each block's children a unit of their own (units="fine"; the same units where a model's
     # blocks have no children to split into), every new strategy mixed with the old ones on them
     fine = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1 if cfg.dry_run else 3,
                           units="fine", selective=True)
@@ -384,7 +383,7 @@ def activation_model(name: str, cfg: Config, failures: list[str]) -> list[dict]:
     cycle = [("recompute_offload", "swap", "keep", s)[i % 4] for i, s in enumerate(selective_or_recompute(fine))]
     plans["fine_mixed"] = Plan.from_strategies(fine, cycle, offload_window=[i % 3 for i in range(fine.n_units)],
                                                prefetch_distance=[(i + 1) % 4 for i in range(fine.n_units)])
-    # issue 36: mixed depths, every other split block one unit again (its measured whole-block recomputation), the
+    # mixed depths, every other split block one unit again (its measured whole-block recomputation), the
     # rest fine, strategies cycled over the cut
     outer = outermost(fine.merges)[::2]
     if outer:
@@ -842,7 +841,7 @@ def peak_problem(what: str, sim_bytes: int, meas_bytes: int) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------- runtime overhead (issue 12)
+# ---------------------------------------------------------------------- runtime overhead
 def overhead_section(cfg: Config, failures: list[str]) -> list[dict]:
     """``runtime_overhead.run_model`` per activation model on this device: the ratios (a)-(e), reported (goals, not
     pass/fail checks: timing on a shared machine is not a correctness check)."""

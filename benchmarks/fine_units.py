@@ -1,9 +1,9 @@
-"""The wider activation space (issue 12): finer units (``units="fine"``) and ``recompute_offload``, against the old
+"""The wider activation space: finer units (``units="fine"``) and ``recompute_offload``, against the old
 space (blocks as units; keep / recompute / swap): floor, a plan below the old floor trained, throughput, max batch.
 
 Models this project did not write, built from configs (random init, no download): Hugging Face GPT-2 with 6 layers of
 width 192 at batch 8 x 128 tokens, and Hugging Face ViT-Tiny (12 layers of width 192, 224 px, patch 16) at batch 32 —
-the two configurations of issue 12. Plain SGD (no optimizer state) unless ``--adam``.
+the configurations benchmarks/RESULTS.md reports. Plain SGD (no optimizer state) unless ``--adam``.
 
     python benchmarks/fine_units.py                # all sections, about 5 minutes on 2 CPU cores
     python benchmarks/fine_units.py --floor --train

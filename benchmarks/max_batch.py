@@ -1,4 +1,4 @@
-"""How big a batch trains under a budget, and how fast (issue 34): ``memopt.max_batch`` per model and device setting.
+"""How big a batch trains under a budget, and how fast: ``memopt.max_batch`` per model and device setting.
 
 For each model and device setting, ``memopt.max_batch`` gives the largest batch of plain training, of the best classic
 baseline (recompute-all, sqrt(n), swap-all, Capuchin, every-k-th-layer checkpointing: the one that fits the largest
@@ -32,7 +32,7 @@ model's reference batch (:data:`REFERENCE`).
     python benchmarks/max_batch.py --models gpt2,vit_tiny --devices emulated --json rows.json
     python benchmarks/max_batch.py --profile-cost              # what profiling a step that does not fit costs
 
-``--profile-cost`` (issue 34, must-show 3: at most 3x): per model, ``memopt.profile`` at the reference batch without
+``--profile-cost`` (goal: at most 3x): per model, ``memopt.profile`` at the reference batch without
 a limit (the step fits; measured) and inside ``memopt.limit_memory(SHARE x the unplanned peak)`` (it does not; the
 profile is extrapolated from smaller batches), after one untimed profile, alternating the two, ``--repeats`` times
 each (default 3); medians, their ratio, and where the extrapolated profile's time goes

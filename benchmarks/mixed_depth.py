@@ -1,4 +1,4 @@
-"""Plans that mix depths (issue 36, must-show 4): on the deep GPT-2 with ``units="fine"``, the plan of the fine units,
+"""Plans that mix depths: on the deep GPT-2 with ``units="fine"``, the plan of the fine units,
 the plan of the whole blocks and the mixed plan of ``memopt.search_depths``, at budgets above both floors, simulated
 and measured side by side (interleaved steps, medians); and what the blocks' own measurement adds to profiling
 (``units="fine"`` against ``units="auto"``, alternated).

@@ -8,8 +8,8 @@ baseline's, feasibility and search wall time.
 
     python benchmarks/planner_quality.py            # full suite (about an hour on 2 cores)
     python benchmarks/planner_quality.py --quick    # a few cases
-    python benchmarks/planner_quality.py --whole-step  # issue 11: over the enlarged space (state placements)
-    python benchmarks/planner_quality.py --wide        # issue 12: over every activation strategy
+    python benchmarks/planner_quality.py --whole-step  # over the enlarged space (state placements)
+    python benchmarks/planner_quality.py --wide        # over every activation strategy
     python benchmarks/planner_quality.py --depth       # 48 to 384 units: the agents, the search and the MILP at depth
 
 ``--whole-step``: the same comparison over the enlarged space (``offload_state=True``: per unit also where its
@@ -19,7 +19,7 @@ at budgets between the whole-step floor and the unoptimized peak. Next to the ag
 same space given 4x the plan evaluations the agents made (best feasible plan found). ``--whole-step
 --step-in-backward`` widens that space by the opt-in step in backward (gradients ``"step"``) for all three.
 
-``--wide``: the same comparison over the wider activation space of issue 12 (``strategies=STRATEGIES``: keep,
+``--wide``: the same comparison over the wider activation space (``strategies=STRATEGIES``: keep,
 recompute, swap, recompute_offload with its timings, selective with each Pareto save-set), activations only
 (``offload_state=False``), on synthetic chains with synthetic save-sets
 (:func:`memopt_nb.harness.synthetic.with_save_sets`),
@@ -137,7 +137,7 @@ def whole_step(time_limit: float, timesteps: int | None, quick: bool, chains: tu
                offload_state: bool = True, hf: tuple[str, ...] = (), step_in_backward: bool = False,
                order: str = "state") -> None:
     real: set[str] = set()
-    if wide:  # issue 12: every activation strategy, on chains with save-sets (and transformers models, measured)
+    if wide:  # every activation strategy, on chains with save-sets (and transformers models, measured)
         space = {"offload_state": offload_state, "strategies": STRATEGIES}
         cases = [(f"chain{n}+sel" + ("+state" if offload_state else ""),
                   with_save_sets(chain_profile(n, seed=n, state_bytes=16 * 2**20 if offload_state else 0), seed=n))
@@ -355,8 +355,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a handful of cases")
     ap.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per case (s)")
     ap.add_argument("--timesteps", type=int, default=None, help="PPO timesteps (default: memopt's default)")
-    ap.add_argument("--whole-step", action="store_true", help="over the enlarged space (issue 11), cases with state")
-    ap.add_argument("--wide", action="store_true", help="over every activation strategy (issue 12), chains with "
+    ap.add_argument("--whole-step", action="store_true", help="over the enlarged space (state placements), cases "
+                    "with state")
+    ap.add_argument("--wide", action="store_true", help="over every activation strategy, chains with "
                     "save-sets")
     ap.add_argument("--step-in-backward", action="store_true", help="--whole-step: the opt-in step in backward too "
                     "(search, MILP and random sampling)")

@@ -7,10 +7,10 @@ the two variants interleaved A B, B A, A B, ... so that drift of this (shared, n
 (b) ``Plan.uniform(profile, "recompute")`` applied the same way vs. hand-applied non-reentrant checkpointing,
     ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`` on the same units (each unit's ``forward``
     monkeypatched by this script and restored afterwards) — target ratio <= 1.03;
-(c) ``Plan.uniform(profile, "recompute_offload", offload_window=1, prefetch_distance=1)`` (issue 12) vs. the recompute
+(c) ``Plan.uniform(profile, "recompute_offload", offload_window=1, prefetch_distance=1)`` vs. the recompute
     plan of (b) plus the copy time the simulator charges the plan on this emulated device (its inputs to the host and
     back) — target ratio <= 1.03;
-(d) a ``selective`` plan that keeps the output of every op call of every unit that makes a new tensor (issue 12; a
+(d) a ``selective`` plan that keeps the output of every op call of every unit that makes a new tensor (a
     save-set of all of them, from :func:`memopt_nb.profiling.opsets.record_ops`, outputs changed in place later
     included, such as a dropout mask scaled in place) vs. the keep plan — target ratio <= 1.03. Its recomputation runs
     no op again, so after a unit's first forward under the plan, calls made the same way run as a keep unit's do

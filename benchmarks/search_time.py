@@ -1,4 +1,4 @@
-"""Search wall time over the enlarged space (issue 11, Must show 4: ≤ 60 s at 48 units on 2 cores).
+"""Search wall time over the enlarged space (goal: ≤ 60 s at 48 units on 2 cores).
 
 ``memopt.search(prof, budget, "a100-40gb", offload_state=True, seed=0)`` at the default timesteps on the synthetic
 chain with state that ``planner_quality.py --whole-step`` uses (``chain_profile(n, seed=n, state_bytes=16 MiB)``), at

@@ -5,8 +5,8 @@ Models: every zoo model, and four models this project did not write, built from 
 ``use_cache=False``), BERT (``BertForMaskedLM``, same size), ViT (``ViTForImageClassification``, ViT-tiny width, 6
 layers, 32 px) and ConvNeXt (``ConvNextForImageClassification``, depths 2-2-4-2, 64 px; its ten blocks named as units).
 GPT-2 runs with ``use_cache=False``: with the cache a recomputed forward appends to the returned KV cache a second
-time (issue 10; being fixed separately). HF models are called with positional inputs only and trained on
-``logits.float().pow(2).mean()``.
+time (the cache is tested on its own: tests/test_third_party.py). HF models are called with positional inputs only
+and trained on ``logits.float().pow(2).mean()``.
 
 For each model (Adam optimizer) the script profiles one training step, then for the plans keep-all ("none"),
 recompute-all, swap-all as ``save_on_cpu`` does it (baseline ``swap_all``: offload window 0, prefetch distance 0),
@@ -23,7 +23,7 @@ keep-all the simulator predicts (recompute, host copies) vs the extra time measu
     python benchmarks/simulator_fidelity.py            # all models, 1 random plan per zoo model (~10 min when quiet)
     python benchmarks/simulator_fidelity.py --models hf-gpt2,hf-bert,hf-vit,hf-convnext   # third-party only
     python benchmarks/simulator_fidelity.py --quick    # half the batch sizes, no search (~3 min)
-    python benchmarks/simulator_fidelity.py --selective --models gpt,hf-gpt2,hf-vit   # + selective plans (issue 12)
+    python benchmarks/simulator_fidelity.py --selective --models gpt,hf-gpt2,hf-vit   # + selective plans
 
 ``--selective`` profiles with ``selective=True`` and adds a plan per save-set (every unit that has it selective with
 it, the others recomputed) and one with each unit's first Pareto save-set.

@@ -1,11 +1,11 @@
-"""Whole-step plans (issue 11): the floor, the bench against the baselines and "offload everything", max batch.
+"""Whole-step plans: the floor, the bench against the baselines and "offload everything", max batch.
 
-    PYTHONPATH=$PWD python benchmarks/whole_step.py --floor      # Must show 1: floors, floor plans measured
-    PYTHONPATH=$PWD python benchmarks/whole_step.py --bench      # Must show 3: methods at 3 budgets, CPU + GPU presets
+    PYTHONPATH=$PWD python benchmarks/whole_step.py --floor      # floors, floor plans measured
+    PYTHONPATH=$PWD python benchmarks/whole_step.py --bench      # methods at 3 budgets, CPU + GPU presets
     PYTHONPATH=$PWD python benchmarks/whole_step.py --bench --step-in-backward   # the same, search + MILP may step in
                                                                                  # backward (the opt-in space)
-    PYTHONPATH=$PWD python benchmarks/whole_step.py --max-batch  # Must show 3: max batch per method (simulated)
-    PYTHONPATH=$PWD python benchmarks/whole_step.py --stream     # issue 35: state streamed per parameter vs per unit
+    PYTHONPATH=$PWD python benchmarks/whole_step.py --max-batch  # max batch per method (simulated)
+    PYTHONPATH=$PWD python benchmarks/whole_step.py --stream     # state streamed per parameter vs per unit
 
 Models: the zoo's fixed-state-heavy models (``memopt.zoo.STATE_HEAVY`` at their default batch), zoo ``gpt`` and ``mlp``
 (small configs), a transformers GPT-2 from a small config (random init), and ``resnet18-split`` (resnet18 with the
@@ -94,7 +94,7 @@ def mib(b: float) -> str:
     return f"{b / MiB:.2f}"
 
 
-# ------------------------------------------------------------------ Must show 1: the floor
+# ------------------------------------------------------------------ the floor
 def floor_table(names: list[str]) -> None:
     print("| model | units | unoptimized peak MiB (measured) | activation-only floor | whole-step floor "
           "| + step in backward | floor plan predicted MiB | measured MiB | exact? |")
@@ -116,7 +116,7 @@ def floor_table(names: list[str]) -> None:
             print(f"{head} {mib(pred)} | {mib(meas)} | {exact} |", flush=True)
 
 
-# ------------------------------------------------------------------ Must show 3: the bench
+# ------------------------------------------------------------------ the bench
 def offload_everything(sim: memopt.Simulator, budget: int):
     """Every unit's optimizer state, gradients and parameters offloaded; activations swap-all or recompute-all
     (the faster one that fits; the smaller peak if neither does)."""
@@ -226,7 +226,7 @@ def bench(names: list[str], fractions: tuple[float, ...], timesteps: int | None,
               f"{statistics.median(gpu):.3f} (goal ≥ 1.3; below in {sum(v < 1.3 for v in gpu)} of {len(gpu)})")
 
 
-# ------------------------------------------------------------------ issue 35: state streamed per parameter
+# ------------------------------------------------------------------ state streamed per parameter
 def without_streaming(prof):
     """``prof`` as a profile without per-parameter steps: no unit may stream (``UnitProfile.param_steps``)."""
     units = [dataclasses.replace(u, param_steps=[]) for u in prof.units]
@@ -269,7 +269,7 @@ def stream_table(names: list[str], time_limit: float) -> None:
               f"{between or '–'} | {at[0]} → {at[1]} |", flush=True)
 
 
-# ------------------------------------------------------------------ Must show 3: max batch
+# ------------------------------------------------------------------ max batch
 def max_batch(names: list[str], batches: tuple[int, ...], timesteps: int | None, time_limit: float) -> None:
     """Budget = the unoptimized peak at the first batch; per method the largest batch whose plan fits it, and the
     simulated throughput (samples/s) there, on the CPU and the GPU presets. The plan column is the exact optimum

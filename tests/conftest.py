@@ -9,7 +9,7 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(1 if _WORKERS > 1 else max(1, min(2, torch.get_num_threads())))
 # processes the tests start (notebook and JupyterLab kernels, torchrun ranks, a second search) inherit this and compute
 # on as many threads: at torch's default, one per core, two kernels beside each other oversubscribed the cores and ran
-# the notebooks 4-10x slower under make test (benchmarks.ipynb 357 s with two threads, 72 s with one, 2026-12-06)
+# the notebooks 4-10x slower under make test (benchmarks.ipynb 357 s with two threads, 72 s with one)
 os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 

@@ -88,8 +88,8 @@ def _profile(name: str, dtype: torch.dtype = torch.bfloat16):
 
 
 def _cpu_lstm_runs_under(dtype: torch.dtype) -> bool:
-    """Whether this CPU's oneDNN has an LSTM kernel for ``dtype`` under autocast: without AVX-512 (an AVX2-only EPYC,
-    seen 2026-12-05) the plain step already fails with "could not create a primitive descriptor for the LSTM forward
+    """Whether this CPU's oneDNN has an LSTM kernel for ``dtype`` under autocast: without AVX-512 (seen on an AVX2-only
+    EPYC) the plain step already fails with "could not create a primitive descriptor for the LSTM forward
     propagation primitive", before memopt is involved."""
     lstm = torch.nn.LSTM(4, 4)
     try:

@@ -1,5 +1,5 @@
 """The caching modes of ``selective`` units (``runtime.recompute.caching_modes``), which stand in for torch's
-``create_selective_checkpoint_contexts`` at a fraction of its per-op cost (issue 12, runtime overhead).
+``create_selective_checkpoint_contexts`` at a fraction of its per-op cost (the runtime overhead of selective units).
 
 What must hold: they keep exactly the listed op calls (counted per op as ``record_ops`` counts them) and the
 recomputation runs every other call and none of those; gradients are bit-identical to torch's own selective

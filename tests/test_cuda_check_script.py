@@ -1,4 +1,4 @@
-"""benchmarks/cuda_check.py, the one script a GPU session runs: its logic tested on the CPU with ``--dry-run``.
+"""benchmarks/cuda_check.py, the one script to run where there is a GPU: its logic tested on the CPU with ``--dry-run``.
 
 The dry run builds every plan of the script and runs every check on the CPU at tiny sizes; bit equality must hold
 there too. What only a GPU shows (side streams in a profiler trace, the CUDA tests) is skipped or counted as skipped.
@@ -142,8 +142,8 @@ def test_a_check_that_raises_is_a_failure_and_the_run_goes_on(cc, tmp_path: Path
 
 @pytest.mark.slow
 def test_the_activation_section_checks_a_plan_on_finer_units(cc) -> None:
-    """Issue 12's finer units on a model whose blocks split (the zoo GPT: 6 blocks, 24 fine units): the plan mixing
-    every strategy on them is bit-identical to plain training, as predicted to the byte, and really offloads."""
+    """Finer units (``units="fine"``) on a model whose blocks split (the zoo GPT: 6 blocks, 24 fine units): the plan
+    mixing every strategy on them is bit-identical to plain training, as predicted to the byte, and really offloads."""
     cfg = cc.Config(device=torch.device("cpu"), dry_run=True, quick=True, models=["gpt"], whole_models=[], batch=None,
                     optimizers=["adam"], measure_steps=2, search_timesteps=200)
     failures: list[str] = []

@@ -1,4 +1,4 @@
-"""Plans at depth (issue 36): a transformers GPT-2 deep enough that ``units="fine"`` gives more than
+"""Plans at depth: a transformers GPT-2 deep enough that ``units="fine"`` gives more than
 ``STACK_FROM_UNITS`` units, searched at a budget between its fine and block floors with every activation strategy,
 trains bit for bit inside that budget. The search there repairs the agents' closest plan where none of theirs fits and
 its polish stacks moves; the runtime applies a searched plan of over a hundred units."""

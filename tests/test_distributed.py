@@ -66,7 +66,7 @@ def test_mixed_plan_on_two_ranks_trains_like_no_plan(runs, sharding):
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_per_rank_prediction_within_the_readme_figure(runs, sharding):
     """README: per-rank peaks predicted by ``per_rank`` + ``simulate`` never more than 0.05% under the measured one,
-    and at most 0.1% over it. Two CI runs of 2026-12-03 measured an FSDP2 rank without a plan 6,250 bytes (0.03%)
+    and at most 0.1% over it. Two CI runs measured an FSDP2 rank without a plan 6,250 bytes (0.03%)
     above its prediction — not a multiple of 4, so no tensor of the model: a byte buffer of the process group alive
     at the peak on some runs; other runs are exact."""
     for r in runs[sharding]:

@@ -1,5 +1,6 @@
-"""Issue 34, must-show 1, at the sizes it names: HF GPT-2 (6 layers, batch 16 x 128 tokens) and a timm-style ViT
-(ViT-Tiny's shapes, batch 64), AdamW, on a device of 60 % of their unplanned peak (``memopt.limit_memory``).
+"""A step that does not fit, on models this project did not write: HF GPT-2 (6 layers, batch 16 x 128 tokens) and a
+timm-style ViT (ViT-Tiny's shapes, batch 64), AdamW, on a device of 60 % of their unplanned peak
+(``memopt.limit_memory``).
 
 For each: the unplanned step runs out of memory and leaves the parameters as they were; ``memopt.profile`` succeeds
 (extrapolated from smaller batches) and predicts the unplanned peak within 2 % of the peak measured without the limit;
@@ -28,7 +29,7 @@ TIMESTEPS = 1024
 
 
 def does_not_fit(build, want, batch_fn=None):
-    """The whole must-show for ``build(b) -> (model, inputs, loss_fn, optimizer)`` (the same weights at every call;
+    """The whole check for ``build(b) -> (model, inputs, loss_fn, optimizer)`` (the same weights at every call;
     ``inputs`` a dict of keyword or a tuple of positional inputs) at the batch ``want``. Returns what it measured."""
     model, inputs, loss_fn, opt = build(want)
     args, kwargs = ((), inputs) if isinstance(inputs, dict) else (inputs, {})

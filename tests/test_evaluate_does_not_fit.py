@@ -1,4 +1,4 @@
-"""memopt.evaluate on a device that does not hold the larger batches' unplanned step (issue 34, item 3: evaluate uses
+"""memopt.evaluate on a device that does not hold the larger batches' unplanned step (evaluate uses
 max_batch's machinery instead of profiling each batch unplanned). Under memopt.limit_memory, the batches whose
 unplanned step the line through the smaller ones predicts above the device are extrapolated, never run unplanned;
 plans predicted to fit are measured there; rows that are predicted say so in their source."""

@@ -114,8 +114,8 @@ def test_detected_cpu_device_has_calibrated_copy_cost():
 def hf_gpt2():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    # use_cache=False: a recomputed forward would append to the returned KV cache a second time (issue 10, fixed
-    # separately)
+    # use_cache=False: a recomputed forward would append to the returned KV cache a second time (the cache is
+    # tested on its own: test_third_party.py)
     cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=128, n_positions=64, use_cache=False,
                                   bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg)

@@ -1,4 +1,4 @@
-"""``units="fine"``: blocks split into their submodules where that lowers the largest unit (issue 12, finer units).
+"""``units="fine"``: blocks split into their submodules where that lowers the largest unit.
 
 What must hold: units never nest and run in forward order; the split only happens where it lowers the largest unit
 and keeps what the parent saves inside units; the floor does not rise; plans over the finer units train bit-identically

@@ -42,7 +42,7 @@ def test_parts_add_up_to_the_floor_and_name_the_largest():
 
 
 def test_weights_and_adam_state_bound_the_floor_of_a_wide_mlp_at_a_small_batch():
-    # the case: an MLP whose weights, gradients and AdamW state dwarf its activations
+    # an MLP whose weights, gradients and AdamW state dwarf its activations
     floor = explain_floor(profile_of([(512, 512)] * 8, 8))
     assert floor.bound == FIXED_STATE
     assert "fixed state" in floor.bound_text()

@@ -1,5 +1,5 @@
-"""Keyword inputs (issue 10.6), a search that leaves the global RNGs alone (10.8), and user mistakes that become clear
-memopt errors with nothing changed (10.9, 13.7)."""
+"""Keyword inputs, a search that leaves the global RNGs alone, and user mistakes that become clear memopt errors with
+nothing changed."""
 
 import random
 

@@ -1,4 +1,4 @@
-"""Plans that mix depths (issue 36): a fine profile measures what each split block costs recomputed as one checkpoint,
+"""Plans that mix depths: a fine profile measures what each split block costs recomputed as one checkpoint,
 ``merge_units`` makes the profile of any cut (whole blocks here, units there) from it, and ``search_depths`` plans the
 fine units, the whole blocks and mixed cuts. A merged block is an ordinary unit for the simulator, the planners and
 the runtime: predicted = measured to the byte, training bit for bit."""

@@ -28,8 +28,8 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 CI_TIMESTEPS = "2000"
 #: README: the example's per-rank peak is "predicted by per_rank + simulate within 0.01% on every rank"
-#: (tests/test_distributed.py asserts that). Tutorial 04's searched FSDP2 plan measured 0.043% over its prediction on
-#: 2026-12-03 (both ranks alike): the tutorial is held to 0.1% and the gap is an open question (README).
+#: (tests/test_distributed.py asserts that). Tutorial 04's searched FSDP2 plan measured 0.043% over its prediction (both
+#: ranks alike): the tutorial is held to 0.1% and the gap is an open question (README).
 PER_RANK_BOUND = 1e-3
 
 EXACT, REL = 0.0, 0.01
@@ -39,7 +39,7 @@ EXACT, REL = 0.0, 0.01
 #: within its budget. Left out are times, speeds, throughputs, verdicts and reward values, and everything about a plan
 #: that a search or solver chose by step time (its peaks, its unit counts, the search's iterations, the error of its
 #: prediction): step times are measured, so on a busier or another machine the same search may pick another plan.
-#: Two runs on one loaded 2-core machine (2026-12-06) agreed exactly on every figure here, while tutorial 02's searched
+#: Two runs on one loaded 2-core machine agreed exactly on every figure here, while tutorial 02's searched
 #: plan peak moved 14% (22.8 -> 25.9 MB): the 1% on bytes is room for another host's torch, not noise observed.
 STORED_KEYS = {
     "01_quickstart.ipynb": {"budget": REL, "profiled_peak": REL, "within_budget": EXACT, "loss_matched": EXACT,

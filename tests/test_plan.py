@@ -92,7 +92,7 @@ def test_recompute_offload_is_a_strategy_timed_like_swap(tmp_path):
         plan)
 
 
-# ---------------------------------------------------------------------- plan identity: the whole model (issue 10.7)
+# ---------------------------------------------------------------------- plan identity: the whole model
 class _Blocks(nn.Module):
     """``n`` blocks of the same shape in a ModuleList, and a head."""
 
@@ -171,7 +171,7 @@ def test_model_fingerprint_survives_json_and_old_plans_keep_the_unit_check(four_
         legacy.validate(_Blocks(3))
 
 
-# ---------------------------------------------------------------------- loading what is not a plan (issue 10.9)
+# ---------------------------------------------------------------------- loading what is not a plan
 def _plan_dict(**changes):
     base = {"format": "memopt_nb.plan", "schema_version": 1, "budget_bytes": 1000,
             "decisions": [{"unit": "layers.0", "strategy": "recompute"}],
@@ -245,7 +245,7 @@ def test_json_roundtrip_keeps_what_the_plan_was_made_for(tmp_path):
     assert Plan.load(tmp_path / "keep_all.json").predicted_peak_bytes == prof.peak_bytes > budget
 
 
-# ------------------------------------------------------------ schema 2: where each unit's state lives (issue 11)
+# ------------------------------------------------------------ schema 2: where each unit's state lives
 def test_a_schema_1_plan_loads_with_every_unit_resident():
     old = Plan.from_dict(_plan_dict())
     assert old.placements == [("resident", "resident", "resident")]

@@ -1,4 +1,4 @@
-"""``recompute_offload`` (issue 12): recompute a unit and send the inputs its checkpoint keeps to the host.
+"""``recompute_offload``: recompute a unit and send the inputs its checkpoint keeps to the host.
 
 What must hold: training is bit-identical to no plan (dropout, BatchNorm, Hugging Face GPT-2 with its KV cache, ViT);
 the inputs really leave (the swap engine offloads them and brings all back, none on demand); the measured peak on the
@@ -38,7 +38,7 @@ def test_hf_gpt2_with_its_cache(units):
 
 def test_recompute_offload_lowers_a_third_party_floor():
     """Transformers GPT-2 split into fine units: recompute keeps every small unit's input, which bounds the floor;
-    recompute_offload sends them to the host (issue 12, Must show 1)."""
+    recompute_offload sends them to the host, so the floor drops."""
     transformers = pytest.importorskip("transformers")
     import test_fine_units as fine
 

@@ -634,7 +634,7 @@ def test_a_simulator_that_takes_states_is_asked_for_them():
 def test_without_a_state_table_only_all_resident_plans_are_evaluated():
     """Today's simulator has no state table: the task allows only all-resident placements whatever offload_state
     says, and refuses to price any other (rather than silently dropping it)."""
-    class NoStateSimulator(Simulator):  # a cost model without a state part (as before issue 11)
+    class NoStateSimulator(Simulator):  # a cost model without a state part (activations only)
         state_table = None
 
     prof = chain_profile(4, seed=3)

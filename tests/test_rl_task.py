@@ -1,4 +1,5 @@
-"""The RL task's tables, checked against what they are documented to be (written for the mutation check of #14).
+"""The RL task's tables, checked against what they are documented to be (written so that
+tools/mutate.py's mutants of the task are caught).
 
 ``PlanningTask`` holds, per unit and option, which options exist and a *marginal model*: how the per-segment peaks
 and the step time change when only that unit leaves "keep". Here every entry is checked against the independent

@@ -1,4 +1,5 @@
-"""The runtime on small zoo models, seconds per test (written for the mutation check of #14).
+"""The runtime on small zoo models, seconds per test (written so that tools/mutate.py's
+mutants of the runtime are caught quickly).
 
 The claims of ``test_runtime.py`` — a plan changes memory and time, never results — plus what a plan's *timing* must
 do, which equal results cannot show: under every offload window and prefetch distance the measured peak is the peak
@@ -289,7 +290,7 @@ def test_a_unit_that_sets_an_attribute_of_an_argument_is_not_recomputed():
     assert box.count == 2
 
 
-# ====================================================================== recompute_offload (issue 12)
+# ====================================================================== recompute_offload
 def check_ro(name, prof, plan, ref, *what):
     """A recompute_offload plan: bit-equal losses, the predicted peak, and its inputs really left and came back."""
     m = measured(name, plan)

@@ -1,4 +1,4 @@
-"""``selective`` (issue 12, item 2): recompute a unit but keep the outputs of its expensive ops.
+"""``selective``: recompute a unit but keep the outputs of its expensive ops.
 
 What must hold: the profile's save-sets name only op calls whose outputs are kept by nothing else (not the unit's
 output, not mutated later); training under selective plans is bit-identical to no plan (dropout, BatchNorm, Hugging

@@ -334,7 +334,7 @@ def test_planners_leave_default_timings_on_units_they_do_not_swap(name):
                 assert (dec.offload_window, dec.prefetch_distance) == (1, 1), (name, plan.decisions)
 
 
-# ---------------------------------------------------------------------- whole-step plans (issue 11) on a hand-made
+# ---------------------------------------------------------------------- whole-step plans on a hand-made
 # state table: the MILP is held to an enumeration that computes every plan's peak and time by the contract's formula
 # (memopt_nb/sim/COST_MODEL.md), so it is right for any simulator whose state_table() follows that contract.
 MiB = 2**20
@@ -443,7 +443,7 @@ def fake_table(seed=0, *, big=None, empty=None, transient=0.5, plain_low=False):
 
 
 class NoStateSim(Simulator):
-    """A simulator without a state model (as before issue 11)."""
+    """A simulator without a state model (activations only)."""
 
     state_table = None
 
@@ -730,7 +730,7 @@ def test_selective_layer_takes_the_fastest_frequency_that_fits(small_zoo):
         .predicted_step_time
 
 
-# ---------------------------------------------------------------------- recompute_offload (issue 12, item 1)
+# ---------------------------------------------------------------------- recompute_offload
 CPU_LIKE = memopt.DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_bytes_per_s=5e9,
                              d2h_bytes_per_s=5e9, compute_flops=1e11, copy_overlap=False)
 

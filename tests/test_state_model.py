@@ -1,5 +1,5 @@
 """The cost model of whole-step plans: per-unit state in the profile, StateTable, the reference replay, and predicted
-peaks against peaks measured under StateManager (issue 11)."""
+peaks against peaks measured under StateManager."""
 
 import dataclasses
 import json

@@ -376,7 +376,7 @@ def test_plan_removed_while_another_thread_trains():
 def test_swapping_a_saved_tensor_never_changes_its_version_not_even_for_a_moment():
     """The swap engine's pack hook keeps an alias for autograd's in-place check; it must not do an in-place op on the
     saved tensor to make it. ``set_()`` bumped the shared version counter and set it back, and a second thread saving
-    the same input in between recorded version 1 and then failed backward (CI, 2026-12-03)."""
+    the same input in between recorded version 1 and then failed backward (seen in CI)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):

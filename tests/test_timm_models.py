@@ -1,5 +1,5 @@
 """Whole-step plans on timm's ResNet-18, ConvNeXt-Atto and ViT-Tiny (module for module, ``timm_like``), Adam, default
-options (issue 35, must-show 1): the floor is at most half the unplanned peak (a third with step in backward), and a
+options: the floor is at most half the unplanned peak (a third with step in backward), and a
 plan searched at 50 % trains three steps bit for bit — parameters, buffers, optimizer state, losses — with the
 emulated device's measured peak within the budget.
 
@@ -21,7 +21,7 @@ from memopt_nb.planners.floor import explain_floor
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
-#: the issue's goals: floor / unplanned peak, without and with step in backward
+#: the goals: floor / unplanned peak, without and with step in backward
 FLOOR, FLOOR_SIB = 0.5, 0.35
 MODELS = {"resnet18": dict(batch=8, image=64), "convnext_atto": dict(batch=4, image=64),
           "vit_tiny": dict(batch=4, image=96)}

@@ -220,7 +220,7 @@ def test_the_optimizer_the_profile_saw_is_managed_by_default() -> None:
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-2)
     prof = memopt.profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, repeats=1)
     plan = _whole(Plan.uniform(prof, "keep"), MIXED, opt=opt)
-    if plan._optimizer_ref is None:  # the profiler records it (issue 11); this test is about memopt.plan's side
+    if plan._optimizer_ref is None:  # the profiler records it; this test is about memopt.plan's side
         plan._optimizer_ref = weakref.ref(opt)
     with memopt.plan(plan) as applied:
         assert applied.state is not None and applied.state.optimizer is opt

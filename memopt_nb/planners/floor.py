@@ -570,9 +570,9 @@ def estimate_batch(profile: Any, floor: Floor | None = None) -> BatchEstimate | 
     into what does not grow with the batch (parameters, gradients, optimizer state and buffers; under the floor's plan
     the state it leaves on the device) and the rest (activations, inputs, temporaries), taken to grow in proportion
     to the batch. An estimate: :func:`memopt_nb.max_batch` answers with profiles at other batches and checks its
-    answer with a real step. Against it, on the zoo's gpt, resnet and vit at 0.6x and 1.5x their peak (2026-12-06):
-    plain training's batch within one, a plan's 3-27 % high (the floor grows faster with the batch than its share
-    of activations at the profiled batch says: at other batches its plan leaves other state on the device).
+    answer with a real step. Plain training's estimate is close to that answer; a plan's tends to be high (the floor
+    grows faster with the batch than its share of activations at the profiled batch says: at other batches its plan
+    leaves other state on the device); how far, in benchmarks/RESULTS.md.
     ``None`` where the device's capacity is not known (the emulated device outside :func:`memopt_nb.limit_memory`)
     or the profiled batch is not (no input with a batch dimension).
     """
