@@ -35,12 +35,16 @@ class BudgetError(MemoptError):
             magics' spelling when it differs (see :class:`memopt_nb.floor.Advice`).
         context: why, in one sentence after the actionable one (the floor, the space and the device).
         detail: what the floor is made of, for the lines after it.
+        peak_bytes: the unplanned peak a percentage budget is a share of (``None``: unknown); the minimum is then
+            also said as a percentage.
     """
 
     def __init__(self, message: str, *, minimum_bytes: int | None = None, budget_bytes: int | None = None,
-                 options: Sequence[str] = (), context: str = "", detail: str = "") -> None:
+                 options: Sequence[str] = (), context: str = "", detail: str = "",
+                 peak_bytes: int | None = None) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
+        self.peak_bytes = peak_bytes
         self.budget_bytes = budget_bytes
         self.options = list(options)
         self.context = context
@@ -52,6 +56,9 @@ class BudgetError(MemoptError):
         if self.minimum_bytes is None:
             return str(self)
         need = at_least_text(self.minimum_bytes, spelling)
+        if self.peak_bytes:  # the same minimum as a share of the unplanned peak, rounded up
+            share = math.ceil(100 * self.minimum_bytes / self.peak_bytes)
+            need += f" ({'--budget ' if spelling == 'magic' else ''}{share}% of the unplanned peak)"
         opts = [getattr(o, spelling, None) or str(o) for o in self.options]
         first = f"Ask for at least {need}" + (f", or lower the floor: {'; '.join(opts)}." if opts else ".")
         return "\n".join(t for t in (first, self.context, self.detail) if t)

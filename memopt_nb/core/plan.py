@@ -285,11 +285,14 @@ def _digest(rows: Any) -> str:
 
 def with_profile_facts(meta: dict[str, Any], profile: Any) -> dict[str, Any]:
     """``meta`` with what an applied plan checks the training loop against: the profile's ``autocast`` (the precision
-    its forward ran in, ``None``: without autocast) and ``unit_input_shapes`` (the shapes of each unit's tensor
+    its forward ran in, ``None``: without autocast), ``keep_outputs`` (whether the loop keeps the model's output) and
+    ``unit_input_shapes`` (the shapes of each unit's tensor
     inputs when profiled: a larger input than planned for is warned about once). Profiles made before a fact was
     recorded add nothing for it (then it is not checked)."""
     pmeta = getattr(profile, "meta", None) or {}
     out = {**meta, "autocast": pmeta["autocast"]} if "autocast" in pmeta else dict(meta)
+    if "keep_outputs" in pmeta:  # whether the loop was profiled keeping the model's output
+        out["keep_outputs"] = bool(pmeta["keep_outputs"])
     units = getattr(profile, "units", None) or []
     if units and any(getattr(u, "input_shapes", None) for u in units):
         out["unit_input_shapes"] = [[list(s) for s in u.input_shapes] for u in units]

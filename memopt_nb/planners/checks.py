@@ -77,6 +77,7 @@ def check_budget(sim: Simulator, budget: Any, space: PlanSpace) -> int:
                               offload_state=space.offload_state, step_in_backward=space.step_in_backward)
         err = BudgetError(
             "", minimum_bytes=int(lowest), budget_bytes=int(value), options=floor.advice,
+            peak_bytes=int(sim.profile.peak_bytes),
             context=(f"Budget {format_bytes(value)} ({value} bytes) is below the smallest peak any plan{using} reaches "
                      f"for this profile on {sim.device.name}: {format_bytes(lowest)} ({lowest} bytes)."),
             detail=f"That floor = {floor.breakdown_text()}. {floor.bound_text()}{_blocks_text(sim, space, value)}")

@@ -90,6 +90,8 @@ class Floor:
             state). With the plan, largest_unit_bytes is the unit's parts of the peak (:data:`UNIT_PARTS`).
         kept_bytes: the rest of the floor: activations the plan holds, what is held outside units, the working set of
             code outside units.
+        head_bytes: when the floor plan peaks in the LM head and the loss (a profile that noted its head,
+            ``meta["lm_head"]``), what they hold there (held outside units and their working set); else 0.
         peak_where / peak_phase: where the floor plan's peak is (e.g. ``"the backward of blocks.0.mlp.act"``,
             ``"backward"``); peak_parts: the peak split into :data:`PEAK_PARTS` (they add up to ``floor_bytes``
             exactly). ``None`` / empty where no plan's peak is the floor.
@@ -117,6 +119,7 @@ class Floor:
     peak_where: str | None = None
     peak_phase: str | None = None
     peak_parts: dict[str, int] = field(default_factory=dict)
+    head_bytes: int = 0
 
     def parts(self) -> dict[str, int]:
         """``{part name: bytes}`` of the three parts, in the order they are explained."""
@@ -150,7 +153,11 @@ class Floor:
         else:
             what = (f"the kept activations — unit inputs recompute needs and activations no plan frees — "
                     f"{fb(self.kept_bytes)} ({share:.0%})")
-        return f"The floor is bounded by {what}."
+        head = ""
+        if self.head_bytes:
+            head = (f"The LM head's logits and the loss hold {fb(self.head_bytes)} of it "
+                    f"({self.head_bytes / max(self.floor_bytes, 1):.0%}). ")
+        return f"{head}The floor is bounded by {what}."
 
     def breakdown_text(self) -> str:
         """Where the floor's plan peaks and the parts of that peak in one line (parts of zero bytes left out, the
@@ -297,6 +304,10 @@ def _peak_split(sim: Simulator, codes: Sequence[int], windows: Sequence[int], di
         return _PeakSplit(peak, phase, f"the {'forward' if seg.kind == 'fwd' else 'backward'} of {unit}", unit, parts)
     if k == sim.step_segment:
         return _PeakSplit(peak, phase, f"the optimizer step (segment {seg.label!r})", None, parts)
+    head = (prof.meta or {}).get("lm_head")
+    if head and n and sim.fwd_seg[n - 1] < k < sim.bwd_seg[n - 1]:  # between the last unit's forward and backward
+        return _PeakSplit(peak, phase, f"the LM head ({head['module']}) and the loss (segment {seg.label!r})", None,
+                          parts)
     return _PeakSplit(peak, phase, f"code outside units in the {phase} (segment {seg.label!r})", None, parts)
 
 
@@ -452,6 +463,15 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     activations = work + kept
     advice: list[Advice] = []
 
+    head_bytes = 0
+    if split is not None and split.where.startswith("the LM head"):
+        head_bytes = split.parts["held outside units"] + split.parts["working set"]
+        if not getattr(profile, "heads", None) and not profile.meta.get("head"):
+            logits = profile.meta["lm_head"].get("logits_bytes", 0)
+            what = (f"compute the LM head's logits ({format_bytes(logits)} a tensor) and the loss a chunk of tokens "
+                    "at a time, never whole (not bit-identical: the gradients are summed in another order): ")
+            advice.append(Advice(what + "memopt.profile(..., head='chunked'), then plan again",
+                                 what + "%memopt_profile ... --head chunked, then plan again"))
     if not set(every) <= set(strategies):  # a restricted activation space: what the whole default one reaches
 
         wider = min_peak(profile, device, every, offload_state=offload_state, step_in_backward=step_in_backward)
@@ -496,7 +516,8 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
                  bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
                  state_floor_bytes=state_floor_bytes, plan=plan, peak_where=split.where if split else None,
-                 peak_phase=split.phase if split else None, peak_parts=split.parts if split else {})
+                 peak_phase=split.phase if split else None, peak_parts=split.parts if split else {},
+                 head_bytes=head_bytes)
 
 
 #: the largest batch :func:`estimate_batch` names (what grows with the batch may be next to nothing)

@@ -58,6 +58,14 @@ def _best(plans: list[Plan], errors: list[BudgetError]) -> Plan:
     return best
 
 
+def _as_share_of(err: BudgetError, profile: Any) -> BudgetError:
+    """``err`` (raised for one option) with its minimum as a share of the head-as-written peak."""
+    if err.minimum_bytes is not None:
+        err.peak_bytes = int(profile.peak_bytes)
+        err.args = (err.reworded("python"),)
+    return err
+
+
 def _with_head(plan: Plan, head: dict[str, Any] | None, choice: dict[str, Any]) -> Plan:
     return plan.with_meta(head=head, meta={"head_choice": choice}) if head or choice else plan
 
@@ -82,7 +90,7 @@ def choosing_head(choose: Callable[..., Plan] | None = None) -> Callable[[Callab
             run = fn
             if choose is not None:
                 keys = ("strategies", "offload_state", "step_in_backward")
-                run = functools.partial(choose, time_limit=CHOOSE_TIME_LIMIT,
+                run = functools.partial(getattr(choose, "__wrapped__", choose), time_limit=CHOOSE_TIME_LIMIT,
                                         **{k: kwargs[k] for k in keys if k in kwargs})
             plans, errors, choice = [], [], {}
             for h, prof in cands:
@@ -90,7 +98,7 @@ def choosing_head(choose: Callable[..., Plan] | None = None) -> Callable[[Callab
                 try:
                     p = run(prof, budget, device, *(args if run is fn else ()), **(kwargs if run is fn else {}))
                 except BudgetError as exc:
-                    errors.append(exc)
+                    errors.append(_as_share_of(exc, profile))
                     choice[key] = None
                     continue
                 choice[key] = p.predicted_step_time if p.feasible else None

@@ -10,22 +10,46 @@ says why. :func:`memopt_nb.core.heads.with_head` makes the profile of a plan tha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from ..core.errors import PlanError
 from ..core.profile import Segment
 from ..runtime.head import ChunkedHead, find_head
 from .tracer import groups_from, segments_from, timed_step, tracked_step
 
-__all__ = ["HEAD_CHUNKS", "measure_heads", "use_unit_times"]
+__all__ = ["HEAD_CHUNKS", "measure_heads", "noting_head", "use_unit_times"]
 
 #: the numbers of chunks a profile measures: more chunks hold less of the logits at a time and cost more calls
 HEAD_CHUNKS = (4, 16, 64)
+
+
+@contextlib.contextmanager
+def noting_head(model: nn.Module, head_module: str | None, meta: dict[str, Any]) -> Iterator[None]:
+    """While inside, a forward of the model's LM head (its output embeddings, or ``head_module``) records in ``meta``
+    its name, the bytes of its logits and the vocabulary: what the floor names when the peak is there. Nothing for a
+    model without one."""
+    try:
+        name, module = find_head(model, head_module)
+    except PlanError:
+        yield
+        return
+
+    def note(mod: nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.dim() >= 2:
+            meta.update(module=name, logits_bytes=int(out.numel() * out.element_size()), vocab=int(out.shape[-1]))
+
+    handle = module.register_forward_hook(note)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def measure_heads(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],

@@ -39,6 +39,7 @@ from ..runtime.outside import preserved_outside
 from ..runtime.replay_guard import running_stat_modules
 from ..runtime.step import (
     autocast_name,
+    keeping_outputs,
     model_keywords,
     preserved_state,
     resolve_autocast,
@@ -46,7 +47,7 @@ from ..runtime.step import (
     training_step,
 )
 from .fallback import extrapolating, profile_or_extrapolate
-from .heads import measure_heads, use_unit_times
+from .heads import measure_heads, noting_head, use_unit_times
 from .merges import measure_merges
 from .opsets import mark_pareto, propose_save_sets, record_ops
 from .tracer import (
@@ -153,7 +154,7 @@ def _selective_time(fraction: float, segs: list[Segment], f: int, b: int, rc_tim
 
 #: profile()'s own keyword options; every other keyword goes to the model.
 PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_kwargs", "selective", "autocast",
-                   "batch_dim", "batch_fn", "head", "head_module")
+                   "batch_dim", "batch_fn", "head", "head_module", "keep_outputs")
 
 
 def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -161,7 +162,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
             selective: bool = False, autocast: torch.dtype | str | None = None, batch_dim: int | None = 0,
             batch_fn: Callable[[int], Any] | None = None, head: str | None = None, head_module: str | None = None,
-            **example_kwargs: Any) -> ModelProfile:
+            keep_outputs: bool = False, **example_kwargs: Any) -> ModelProfile:
     """Profile one training step of ``model`` on ``example_inputs``.
 
     The model is called as ``model(*example_inputs, **example_kwargs)``, as you call it in training:
@@ -212,6 +213,11 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             in another order (see the README for the measured difference). The head is the model's output embeddings
             (transformers' ``get_output_embeddings()``) or the ``nn.Linear`` named by ``head_module``; the loss must
             call ``F.cross_entropy`` on its logits (transformers' loss with ``labels=`` does).
+        keep_outputs: profile the loop that keeps the model's output, as the transformers documentation's does
+            (``outputs = model(**batch); outputs.loss.backward(); optimizer.step()``: ``outputs``, with its logits
+            and cache, lives through backward and the next forward). By default the output is let go once the loss
+            is computed (``loss = loss_fn(model(x))``); a plan applied to a loop that keeps it warns once, naming
+            what it keeps. ``meta["keep_outputs"]`` records it; :func:`memopt.measure` of such a plan keeps it too.
 
     The model, optimizer and RNG state are restored afterwards, and so is every module outside the model that
     ``loss_fn`` calls (a discriminator: its gradients, buffers and training flags). Modules that run more than once
@@ -225,7 +231,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     if not extrapolating():  # the step as it is; where it runs out of memory, smaller batches extrapolated
         options = dict(loss_fn=loss_fn, optimizer=optimizer, units=units, repeats=repeats, device=device,
                        model_kwargs=model_kwargs, selective=selective, autocast=autocast, head=head,
-                       head_module=head_module)
+                       head_module=head_module, keep_outputs=keep_outputs)
         return profile_or_extrapolate(profile, model, example_inputs, options, example_kwargs, batch_dim, batch_fn)
     check_plain(model, "profile")  # DDP / FSDP2: profile the plain model, then wrap it (memopt_nb.runtime.distributed)
     kwargs = model_keywords(model, "profile", PROFILE_OPTIONS, model_kwargs, example_kwargs)
@@ -252,7 +258,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     inputs = tuple(example_inputs)
     t_start = time.perf_counter()
     # modules outside the model that the loss calls (a GAN's discriminator) are restored too
-    with preserved_outside(model) as outside, preserved_state(model, optimizer), step_autocast(dev.type, amp):
+    with preserved_outside(model) as outside, preserved_state(model, optimizer), step_autocast(dev.type, amp), \
+            keeping_outputs(bool(keep_outputs)):
         try:
             training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)  # warm-up: optimizer state, lazy init
         except ProfileError:
@@ -263,7 +270,9 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         outside.stop()  # every module the step calls is known: the timed steps run without the watch
         effects = forward_side_effects(model, lambda: forward(model, inputs, kwargs))
         _refuse_own_checkpointing(model, effects)
-        info, total_saved = discover(model, inputs, kwargs)
+        lm_head: dict[str, Any] = {}
+        with noting_head(model, head_module, lm_head):
+            info, total_saved = discover(model, inputs, kwargs)
         split: dict[str, str] = {}
         split_why: dict[str, str] = {}
         names, excluded = select_units(model, units, info, split, split_why,
@@ -377,6 +386,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "autocast": autocast_name(amp),  # the forward's, if any
             "method": "measured",  # or "extrapolated" from smaller batches (memopt_nb.profiling.fallback)
             **({"head_why": head_why} if head_why else {}),  # head options the profile could not measure, and why
+            "keep_outputs": bool(keep_outputs),  # the loop keeps the model's output (profiled so)
+            **({"lm_head": lm_head} if lm_head else {}),  # the LM head: module, logits bytes, vocabulary
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,

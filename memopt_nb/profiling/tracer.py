@@ -23,6 +23,8 @@ from ..runtime.recompute import checkpointed
 from ..runtime.replay_guard import cache_tensors, is_cache
 from ..runtime.step import (
     forward_autocast,
+    kept_outputs,
+    output_tensors,
     training_step,
 )
 from ..runtime.storages import is_plain, movable, tensor_on, use_count
@@ -497,7 +499,7 @@ def tracked_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimize
     and the step's peak. ``observe``: follow every saved storage (the groups); ``recompute``: every unit
     checkpointed; ``blocks``: these modules (each holding units) checkpointed as wholes instead."""
     meter = meter_for(device)
-    meter.track(model, optimizer, list(inputs), kwargs)
+    meter.track(model, optimizer, list(inputs), kwargs, [t for _, t in output_tensors(kept_outputs())])
     meter.reset_peak()
     run = _Run(model, names, meter.mark, observe=observe, recompute=recompute, save_ops=save_ops,
                split=meter.split if observe else None, blocks=blocks)

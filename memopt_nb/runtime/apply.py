@@ -23,6 +23,7 @@ from .distributed import check_state_placements, order_guard, unwrap
 from .head import ChunkedHead, find_head
 from .hooks import uncopied
 from .oom import StepGuard, leave_plan
+from .outputs import KeptOutputWatch
 from .recompute import checkpointed
 from .replay_guard import ReplayGuard, cache_tensors, is_cache
 from .state import Placement, StateManager
@@ -328,6 +329,7 @@ class AppliedPlan:
         self._shape_hooks: list[Any] = []  # warn once when a unit's inputs are larger than profiled
         self._oom_guard: StepGuard | None = None
         self._head: ChunkedHead | None = None  # the LM head computed in chunks (plan.head)
+        self._kept: KeptOutputWatch | None = None  # warns when the loop keeps outputs the profile let go of
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> AppliedPlan:
@@ -404,6 +406,8 @@ class AppliedPlan:
                 state.apply()
             if head is not None:
                 self._head = head.install()
+            if not plan.meta.get("keep_outputs"):
+                self._kept = KeptOutputWatch(model)
             self._oom_guard = StepGuard(self)  # what a step that runs out of memory must give back
             if "autocast" in plan.meta:  # the profile said how its forward ran (plans made before it did: no check)
                 self._autocast_hook = model.register_forward_pre_hook(uncopied(self._check_autocast))
@@ -438,6 +442,9 @@ class AppliedPlan:
             if self._head is not None:
                 self._head.remove()
                 self._head = None
+            if self._kept is not None:
+                self._kept.remove()
+                self._kept = None
             for module, had_own, previous in reversed(self._installed):
                 if had_own:
                     module.forward = previous

@@ -86,6 +86,14 @@ class LazyLogits(torch.Tensor):
         out.transforms, out.lead = tuple(transforms), lead
         return out
 
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        # what holds its memory (the head's input; the weight is a parameter): for meters and memory limits
+        return ["hidden", "lead"], {}
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: Any, size: Any, stride: Any) -> Any:
+        raise NotImplementedError("lazy logits are not rebuilt from their parts")
+
     def __repr__(self) -> str:  # noqa: D105
         return repr(self.materialize())
 

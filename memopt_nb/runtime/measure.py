@@ -20,7 +20,16 @@ from .apply import AppliedPlan
 from .distributed import ddp_bucket_bytes, ddp_bucket_view, is_ddp, resized_storages
 from .memory import meter_for
 from .outside import preserved_outside
-from .step import model_keywords, preserved_state, resolve_autocast, step_autocast, training_step
+from .step import (
+    keeping_outputs,
+    kept_outputs,
+    model_keywords,
+    output_tensors,
+    preserved_state,
+    resolve_autocast,
+    step_autocast,
+    training_step,
+)
 
 __all__ = ["MEASURE_OPTIONS", "Measurement", "measure", "model_device"]
 
@@ -131,11 +140,13 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
     losses: list[float] = []
     times: list[float] = []
     # modules outside the model that the loss calls (a GAN's discriminator) are restored too
-    with preserved_outside(model) as outside, preserved_state(model, optimizer), step_autocast(device.type, amp), ctx:
+    keep = bool(plan is not None and plan.meta.get("keep_outputs"))  # the loop the plan was profiled for
+    with preserved_outside(model) as outside, preserved_state(model, optimizer), step_autocast(device.type, amp), \
+            keeping_outputs(keep), ctx:
         for _ in range(warmup - 1):
             losses.append(training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs).item())
         meter = meter_for(device)
-        meter.track(model, optimizer, list(inputs), kwargs)
+        meter.track(model, optimizer, list(inputs), kwargs, [t for _, t in output_tensors(kept_outputs())])
         if hasattr(meter, "track_bytes"):  # CUDA: memory of this training that no tracked tensor reaches
             meter.track_bytes(_ddp_buckets_untracked(model))
         with meter:

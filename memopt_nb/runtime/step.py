@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_map
 from ..core.errors import ProfileError
 from .limit import recount, uncounted
 
-__all__ = ["AUTOCAST_DTYPES", "autocast_name", "default_loss", "forward_autocast", "model_keywords",
-           "preserved_state", "resolve_autocast", "step_autocast", "training_step"]
+__all__ = ["AUTOCAST_DTYPES", "autocast_name", "default_loss", "forward_autocast", "kept_outputs", "keeping_outputs",
+           "model_keywords", "output_tensors", "preserved_state", "resolve_autocast", "step_autocast", "training_step"]
 
 
 Mark = Callable[[Any], None]
@@ -30,6 +30,46 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": t
 #: :func:`step_autocast` for the duration of a profile or a measurement (a context variable, so each thread has its own)
 _AUTOCAST: contextvars.ContextVar[tuple[str, torch.dtype] | None] = contextvars.ContextVar("memopt_autocast",
                                                                                           default=None)
+
+
+#: the model output the last :func:`training_step` kept, inside :func:`keeping_outputs` (else ``None``)
+_KEPT: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("memopt_kept_output", default=None)
+
+
+@contextlib.contextmanager
+def keeping_outputs(enabled: bool = True) -> Iterator[None]:
+    """Training steps inside keep each step's model output until the next step's forward has returned, as the loop in
+    the transformers documentation does (``outputs = model(**batch); outputs.loss.backward(); ...``: ``outputs``
+    lives through backward, the optimizer step and the next forward). Nothing changes where ``enabled`` is false."""
+    token = _KEPT.set([] if enabled else None)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
+def kept_outputs() -> list[Any]:
+    """The output the last step kept (inside :func:`keeping_outputs`): a meter counts it at the next step's start."""
+    return list(_KEPT.get() or [])
+
+
+def output_tensors(obj: Any, path: str = "output", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for each tensor a model's output holds, nested containers and objects such as a transformers
+    cache included (``output.logits``, ``output.past_key_values.layers[0].keys``)."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool, nn.Module)):
+        return
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from output_tensors(v, f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r}]",
+                                      depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from output_tensors(v, f"{path}[{i}]", depth + 1)
+    elif hasattr(obj, "__dict__"):
+        for k, v in vars(obj).items():
+            yield from output_tensors(v, f"{path}.{k}", depth + 1)
 
 
 def resolve_autocast(value: Any, device: torch.device, what: str) -> torch.dtype | None:
@@ -156,6 +196,9 @@ def training_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[An
     mark = mark or (lambda label: None)
     with forward_autocast():  # inside step_autocast(): forward and loss under autocast, backward and step outside
         output = model(*inputs, **(kwargs or {}))
+        kept = _KEPT.get()
+        if kept is not None:  # the loop's `outputs = model(...)`: the previous step's output goes only now
+            kept[:] = [output]
         mark("forward_end")
         loss = loss_fn(output) if loss_fn is not None else default_loss(output)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

@@ -451,7 +451,8 @@ class PlanningTask:
                                                                      self.step_in_backward else "") + ")",
             "allow more of the state to move (--offload-state all" + (" --step-in-backward" if not
                                                                      self.step_in_backward else "") + ")")]
-        err = BudgetError("", minimum_bytes=lowest, budget_bytes=int(value), options=options, context=context)
+        err = BudgetError("", minimum_bytes=lowest, budget_bytes=int(value), options=options, context=context,
+                          peak_bytes=int(self.sim.profile.peak_bytes))
         err.args = (err.reworded("python"),)
         return err
 
