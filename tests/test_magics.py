@@ -324,8 +324,10 @@ def test_the_budget_error_says_what_to_ask_for_first_in_the_magics_spelling(ip, 
     with pytest.raises(UsageError) as err:
         ip.run_line_magic("memopt_plan", f"prof --budget {lo - 1} --timesteps 96")
     first, *rest = str(err.value).split("\n")
-    need = first.split("--budget ")[1].split(",")[0]
+    need = first.split("--budget ")[1].split(" ")[0].rstrip(",")
     assert first.startswith("Ask for at least --budget ") and lo <= memopt.resolve_budget(need) < lo + 2**20 // 100
+    share = int(first.split("(")[1].split("%")[0])  # the minimum as a share of the unplanned peak, rounded up
+    assert share - 1 < 100 * lo / prof.peak_bytes <= share
     assert "--step-in-backward" in first and "step_in_backward=True" not in str(err.value)
     assert len(rest) == 2 and str(lo) in rest[0]  # why, then the detail
     with pytest.raises(memopt.BudgetError) as api:  # the same error from Python speaks Python

@@ -58,7 +58,7 @@ class BudgetError(MemoptError):
         need = at_least_text(self.minimum_bytes, spelling)
         if self.peak_bytes:  # the same minimum as a share of the unplanned peak, rounded up
             share = math.ceil(100 * self.minimum_bytes / self.peak_bytes)
-            need += f" ({'--budget ' if spelling == 'magic' else ''}{share}% of the unplanned peak)"
+            need += f" ({share}% of the unplanned peak)"
         opts = [getattr(o, spelling, None) or str(o) for o in self.options]
         first = f"Ask for at least {need}" + (f", or lower the floor: {'; '.join(opts)}." if opts else ".")
         return "\n".join(t for t in (first, self.context, self.detail) if t)
