@@ -286,6 +286,20 @@ def _groups(ga: list[dict], gb: list[dict], xa: int, xb: int, x: int) -> list[di
     return out
 
 
+def _heads(ha: dict, hb: dict, xa: int, xb: int, x: int) -> dict:
+    """The LM head's options (``ModelProfile.heads``) at batch ``x``: each option's peak and segments on their lines,
+    its storage groups as :func:`_groups` does; an option measured at one batch only is left out."""
+    out = {}
+    for key in sorted(set(ha) & set(hb), key=int):
+        a, b = ha[key], hb[key]
+        option = {k: _merge(a[k], b[k], xa, xb, x, k, f"heads[{key}]") for k in b if k != "groups"}
+        option["groups"] = _groups(a["groups"], b["groups"], xa, xb, x)
+        option["peak_bytes"] = max([option["peak_bytes"]] + [sg["start_level"] + sg["rel_peak"]
+                                                             for sg in option["segments"]])
+        out[key] = option
+    return out
+
+
 def _structure(where: str, key: str) -> ProfileError:
     return ProfileError(f"the step changes with the batch beyond its sizes ({where}: {key} differs between the "
                         "batches profiled), so a profile at smaller batches cannot be extrapolated to this one. "
@@ -317,8 +331,10 @@ def extrapolate(profiles: Mapping[int, Any], batch: int, check: tuple[int, Any] 
         raise ProfileError(f"extrapolate() needs profiles at exactly two batch sizes, got {sorted(profiles)}")
     (xa, pa), (xb, pb) = sorted(profiles.items())
     da, db = pa.to_dict(), pb.to_dict()
-    merged = {k: _merge(da[k], db[k], xa, xb, batch, k, "profile") for k in db if k not in ("device", "groups")}
+    merged = {k: _merge(da[k], db[k], xa, xb, batch, k, "profile") for k in db
+              if k not in ("device", "groups", "heads")}
     merged["groups"] = _groups(da["groups"], db["groups"], xa, xb, batch)
+    merged["heads"] = _heads(da.get("heads") or {}, db.get("heads") or {}, xa, xb, batch)
     merged["device"] = db["device"]
     merged["batch_size"] = batch
     merged["unattributed_bytes"] = max(0, int(round(_line(xa, da["unattributed_bytes"], xb, db["unattributed_bytes"],
@@ -335,7 +351,7 @@ def extrapolate(profiles: Mapping[int, Any], batch: int, check: tuple[int, Any] 
         # the storage groups are left out: at small batches storages may fall into other groups (the units' saved
         # bytes, the segments and the peak, which the groups add up to, are checked)
         pred = {k: _merge(da[k], db[k], xa, xb, xc, k, "profile") for k in db
-                if k not in ("device", "meta", "groups")}
+                if k not in ("device", "meta", "groups", "heads")}
         errors: list[tuple[str, float, float]] = []
         try:
             for k in pred:
