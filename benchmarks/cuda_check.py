@@ -40,7 +40,12 @@ fixed-state-heavy models (``memopt.zoo.STATE_HEAVY``):
    ``torch.OutOfMemoryError`` and leaves the parameters as they were; ``memopt.profile`` extrapolates from smaller
    batches (its peak vs the one measured without the limit); the exact plan for the limit trains three steps inside
    it, bit-equal to unplanned training without the limit; ``memopt.max_batch`` answers a batch at least as big, and
-   a step at that batch under its plan stays inside the limit.
+   a step at that batch under its plan stays inside the limit;
+12. the LM head (``profile(..., head="chunked")``) on a transformers GPT-2 with its real vocabulary (50257): per
+   measured number of chunks, a keep and a recompute plan with the head chunked, their measured peak vs the prediction
+   (the peak check of 3), the first loss bit-equal to the head as written and three steps' parameters within 1e-5;
+   then the transformers documentation's loop (``outputs`` kept) profiled with ``keep_outputs=True``, planned at 50 %
+   and trained three steps inside ``memopt.limit_memory`` of that budget.
 
 Bit equality runs with deterministic algorithms and their NaN fill of new memory; timing runs without the fill (one
 kernel per new tensor, which would charge a plan for every buffer it makes).
@@ -64,6 +69,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch init
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import contextlib  # noqa: E402
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import hashlib  # noqa: E402
@@ -151,6 +157,7 @@ class Config:
     pytest: bool = False
     pytest_timeout: float = 300.0
     fit_check: bool = True
+    head_check: bool = True
     #: the device with the measured per-storage copy cost (set by :func:`copy_cost_section`; None: not measured)
     costed_device: Any = None
 
@@ -813,6 +820,75 @@ def does_not_fit_section(cfg: Config, failures: list[str]) -> dict[str, Any]:
     return got
 
 
+def head_section(cfg: Config, failures: list[str]) -> dict[str, Any]:
+    """Check 12: the chunked LM head and the loop that keeps its outputs, on a transformers GPT-2 (vocabulary 50257)."""
+    import transformers
+
+    batch, seq, width = (4, 32, 32) if cfg.dry_run else (16, 256, 256)
+    tcfg = transformers.GPT2Config(n_layer=4, n_embd=width, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(tcfg).to(cfg.device)
+    ids = torch.randint(0, tcfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(cfg.device)
+
+    def steps(model: nn.Module, plan: Plan | None, n: int, keep: bool = False) -> list[float]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ctx = memopt.plan(plan, model, optimizer=opt) if plan is not None else contextlib.nullcontext()
+        losses = []
+        with ctx:
+            for _ in range(n):
+                outputs = model(input_ids=ids, labels=ids)
+                loss = outputs.loss
+                if not keep:
+                    del outputs
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    ref = copy.deepcopy(base)
+    ref_losses = steps(ref, None, cfg.steps)
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = memopt.profile(model, input_ids=ids, labels=ids, loss_fn=lambda o: o.loss, optimizer=opt, repeats=1,
+                          head="chunked")
+    got: dict[str, Any] = {"peak": prof.peak_bytes, "options": {}, "floor_plain": memopt.solvers.min_peak(
+        prof, head=False), "floor_head": memopt.solvers.min_peak(prof)}
+    for key, option in sorted(prof.heads.items(), key=lambda kv: int(kv[0])):
+        for strategy in ("keep", "recompute"):
+            plan = dataclasses.replace(memopt.Plan.uniform(prof, strategy),
+                                       head={"module": option["module"], "chunks": int(key)})
+            plan._model_ref, plan._optimizer_ref = prof._model_ref, prof._optimizer_ref
+            sim = memopt.simulate(prof, plan).peak_bytes
+            meas = memopt.measure(model, input_ids=ids, labels=ids, loss_fn=lambda o: o.loss, optimizer=opt,
+                                  plan=plan).peak_bytes
+            copy_model = copy.deepcopy(base)
+            losses = steps(copy_model, plan, cfg.steps)
+            drift = max((a - b).abs().max().item() for a, b in zip(copy_model.parameters(), ref.parameters()))
+            row = {"predicted": sim, "measured": meas, "first_loss_equal": losses[0] == ref_losses[0],
+                   "param_drift": drift}
+            got["options"][f"{key} {strategy}"] = row
+            problem = peak_problem(f"head {key} chunks {strategy}", sim, meas)
+            if problem:
+                failures.append(problem)
+            if not row["first_loss_equal"] or drift > 1e-5:
+                failures.append(f"head {key} chunks {strategy}: first loss equal {row['first_loss_equal']}, "
+                                f"parameters {drift:.2e} from the head as written (over 1e-5)")
+    kept = memopt.profile(model, input_ids=ids, labels=ids, loss_fn=lambda o: o.loss, optimizer=opt, repeats=1,
+                          head="chunked", keep_outputs=True)
+    plan = memopt.search(kept, budget="50%", total_timesteps=cfg.search_timesteps or 2048)
+    with memopt.limit_memory(plan.budget_bytes) as lim:
+        steps(copy.deepcopy(base), plan, cfg.steps, keep=True)
+    got.update(kept_plan=str(plan), kept_budget=plan.budget_bytes, kept_peak=lim.peak_bytes)
+    if lim.peak_bytes > plan.budget_bytes:
+        failures.append(f"head: the loop that keeps its outputs peaked at {lim.peak_bytes} B under a plan for "
+                        f"{plan.budget_bytes} B")
+    print(f"head: floor {got['floor_head'] / MiB:.1f} MiB with the head chunked, {got['floor_plain'] / MiB:.1f} MiB "
+          f"as written, of a {prof.peak_bytes / MiB:.1f} MiB peak; kept-outputs loop {lim.peak_bytes / MiB:.1f} of "
+          f"{plan.budget_bytes / MiB:.1f} MiB")
+    return got
+
+
 def _units(row: dict) -> str:
     """How many units a fine-unit plan has, for its row in the report."""
     return f" ({row['units']} units)" if row["plan"].startswith("fine") else ""
@@ -984,6 +1060,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true",
                     help="run every plan and check on the CPU at tiny sizes (tests the script without a GPU)")
     ap.add_argument("--pytest", action="store_true", help="also run the CUDA tests (-k cuda) and record the counts")
+    ap.add_argument("--no-head-check", action="store_true", help="skip the LM head section (check 12)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     return ap.parse_args(argv)
 
@@ -1007,7 +1084,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(device=device, dry_run=args.dry_run, quick=args.quick, models=models, whole_models=whole,
                   batch=args.batch, optimizers=args.optimizers, measure_steps=1 if args.dry_run else 5,
                   search_timesteps=steps, search_models=search_models, pytest=args.pytest,
-                  fit_check=not args.no_fit_check)
+                  fit_check=not args.no_fit_check, head_check=not args.no_head_check)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1058,6 +1135,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.fit_check:
         result["does_not_fit"] = section("does_not_fit", lambda: guarded(
             lambda: does_not_fit_section(cfg, failures), failures, "does not fit"))
+    save()
+    if cfg.head_check:
+        result["head"] = section("head", lambda: guarded(lambda: head_section(cfg, failures), failures, "head"))
     save()
     if cfg.pytest:
         result["pytest"] = section("pytest", lambda: pytest_section(cfg, failures, out))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import memopt_nb as memopt
 from memopt_nb.core.errors import MemoptWarning, PlanError, ProfileError
 from memopt_nb.core.heads import with_head
+from memopt_nb.profiling.heads import HEAD_CHUNKS
 from memopt_nb.runtime.head import ChunkedHead, LazyLogits, chunked_cross_entropy
 
 transformers = pytest.importorskip("transformers")
@@ -135,7 +136,7 @@ def _plan(prof, chunks, strategy="keep", **state):
 
 def test_head_options_are_measured_and_lower_the_floor(profiled):
     name, model, opt, ids, prof = profiled
-    assert sorted(map(int, prof.heads)) == [4, 16, 64], prof.meta.get("head_why")
+    assert sorted(map(int, prof.heads)) == list(HEAD_CHUNKS), prof.meta.get("head_why")
     plain = memopt.solvers.min_peak(prof, head=False)
     chunked = memopt.solvers.min_peak(prof)
     logits = prof.meta["lm_head"]["logits_bytes"]
@@ -148,10 +149,10 @@ def test_head_options_are_measured_and_lower_the_floor(profiled):
     assert with_head(hp, {"module": "lm_head", "chunks": 16}) is hp
 
 
-@pytest.mark.parametrize("plan_args", [(4, "keep", {}), (16, "recompute", {}), (64, "swap", {}),
+@pytest.mark.parametrize("plan_args", [(4, "keep", {}), (16, "recompute", {}), (16, "swap", {}),
                                        (16, "keep", {"optimizer": "offload", "grads": "offload"}),
                                        (4, "recompute", {"optimizer": "stream"})],
-                         ids=["keep4", "recompute16", "swap64", "offload16", "stream4"])
+                         ids=["keep4", "recompute16", "swap16", "offload16", "stream4"])
 def test_predicted_peak_is_measured_with_the_head_chunked(profiled, plan_args):
     name, model, opt, ids, prof = profiled
     plan = _plan(prof, *plan_args[:2], **plan_args[2])

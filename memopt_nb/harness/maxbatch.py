@@ -277,7 +277,7 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
               offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
               probe: Sequence[int] = (2, 4, 8), repeats: int = 1, autocast: torch.dtype | str | None = None,
               search_timesteps: int | None = None, seed: int = 0, limit: int = MAX_BATCH_LIMIT,
-              verify: bool = True) -> MaxBatch:
+              verify: bool = True, head: str | None = None) -> MaxBatch:
     """The largest batch any plan fits under ``budget``, its plan and predicted throughput, and the fastest batch.
 
     Args:
@@ -295,6 +295,8 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         probe: three small batches to profile; the two largest give the line, the smallest checks it.
         repeats: timed steps per profile. autocast: as :func:`memopt_nb.profile` takes it.
         limit: the largest batch considered.
+        head: ``"chunked"`` lets memopt's plans compute the LM head and its loss a chunk of tokens at a time (as
+            :func:`memopt_nb.profile` takes it; not bit-identical); plain training and the baselines keep it whole.
         verify: (planning for the device the model is on) build the model at the answer and measure real steps under
             its plan (:attr:`MaxBatch.verified`); where they do not fit the budget, the answer is the largest smaller
             batch that does. Off, nothing but the three probes (and two profiles near plain training's largest batch)
@@ -314,7 +316,8 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     if isinstance(budget, str) and budget.strip().endswith("%"):
         raise BudgetError(f"max_batch needs an absolute budget (bytes or e.g. '2GiB'), not {budget!r}: a share of "
                           "the peak depends on the batch being answered")
-    bp = BatchProfiles(builder, optimizer, repeats=repeats, autocast=autocast)
+    bp = BatchProfiles(builder, optimizer, repeats=repeats, autocast=autocast,
+                       options={"head": head} if head else None)
     profiles, profiled, at = bp.profiles, bp.profiled, bp.at
     for b in probes:
         profiled(b)
