@@ -37,6 +37,7 @@ from .profiling.profile import profile
 from .runtime import detect as _detect  # noqa: F401 - installs DeviceSpec.detect
 from .runtime import distributed
 from .runtime.apply import AppliedPlan, plan
+from .runtime.head import chunked_cross_entropy
 from .runtime.limit import MemoryLimit, limit_memory
 from .runtime.measure import Measurement, measure
 from .runtime.state import StateError, StepInBackwardError
@@ -68,9 +69,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "MaxBatch", "Measurement",
     "MemoptError", "MemoptWarning", "MemoryLimit", "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult",
-    "Simulator", "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError", "compare", "distributed",
-    "evaluate", "format_bytes", "limit_memory", "max_batch", "measure", "merge_units", "parse_bytes", "plan",
-    "profile", "resolve_budget", "search", "search_depths", "simulate", "solvers", "zoo",
+    "Simulator", "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError", "chunked_cross_entropy",
+    "compare", "distributed", "evaluate", "format_bytes", "limit_memory", "max_batch", "measure", "merge_units",
+    "parse_bytes", "plan", "profile", "resolve_budget", "search", "search_depths", "simulate", "solvers", "zoo",
 ]
 
 
