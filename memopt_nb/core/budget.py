@@ -8,7 +8,8 @@ from typing import Any
 
 from .errors import BudgetError
 
-__all__ = ["MAX_BYTES", "MAX_FRACTION_LIKE", "format_bytes", "parse_bytes", "resolve_budget"]
+__all__ = ["MAX_BYTES", "MAX_FRACTION_LIKE", "MIN_TYPED_BYTES", "check_typed_budget", "format_bytes", "is_share",
+           "parse_bytes", "resolve_budget"]
 
 _UNITS = {
     "": 1,
@@ -97,6 +98,11 @@ def resolve_budget(value: int | float | str, reference: int | None = None) -> in
     is refused, as is anything that comes to less than one byte, is not finite, or exceeds 1 EiB
     (:class:`BudgetError`, naming the forms that work).
 
+    So a plain number is read one way everywhere: below 1 a share, else bytes; a number with a decimal point from 1 to
+    :data:`MAX_FRACTION_LIKE` is refused (``1.5`` is 150% written without ``%``), and where a budget is typed (the
+    magics) so is a plain number below :data:`MIN_TYPED_BYTES` (:func:`check_typed_budget`: ``60`` is 60% or 60 MiB,
+    never 60 bytes).
+
     A budget counts the bytes of the step's tensors, as the simulator does. On CUDA the caching allocator adds its
     own: blocks rounded up to 512 bytes, and a cached block handed out whole when what is left of it would be under
     1 MiB, which adds a little to a step's peak (``benchmarks/cuda_check.py`` measures how much), depending on what
@@ -138,6 +144,41 @@ def _written_as_fraction(value: Any) -> bool:
     if isinstance(value, float):
         return True
     return isinstance(value, str) and any(c in value.lower() for c in ".e")
+
+
+def is_share(value: Any) -> bool:
+    """Whether :func:`resolve_budget` reads ``value`` as a share of the unoptimized peak: a percentage (``"60%"``) or
+    a bare number strictly between 0 and 1 (``0.6``, ``"0.6"``)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return False
+    try:
+        return 0 < _number(value) < 1
+    except ValueError:
+        return False
+
+
+#: Where people type budgets (the magics' ``--budget``), a plain number (no unit, no ``%``) from 1 up to this is
+#: refused: as bytes no training step fits it, and ``60`` may as well mean 60% or 60 MiB.
+MIN_TYPED_BYTES = 1024
+
+
+def check_typed_budget(text: str) -> None:
+    """Refuse a budget typed as a plain number from 1 up to :data:`MIN_TYPED_BYTES` (``--budget 60``), naming the
+    spellings that say what was meant: ``60%`` of the unoptimized peak, or a size with its unit, ``60MiB``. Anything
+    else is left to :func:`resolve_budget`, which reads it as the Python API does (a number below 1 is a share, a
+    larger plain number a count of bytes)."""
+    try:
+        number = _number(text)
+    except ValueError:
+        return
+    if 1 <= number < MIN_TYPED_BYTES:
+        shown = text.strip()
+        raise BudgetError(f"budget {shown} is a plain number, read as {int(number)} byte(s), which no training step "
+                          f"fits; write a share of the unoptimized peak with % ('{shown}%') or a size with its unit "
+                          f"('{shown}MiB', '{shown}GB'); a plain number is a count of bytes only from "
+                          f"{MIN_TYPED_BYTES} up")
 
 
 def _share(value: Any, fraction: float, reference: int | None) -> int:

@@ -11,6 +11,11 @@ made for it (the exact optimum by default); on the device the model is on, real 
 plan check it (``verify``). Throughput is predicted at each power of two up to that batch and at the
 batch itself; the best one is :attr:`MaxBatch.best_batch` (throughput first). Plain training and the best classic
 baseline (recompute-all, sqrt(n), swap-all, Capuchin, every-k-th-layer checkpointing) get the same numbers side by side.
+
+What it is given is checked before it costs a run: the optimizer the user trains with is required (the builder's, or
+``optimizer=`` as a class, a function of the parameters or an optimizer object), since its state is in every peak and
+a plan that moves state applies to it only; and a builder whose step does not grow with the batch (one that ignores
+its argument) is refused at the probes, where extrapolation would otherwise find that every batch fits.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import planners as solvers
-from ..core.budget import format_bytes, parse_bytes
+from ..core.budget import format_bytes, is_share, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
@@ -35,7 +40,7 @@ from ..profiling.fallback import extrapolate
 from ..profiling.profile import profile
 from ..runtime.measure import measure
 
-__all__ = ["BatchAnswer", "BatchProfiles", "MaxBatch", "max_batch"]
+__all__ = ["NO_OPTIMIZER", "BatchAnswer", "BatchProfiles", "MaxBatch", "OptimizerArg", "max_batch", "optimizer_maker"]
 
 #: the largest batch :func:`max_batch` considers
 MAX_BATCH_LIMIT = 1 << 20
@@ -74,8 +79,9 @@ class MaxBatch:
 
     ``batch``, ``plan``, ``step_time``, ``throughput`` and the ``best_*`` attributes are memopt's (:attr:`memopt`);
     :attr:`plain` and :attr:`baseline` hold the same for plain training and for the classic baseline that fits the
-    largest batch. Apply the plan to the model built at that batch:
-    ``model, inputs, loss_fn = builder(res.batch)``, then ``with memopt.plan(res.plan, model, optimizer=opt):``.
+    largest batch. :attr:`optimizer` names the optimizer's class the plans were made for. Apply the plan to the
+    model built at that batch, with an optimizer like the one given: ``model, inputs, loss_fn = builder(res.batch)``,
+    ``opt = torch.optim.AdamW(model.parameters())``, then ``with memopt.plan(res.plan, model, optimizer=opt):``.
     """
 
     memopt: BatchAnswer
@@ -89,6 +95,7 @@ class MaxBatch:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     verified: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = ""
     _at: Callable[[int], Any] | None = field(default=None, repr=False)
 
     @property
@@ -129,7 +136,7 @@ class MaxBatch:
         return {"budget_bytes": self.budget_bytes, "device": self.device, "probes": self.probes,
                 "profiled": self.profiled, "memopt": self.memopt.to_dict(), "plain": self.plain.to_dict(),
                 "baseline": self.baseline.to_dict(), "seconds": self.seconds, "notes": list(self.notes),
-                "verified": dict(self.verified)}
+                "verified": dict(self.verified), "optimizer": self.optimizer}
 
     def _rows(self) -> list[tuple[str, BatchAnswer]]:
         return [("plain training", self.plain), (f"best classic baseline ({self.baseline.method})", self.baseline),
@@ -151,7 +158,7 @@ class MaxBatch:
             lines.append(f"  {name:34s} {_b(a.batch):>9s} {_ms(a.step_time):>9s} {_f(a.throughput):>10s} "
                          f"{_b(a.best_batch):>10s} {_f(a.best_throughput):>10s}")
         lines.append(f"  profiled at batches {', '.join(map(str, self.profiled))}; predicted from them "
-                     f"({self.seconds:.1f} s)")
+                     f"({self.seconds:.1f} s){self._for()}")
         if self.verified:
             lines.append(f"  batch {self.verified['batch']} run under its plan: measured peak "
                          f"{format_bytes(self.verified['peak_bytes'])} of {format_bytes(self.budget_bytes)}")
@@ -167,7 +174,10 @@ class MaxBatch:
         notes = "".join(f"<br><i>{html.escape(n)}</i>" for n in self.notes)
         return (f"<p><b>{html.escape(self.summary())}</b></p><table><tr>{head}</tr>{rows}</table>"
                 f"<p>Profiled at batches {', '.join(map(str, self.profiled))}; every other batch predicted from them "
-                f"({self.seconds:.1f} s).{notes}</p>")
+                f"({self.seconds:.1f} s){html.escape(self._for())}.{notes}</p>")
+
+    def _for(self) -> str:
+        return f"; planned for {self.optimizer}" if self.optimizer else ""
 
 
 def _b(x: int | None) -> str:
@@ -186,7 +196,86 @@ def _ratio(a: int | None, b: int | None) -> str:
     return f"{a / b:.2f}x" if a and b else "vs"
 
 
-def _unpack(built: Any, optimizer: Any) -> tuple[torch.nn.Module, tuple, dict, Any, torch.optim.Optimizer]:
+#: what ``optimizer=`` may be: a class, a function of the parameters, or an optimizer to take class and settings from
+OptimizerArg = (type[torch.optim.Optimizer] | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+                | torch.optim.Optimizer | None)
+
+_OPTIMIZER_FORMS = ("a torch.optim class (optimizer=torch.optim.AdamW), a function of the parameters "
+                    "(optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)) or your optimizer itself "
+                    "(optimizer=opt: its class and parameter groups' settings)")
+
+
+def optimizer_maker(optimizer: OptimizerArg) -> Callable[[torch.nn.Module], torch.optim.Optimizer] | None:
+    """``optimizer=`` of :func:`max_batch` as a function ``model -> optimizer`` (``None`` for ``None``): a class or a
+    function is called on ``model.parameters()``; an optimizer instance gives its class and its parameter groups'
+    settings, its groups matched to the new model's parameters by shape in order (an optimizer over another build of
+    the same model). Anything else is refused with a :class:`~memopt_nb.errors.MemoptError` naming what works."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return lambda model: _like(optimizer, model)
+    if (isinstance(optimizer, type) and not issubclass(optimizer, torch.optim.Optimizer)) or not callable(optimizer):
+        raise MemoptError(f"optimizer= is {_what(optimizer)}; give {_OPTIMIZER_FORMS}")
+
+    def make(model: torch.nn.Module) -> torch.optim.Optimizer:
+        try:
+            opt = optimizer(model.parameters())
+        except Exception as exc:
+            raise MemoptError(f"optimizer=: calling it on the model's parameters raised {type(exc).__name__}: "
+                              f"{exc}; give {_OPTIMIZER_FORMS}") from exc
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise MemoptError(f"optimizer= must make a torch.optim.Optimizer from the parameters; it made "
+                              f"{_what(opt)}. Give {_OPTIMIZER_FORMS}")
+        return opt
+
+    return make
+
+
+def _what(obj: Any) -> str:
+    name = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+    return f"the class {name}" if isinstance(obj, type) else f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _like(template: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """An optimizer of ``template``'s class over ``model``, with ``template``'s parameter groups and their settings:
+    each of the model's parameters, in order, joins the first group whose next parameter has its shape (a parameter
+    no group expects, e.g. a frozen one, joins none)."""
+    groups = template.param_groups
+    want = [[tuple(p.shape) for p in g["params"]] for g in groups]
+    taken: list[list[torch.nn.Parameter]] = [[] for _ in groups]
+    for p in model.parameters():
+        for i, shapes in enumerate(want):
+            if len(taken[i]) < len(shapes) and shapes[len(taken[i])] == tuple(p.shape):
+                taken[i].append(p)
+                break
+    cls = type(template).__name__
+    if any(len(t) != len(w) for t, w in zip(taken, want, strict=True)):
+        held = ", ".join(str(len(w)) for w in want)
+        raise MemoptError(f"optimizer=: this {cls} holds parameters ({held} per group) that the builder's model does "
+                          f"not have in that order and shape; pass torch.optim.{cls} or a function of the parameters "
+                          f"(optimizer=lambda params: torch.optim.{cls}(params, ...)) instead")
+    new = [{**{k: v for k, v in g.items() if k != "params"}, "params": t} for g, t in zip(groups, taken, strict=True)]
+    try:
+        return type(template)(new, **template.defaults)
+    except TypeError:
+        try:
+            return type(template)(new)
+        except Exception as exc:
+            raise MemoptError(f"optimizer=: could not make another {cls} like this one ({type(exc).__name__}: {exc});"
+                              f" pass a function of the parameters, optimizer=lambda params: torch.optim.{cls}(params, "
+                              "...)") from exc
+
+
+#: why max_batch needs the optimizer, and how to give it
+NO_OPTIMIZER = ("max_batch needs the optimizer you will train with: its state is part of every peak, and a plan that "
+                "moves state applies to that optimizer only. Give " + _OPTIMIZER_FORMS
+                + ", or let builder(batch_size) return (model, inputs, loss_fn, optimizer)")
+
+
+def _unpack(built: Any, make: Callable[[torch.nn.Module], torch.optim.Optimizer] | None, *,
+            required: bool = False) -> tuple[torch.nn.Module, tuple, dict, Any, torch.optim.Optimizer]:
+    """``(model, args, kwargs, loss_fn, optimizer)`` of a builder's result; the optimizer ``make(model)`` where given,
+    else the builder's, else (unless ``required``, then refused) an Adam."""
     if not isinstance(built, (tuple, list)) or len(built) < 3:
         raise MemoptError("builder(batch_size) must return (model, inputs, loss_fn) or (model, inputs, loss_fn, "
                           f"optimizer), with inputs a tuple of positional or a dict of keyword inputs; got "
@@ -196,12 +285,11 @@ def _unpack(built: Any, optimizer: Any) -> tuple[torch.nn.Module, tuple, dict, A
         raise MemoptError(f"builder(batch_size) must return a torch.nn.Module first, got {type(model).__name__}")
     args, kwargs = ((), dict(raw)) if isinstance(raw, Mapping) else (tuple(raw), {})
     opt = built[3] if len(built) > 3 and isinstance(built[3], torch.optim.Optimizer) else None
-    if optimizer is not None:
-        opt = optimizer(model.parameters())
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise MemoptError("optimizer= must make a torch.optim.Optimizer from the parameters, e.g. "
-                              f"optimizer=torch.optim.AdamW; it made {type(opt).__name__}")
+    if make is not None:
+        opt = make(model)
     if opt is None:
+        if required:
+            raise MemoptError(NO_OPTIMIZER)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     return model, args, kwargs, loss_fn, opt
 
@@ -218,13 +306,19 @@ class BatchProfiles:
     (:meth:`fit`, :func:`~memopt_nb.profiling.fallback.extrapolate`).
 
     ``builder(batch_size) -> (model, inputs, loss_fn[, optimizer])``, called once per batch profiled (its model is
-    let go before the next is built); ``options``: more keywords for :func:`memopt_nb.profile` (``selective=True``).
+    let go before the next is built); ``optimizer``: as :func:`max_batch` takes it (default: the builder's, else an
+    Adam; with ``require_optimizer``, the builder's or refused); ``options``: more keywords for
+    :func:`memopt_nb.profile` (``selective=True``).
     """
 
-    def __init__(self, builder: Callable[[int], Any], optimizer: Any = None, *, repeats: int = 1,
-                 autocast: torch.dtype | str | None = None,
-                 options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, builder: Callable[[int], Any], optimizer: OptimizerArg = None, *, repeats: int = 1,
+                 autocast: torch.dtype | str | None = None, options: Mapping[str, Any] | None = None,
+                 require_optimizer: bool = False) -> None:
         self.builder, self.optimizer, self.repeats, self.autocast = builder, optimizer, repeats, autocast
+        self._make_optimizer = optimizer_maker(optimizer)  # refuses what is no optimizer before anything is built
+        self.require_optimizer = require_optimizer
+        #: the class name of the optimizer the profiles were made with
+        self.optimizer_class: str | None = None
         self.options = dict(options or {})
         self.profiles: dict[int, Any] = {}
         self.line: list[int] = []
@@ -232,7 +326,9 @@ class BatchProfiles:
 
     def make(self, b: int) -> tuple:
         """``(model, args, kwargs, loss_fn, optimizer)`` from the builder at batch ``b``."""
-        return _unpack(self.builder(b), self.optimizer)
+        built = _unpack(self.builder(b), self._make_optimizer, required=self.require_optimizer)
+        self.optimizer_class = type(built[4]).__name__
+        return built
 
     def profiled(self, b: int) -> Any:
         """The profile measured at batch ``b`` (where the step does not fit, :func:`memopt_nb.profile` extrapolates it
@@ -271,8 +367,7 @@ class BatchProfiles:
 
 
 def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
-              device: DeviceSpec | str | None = None,
-              optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None, *,
+              device: DeviceSpec | str | None = None, optimizer: OptimizerArg = None, *,
               planner: str = "optimal", strategies: Sequence[str] = DEFAULT_STRATEGIES,
               offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
               probe: Sequence[int] = (2, 4, 8), repeats: int = 1, autocast: torch.dtype | str | None = None,
@@ -288,8 +383,12 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
             :func:`memopt_nb.limit_memory`, the limit).
         device: ``None`` — the device the model is built on (profiled there); a preset name or DeviceSpec — plan for
             it from profiles made here.
-        optimizer: makes the optimizer from the parameters (``torch.optim.AdamW``, or
-            ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``); default: the builder's, else Adam.
+        optimizer: the optimizer you will train with, whose state is part of every peak and which a plan that moves
+            state is made for: a class (``torch.optim.AdamW``), a function of the parameters
+            (``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``) or your optimizer itself (its class and its parameter
+            groups' settings, the groups matched to each build's parameters by shape); default: the one the builder
+            returns. Without either, max_batch refuses before profiling anything rather than plan for an optimizer
+            you may not use.
         planner: ``"optimal"`` (the exact MILP optimum, fast) or ``"search"`` (the PPO agents, ``search_timesteps``).
         strategies, offload_state, step_in_backward: the plan space, as for :func:`memopt_nb.solvers.optimal`.
         probe: three small batches to profile; the two largest give the line, the smallest checks it.
@@ -302,8 +401,10 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
             batch that does. Off, nothing but the three probes (and two profiles near plain training's largest batch)
             runs.
 
-    Raises :class:`~memopt_nb.errors.BudgetError` when not even the smallest probe batch fits any plan, and
-    :class:`~memopt_nb.errors.ProfileError` when the step's bytes are not linear in the batch.
+    Raises :class:`~memopt_nb.errors.BudgetError` when not even the smallest probe batch fits any plan,
+    :class:`~memopt_nb.errors.ProfileError` when the step's bytes are not linear in the batch, and
+    :class:`~memopt_nb.errors.MemoptError` when no optimizer is known, or when the builder's step does not grow with
+    the batch (a builder that ignores its argument: every batch would seem to fit).
 
     Long by design: the answer's steps in order (probes, extrapolation, bisection on the floor, plans, the check).
     """
@@ -313,19 +414,18 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     probes = sorted({int(b) for b in probe})
     if len(probes) != 3 or probes[0] < 1:
         raise MemoptError(f"probe must be three different positive batch sizes, e.g. (2, 4, 8); got {tuple(probe)!r}")
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        raise BudgetError(f"max_batch needs an absolute budget (bytes or e.g. '2GiB'), not {budget!r}: a share of "
-                          "the peak depends on the batch being answered")
-    bp = BatchProfiles(builder, optimizer, repeats=repeats, autocast=autocast,
+    value = _absolute_budget(budget) if budget is not None else None
+    bp = BatchProfiles(builder, optimizer, repeats=repeats, autocast=autocast, require_optimizer=True,
                        options={"head": head} if head else None)
     profiles, profiled, at = bp.profiles, bp.profiled, bp.at
     for b in probes:
         profiled(b)
+    _check_grows(profiles[probes[0]], profiles[probes[-1]], probes[0], probes[-1])
     bp.fit(probes[1], probes[2], check=probes[0])  # refuses a step that is not linear in the batch
 
     spec = DeviceSpec.resolve(device, profiles[probes[-1]].device) if device is not None \
         else profiles[probes[-1]].device
-    value = parse_bytes(budget) if budget is not None else int(spec.capacity_bytes)
+    value = value if value is not None else int(spec.capacity_bytes)
     space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
     notes: list[str] = []
 
@@ -354,19 +454,30 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     if best_max >= limit:
         notes.append(f"every batch up to {limit} fits a plan (the largest considered)")
 
-    def plan_for(b: int) -> Plan | None:
-        prof = at(b)
-        try:
-            if planner == "search":
-                return search(prof, value, spec, total_timesteps=search_timesteps, seed=seed, strategies=strategies,
-                              **space)
-            return solvers.optimal(prof, value, spec, strategies, **space)
-        except (BudgetError, PlanError):
-            return None
+    plans: dict[int, Plan | None] = {}
 
+    def plan_for(b: int) -> Plan | None:
+        if b not in plans:
+            prof = at(b)
+            try:
+                if planner == "search":
+                    plans[b] = search(prof, value, spec, total_timesteps=search_timesteps, seed=seed,
+                                      strategies=strategies, **space)
+                else:
+                    plans[b] = solvers.optimal(prof, value, spec, strategies, **space)
+            except (BudgetError, PlanError):
+                plans[b] = None
+        return plans[b]
+
+    top = best_max
+    while best_max > max(1, top - 8) and not _usable(plan_for(best_max), value):
+        best_max -= 1  # at the floor's very edge the planner may find no plan within the budget: the next that does
+    if best_max < top:
+        notes.append(f"batch {top} is at the smallest peak's edge and no plan there came within the budget; the "
+                     f"answer is batch {best_max}")
     verified: dict[str, Any] = {}
     if verify and device is None:
-        best_max = _verify(builder, optimizer, best_max, plan_for, value, autocast, verified, notes)
+        best_max = _verify(bp.make, best_max, plan_for, value, autocast, verified, notes)
     candidates = sorted({b for b in _powers(best_max)} | {best_max} | ({plain_max} if plain_max else set()))
     memopt_ans = _answer(planner if planner == "optimal" else "memopt-ppo", candidates, best_max, plan_for, value)
     plain_ans = _answer("none", [b for b in candidates if plain_max and b <= plain_max], plain_max,
@@ -397,10 +508,35 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         a.__dict__.pop("_tp", None)
     return MaxBatch(memopt=memopt_ans, plain=plain_ans, baseline=baseline_ans, budget_bytes=value, device=spec.name,
                     probes=probes, profiled=sorted(profiles), throughputs=throughputs,
-                    seconds=time.perf_counter() - t0, notes=notes, verified=verified, _at=at)
+                    seconds=time.perf_counter() - t0, notes=notes, verified=verified,
+                    optimizer=bp.optimizer_class or "", _at=at)
 
 
-def _verify(builder: Callable[[int], Any], optimizer: Any, batch: int, plan_for: Callable[[int], Plan | None],
+def _absolute_budget(budget: int | float | str) -> int:
+    """``max_batch``'s budget in bytes, read as :func:`memopt_nb.resolve_budget` reads it; a share of the peak
+    (``"60%"``, ``0.6``) is refused, since the peak depends on the batch being answered."""
+    if is_share(budget):
+        raise BudgetError(f"max_batch needs an absolute budget (bytes or a size such as '2GiB'), not {budget!r}: a "
+                          "share of the peak depends on the batch being answered")
+    return resolve_budget(budget)
+
+
+def _check_grows(small: Any, large: Any, lo: int, hi: int) -> None:
+    """Refuse a builder whose step does not grow with the batch: neither its inputs nor its saved activations are
+    larger at batch ``hi`` than at ``lo`` (it ignores its argument, e.g. a closure over a fixed batch). Extrapolated in
+    the batch, such a step would fit any batch."""
+    def acts(p: Any) -> int:
+        return sum(u.saved_bytes for u in p.units)
+
+    if large.input_bytes <= small.input_bytes and acts(large) <= acts(small):
+        raise MemoptError(f"builder({hi}) made a step no larger than builder({lo}) (inputs "
+                          f"{format_bytes(large.input_bytes)}, saved activations {format_bytes(acts(large))} at both):"
+                          " it seems to ignore its batch argument, and then every batch would seem to fit. "
+                          "builder(b) must build inputs of b samples, e.g. "
+                          "lambda b: (model, (torch.randn(b, 3, 32, 32),), loss_fn, opt)")
+
+
+def _verify(make: Callable[[int], tuple], batch: int, plan_for: Callable[[int], Plan | None],
             budget: int, autocast: Any, out: dict[str, Any], notes: list[str]) -> int:
     """Run the answer: build the model at ``batch`` and measure real steps under its plan. Where they do not fit
     the budget (out of memory, or a measured peak above it: a peak that grows faster above the profiled batches than
@@ -415,7 +551,7 @@ def _verify(builder: Callable[[int], Any], optimizer: Any, batch: int, plan_for:
                 break
             continue
         gc.collect()
-        model, args, kwargs, loss_fn, opt = _unpack(builder(batch), optimizer)
+        model, args, kwargs, loss_fn, opt = make(batch)
         try:
             m = measure(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1,
                         autocast=autocast)
@@ -438,6 +574,12 @@ def _verify(builder: Callable[[int], Any], optimizer: Any, batch: int, plan_for:
         batch = lower
     raise BudgetError(f"no batch near the prediction ran inside {format_bytes(budget)} under its plan: "
                       + "; ".join(tried))
+
+
+def _usable(p: Plan | None, budget: int) -> bool:
+    """Whether a plan answers: predicted within the budget, with a step time."""
+    return (p is not None and p.predicted_step_time is not None and p.predicted_peak_bytes is not None
+            and p.predicted_peak_bytes <= budget and p.predicted_step_time > 0)
 
 
 def _powers(top: int) -> list[int]:
@@ -479,8 +621,7 @@ def _answer(method: str, batches: Sequence[int], top: int | None, make: Callable
     plans: dict[int, Plan] = {}
     for b in batches:
         p = make(b)
-        if p is None or p.predicted_step_time is None or p.predicted_peak_bytes is None \
-                or p.predicted_peak_bytes > budget or not p.predicted_step_time > 0:
+        if p is None or not _usable(p, budget):
             continue
         plans[b] = p
         tp[b] = b / p.predicted_step_time

@@ -21,11 +21,13 @@ Plan — run ``memopt.search`` with the live dashboard and store the plan (in ``
     %memopt_plan prof --budget 60% --strategies keep,recompute
 
 Mistakes (an unknown name, an object that is not an ``nn.Module``, a bad budget, a budget below the smallest peak
-any plan reaches) raise ``UsageError`` with the reason and no traceback. A trailing ``;`` hides what the magic returns
-(the profile's table, the plan and its "stored" line), as it does for any Python expression; ``%memopt_plan``'s
-dashboard still shows, since it is the search's progress (``-q`` hides it too). While the extension is loaded a
-``ModelProfile`` displays as its table, the smallest peak any plan reaches and what bounds it, and a per-unit
-memory/time chart.
+any plan reaches, an abbreviated option, a word the magic does not expect) raise ``UsageError`` with the reason and no
+traceback. ``--budget`` reads a plain number as the Python API does (below 1 a share of the peak, else bytes), and
+refuses one below 1024, which as bytes no step fits (``--budget 60``: write ``60%`` or ``60MiB``). A trailing ``;``
+hides what the magic returns (the profile's table, the plan and its "stored" line), as it does for any Python
+expression; ``%memopt_plan``'s dashboard still shows, since it is the search's progress (``-q`` hides it too). While the
+extension is loaded a ``ModelProfile`` displays as its table, the smallest peak any plan reaches and what bounds it,
+and a per-unit memory/time chart.
 ``%unload_ext memopt_nb`` removes the magics and that display hook again.
 """
 
@@ -45,13 +47,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.utils.process import arg_split
 
-from ..core.budget import format_bytes, resolve_budget
+from ..core.budget import MIN_TYPED_BYTES, check_typed_budget, format_bytes, is_share, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES, Plan
 from ..core.profile import ModelProfile
 from ..harness.compare import Comparison, compare
-from ..harness.maxbatch import MaxBatch, max_batch
+from ..harness.maxbatch import NO_OPTIMIZER, MaxBatch, max_batch, optimizer_maker
 from ..planners.depths import search_depths
 from ..planners.floor import estimate_batch, explain_floor
 from ..planners.rl.search import search
@@ -133,12 +135,15 @@ def parse_magic_line(func: Any, line: str) -> Any:
         if match is None:
             continue
         opt = tok.split("=", 1)[0]
-        if opt in known or (opt.startswith("--") and any(k.startswith(opt) for k in known if k.startswith("--"))):
+        if opt in known:
             continue
         longs = {k.lstrip("-"): k for k in known if k.startswith("--")}
-        close = difflib.get_close_matches(opt.lstrip("-"), list(longs), n=1, cutoff=0.6)
-        if close:
-            raise UsageError(f"%{name}: did you mean {longs[close[0]]}? There is no option {opt} ({usage})")
+        starts = [k for k in longs if k.startswith(opt.lstrip("-"))] if opt.startswith("--") else []
+        close = starts if len(starts) == 1 else difflib.get_close_matches(opt.lstrip("-"), list(longs), n=1,
+                                                                          cutoff=0.6)
+        if close:  # options are never abbreviated: --los is not taken for --loss
+            raise UsageError(f"%{name}: did you mean {longs[close[0]]}? There is no option {opt} (options are "
+                             f"written in full; {usage})")
         raise UsageError(f"%{name}: there is no option {opt}; {usage}")
     for i, tok in enumerate(tokens):
         if i >= 2 and tok.lower() in _SIZE_UNITS and _NUMBER.match(tokens[i - 1]) and tokens[i - 2] in _SIZE_OPTIONS:
@@ -165,6 +170,12 @@ def parse_magic_line(func: Any, line: str) -> Any:
         if expected:
             raise UsageError(f"{expected.group(1)} needs a value after it ({usage})") from None
         raise UsageError(f"%{name}: {msg} ({usage})") from None
+
+
+def _exact_options(func: Any) -> Any:
+    """Options are written in full: argparse's prefix matching (``--los`` taken for ``--loss``) is off."""
+    func.parser.allow_abbrev = False
+    return func
 
 
 def _check_output_name(name: str | None) -> None:
@@ -204,6 +215,32 @@ def _parse_strategies(text: str) -> tuple[str, ...]:
         what = f"unknown {', '.join(unknown)}" if value else "empty"
         raise UsageError(f"--strategies {text!r}: {what}; give a comma-separated list of {', '.join(STRATEGIES)} "
                          f"(default: {','.join(DEFAULT_STRATEGIES)}), e.g. --strategies keep,recompute") from None
+
+
+def _parse_patience(text: str | None) -> dict[str, Any]:
+    """``--patience``: the search's ``patience=`` as keywords: a whole number of at least 1, ``none`` (every timestep
+    runs), or nothing given (the search's default)."""
+    if text is None:
+        return {}
+    value = (_unquote(text.strip()) or "").strip().lower()
+    if value == "none":
+        return {"patience": None}
+    if value.isdigit() and int(value) >= 1:
+        return {"patience": int(value)}
+    raise UsageError(f"--patience {text}: give the number of PPO iterations without a better plan after which the "
+                     "search stops, at least 1 (default 50), or none to run every timestep; e.g. --patience 20")
+
+
+def _read_budget(raw: str, reference: int | None) -> int:
+    """``--budget`` in bytes: read as the Python API reads a budget (:func:`memopt_nb.resolve_budget`; ``reference``:
+    the unoptimized peak a share is taken of), a plain number below 1024 refused (:func:`check_typed_budget`)."""
+    text = (_unquote(raw.strip()) or "").strip()
+    try:  # the one budget parser of the API: "60%" of the profiled peak, "2GiB", bytes
+        budget = resolve_budget(text, reference=reference)
+        check_typed_budget(text)
+    except MemoptError as exc:
+        raise UsageError(f"--budget {raw}: {exc}") from None
+    return budget
 
 
 def _parse_units(text: str | None) -> Any:
@@ -318,33 +355,37 @@ class MemoptMagics(Magics):
             raise UsageError(f"--loss: {expr!r} is {kind}, not a function loss_fn(output) -> scalar")
         return fn
 
+    def _optimizer_arg(self, name: str) -> Any:
+        """``--optimizer NAME``: the notebook's object of that name (an optimizer, a class, a function), else the
+        torch.optim class of that name (``Adam``, ``adamw``)."""
+        name = _unquote(name) or ""
+        if name in self.shell.user_ns or not name.isidentifier():
+            return self._eval(name, "--optimizer")
+        classes = _optimizer_classes()
+        cls = classes.get(name.lower())
+        if cls is None:
+            raise UsageError(f"--optimizer: {name!r} is neither a variable in the notebook nor a torch.optim "
+                             f"class; use your optimizer's variable name or one of {', '.join(sorted(classes))}")
+        return cls
+
     def _optimizer(self, name: str | None, model: torch.nn.Module) -> Any:
         if name is None:
             return None
-        ns = self.shell.user_ns
-        name = _unquote(name) or ""
-        if name in ns or not name.isidentifier():
-            obj = self._eval(name, "--optimizer")
-            if isinstance(obj, torch.optim.Optimizer):
-                return obj
-            if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
-                kind = _article(type(obj).__name__)
-                raise UsageError(f"--optimizer: {name!r} is {kind}, not a torch.optim.Optimizer "
-                                 "(or the name of an optimizer class such as Adam)")
-            cls = obj
-        else:
-            classes = _optimizer_classes()
-            cls = classes.get(name.lower())
-            if cls is None:
-                raise UsageError(f"--optimizer: {name!r} is neither a variable in the notebook nor a torch.optim "
-                                 f"class; use your optimizer's variable name or one of {', '.join(sorted(classes))}")
+        obj = self._optimizer_arg(name)
+        if isinstance(obj, torch.optim.Optimizer):
+            return obj
+        if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+            kind = _article(type(obj).__name__)
+            raise UsageError(f"--optimizer: {name!r} is {kind}, not a torch.optim.Optimizer "
+                             "(or the name of an optimizer class such as Adam)")
         try:
-            return cls(model.parameters())
+            return obj(model.parameters())
         except Exception as exc:
-            raise UsageError(f"--optimizer: could not create {cls.__name__}(model.parameters()): {exc}; create it "
+            raise UsageError(f"--optimizer: could not create {obj.__name__}(model.parameters()): {exc}; create it "
                              "in a cell and pass its name") from None
 
     # ------------------------------------------------------------------ %memopt_profile
+    @_exact_options
     @ma.magic_arguments()
     @ma.argument("target", nargs="*", metavar="MODEL INPUT",
                  help="the model's name, then its example inputs (names or expressions; *name unpacks a tuple, "
@@ -434,17 +475,24 @@ class MemoptMagics(Magics):
                          "--model NAME")
 
     # ------------------------------------------------------------------ %memopt_plan
+    @_exact_options
     @ma.magic_arguments()
     @ma.argument("profile", metavar="PROFILE", nargs="?",
                  help="name of a ModelProfile in the notebook (from %%memopt_profile)")
     @ma.argument("--budget",
-                 help="memory budget: bytes, '2GiB', '800MB', or a share of the unoptimized peak such as '60%%' "
+                 help="memory budget: a size with its unit ('2GiB', '800MB'), a share of the unoptimized peak ('60%%', "
+                      "or a fraction below 1 such as 0.6), or a plain number of bytes of at least "
+                      f"{MIN_TYPED_BYTES} (a smaller plain number, such as 60, is refused: write 60%% or 60MiB) "
                       "(with --max-batch: default the device's capacity, or memopt.limit_memory's limit)")
     @ma.argument("--max-batch", metavar="BUILDER",
                  help="answer how big a batch fits instead: BUILDER is a function in the notebook, "
                       "builder(batch_size) -> (model, inputs, loss_fn[, optimizer]); shows the largest batch any "
                       "plan fits, the fastest batch, and plain training and the best classic baseline beside them "
                       "(memopt.max_batch); stored as `fit` unless -o says otherwise")
+    @ma.argument("--optimizer", metavar="NAME",
+                 help="with --max-batch: the optimizer you train with, which the plans are made for: a torch.optim "
+                      "class (AdamW), or the name of a class, of a function params -> optimizer or of your optimizer "
+                      "(its class and settings) in the notebook; default: the one BUILDER returns, else refused")
     @ma.argument("--device", metavar="PRESET",
                  help="plan for a GPU preset instead of the profiled device: " + ", ".join(
                      DeviceSpec.preset_names()))
@@ -454,8 +502,9 @@ class MemoptMagics(Magics):
     @ma.argument("--time-limit", type=float, metavar="SECONDS", default=None,
                  help="stop the agents after this many seconds (default: no limit; the plan then depends on the "
                       "machine's speed)")
-    @ma.argument("--patience", type=int, metavar="N", default=None,
-                 help="stop once the best plan has not improved in N PPO iterations (default: the search's, 50)")
+    @ma.argument("--patience", metavar="N", default=None,
+                 help="stop once the best plan has not improved in N PPO iterations, N at least 1 (default: the "
+                      "search's, 50); none: run every timestep")
     @ma.argument("--offload-state", metavar="WHAT", default="all",
                  help="what of the training state the plan may move off the device: all (default: optimizer state, "
                       "gradients and parameters), none (activations only), or a comma-separated list of optimizer, "
@@ -486,16 +535,24 @@ class MemoptMagics(Magics):
     def memopt_plan(self, line: str) -> Any:
         """Search a memory plan with the two PPO agents (``memopt.search``), watching them learn in a live dashboard.
 
-        ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S]
+        ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S] [--patience N|none]
         [--offload-state all|none|optimizer,grads,params] [--step-in-backward] [--strategies keep,recompute,swap]
         [-o NAME] [--no-widget] [-q]``
 
-        ``%memopt_plan --max-batch BUILDER [--budget 2GiB] [--device PRESET] [...]`` answers "how big a batch fits,
-        how fast?" instead (:func:`memopt_nb.max_batch`, with the exact planner): the largest batch any plan fits under
-        the budget (default: the device's capacity, or the limit of ``memopt.limit_memory``), the batch with the
-        highest predicted throughput, and the same for plain training and the best classic baseline. ``BUILDER`` is
-        ``builder(batch_size) -> (model, inputs, loss_fn[, optimizer])``; the answer is stored as ``fit`` (its plan:
-        ``fit.plan``).
+        ``--budget`` is read as ``memopt.search`` reads a budget: a size with its unit (``2GiB``, ``800MB``), a share
+        of the unoptimized peak (``60%``, or a fraction below 1 such as ``0.6``), or a plain number of bytes; a plain
+        number below 1024 (``--budget 60``) is refused rather than read as a few bytes: write ``60%`` or ``60MiB``.
+        Options are written in full (``--budg`` is refused, naming ``--budget``), and a word the magic does not expect
+        is refused rather than ignored.
+
+        ``%memopt_plan --max-batch BUILDER --optimizer AdamW [--budget 2GiB] [--device PRESET] [...]`` answers "how
+        big a batch fits, how fast?" instead (:func:`memopt_nb.max_batch`, with the exact planner): the largest batch
+        any plan fits under the budget (default: the device's capacity, or the limit of ``memopt.limit_memory``), the
+        batch with the highest predicted throughput, and the same for plain training and the best classic baseline.
+        ``BUILDER`` is ``builder(batch_size) -> (model, inputs, loss_fn[, optimizer])``; ``--optimizer`` names the
+        optimizer you train with (a torch.optim class, or your optimizer or a function ``params -> optimizer`` in the
+        notebook), which the plans are made for, unless ``BUILDER`` returns it. The answer is stored as ``fit`` (its
+        plan: ``fit.plan``; apply it with ``memopt.plan(fit.plan, model, optimizer=opt)``).
 
         ``--offload-state`` says what of the training state the plan may place on the host (``all`` by default,
         ``none`` for activations only, or a comma-separated list); ``--step-in-backward`` also allows running a unit's
@@ -518,6 +575,10 @@ class MemoptMagics(Magics):
                              "%memopt_profile), or --max-batch BUILDER to ask how big a batch fits")
         if args.budget is None:
             raise UsageError("%memopt_plan needs --budget, e.g. %memopt_plan prof --budget 60%")
+        if args.optimizer is not None:
+            raise UsageError("--optimizer applies to --max-batch only: a profile already holds the optimizer it was "
+                             "made with (%memopt_profile ... --optimizer NAME); leave it out")
+        stop = {"time_limit": args.time_limit, **_parse_patience(args.patience)}
         args.output = args.output or DEFAULT_PLAN_NAME
         _check_output_name(args.output)
         prof = self._eval(args.profile, "profile")
@@ -531,11 +592,7 @@ class MemoptMagics(Magics):
                 device = DeviceSpec.preset(args.device)
             except MemoptError as exc:
                 raise UsageError(f"--device: {exc}") from None
-        text = (_unquote(args.budget.strip()) or "").strip()
-        try:  # the one budget parser of the API: "60%" of the profiled peak, "2GiB", bytes
-            budget = resolve_budget(text, reference=prof.peak_bytes)
-        except MemoptError as exc:
-            raise UsageError(f"--budget {args.budget}: {exc}") from None
+        budget = _read_budget(args.budget, prof.peak_bytes)
         offload_state = _parse_offload_state(args.offload_state)
         strategies = _parse_strategies(args.strategies)
         call = getattr(prof, MAGIC_CALL, None)
@@ -565,7 +622,6 @@ class MemoptMagics(Magics):
             raise UsageError("--mixed-depths needs a profile whose blocks were split and measured whole: "
                              "%memopt_profile ... --units fine")
         try:
-            stop = {"time_limit": args.time_limit, **({"patience": args.patience} if args.patience else {})}
             space = dict(offload_state=offload_state, step_in_backward=args.step_in_backward, strategies=strategies)
             if args.mixed_depths:
                 plan = _mixed_depths(dash, prof, budget, device, steps, args.seed, space, stop, quiet=args.quiet)
@@ -603,24 +659,29 @@ class MemoptMagics(Magics):
             raise UsageError(f"--max-batch: {args.max_batch!r} is {_article(type(builder).__name__)}, not a function "
                              "builder(batch_size) -> (model, inputs, loss_fn)")
         budget: Any = None
+        share = args.budget is not None and is_share((_unquote(args.budget.strip()) or "").strip())
+        if args.profile is not None and not share:  # e.g. "--budget 3000000 parsecs": parsecs is no profile
+            raise UsageError(f"%memopt_plan --max-batch: did not expect {args.profile} (a PROFILE is used with "
+                             "--max-batch only as what a percentage budget is a share of); leave it out, or give "
+                             "--budget as a size such as 2GiB")
+        if share and args.profile is None:
+            raise UsageError(f"--budget {args.budget}: a percentage needs a profile to be a share of "
+                             "(%memopt_plan prof --max-batch BUILDER --budget 60%); or give bytes such as "
+                             "2GiB, or leave --budget out for the device's capacity")
         if args.budget is not None:
-            text = (_unquote(args.budget.strip()) or "").strip()
-            if text.endswith("%"):
-                if args.profile is None:
-                    raise UsageError(f"--budget {args.budget}: a percentage needs a profile to be a share of "
-                                     "(%memopt_plan prof --max-batch BUILDER --budget 60%); or give bytes such as "
-                                     "2GiB, or leave --budget out for the device's capacity")
+            reference = None
+            if share:
                 prof = self._eval(args.profile, "profile")
                 if not isinstance(prof, ModelProfile):
                     raise UsageError(f"profile: {args.profile!r} is {_article(type(prof).__name__)}, not a "
                                      "ModelProfile")
                 reference = prof.peak_bytes
-            else:
-                reference = None
-            try:
-                budget = resolve_budget(text, reference=reference)
-            except MemoptError as exc:
-                raise UsageError(f"--budget {args.budget}: {exc}") from None
+            budget = _read_budget(args.budget, reference)
+        optimizer = self._optimizer_arg(args.optimizer) if args.optimizer is not None else None
+        try:
+            optimizer_maker(optimizer)  # what is no optimizer is refused before anything is built
+        except MemoptError as exc:
+            raise UsageError(f"--optimizer {args.optimizer}: {exc}") from None
         device = None
         if args.device is not None:
             try:
@@ -628,17 +689,24 @@ class MemoptMagics(Magics):
             except MemoptError as exc:
                 raise UsageError(f"--device: {exc}") from None
         try:
-            fit = max_batch(builder, budget, device, strategies=_parse_strategies(args.strategies),
+            fit = max_batch(builder, budget, device, optimizer, strategies=_parse_strategies(args.strategies),
                             offload_state=_parse_offload_state(args.offload_state),
                             step_in_backward=args.step_in_backward, seed=args.seed)
         except MemoptError as exc:
+            if str(exc) == NO_OPTIMIZER:
+                raise UsageError(f"--max-batch: say which optimizer you train with, e.g. --optimizer AdamW (a "
+                                 f"torch.optim class, or the name of your optimizer or of a function params -> "
+                                 f"optimizer in the notebook), or let {args.max_batch}(batch_size) return (model, "
+                                 "inputs, loss_fn, optimizer): its state is part of every peak, and a plan that moves "
+                                 "state applies to that optimizer only") from None
             raise UsageError(f"--max-batch: {exc}") from None
         self.shell.user_ns[output] = fit
         if silenced or args.quiet:
             return None
         display(fit) if in_notebook() else print(repr(fit))
-        print(f"memopt: stored as `{output}`; train batch {fit.batch} with `with memopt.plan({output}.plan, model): "
-              f"...` (the model built at that batch)")
+        print(f"memopt: stored as `{output}`; train batch {fit.batch} with `with memopt.plan({output}.plan, model, "
+              f"optimizer=opt): ...`, the model built at that batch ({args.max_batch}({fit.batch})) and opt your "
+              f"{fit.optimizer or 'optimizer'} over its parameters (the plan was made for it)")
         return None
 
     def _compare(self, plan: Plan, prof: ModelProfile, call: dict[str, Any], pairs: int,

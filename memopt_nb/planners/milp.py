@@ -60,6 +60,7 @@ from scipy.sparse import coo_matrix
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError
 from ..core.plan import DEFAULT_STRATEGIES, effective_triggers
+from ..core.quiet import third_party_quiet
 from ..core.space import PlanSpace
 from ..sim.simulator import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
 from .heads import head_min_peak
@@ -129,9 +130,10 @@ class _Program:
         t0 = time.perf_counter()
 
         def run(limit: float, presolve: bool) -> Any:
-            return milp(cost, constraints=LinearConstraint(a, self.lo, self.hi), integrality=np.array(self.integer),
-                        bounds=Bounds(self.lb, self.ub),
-                        options={"time_limit": limit, "mip_rel_gap": 0.0, "presolve": presolve})
+            with third_party_quiet():  # HiGHS prints debugging lines with C's printf, past sys.stdout
+                return milp(cost, constraints=LinearConstraint(a, self.lo, self.hi), integrality=np.array(self.integer),
+                            bounds=Bounds(self.lb, self.ub),
+                            options={"time_limit": limit, "mip_rel_gap": 0.0, "presolve": presolve})
 
         res = run(float(time_limit), presolve)
         if res.status == 4 and presolve:  # HiGHS's presolve fails on a few programs ("Solve error"): again without
