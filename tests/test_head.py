@@ -278,3 +278,26 @@ def test_a_plan_profiled_without_kept_outputs_warns_once_naming_them():
             loss.backward()
             opt.step()
             opt.zero_grad()
+
+
+# ---------------------------------------------------------------------- the magics
+def test_the_profile_magic_takes_the_head_and_kept_outputs(ipython_shell):
+    from IPython.core.error import UsageError
+
+    shell = ipython_shell
+    shell.run_line_magic("load_ext", "memopt_nb")
+    try:
+        model, vocab = _gpt2()
+        shell.user_ns.update(lm=model, lm_ids=_ids(vocab), lm_opt=torch.optim.AdamW(model.parameters()))
+        shell.run_line_magic("memopt_profile", "lm input_ids=lm_ids labels=lm_ids --loss 'lambda o: o.loss' "
+                                               "--optimizer lm_opt --head chunked --keep-outputs --repeats 1 "
+                                               "-o lm_prof -q")
+        prof = shell.user_ns["lm_prof"]
+        assert sorted(map(int, prof.heads)) == list(HEAD_CHUNKS) and prof.meta["keep_outputs"] is True
+        with pytest.raises(UsageError, match="--head chunked"):
+            shell.run_line_magic("memopt_profile", "lm input_ids=lm_ids labels=lm_ids --loss 'lambda o: o.loss' "
+                                                   "--head-module lm_head -q")
+        with pytest.raises(UsageError):
+            shell.run_line_magic("memopt_profile", "lm input_ids=lm_ids --head fused -q")
+    finally:
+        shell.run_line_magic("unload_ext", "memopt_nb")

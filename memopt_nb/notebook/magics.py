@@ -406,6 +406,15 @@ class MemoptMagics(Magics):
     @ma.argument("--autocast", metavar="DTYPE",
                  help="mixed precision as your loop uses it: bf16 or fp16 (forward and loss under torch.autocast, "
                       "backward and optimizer step outside)")
+    @ma.argument("--head", choices=["chunked"],
+                 help="'chunked': also measure the LM head and its loss computed a chunk of tokens at a time (the "
+                      "logits never whole; not bit-identical: the gradients are summed in another order), which "
+                      "%%memopt_plan may then choose")
+    @ma.argument("--head-module", metavar="NAME",
+                 help="the nn.Linear to chunk (default: the model's output embeddings)")
+    @ma.argument("--keep-outputs", action="store_true",
+                 help="profile the loop that keeps the model's output through backward, as the transformers "
+                      "documentation's does (outputs = model(**batch); outputs.loss.backward())")
     @ma.argument("-o", "--output", metavar="NAME", help="store the ModelProfile in the notebook as NAME")
     @ma.argument("-q", "--quiet", action="store_true", help="do not display the profile")
     @output_can_be_silenced
@@ -414,7 +423,7 @@ class MemoptMagics(Magics):
         """Profile one training step of a model per unit: forward/backward time and saved activations, and its peak.
 
         Line magic: ``%memopt_profile MODEL INPUT... [--loss EXPR] [--optimizer NAME] [--units U] [--selective]
-        [--autocast bf16|fp16] [-o NAME] [-q]``
+        [--autocast bf16|fp16] [--head chunked] [--keep-outputs] [-o NAME] [-q]``
         profiles objects already in the notebook. Cell magic: ``%%memopt_profile --model NAME --inputs NAME...``
         runs the cell first (its names stay defined; its last expression is not displayed), then profiles the model
         it defines. Returns the ``ModelProfile`` (shown as a table with a
@@ -442,10 +451,13 @@ class MemoptMagics(Magics):
         units = _parse_units(args.units)
         if args.repeats < 1:
             raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
+        if args.head_module and not args.head:
+            raise UsageError("--head-module names the head to chunk; add --head chunked (or leave --head-module out)")
         try:
             prof = profile_model(model, *inputs, loss_fn=loss_fn, optimizer=optimizer, units=units,
                                   repeats=args.repeats, model_kwargs=input_kwargs, selective=args.selective,
-                                  autocast=args.autocast)
+                                  autocast=args.autocast, head=args.head, head_module=args.head_module,
+                                  keep_outputs=args.keep_outputs)
         except MemoptError as exc:
             raise UsageError(f"memopt.profile: {exc}") from None
         setattr(prof, MAGIC_CALL, {"model": weakref.ref(model), "inputs": input_exprs, "loss": args.loss,
