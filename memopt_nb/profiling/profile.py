@@ -47,6 +47,7 @@ from ..runtime.step import (
 from .fallback import extrapolating, profile_or_extrapolate
 from .merges import measure_merges
 from .opsets import mark_pareto, propose_save_sets, record_ops
+from .timing import pool_step_times, robust_times, time_warning, timed_repeats, unit_signature
 from .tracer import (
     chunked_step,
     discover,
@@ -183,7 +184,9 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             the others (a timm ResNet's last stage), which would otherwise bound a whole-step plan's floor;
             ``profile.meta["split_why"]`` says why each was split. A module that changes its input in place
             (``ReLU(inplace=True)``), or whose input later code changes in place, is never a unit.
-        repeats: timed steps; times are medians.
+        repeats: timed steps; one run while the machine was busy is measured again (at most ``repeats`` more). Times
+            are medians without bursts of interference, identical units pooled (:mod:`memopt_nb.profiling.timing`;
+            ``meta["timing"]``, and ``meta["time_warning"]`` when the machine was too busy to trust them).
         device: the DeviceSpec of the device measured (detected by default).
         selective: also measure, per unit, the save-sets selective checkpointing may keep (``UnitProfile.save_sets``,
             see :mod:`memopt_nb.profiling.opsets`): what planners need for ``strategies=`` with ``"selective"``. Costs
@@ -257,7 +260,6 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         _, fwd_ref, bwd_ref = segments_from(keep_marks, n)
         merges, merge_why = (measure_merges(model, inputs, loss_fn, optimizer, names, dev, kwargs, split, info,
                                             keep_marks, fwd_ref, bwd_ref) if split else ({}, {}))
-        timings: list[list[float]] = []
         labels_ref = [m[0] for m in keep_marks]
         proposed: dict[int, dict[str, dict[str, Any]]] = {}
         set_ops: dict[str, dict[int, Any]] = {}  # per save-set, the ops each unit that has it keeps
@@ -269,11 +271,15 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
                                       kwargs=kwargs, save_ops=ops)[0] for k, ops in set_ops.items()}
         # untimed: the tracked steps leave caches cold
         timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
-        for _ in range(repeats):
-            labels, durations = timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
+
+        def one_step() -> tuple[list[float], list[float]]:
+            wall: list[float] = []
+            labels, durations = timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, wall=wall)
             if labels != labels_ref:
                 raise ProfileError("the step ran differently between repeats (data-dependent control flow?)")
-            timings.append(durations)
+            return durations, wall
+
+        timings, timing = timed_repeats(one_step, repeats, dev)  # robust: see .timing
         sac_times: dict[str, list[list[float]]] = {k: [] for k in set_ops}
         rc_times: list[list[float]] = []
         for _ in range(repeats if set_ops else 0):  # what selective costs, against recompute, measured
@@ -290,8 +296,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         streamed = (param_steps(model, inputs, loss_fn, optimizer, unit_params, dev, kwargs)
                     if optimizer is not None else None)
     segs, fwd_seg, bwd_seg = segments_from(keep_marks, n)
-    for i, seg in enumerate(segs):
-        seg.time = statistics.median(t[i] for t in timings)
+    pools = robust_times(segs, timings, fwd_seg, bwd_seg, names, [
+        unit_signature(modules[nm], *run.unit_io.get(i, ([], []))[:2]) for i, nm in enumerate(names)], timing)
     rc_rel = {}
     if [m[0] for m in rc_marks] == labels_ref:
         for i in range(len(rc_marks) - 1):
@@ -322,6 +328,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             grads_done_extra=(run.grads_done[i] - segs[bwd_seg[i] + 1].start_level
                               if i in run.grads_done and bwd_seg[i] + 1 < len(segs) else 0),
         ))
+    pool_step_times(unit_list, pools)
     unit_saved = sum(g.nbytes for g in groups if g.savers)
     batch = None  # the first dimension of the first batched input tensor, positional first, then keyword
     first = next((x for x in [*inputs, *kwargs.values()] if isinstance(x, torch.Tensor) and x.dim() > 0), None)
@@ -354,6 +361,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             "selective": ({"measured": True, "notes": sac_notes} if selective else None),
             "autocast": autocast_name(amp),  # the forward's, if any
             "method": "measured",  # or "extrapolated" from smaller batches (memopt_nb.profiling.fallback)
+            "timing": timing,  # repeats, spreads, pooled units (memopt_nb.profiling.timing)
+            "time_warning": time_warning(timing),  # plain words when the machine was too busy to trust the times
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,
