@@ -184,8 +184,9 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             the others (a timm ResNet's last stage), which would otherwise bound a whole-step plan's floor;
             ``profile.meta["split_why"]`` says why each was split. A module that changes its input in place
             (``ReLU(inplace=True)``), or whose input later code changes in place, is never a unit.
-        repeats: timed steps; one run while the machine was busy is measured again (at most ``repeats`` more). Times
-            are medians without bursts of interference, identical units pooled (:mod:`memopt_nb.profiling.timing`;
+        repeats: timed steps; a step beside which a short reference operation ran slow is measured again (at most
+            ``repeats`` more). On the CPU, times are the CPU time of the thread running the step (what it costs while
+            it has a core); each is a median without stalls, identical units pooled (:mod:`memopt_nb.profiling.timing`;
             ``meta["timing"]``, and ``meta["time_warning"]`` when the machine was too busy to trust them).
         device: the DeviceSpec of the device measured (detected by default).
         selective: also measure, per unit, the save-sets selective checkpointing may keep (``UnitProfile.save_sets``,
