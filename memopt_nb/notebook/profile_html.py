@@ -52,7 +52,7 @@ def profile_html(prof: ModelProfile, spelling: str = "python") -> str:
                          "split into the units below" + (_WHOLE if name in prof.merges else "") + ")</td></tr>")
             parents.append(name)
         else:
-            cells.append(_unit_row(prof.units[index], numbered, depth, label))
+            cells.append(_unit_row(prof.units[index], numbered, depth, label, _time_title(prof, prof.units[index])))
     rows = "".join(cells)
     totals = (f"params {format_bytes(prof.param_bytes)} · optimizer state "
               f"{format_bytes(prof.optimizer_state_bytes)} · not in units {format_bytes(prof.unattributed_bytes)}"
@@ -69,18 +69,47 @@ def profile_html(prof: ModelProfile, spelling: str = "python") -> str:
         '<th title="random ops (dropout): recompute replays their random numbers; running stats (BatchNorm): '
         'recompute does not update them twice">notes</th>')
     return (
-        f"<div><b>{html.escape(prof.summary())}</b><p>{totals}</p>{_floor_html(prof, spelling)}{excluded}<table><thead>"
+        f"<div><b>{html.escape(prof.summary())}</b>{_timing_html(prof)}<p>{totals}</p>{_floor_html(prof, spelling)}"
+        f"{excluded}<table><thead>"
         f"<tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
     )
 
 
 
-def _unit_row(u: UnitProfile, numbered: bool, depth: int = 0, label: str | None = None) -> str:
+def _timing_html(prof: ModelProfile) -> str:
+    """How the times were measured and, when the machine was too busy to trust them, the profile's warning
+    (``meta["timing"]``, ``meta["time_warning"]``: :mod:`memopt_nb.profiling.timing`); nothing for an older profile."""
+    timing = prof.meta.get("timing")
+    if not isinstance(timing, dict):
+        return ""
+    pooled = timing.get("pooled") or []
+    clock = "CPU time of the step's thread, " if timing.get("clock") == "cpu" else ""
+    how = (f"<p><small>Times: {clock}medians of {timing.get('steps', 0) - timing.get('set_aside', 0)} timed steps "
+           f"without stalls; {sum(len(g) for g in pooled)} identical units in {len(pooled)} groups share one time "
+           "(hover a time for its spread).</small></p>")
+    warning = prof.meta.get("time_warning")
+    return how + (f'<p style="color:#a33"><b>&#9888; Busy machine:</b> {html.escape(warning)}</p>' if warning else "")
+
+
+def _time_title(prof: ModelProfile, u: UnitProfile) -> tuple[str, str]:
+    """The tooltips of a unit's forward and backward times: their samples' spread, and the units pooled with it."""
+    timing = prof.meta.get("timing")
+    spread = (timing.get("units") or {}).get(u.name) if isinstance(timing, dict) else None
+    if not spread:
+        return "", ""
+    group = next((g for g in timing.get("pooled") or [] if u.name in g), None)
+    same = f"; the median of {len(group)} identical units' samples" if group else ""
+    return tuple(f' title="spread {s:.0%} (interquartile range over median){same}"' for s in spread[:2])
+
+
+def _unit_row(u: UnitProfile, numbered: bool, depth: int = 0, label: str | None = None,
+              titles: tuple[str, str] = ("", "")) -> str:
     pad = f' style="padding-left:{1.2 * depth:.1f}em" title="{html.escape(u.name)}"' if depth else ""
     return (
         "<tr>" + (f"<td>{u.index}</td>" if numbered else "") +
         f"<td{pad}>{html.escape(label if label is not None else u.name)}</td><td>{html.escape(u.type)}</td>"
-        f"<td>{u.fwd_time * 1e3:.2f}</td><td>{u.bwd_time * 1e3:.2f}</td><td>{format_bytes(u.saved_bytes)}</td>"
+        f"<td{titles[0]}>{u.fwd_time * 1e3:.2f}</td><td{titles[1]}>{u.bwd_time * 1e3:.2f}</td>"
+        f"<td>{format_bytes(u.saved_bytes)}</td>"
         f"<td>{format_bytes(u.interior_bytes)}</td><td>{format_bytes(u.output_bytes)}</td>"
         f"<td>{format_bytes(u.param_bytes)}</td>"
         f"<td>{', '.join(f for f, on in (('random ops', u.has_rng), ('running stats', u.has_running_stats)) if on)}"

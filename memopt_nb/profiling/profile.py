@@ -50,6 +50,7 @@ from .fallback import extrapolating, profile_or_extrapolate
 from .heads import measure_heads, noting_head, use_unit_times
 from .merges import measure_merges
 from .opsets import mark_pareto, propose_save_sets, record_ops
+from .timing import pool_step_times, robust_times, time_warning, timed_repeats, unit_signature
 from .tracer import (
     chunked_step,
     discover,
@@ -187,7 +188,10 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             the others (a timm ResNet's last stage), which would otherwise bound a whole-step plan's floor;
             ``profile.meta["split_why"]`` says why each was split. A module that changes its input in place
             (``ReLU(inplace=True)``), or whose input later code changes in place, is never a unit.
-        repeats: timed steps; times are medians.
+        repeats: timed steps; a step beside which a short reference operation ran slow is measured again (at most
+            ``repeats`` more). On the CPU, times are the CPU time of the thread running the step (what it costs while
+            it has a core); each is a median without stalls, identical units pooled (:mod:`memopt_nb.profiling.timing`;
+            ``meta["timing"]``, and ``meta["time_warning"]`` when the machine was too busy to trust them).
         device: the DeviceSpec of the device measured (detected by default).
         selective: also measure, per unit, the save-sets selective checkpointing may keep (``UnitProfile.save_sets``,
             see :mod:`memopt_nb.profiling.opsets`): what planners need for ``strategies=`` with ``"selective"``. Costs
@@ -285,7 +289,6 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         _, fwd_ref, bwd_ref = segments_from(keep_marks, n)
         merges, merge_why = (measure_merges(model, inputs, loss_fn, optimizer, names, dev, kwargs, split, info,
                                             keep_marks, fwd_ref, bwd_ref) if split else ({}, {}))
-        timings: list[list[float]] = []
         labels_ref = [m[0] for m in keep_marks]
         proposed: dict[int, dict[str, dict[str, Any]]] = {}
         set_ops: dict[str, dict[int, Any]] = {}  # per save-set, the ops each unit that has it keeps
@@ -297,11 +300,15 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
                                       kwargs=kwargs, save_ops=ops)[0] for k, ops in set_ops.items()}
         # untimed: the tracked steps leave caches cold
         timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
-        for _ in range(repeats):
-            labels, durations = timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
+
+        def one_step() -> tuple[list[float], list[float]]:
+            wall: list[float] = []
+            labels, durations = timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, wall=wall)
             if labels != labels_ref:
                 raise ProfileError("the step ran differently between repeats (data-dependent control flow?)")
-            timings.append(durations)
+            return durations, wall
+
+        timings, timing = timed_repeats(one_step, repeats, dev)  # robust: see .timing
         sac_times: dict[str, list[list[float]]] = {k: [] for k in set_ops}
         rc_times: list[list[float]] = []
         for _ in range(repeats if set_ops else 0):  # what selective costs, against recompute, measured
@@ -320,8 +327,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         heads, head_why = (measure_heads(model, inputs, loss_fn, optimizer, names, dev, kwargs, head_module,
                                          labels_ref, repeats) if head else ({}, ""))
     segs, fwd_seg, bwd_seg = segments_from(keep_marks, n)
-    for i, seg in enumerate(segs):
-        seg.time = statistics.median(t[i] for t in timings)
+    pools = robust_times(segs, timings, fwd_seg, bwd_seg, names, [
+        unit_signature(modules[nm], *run.unit_io.get(i, ([], []))[:2]) for i, nm in enumerate(names)], timing)
     use_unit_times(heads, segs)
     rc_rel = {}
     if [m[0] for m in rc_marks] == labels_ref:
@@ -353,6 +360,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             grads_done_extra=(run.grads_done[i] - segs[bwd_seg[i] + 1].start_level
                               if i in run.grads_done and bwd_seg[i] + 1 < len(segs) else 0),
         ))
+    pool_step_times(unit_list, pools)
     unit_saved = sum(g.nbytes for g in groups if g.savers)
     batch = None  # the first dimension of the first batched input tensor, positional first, then keyword
     first = next((x for x in [*inputs, *kwargs.values()] if isinstance(x, torch.Tensor) and x.dim() > 0), None)
@@ -388,6 +396,8 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
             **({"head_why": head_why} if head_why else {}),  # head options the profile could not measure, and why
             "keep_outputs": bool(keep_outputs),  # the loop keeps the model's output (profiled so)
             **({"lm_head": lm_head} if lm_head else {}),  # the LM head: module, logits bytes, vocabulary
+            "timing": timing,  # repeats, spreads, pooled units (memopt_nb.profiling.timing)
+            "time_warning": time_warning(timing),  # plain words when the machine was too busy to trust the times
         },
         step_segment=next((i for i, sg in enumerate(segs) if sg.label == "to optimizer_end"), -1),
         outside_step_time=chunked[0][0] if chunked else 0.0, outside_step_rel_peak=chunked[1][0] if chunked else 0,

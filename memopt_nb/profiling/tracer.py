@@ -541,30 +541,47 @@ def _watch_grads_done(modules: list[nn.Module], done: Callable[[int], None]) -> 
 
 
 class _Clock:
+    """The profile's clock. On CUDA: events on the current stream. On the CPU: the CPU time of the thread that runs
+    the step (``time.thread_time``), which is what a stretch of the step costs while it has a core — the time other
+    programs on a busy machine take is wall time the thread does not run (:mod:`memopt_nb.profiling.timing`); the wall
+    time is kept beside it. Elsewhere: wall time."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stamps: list[Any] = []
+        self.walls: list[float] = []
 
     def mark(self, label: Any) -> None:
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self.stamps.append((label, ev))
-        else:
-            self.stamps.append((label, time.perf_counter()))
+            return
+        self.walls.append(time.perf_counter())
+        self.stamps.append((label, time.thread_time() if self.device.type == "cpu" else self.walls[-1]))
 
     def durations(self) -> list[float]:
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(self.device)
             evs = [e for _, e in self.stamps]
             return [evs[i].elapsed_time(evs[i + 1]) / 1e3 for i in range(len(evs) - 1)]
-        ts = [t for _, t in self.stamps]
-        return [ts[i + 1] - ts[i] for i in range(len(ts) - 1)]
+        return _diffs([t for _, t in self.stamps])
+
+    def wall_durations(self) -> list[float]:
+        """Wall seconds between the marks (on CUDA: the device's, as :meth:`durations`)."""
+        return _diffs(self.walls) if self.walls else self.durations()
+
+
+def _diffs(ts: list[float]) -> list[float]:
+    return [ts[i + 1] - ts[i] for i in range(len(ts) - 1)]
 
 
 def timed_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer: Any, names: list[str],
                 device: torch.device, kwargs: Mapping[str, Any] | None = None, *, recompute: bool = False,
-                save_ops: Mapping[int, Any] | None = None) -> tuple[list[Any], list[float]]:
+                save_ops: Mapping[int, Any] | None = None,
+                wall: list[float] | None = None) -> tuple[list[Any], list[float]]:
+    """One training step timed at the units' boundaries with the profile's clock (:class:`_Clock`): the marks' labels
+    and the seconds between them; ``wall`` (a list), if given, gets the wall seconds between them too."""
     clock = _Clock(device)
     run = _Run(model, names, clock.mark, observe=False, recompute=recompute, save_ops=save_ops)
     run.install()
@@ -575,6 +592,8 @@ def timed_step(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimizer:
         training_step(model, inputs, loss_fn, optimizer, mark=lambda label: run._mark((label, -1)), kwargs=kwargs)
     finally:
         run.remove()
+    if wall is not None:
+        wall.extend(clock.wall_durations())
     return [lab for lab, _ in clock.stamps], clock.durations()
 
 
