@@ -11,7 +11,7 @@ Per model, at one byte budget (:data:`BUDGETS`, emulated with ``memopt.limit_mem
 throughput for:
 
 * ``plain``: plain training (real steps, doubling then bisection);
-* ``hf ckpt``: the same with transformers' own activation checkpointing (``gradient_checkpointing_enable()``), what a
+* ``hf ckpt``: the same with transformers' own activation checkpointing (``activation_checkpointing_enable()``), what a
   user would pick: the head and loss stay as they are;
 * ``baseline``: the classic baseline that fits the largest batch (``memopt.max_batch``'s);
 * ``memopt``: memopt's plan, the head as written (``memopt.max_batch``, exact);
@@ -86,7 +86,7 @@ def _fits(build, b: int, budget: int, ckpt: bool) -> bool:
     gc.collect()
     model, inputs, _ = build(b)
     if ckpt:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     try:
         with memopt.limit_memory(budget):
@@ -117,7 +117,7 @@ def throughput(build, b: int, steps: int, plan=None, ckpt: bool = False) -> floa
     gc.collect()
     model, inputs, _ = build(b)
     if ckpt:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []
     ctx = memopt.plan(plan, model, optimizer=opt) if plan is not None else _nothing()

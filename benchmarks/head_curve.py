@@ -1,7 +1,8 @@
 """Does a chunked LM head train like the head as written? Loss curves side by side, and how far they drift.
 
 A transformers ``GPT2LMHeadModel`` with its real vocabulary (50257; 2 layers x 64, random init) learns a synthetic
-next-token task (each sequence counts up from a random start: ``t[i+1] = t[i] + 1`` mod 50257) for ``--steps`` AdamW
+next-token task it can learn (each sequence counts up from a random start among the first ``--tokens`` ids:
+``t[i+1] = t[i] + 1`` mod ``--tokens``) for ``--steps`` AdamW
 steps (lr 1e-3), twice from the same initial weights and batches: plain, and under a plan whose only change is the
 head computed in ``--chunks`` chunks (``Plan.head``; every unit kept). In fp32 and with the model in bf16 (no
 autocast: the loss still casts the logits to fp32, as transformers does).
@@ -28,10 +29,10 @@ from _common import md_table, set_threads  # noqa: E402
 import memopt_nb as memopt  # noqa: E402
 
 
-def batches(vocab: int, steps: int, batch: int, seq: int) -> list[torch.Tensor]:
+def batches(tokens: int, steps: int, batch: int, seq: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, vocab, (steps, batch, 1), generator=g)
-    return list((starts + torch.arange(seq)) % vocab)
+    starts = torch.randint(0, tokens, (steps, batch, 1), generator=g)
+    return list((starts + torch.arange(seq)) % tokens)
 
 
 def train(model, data, plan=None) -> tuple[list[float], torch.nn.Module]:
@@ -59,7 +60,7 @@ def run(dtype: torch.dtype, args) -> tuple[list[list], list[float], list[float]]
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     base = transformers.GPT2LMHeadModel(cfg).to(dtype)
-    data = batches(cfg.vocab_size, args.steps, args.batch, args.seq)
+    data = batches(args.tokens, args.steps, args.batch, args.seq)
     plain_losses, plain = train(copy.deepcopy(base), data)
     chunked_model = copy.deepcopy(base)
     prof = memopt.profile(chunked_model, input_ids=data[0], labels=data[0], loss_fn=lambda o: o.loss,
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=256, help="the ids the task uses (of the 50257)")
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()

@@ -55,6 +55,10 @@ STORED_KEYS = {
     "06_when_activations_are_the_problem.ipynb": {"old_floor": REL, "new_floor": REL, "budget": REL, "equal": EXACT,
                                                    "sel_equal": EXACT, "ck_fine_floor": REL, "ck_blocks_floor": REL,
                                                    "ck_budget": REL, "mixed_feasible": EXACT, "mixed_equal": EXACT},
+    "07_when_the_head_is_the_problem.ipynb": {"peak": REL, "kept_peak": REL, "floor_as_written": REL,
+                                              "floor_kept_as_written": REL, "floor_chunked": REL, "budget": REL,
+                                              "chunked": EXACT, "exact": EXACT, "within_budget": EXACT,
+                                              "first_loss_equal": EXACT},
 }
 
 
@@ -275,6 +279,15 @@ def test_notebook_executes(path, notebook_env):
         times = [t for k, t in summary["mixed_depths"].items() if k.endswith("_step_time") and t is not None]
         assert summary["mixed_time"] <= min(times) * (1 + 1e-9)
         assert summary["mixed_measured_peak"] == summary["mixed_predicted_peak"] <= summary["ck_budget"]
+    if path.name == "07_when_the_head_is_the_problem.ipynb":
+        # the head bounds the blocks' floor; chunked, the floor is below half the peak of the loop that keeps its
+        # outputs; the plan at 50 % chunks the head, says it is not exact, trains that loop inside its budget with
+        # the first loss bit-identical and the parameters within the README's tolerance
+        assert summary["floor_as_written"] > 0.8 * summary["peak"]
+        assert summary["floor_chunked"] < summary["budget"] < summary["floor_kept_as_written"]
+        assert summary["chunked"] is True and summary["exact"] is False
+        assert summary["within_budget"] is True and summary["measured_peak"] <= summary["budget"]
+        assert summary["first_loss_equal"] is True and summary["drift"] < 1e-5 and summary["curve_worst"] < 1e-3
     if path.name == "05_when_the_optimizer_state_is_the_problem.ipynb":
         assert summary["state_bytes"] >= 2 * summary["budget"]  # the model's state is over twice the budget
         assert summary["activations_only_floor"] > summary["budget"] >= summary["whole_step_floor"]
