@@ -189,6 +189,8 @@ def test_plan_at_half_the_peak_trains_inside_its_budget(profiled, keep):
                               keep_outputs=True, repeats=1)
     plan = memopt.search(prof, budget="50%", total_timesteps=512, seed=0)
     assert plan.head is not None and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert memopt.measure(model, input_ids=ids, labels=ids, loss_fn=_loss, optimizer=opt,
+                          plan=plan).peak_bytes == plan.predicted_peak_bytes
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     ref_opt.load_state_dict(opt.state_dict())
