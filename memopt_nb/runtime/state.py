@@ -870,7 +870,6 @@ class StateManager:
 
     def _all_chunks(self, opt: torch.optim.Optimizer, closure: Any = None) -> Any:
         self._refuse_after_undo("opt.step()")
-        self._undo.clear()  # the steps in backward are this step's: no longer to be undone
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -895,6 +894,8 @@ class StateManager:
             parts = [[outside + [p for ps in by_unit for p in ps]]]
         self._run_parts(parts)
         self._stepped.clear()
+        self._undo.clear()  # the steps in backward were this step's: no longer to be undone (until here they are, if
+        # the step runs out of memory: runtime/oom.py)
         self._reorder_state(order)
         if self._lr_sched:
             opt._opt_called = True
