@@ -1,4 +1,4 @@
-"""Out of memory mid-step under a plan loses nothing.
+"""Out of memory mid-step under a plan loses nothing, and a refused step-in-backward loop leaves a consistent model.
 
 A transformers GPT-2 (2 layers, AdamW, dropout on: the RNG matters) trains a warm-up step, accumulates 0 or 2
 micro-batches under a plan, then runs out of memory in the next micro-batch's forward, backward or optimizer step
@@ -18,6 +18,7 @@ import torch
 import memopt_nb as memopt
 from memopt_nb.core.plan import Plan
 from memopt_nb.runtime.limit import _STACK
+from memopt_nb.runtime.state import StepInBackwardError
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -296,3 +297,66 @@ def test_out_of_memory_in_backward_puts_back_the_running_statistics_its_forward_
     assert "in the backward" in "\n".join(info.value.__notes__)
     assert buffers and all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
+
+
+# ---------------------------------------------------------------------- refusals leave a consistent model
+def _refuse(model, how):
+    """After one micro-batch whose backward stepped the blocks (grads='step'), what a loop may not do."""
+    ids = _batch(2)
+    if how == "accumulate":  # a second micro-batch: refused at its forward
+        model(input_ids=ids, labels=ids).loss.backward()
+    elif how == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    else:  # a second backward through the same graph
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
+@pytest.mark.parametrize("undo", [True, False])
+@pytest.mark.parametrize("how", ["accumulate", "clip", "second backward"])
+def test_a_refusal_under_a_step_in_backward_leaves_the_model_before_or_after_a_whole_step(how, undo, plans,
+                                                                                          monkeypatch):
+    """The blocks step inside backward; the tied embedding outside them steps in opt.step(). A refused loop (gradient
+    accumulation, clipping, a second backward) must not leave the blocks stepped and the embedding not: with the undo
+    copies the blocks are put back (the model equals plain training's before that micro-batch's step, gradients
+    cleared), without them the step is completed (it equals plain training's after stepping that micro-batch alone),
+    and the error says which. The loop can then go on as plain training does."""
+    monkeypatch.setattr(memopt.runtime.state, "UNDO_STEPS_IN_BACKWARD", undo)
+    plan = plans["offloaded"]
+    sib = plan.with_meta(decisions=tuple(dataclasses.replace(d, grads="step") for d in plan.decisions),
+                         step_in_backward=True)
+    model, opt = _build()
+    _start(model, opt)
+    with memopt.plan(sib, model, optimizer=opt) as applied:
+        if how == "second backward":
+            ids = _batch(1)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward(retain_graph=True)
+        else:
+            _micro(model, 1)
+        assert applied.state._stepped  # the blocks were stepped in backward, the embedding was not
+        rng = torch.get_rng_state()
+        with pytest.raises(StepInBackwardError) as info:
+            if how == "second backward":
+                loss.backward()
+            else:
+                _refuse(model, how)
+        text = str(info.value)
+        assert "'transformer.h.0', 'transformer.h.1'" in text
+        assert ("the model is as before that step" if undo else "the model is as after a complete step") in text
+        got = _state(model, opt)
+        torch.set_rng_state(rng)
+        _micro(model, 3)  # the loop goes on: one micro-batch, one step
+        _step(opt)
+    ref, ref_opt = _build()
+    _start(ref, ref_opt)
+    if not undo:  # the step was completed on the first micro-batch's gradients alone
+        _micro(ref, 1)
+        _step(ref_opt)
+    _assert_equal(_state(ref, ref_opt)[:3] + (got[3],), got)
+    assert all(g is None for g in got[1])
+    torch.set_rng_state(rng)
+    _micro(ref, 3)
+    _step(ref_opt)
+    _assert_equal(_state(ref, ref_opt), _state(model, opt))
