@@ -11,8 +11,9 @@ the plan and keeps, on the host, what the step changes and cannot give back by i
 * at the start of ``opt.step()`` (once per step, not per micro-batch): the parameters that step will change and their
   optimizer state (offloaded state is copied from its host value, host to host). Units stepped in backward were
   kept by the plan's own undo copies before their step (:data:`~memopt_nb.runtime.state.UNDO_STEPS_IN_BACKWARD`).
-  :data:`KEEP_BEFORE_STEP` off saves this copy; a step that runs out of memory in ``opt.step()`` then leaves
-  parameters and optimizer state partly updated, and the note says so.
+  :data:`KEEP_BEFORE_STEP` off (by default on CUDA, where the copy would cross the host link every step) saves this
+  copy; a step that runs out of memory in ``opt.step()`` then leaves parameters and optimizer state partly updated,
+  and the note says so.
 
 When ``torch.OutOfMemoryError`` leaves the block, whatever the nesting of ``memopt.limit_memory`` and ``memopt.plan``,
 the recovery needs no device memory of its own: it first lets go of the failed step (the error's traceback below the
@@ -52,8 +53,10 @@ from .storages import tensor_on
 __all__ = ["KEEP_BEFORE_STEP", "StepGuard", "leave_plan"]
 
 #: keep host copies of the parameters and optimizer state each ``opt.step()`` under a plan changes, so that one that
-#: runs out of memory partway is put back (one copy per step)
-KEEP_BEFORE_STEP = True
+#: runs out of memory partway is put back (one copy per step): ``True``, ``False``, or ``None`` (the default): on the
+#: CPU's emulated device, where the copy is a memory copy (a few % of a step), not on CUDA, where it would cross the
+#: host link every step with all the state
+KEEP_BEFORE_STEP: bool | None = None
 
 #: the phases of a step under a plan in which a step has begun and is put back after running out of memory
 _MID_STEP = ("forward", "loss or backward", "backward", "optimizer step")
@@ -180,7 +183,7 @@ class StepGuard:
         if not params:
             return  # another model's optimizer
         self.phase = "optimizer step"
-        if not KEEP_BEFORE_STEP:
+        if KEEP_BEFORE_STEP is False or (KEEP_BEFORE_STEP is None and params[0].device.type != "cpu"):
             return
         state = self.applied.state
         stepped = set()  # units stepped in backward: the plan's undo copies hold them as before their step
@@ -251,7 +254,8 @@ class StepGuard:
                     self._put_back_state(optimizer, p, kept)
             elif self.phase == "optimizer step":
                 lost.append("the optimizer step had started, so some parameters and optimizer state already hold "
-                            "this step's update (memopt.runtime.oom.KEEP_BEFORE_STEP is off)")
+                            "this step's update (memopt.runtime.oom.KEEP_BEFORE_STEP is off, as it is by default on "
+                            "CUDA; set it to True to keep a host copy before each step)")
             for p, g in self._grads or []:
                 p.grad = None if g is None else _on(g, p.device)
             for mod, name, b, version in self._buffers:
