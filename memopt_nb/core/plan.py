@@ -67,6 +67,7 @@ from .strategies import (
     STATE_PIECES,
     STRATEGIES,
     WINDOWS,
+    by_name,
 )
 
 __all__ = ["DEFAULT_STRATEGIES", "DISTANCES", "Decision", "FORMAT", "GRAD_PLACES", "MAX_TIMING", "OFFLOADING",
@@ -120,6 +121,10 @@ class Decision:
             raise PlanError(
                 f"unit {self.unit!r}: strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
             )
+        kind = by_name(self.strategy)
+        if kind.offloads and not kind.timed:  # an offloading strategy without timing knobs copies with its own timing
+            object.__setattr__(self, "offload_window", kind.timing[0])
+            object.__setattr__(self, "prefetch_distance", kind.timing[1])
         for name, allowed in (("offload_window", WINDOWS), ("prefetch_distance", DISTANCES)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TIMING:

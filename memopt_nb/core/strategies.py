@@ -42,7 +42,8 @@ class Strategy:
             inputs its checkpoint keeps.
         timed: the planners choose its timing: an offload window from :data:`WINDOWS` and a prefetch distance from
             :data:`DISTANCES` (see :mod:`memopt_nb.core.plan`); otherwise it always carries ``timing``.
-        timing: the ``(offload window, prefetch distance)`` it carries when not ``timed``.
+        timing: the ``(offload window, prefetch distance)`` it carries when not ``timed`` (a plan's decision for an
+            offloading one is given it); for a timed one, where nothing chose one (the floor's search).
         variants: the named forms it comes in, one code each (``selective``: its save-sets).
         default: searched unless ``strategies=`` says otherwise (the others are opt-in).
         exact: training under it gives the same losses, gradients and optimizer state bit for bit as without a plan.

@@ -57,8 +57,8 @@ def _a_uniform_plan_fits(sim: Simulator, value: int, space: PlanSpace) -> bool:
     """Whether a plan giving every unit one activation strategy of ``space`` (copies as early as they go, state
     resident) fits ``value`` bytes: then the budget is feasible without the floor's MILP, which takes tens of seconds
     at a few hundred units. ``False`` says nothing (a mixed plan may still fit)."""
-    codes = [by_name(s).code for s in space.strategies if not by_name(s).variants]
-    rows = [uniform_arrays(sim, c, window=w, distance=w) for c in codes for w in (0, 1)]
+    kinds = [by_name(s) for s in space.strategies if not by_name(s).variants]
+    rows = [uniform_arrays(sim, s.code, *((w, w) if s.timed else s.timing)) for s in kinds for w in (0, 1)]
     peaks, _ = evaluate_arrays(sim, *(np.array([r[i] for r in rows]) for i in range(3)))
     return bool(np.min(peaks) <= value)
 

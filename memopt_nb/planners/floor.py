@@ -43,7 +43,7 @@ import numpy as np
 from ..core.budget import format_bytes
 from ..core.plan import DEFAULT_STRATEGIES as every
 from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan, state_choices
-from ..core.strategies import NAMES, REGISTRY, by_name, save_set_of
+from ..core.strategies import NAMES, REGISTRY, by_code, by_name, save_set_of
 from ..sim.simulator import Simulator
 from .milp import cached_min_peak_plan, min_peak
 from .options import PlanSpace, as_simulator, plan_decisions, unit_ok
@@ -350,10 +350,11 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
     for s in REGISTRY:
         ok_s[:, s.codes] = unit_ok(sim, s).reshape(n, -1)
     opts = [[(s, c) for s in codes if ok_s[u, s] for c in allowed_choices if tab.allowed[u, c]] for u in range(n)]
-    ones = np.ones((1, n), dtype=np.int64)
+
+    timing = np.array([by_code(c)[0].timing for c in NAMES], dtype=np.int64)  # (1, 1) for every timed strategy
 
     def peaks(S: np.ndarray, C: np.ndarray) -> np.ndarray:
-        return sim.evaluate(S, np.broadcast_to(ones, S.shape), np.broadcast_to(ones, S.shape), states=C)[0]
+        return sim.evaluate(S, timing[S, 0], timing[S, 1], states=C)[0]
 
     cands = []
     for s in codes:
@@ -377,7 +378,8 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
                 S, C, val, improved = trial_S[i:i + 1].copy(), trial_C[i:i + 1].copy(), float(v[i]), True
         if not improved:
             break
-    decisions = plan_decisions(profile, [int(x) for x in S[0]], [1] * n, [1] * n, [int(x) for x in C[0]])
+    decisions = plan_decisions(profile, [int(x) for x in S[0]], timing[S[0], 0].tolist(), timing[S[0], 1].tolist(),
+                               [int(x) for x in C[0]])
     base = Plan.from_strategies(profile, ["keep"] * n, method="state_floor")
     plan = replace(base, decisions=decisions,
                                step_in_backward=any(STATE_CHOICES[int(x)][1] == "step" for x in C[0]))
