@@ -94,3 +94,12 @@ def test_the_simulator_refuses_a_code_outside_the_registry():
     ones = np.ones((1, sim.n), dtype=np.int64)
     with pytest.raises(PlanError, match="not a strategy"):
         sim.evaluate(ones * len(NAMES), ones, ones)
+
+
+def test_a_plan_is_exact_where_its_strategies_are():
+    from memopt_nb.core.plan import Decision, Plan
+
+    for s in REGISTRY:
+        extra = {"save_set": s.variants[0], "save_ops": (("aten.mm.default", 0),)} if s.variants else {}
+        plan = Plan(decisions=(Decision("u", s.name, **extra),), method="one")
+        assert plan.exact == s.exact

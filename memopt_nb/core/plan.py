@@ -595,8 +595,8 @@ class Plan:
     @property
     def exact(self) -> bool:
         """Whether training under the plan is bit-identical to training without it (``False``: the head is chunked,
-        see :attr:`head`)."""
-        return self.head is None
+        see :attr:`head`, or a unit's strategy is not :attr:`~memopt_nb.core.strategies.Strategy.exact`)."""
+        return self.head is None and all(by_name(d.strategy).exact for d in self.decisions)
 
     @property
     def units(self) -> list[str]:
