@@ -121,16 +121,16 @@ class PlanningTask:
     (indices into :data:`~memopt_nb.core.plan.STATE_CHOICES`, 0 first). Without a state model (:func:`state_model_for`
     returns ``None``) only 0 is allowed, whatever ``offload_state`` says.
 
-    Options (the columns of ``option_ok``, ``marg_peak``, ``marg_time``): 0 keep, 1 recompute, ``2 + j`` swap with
-    ``TIMINGS[j]`` and, only when ``strategies`` has it, ``2 + len(TIMINGS) + j`` recompute_offload with ``TIMINGS[j]``
-    and, only when ``strategies`` has ``"selective"`` and some unit offers a save-set, ``SELECTIVE_BASE + j``
-    selective with save-set ``SAVE_SETS[j]`` (where the unit is recomputable and the save-set is one of its Pareto
-    ones, as :func:`~memopt_nb.planners.options.unit_options` offers them); ``n_options`` in all; ``timed_base`` maps a
-    timed strategy's code to its first option; :func:`option_codes` maps options to codes.
+    Options (the columns of ``option_ok``, ``marg_peak``, ``marg_time``) are numbered as :mod:`.options`
+    numbers them (0 keep, 1 recompute, ``2 + j`` swap with ``TIMINGS[j]``, ...), up to the last strategy the task
+    ``offered``: every default one, and each opt-in one ``strategies`` allows (one with variants, selective, only where
+    some unit offers one: recomputable and a Pareto save-set, as :func:`~memopt_nb.planners.options.unit_options`
+    offers them); ``n_options`` in all; ``timed_base`` maps a timed strategy's code to its first option;
+    :func:`~memopt_nb.planners.options.option_codes` maps options to codes.
 
-    The strategy agent's actions are ``action_codes`` (keep, recompute, the timed strategies ``timed_codes``, then the
-    selective save-sets), ``n_strategies`` of them; ``action_option[s]`` is the option of an untimed action (-1 for
-    a timed one, whose option the timing agent completes).
+    The strategy agent's actions are ``action_codes``: per offered strategy in registry order, one (a timed one; the
+    timing agent then picks its option) or one per code (its variants); ``n_strategies`` of them; ``action_option[s]``
+    is the option of an untimed action (-1 for a timed one).
     """
 
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
