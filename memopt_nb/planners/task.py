@@ -208,8 +208,8 @@ class PlanningTask:
         units = np.repeat(np.arange(n), N)
         opts = np.tile(np.arange(N), n)
         has = np.ones((n, N), dtype=bool)
-        for s in self.offered:
-            if s.variants:
+        for s in REGISTRY:  # every strategy with variants whose columns the task has, offered or not
+            if s.variants and OPTION_BASE[s.code] < N:
                 has[:, OPTION_BASE[s.code]:OPTION_BASE[s.code] + len(s.codes)] = self.sim.sel_has
         mc = np.where(has[units, opts], oc[opts], KEEP)
         codes, windows, dists = (np.zeros((n * N, n), dtype=np.int64), np.ones((n * N, n), dtype=np.int64),
