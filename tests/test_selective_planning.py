@@ -82,7 +82,7 @@ def test_codes_name_every_save_set():
     with pytest.raises(memopt.PlanError, match="save-set"):
         code_of("selective")
     with pytest.raises(memopt.PlanError, match="not a strategy"):
-        save_set_of(SELECTIVE + len(SAVE_SETS))
+        save_set_of(len(NAMES))  # past the registry's last code
 
 
 # ---------------------------------------------------------------------- the cost model
@@ -344,7 +344,9 @@ def test_the_agents_offer_selective_when_asked():
     default = PlanningTask(prof, "60%")
     assert default.n_options == 2 + len(TIMINGS) and default.n_strategies == 3
     every = PlanningTask(bare, "60%", strategies=STRATEGIES)  # no save-sets: selective offers nothing
-    assert every.n_options == 2 + 2 * len(TIMINGS) and every.n_strategies == 4
+    without = PlanningTask(bare, "60%", strategies=[s for s in STRATEGIES if s != "selective"])
+    assert not every.selective and every.n_strategies == without.n_strategies == len(STRATEGIES) - 1
+    assert every.n_options == without.n_options and np.array_equal(every.option_ok, without.option_ok)
     with pytest.raises(memopt.PlanError, match="no save-sets"):
         memopt.search(bare, "70%", total_timesteps=64, strategies=("keep", "selective"))
 

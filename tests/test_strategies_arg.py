@@ -188,7 +188,7 @@ def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
     from memopt_nb.planners.polish import to_options as _to_options
     from memopt_nb.sim.simulator import RECOMPUTE_OFFLOAD
 
-    task = PlanningTask(chain, "60%", strategies=STRATEGIES)
+    task = PlanningTask(chain, "60%", strategies=("keep", "recompute", "swap", "recompute_offload"))
     assert task.n_strategies == 4 and task.n_options == 2 + 2 * len(TIMINGS)
     env = MemoryPlanningEnv(task)
     assert env.action_space("strategy").n == 4 * task.C
