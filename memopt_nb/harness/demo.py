@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 
 from ..core.budget import format_bytes
-from ..core.plan import OFFLOADING, Plan
+from ..core.plan import Plan
+from ..core.strategies import REGISTRY, by_name
 from ..planners.milp import min_peak
 from ..planners.rl.search import search
 from ..profiling.profile import profile
@@ -115,13 +116,14 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
 
 
 #: What the per-unit codes of the demo's plan line mean, printed under it.
-CODES_LEGEND = ("per unit, in forward order: K keep, R recompute, S swap, O recompute_offload, P selective; the two "
-                "digits after S or O are the offload window and prefetch distance (S11: window 1, distance 1)")
+CODES_LEGEND = ("per unit, in forward order: " + ", ".join(f"{s.letter} {s.name}" for s in REGISTRY)
+                + f"; the two digits after {' or '.join(s.letter for s in REGISTRY if s.timed)} are the offload window "
+                "and prefetch distance (S11: window 1, distance 1)")
 
 
 def _short(d: object) -> str:
-    s = {"keep": "K", "recompute": "R", "swap": "S", "recompute_offload": "O", "selective": "P"}[d.strategy]
-    return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy in OFFLOADING else "")
+    s = by_name(d.strategy)
+    return s.letter + (f"{d.offload_window}{d.prefetch_distance}" if s.timed else "")
 
 
 def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, seed: int = 0,
@@ -151,9 +153,9 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
     ratio = under.step_time / base.step_time
     counts = plan.counts()
     took = plan.meta.get("search_seconds")
-    wider = "".join(f", {s} {counts[s]}" for s in ("recompute_offload", "selective") if counts[s])
-    out(f"plan ({plan.method}{f', {took:.0f} s' if took else ''}): keep {counts['keep']}, recompute "
-        f"{counts['recompute']}, swap {counts['swap']}{wider}  — {' '.join(_short(d) for d in plan.decisions)}")
+    counted = ", ".join(f"{s.name} {counts[s.name]}" for s in REGISTRY if s.default or counts[s.name])
+    out(f"plan ({plan.method}{f', {took:.0f} s' if took else ''}): {counted}  — "
+        f"{' '.join(_short(d) for d in plan.decisions)}")
     out(f"  {CODES_LEGEND}")
     if plan.moves_state:
         sc = plan.state_counts()
