@@ -82,6 +82,27 @@ def test_profile_reports_its_stages_with_their_counts(small):
     assert done == sorted(done)  # counts only go up
 
 
+def _bytes_only(x):
+    """A profile's ``to_dict`` without what is measured by a clock (times, the meta's timing and dates)."""
+    if isinstance(x, dict):
+        return {k: _bytes_only(v) for k, v in x.items() if "time" not in k and k not in ("meta", "seconds")}
+    if isinstance(x, (list, tuple)):
+        return [_bytes_only(v) for v in x]
+    return x
+
+
+def test_a_listener_changes_nothing_a_profile_or_measurement_says(small):
+    model, inputs, loss_fn, opt = small
+    lines: list[str] = []
+    quiet = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=2)
+    with listening(ProgressLines(lines.append, delay=0.0, interval=0.0)):
+        heard = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=2)
+        measured = memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, steps=2)
+    assert lines and _bytes_only(heard.to_dict()) == _bytes_only(quiet.to_dict())
+    alone = memopt.measure(model, *inputs, loss_fn=loss_fn, optimizer=opt, steps=2)
+    assert (measured.peak_bytes, measured.losses) == (alone.peak_bytes, alone.losses)
+
+
 def test_profile_with_fine_units_and_head_options_reports_merges_and_heads():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -352,6 +373,30 @@ def test_the_bar_shows_after_its_delay_and_ends_as_text():
     assert all(b.value == 1.0 and b.bar_style == "success" for b in bar.bars)
     assert bar.labels[0].value == bar.final and bar.widget.children[1].layout.display == "none"
     assert handle.updates == [{"text/plain": bar.final, "text/html": f"<small>{bar.final}</small>"}]
+
+
+def test_the_bar_skips_steps_between_redraws_but_never_a_stage_start_or_end():
+    pytest.importorskip("ipywidgets")
+    from memopt_nb.notebook.progress import ProgressBar
+
+    clock = FakeClock()
+    bar = ProgressBar(clock=clock, delay=0.0, min_interval=10.0, display=lambda w: None)
+    labels: list[str] = []
+
+    @task("profile")
+    def call() -> None:
+        for name in ("tracked steps", "timed steps"):
+            stage(name, total=4)
+            for _ in range(4):
+                clock.now += 1.0
+                advance()
+                labels.append(bar.labels[0].value)
+
+    with listening(bar):
+        call()
+    assert bar.draws == 4  # each stage's start and end
+    assert labels[3] == "profile 4/4 tracked steps · 00:04 elapsed" and labels[-1].startswith("profile 4/4 timed steps")
+    assert all("left" not in label for label in labels[:3])  # the steps between: not redrawn
 
 
 def test_an_interrupted_call_leaves_its_bar_where_it_stopped():

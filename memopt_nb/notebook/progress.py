@@ -5,9 +5,9 @@ stages between steps (:mod:`memopt_nb.core.progress`); in a Jupyter kernel this 
 memopt is imported there (:func:`notebook_listener`; ``MEMOPT_NB_PROGRESS=off`` turns it off). Nothing shows for a call
 shorter than ``delay`` (2 s). Then one ``FloatProgress`` and label per running call (``max_batch 1/3 probe profiles``,
 under it ``profile 2/3 timed steps, about 4 s left``), redrawn at the call's steps, at most every ``min_interval``
-seconds. When the call ends, every bar is set to its end (full and green when it is done) and the widget's output is
-replaced in place by one line of text (``memopt.profile done in 37 s``), so that a saved notebook reads the same
-reopened without a kernel, on GitHub or exported.
+seconds (a stage's start and end always). When the call ends, every bar is set to its end (full and green when it
+is done) and the widget's output is replaced in place by one line of text (``memopt.profile done in 37 s``), so that
+a saved notebook reads the same reopened without a kernel, on GitHub or exported.
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ class ProgressBar(ProgressListener):
             return
         if not self._shown and self.elapsed(tasks[0], now) < self.delay:
             return
-        if self._last is not None and now - self._last < self.min_interval:
-            return
+        me = tasks[-1]
+        ends_stage = event == "advance" and me.total is not None and me.done >= me.total
+        if event == "advance" and not ends_stage and self._last is not None and now - self._last < self.min_interval:
+            return  # a new stage, and the end of one, always show: no estimate stays up after its stage
         self._last = now
         self._draw(tasks, now)
 
