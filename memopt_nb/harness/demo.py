@@ -9,6 +9,7 @@ import torch
 
 from ..core.budget import format_bytes
 from ..core.plan import Plan
+from ..core.progress import advance, stage, task
 from ..core.strategies import REGISTRY, by_name
 from ..planners.milp import min_peak
 from ..planners.rl.search import search
@@ -81,6 +82,7 @@ def progress(out: Callable[[str], None] = print, every: float = 5.0) -> Callable
     return show
 
 
+@task("demo")
 def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2, steps: int = 3, seed: int = 0,
                         out: Callable[[str], None] = print) -> dict[str, object]:
     """A model whose parameters + gradients + Adam state are ``state_over_budget`` × the budget trains under a
@@ -89,6 +91,7 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
     out(f"memopt_nb whole-step demo: built-in '{model}' model, {sum(p.numel() for p in zm.model.parameters()):,} "
         "parameters, Adam")
+    stage("profiling")
     prof = profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt)
     state = prof.param_bytes + prof.grad_bytes + prof.optimizer_state_bytes
     budget = int(state / state_over_budget)
@@ -97,10 +100,15 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
     out(f"  smallest peak with activations only: {format_bytes(min_peak(prof, offload_state=False))}; "
         f"with whole-step plans: {format_bytes(min_peak(prof, offload_state=True))}")
     out("searching a plan with the two PPO agents (Ctrl-C stops and keeps the best plan) ...")
+    stage("searching a plan")
     plan = search(prof, budget, offload_state=True, callback=progress(out))
     out(f"  stopped: {plan.meta.get('stopped')}; {plan.meta.get('search_seconds', 0):.0f} s in all")
+    stage("measuring without and with the plan", total=2)
     base = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=steps)
+    advance()
     under = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=steps)
+    advance()
+    stage("training without and with the plan")
     matched = all(torch.equal(a, b) for a, b in zip(_train_state(model, steps, None, seed),
                                                       _train_state(model, steps, plan, seed), strict=True))
     out(f"  {plan.summary()}")
@@ -126,12 +134,14 @@ def _short(d: object) -> str:
     return s.letter + (f"{d.offload_window}{d.prefetch_distance}" if s.timed else "")
 
 
+@task("demo")
 def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, seed: int = 0,
              planner: Callable | None = None, out: Callable[[str], None] = print) -> dict[str, object]:
     """Run the demo and return its figures (also printed through ``out``)."""
     zm = build(model, seed=seed)
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
     out(f"memopt_nb demo: built-in '{model}' model, {sum(p.numel() for p in zm.model.parameters()):,} parameters")
+    stage("profiling")
     prof = profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt)
     out(f"profiled {prof.n_units} units ({', '.join(prof.unit_names[:3])}, ...) on {prof.device.name}")
     lowest = min_peak(prof)
@@ -140,14 +150,21 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
         planner = functools.partial(search, callback=progress(out))
     out(f"searching a plan under {budget / prof.peak_bytes:.0%} of the peak with the two PPO agents (Ctrl-C stops and "
         "keeps the best plan) ...")
+    stage("searching a plan")
     plan = planner(prof, budget)
     if plan.meta.get("stopped"):
         out(f"  stopped: {plan.meta['stopped']}")
     sim = simulate(prof, plan)
+    stage("measuring without and with the plan", total=2)
     base = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=steps)
+    advance()
     under = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=steps)
+    advance()
+    stage("training without and with the plan", total=2)
     ref_losses, ref_params = _train(model, steps, None, seed)
+    advance()
     plan_losses, plan_params = _train(model, steps, plan, seed)
+    advance()
     matched = all(torch.equal(a, b) for a, b in zip(ref_losses, plan_losses)) and all(
         torch.equal(a, b) for a, b in zip(ref_params, plan_params))
     ratio = under.step_time / base.step_time
