@@ -27,7 +27,7 @@ from ...core.errors import BudgetError, PlanError
 from ...core.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, STATE_CHOICES, WINDOWS
 from ...core.space import PlanSpace
 from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
-from ..checks import check_budget
+from ..checks import check_budget, default_budget
 from ..floor import Advice
 from ..space import as_simulator, check_save_sets, unit_states
 
@@ -413,7 +413,7 @@ class PlanningTask:
         except BudgetError:
             if self.C == 1:
                 raise
-        value = resolve_budget(self.sim.device.capacity_bytes if budget is None else budget,
+        value = resolve_budget(default_budget(self.sim).free_bytes if budget is None else budget,
                                reference=self.sim.profile.peak_bytes)
         seg, step = self.base_peaks + self.suffix_min[0], self.step_base + self.suffix_step[0]
         can_move = bool(self.suffix_can_move[0])
