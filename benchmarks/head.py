@@ -21,8 +21,15 @@ Batches are real: plain and checkpointing run a step inside the limit at each ba
 verifies its answer with real steps under its plan inside the limit (``verify``). Throughputs are samples per second
 of real steps at each method's batch (median of ``--steps``), on this CPU: they say little about a GPU.
 
+``--fit``: instead, the fit check at batch 8 x 128 (gpt2, llama): per model and loop (``loss = model(...).loss``, and
+the documentation's loop that keeps ``outputs``, profiled with ``keep_outputs=True``), the smallest peak any plan
+reaches with the head as written and chunked (activations only / whole-step), then ``memopt.search`` at 50 % and three
+AdamW steps under its plan inside ``memopt.limit_memory`` of that budget against plain training without a limit: the
+measured peak, whether the first loss is bit-identical, the largest relative loss and absolute parameter difference.
+
     python benchmarks/head.py                       # all three models (about 30 min on 2 quiet cores)
     python benchmarks/head.py --models gpt2 --seq 64
+    python benchmarks/head.py --fit --models gpt2,llama
 """
 
 from __future__ import annotations
@@ -169,14 +176,70 @@ def run(name: str, seq: int, steps: int) -> list[list]:
     return rows
 
 
+def fit(name: str, steps: int = 3) -> list[list]:
+    """The fit check (see the module docstring) for one model, both loops."""
+    base = _model(name)
+    ids = torch.randint(0, base.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_losses = []
+    for s in range(steps):
+        torch.manual_seed(s)
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    rows = []
+    for keep in (False, True):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        prof = memopt.profile(model, input_ids=ids, labels=ids, loss_fn=lambda out: out.loss, optimizer=opt,
+                              head="chunked", keep_outputs=keep, repeats=1)
+        floors = [memopt.solvers.min_peak(prof, offload_state=o, head=h) / prof.peak_bytes
+                  for h in (False, True) for o in (False, True)]
+        plan = memopt.search(prof, budget="50%")
+        mine = copy.deepcopy(base)
+        mine_opt = torch.optim.AdamW(mine.parameters(), lr=1e-3)
+        losses = []
+        with memopt.limit_memory(plan.budget_bytes) as lim, memopt.plan(plan, mine, optimizer=mine_opt):
+            for s in range(steps):
+                torch.manual_seed(s)
+                if keep:
+                    outputs = mine(input_ids=ids, labels=ids)
+                    loss = outputs.loss
+                else:
+                    loss = mine(input_ids=ids, labels=ids).loss
+                loss.backward()
+                mine_opt.step()
+                mine_opt.zero_grad()
+                losses.append(loss.item())
+        drift = max((a - b).abs().max().item() for a, b in zip(mine.parameters(), ref.parameters()))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        rows.append([name, "keeps outputs" if keep else "loss only", f"{prof.peak_bytes / MiB:.1f}",
+                     f"{floors[0]:.3f} / {floors[1]:.3f}", f"{floors[2]:.3f} / {floors[3]:.3f}",
+                     f"{plan.head['chunks'] if plan.head else 'as written'}",
+                     f"{lim.peak_bytes / prof.peak_bytes:.3f} (budget 0.500)", losses[0] == ref_losses[0],
+                     f"{rel:.1e}", f"{drift:.1e}"])
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="gpt2,llama,qwen2")
     ap.add_argument("--seq", type=int, default=128, help="tokens per sample")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per throughput")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
+    ap.add_argument("--fit", action="store_true", help="the fit check at batch 8 x 128 instead (see above)")
     args = ap.parse_args()
     set_threads(args.threads)
+    if args.fit:
+        rows = [r for name in args.models.split(",") for r in fit(name.strip())]
+        print(md_table(["model", "loop", "peak MiB", "floor ÷ peak, as written (act. / whole step)",
+                        "chunked (act. / whole step)", "plan's head chunks", "measured peak ÷ peak",
+                        "first loss bit-identical", "max rel. loss diff", "max param diff"], rows))
+        return
     rows = []
     for name in args.models.split(","):
         rows += run(name.strip(), args.seq, args.steps)

@@ -327,22 +327,39 @@ def test_tiny_hf_gpt2_does_not_fit_then_trains():
     assert [train(ref, kw, lambda out: out.loss, ref_opt, 1)[0] for _ in range(2)] == losses
 
 
-def test_out_of_memory_in_the_optimizer_step_says_what_it_could_not_restore():
+@pytest.mark.parametrize("keep", [True, False])
+def test_out_of_memory_in_the_optimizer_step_puts_it_back_or_says_what_it_could_not(keep, monkeypatch):
+    """The optimizer runs out of memory after updating the first parameter (and its state): with the host copies
+    taken as the step began (the default) the step is put back whole; without them the note says what holds part
+    of the update."""
+    monkeypatch.setattr(memopt.runtime.oom, "KEEP_BEFORE_STEP", keep)
     model, inputs, loss_fn, opt = build(4)
     prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
+    train(model, inputs, loss_fn, opt, 1)
+    loss_fn(model(*inputs)).backward()
+    before = snapshot(model, opt)
+    first = next(model.parameters())
 
     def full(*args):
+        with torch.no_grad():
+            first.add_(1.0)  # a partial update, then no room for the optimizer's temporaries
+            next(iter(opt.state[first].values())).add_(1.0)
         raise torch.OutOfMemoryError("no room for the optimizer's temporaries")
 
     handle = opt.register_step_pre_hook(full)  # runs after the plan's own hook has seen the step begin
     try:
         with pytest.raises(torch.OutOfMemoryError) as info, memopt.plan(memopt.solvers.recompute_all(prof)):
-            train(model, inputs, loss_fn, opt, 1)
+            opt.step()
     finally:
         handle.remove()
     note = "\n".join(info.value.__notes__)
-    assert "in the optimizer step" in note and "already hold this step's update" in note
-    assert all(p.grad is None for p in model.parameters())  # the step began with none: put back as it was
+    assert "in the optimizer step" in note
+    if keep:
+        assert "as before the step" in note
+        assert_same(before, snapshot(model, opt))
+    else:
+        assert "already hold this step's update" in note
+        assert not torch.equal(before[0][0], first)
 
 
 @pytest.mark.slow

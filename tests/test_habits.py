@@ -510,9 +510,10 @@ def test_a_graph_built_in_the_block_is_backpropagated_after_it_as_without_the_pl
     assert threading.active_count() == threads  # no copy thread left behind
 
 
-def test_a_refused_accumulation_says_which_units_were_stepped_and_they_can_be_put_back():
-    """Gradient accumulation under a step in backward is refused at the second backward; the first one has already
-    stepped the blocks on its gradients alone. The message says so, and ``undo_steps_in_backward()`` puts them back."""
+def test_a_refused_accumulation_says_which_units_were_stepped_and_puts_them_back():
+    """Gradient accumulation under a step in backward is refused at the second forward; the first backward has
+    already stepped the blocks on its gradients alone. The refusal puts them back first (parameters and optimizer
+    state as before that step, gradients cleared) and says so, naming them."""
     zm = _mlp()
     model = zm.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -522,9 +523,9 @@ def test_a_refused_accumulation_says_which_units_were_stepped_and_they_can_be_pu
         zm.loss_fn(model(*zm.inputs)).backward()
         with pytest.raises(StepInBackwardError) as err:
             zm.loss_fn(model(*zm.inputs)).backward()
-        assert "'blocks.0', 'blocks.2'" in str(err.value) and "undo_steps_in_backward()" in str(err.value)
-        assert applied.state.undo_steps_in_backward() == 2
-        opt.zero_grad()
+        assert "'blocks.0', 'blocks.2'" in str(err.value) and "as before that step" in str(err.value)
+        assert applied.state.undo_steps_in_backward() == 0  # nothing left to put back
+        assert all(p.grad is None for p in model.parameters())
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert not opt.state

@@ -450,18 +450,24 @@ def _params(model: nn.Module, applied) -> list[torch.Tensor]:
         return [p.detach().clone() for p in model.parameters()]
 
 
+def _as_before_the_step(model: nn.Module, opt: torch.optim.Optimizer, applied) -> None:
+    """After a refusal that followed a backward which stepped some blocks: the model as before that step (the zoo
+    MLP of the same seed; no optimizer state, that step made it), every gradient cleared."""
+    assert _same([p.detach() for p in _build("mlp").model.parameters()], _params(model, applied))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+
+
 def test_step_in_backward_refuses_accumulation_through_memopt_plan() -> None:
     zm, model, opt, applied = _stepped()
     try:
-        params = _params(model, applied)
         with pytest.raises(StepInBackwardError, match="opt.step") as err:
             zm.loss_fn(model(*zm.inputs)).backward()  # a second forward + backward before opt.step()
         assert isinstance(err.value, PlanError) and isinstance(err.value, memopt.PlanError)
-        assert _same(params, _params(model, applied))
-        opt.step()
-        opt.zero_grad()
+        assert "the model is as before that step" in str(err.value)
+        _as_before_the_step(model, opt, applied)
         zm.loss_fn(model(*zm.inputs)).backward()  # one backward per step: fine
         opt.step()
+        opt.zero_grad()
     finally:
         applied.remove()
     _untouched(model, opt)
@@ -470,19 +476,16 @@ def test_step_in_backward_refuses_accumulation_through_memopt_plan() -> None:
 def test_step_in_backward_refuses_clip_grad_norm_through_memopt_plan() -> None:
     zm, model, opt, applied = _stepped()
     try:
-        params = _params(model, applied)
-        grads = _readable_grads(model)
         with pytest.raises(StepInBackwardError, match="clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-        assert _same(params, _params(model, applied))
-        assert _same(grads, _readable_grads(model))
+        _as_before_the_step(model, opt, applied)
     finally:
         applied.remove()
 
 
 def test_step_in_backward_refuses_a_second_backward_through_the_same_graph() -> None:
     """``loss.backward(retain_graph=True)`` twice: refused when the second backward starts, before it accumulates
-    anything (it failed half-way with autograd's in-place RuntimeError)."""
+    anything (it failed half-way with autograd's in-place RuntimeError), the blocks the first one stepped put back."""
     zm = _build("mlp")
     model = zm.model
     opt = OPTIMIZERS["adam"](model.parameters())
@@ -491,12 +494,11 @@ def test_step_in_backward_refuses_a_second_backward_through_the_same_graph() -> 
     with memopt.plan(plan, model, optimizer=opt) as applied:
         loss = zm.loss_fn(model(*zm.inputs))
         loss.backward(retain_graph=True)
-        grads = _readable_grads(model)
-        params = _params(model, applied)
-        assert grads and applied.stats["steps_in_backward"] == len(plan.units)
+        assert applied.stats["steps_in_backward"] == len(plan.units)
         with pytest.raises(StepInBackwardError, match="second backward"):
             loss.backward()
-        assert _same(grads, _readable_grads(model)) and _same(params, _params(model, applied))
+        _as_before_the_step(model, opt, applied)
+        zm.loss_fn(model(*zm.inputs)).backward()
         opt.step()
         opt.zero_grad()
 

@@ -40,6 +40,7 @@ from ..planners.rl.search import search
 from ..profiling.fallback import extrapolate
 from ..profiling.profile import profile
 from ..runtime.measure import measure
+from ..sim.simulator import simulate
 
 __all__ = ["NO_OPTIMIZER", "BatchAnswer", "BatchProfiles", "MaxBatch", "OptimizerArg", "max_batch", "optimizer_maker"]
 
@@ -438,8 +439,8 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     def floor(b: int) -> int:
         return int(solvers.min_peak(at(b), spec, strategies, **space))
 
-    def plain_peak(b: int) -> int:
-        return int(solvers.none(at(b), None, spec).predicted_peak_bytes)
+    def plain_peak(b: int) -> int:  # plain training's peak, also where it is far above the device (no budget check)
+        return int(simulate(at(b), Plan.uniform(at(b), "keep", method="none"), spec).peak_bytes)
 
     # plain training's largest batch, and profiles near it for times that hold there
     plain_max = _largest(lambda b: plain_peak(b) <= value, 1, limit)

@@ -31,7 +31,7 @@ from ..core.budget import format_bytes, parse_bytes
 from ..core.errors import BudgetError
 from .memory import _LISTENERS, StorageTracker, _plain, _tensors_of
 
-__all__ = ["MemoryLimit", "active_limit", "limit_in_force", "limit_memory", "recount", "uncounted"]
+__all__ = ["MemoryLimit", "active_limit", "exempt", "limit_in_force", "limit_memory", "recount", "uncounted"]
 
 _LOCAL = threading.local()
 #: active limits, outermost first (each one a :class:`MemoryLimit`)
@@ -52,6 +52,22 @@ def uncounted() -> Iterator[None]:
         yield
     finally:
         _LOCAL.uncounted -= 1
+
+
+@contextlib.contextmanager
+def exempt() -> Iterator[None]:
+    """No limit in force raises inside: for putting back what the device held before a step that ran out of memory
+    (:mod:`memopt_nb.runtime.oom`). On the emulated device what is made inside is uncounted until :func:`recount`
+    counts it; on CUDA each limit's memory fraction is lifted to the one before it for the block."""
+    lifted = [lim for lim in _STACK if lim._previous_fraction is not None]
+    for lim in reversed(lifted):  # pragma: no cover - needs a GPU (the outermost's previous fraction last)
+        torch.cuda.set_per_process_memory_fraction(lim._previous_fraction, lim.device)
+    try:
+        with uncounted():
+            yield
+    finally:
+        for lim in lifted:  # pragma: no cover - needs a GPU
+            torch.cuda.set_per_process_memory_fraction(min(1.0, lim.limit_bytes / lim._total), lim.device)
 
 
 def _tensor_leaves(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -249,6 +265,7 @@ class MemoryLimit:
         self.device = device
         self._tracker: _EmulatedLimit | None = None
         self._previous_fraction: float | None = None
+        self._total = 0
         self._entered = False
 
     @property
@@ -281,9 +298,9 @@ class MemoryLimit:
             raise BudgetError("this limit_memory block is already in use; enter a new memopt.limit_memory(...)")
         self._entered = True
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU (benchmarks/cuda_check.py)
-            total = torch.cuda.get_device_properties(self.device).total_memory
+            self._total = torch.cuda.get_device_properties(self.device).total_memory
             self._previous_fraction = torch.cuda.get_per_process_memory_fraction(self.device)
-            torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), self.device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / self._total), self.device)
         else:
             tracker = _EmulatedLimit(self.limit_bytes, self.device)
             tracker.index_existing()

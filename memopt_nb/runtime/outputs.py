@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..core.budget import format_bytes
 from ..core.errors import MemoptWarning
+from .hooks import uncopied
 from .step import output_tensors
 
 __all__ = ["KEPT_MIN_BYTES", "KeptOutputWatch"]
@@ -44,8 +45,8 @@ class KeptOutputWatch:
     def __init__(self, model: nn.Module) -> None:
         self._refs: list[tuple[str, weakref.ref, int]] = []
         self._warned = False
-        self._pre = model.register_forward_pre_hook(self._check)
-        self._post = model.register_forward_hook(self._note)
+        self._pre = model.register_forward_pre_hook(uncopied(self._check))  # a copy of the model carries no watch
+        self._post = model.register_forward_hook(uncopied(self._note))
 
     def _note(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._warned or not torch.is_grad_enabled():

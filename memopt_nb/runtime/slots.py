@@ -111,7 +111,7 @@ class HostTensor(torch.Tensor):
     def numpy(self, *, force: bool = False) -> Any:
         """A NumPy array of the value (a copy: the value has no device memory to share)."""
         if self._stepped:
-            raise StepInBackwardError(f"this gradient was already applied in backward; {STEP_RULES}")
+            raise StepInBackwardError(f"this gradient was already applied in backward; {STEP_RULES}." + self._how())
         return self._slot.materialize().numpy(force=force)
 
     @staticmethod
@@ -121,6 +121,7 @@ class HostTensor(torch.Tensor):
         r._slot = slot
         r._stepped = stepped
         r._like = like
+        r._settle = None  # a stepped gradient's: makes the model whole before a refusal (StateManager._settle)
         return r
 
     def __init__(self, like: Any, slot: Slot | None, stepped: bool = False) -> None:
@@ -138,24 +139,33 @@ class HostTensor(torch.Tensor):
             return f"<gradient already applied by a step in backward: shape {tuple(self.shape)}>"
         return f"HostTensor({self._slot.materialize()!r})"
 
+    def _how(self) -> str:
+        """Before refusing an operator on a gradient a step in backward consumed: the model made whole again (the
+        units stepped put back, or the step completed), said in a sentence for the error."""
+        settle, self._settle = self._settle, None
+        return settle() if settle is not None else ""
+
     def __reduce_ex__(self, proto: Any) -> Any:
         if self._stepped:
-            raise StepInBackwardError(f"this gradient was already applied in backward; {STEP_RULES}")
+            raise StepInBackwardError(f"this gradient was already applied in backward; {STEP_RULES}." + self._how())
         return self._slot.materialize().__reduce_ex__(proto)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         holders = [t for t in tree_leaves((args, kwargs)) if isinstance(t, HostTensor)]
-        if any(h._stepped for h in holders):
+        stepped = [h for h in holders if h._stepped]
+        if stepped:
+            how = next((h for h in stepped if h._settle is not None), stepped[0])._how()
             if "unscale" in str(func):  # torch.amp.GradScaler.unscale_, from scaler.unscale_() or scaler.step()
                 raise StepInBackwardError(
                     "torch.amp.GradScaler cannot be used with a step in backward: the units with grads='step' were "
                     "already stepped in this backward with the *scaled* gradients, before the scaler could unscale "
-                    "them or skip the step (their parameters now hold that update; reload them from a checkpoint). "
-                    "Use bf16 autocast (it needs no scaler), or a plan with grads='offload' or 'resident'")
+                    "them or skip the step." + (how or " Their parameters now hold that update; reload them from a "
+                                                      "checkpoint") + ". Use bf16 autocast (it needs no scaler), or a "
+                    "plan with grads='offload' or 'resident'")
             raise StepInBackwardError(f"{func} on a gradient that was already applied by a step in backward; "
-                                      f"{STEP_RULES}")
+                                      f"{STEP_RULES}." + how)
         if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
             raise StateError(f"{func} would return a view of an offloaded tensor; operate on a copy "
                              "(e.g. t.clone()) or leave the memopt block first")
@@ -189,7 +199,11 @@ def placeholder(slot: Slot) -> HostTensor:
     return HostTensor(slot, slot)
 
 
-def stepped_placeholder(g: torch.Tensor) -> HostTensor:
-    return HostTensor(_Like(g), None, stepped=True)
+def stepped_placeholder(g: torch.Tensor, settle: Any = None) -> HostTensor:
+    """The placeholder of a gradient a step in backward consumed; ``settle()`` makes the model whole before an
+    operator on it is refused and says how (see ``StateManager._settle``)."""
+    r = HostTensor(_Like(g), None, stepped=True)
+    r._settle = settle
+    return r
 
 

@@ -56,7 +56,10 @@ What the loop may get wrong:
 * A unit stepped in backward first keeps host copies of its parameters and optimizer state
   (:data:`UNDO_STEPS_IN_BACKWARD`): a backward that raises after stepping it (a bad batch, an interrupt) puts it back
   as it was, so ``opt.zero_grad()`` skips the batch as in plain training, and leaving the block leaves the model as
-  plain training stopped there does (less the gradients those units consumed).
+  plain training stopped there does (less the gradients those units consumed). ``opt.zero_grad()`` after a backward
+  that stepped units puts them back the same way. A rule broken after such a backward (gradient accumulation,
+  clipping, a second backward) is refused with those units put back first and every gradient cleared, so the model
+  is as before that step (without the copies: the step is completed, so it is as after it); never half-stepped.
 * Another optimizer than the managed one stepping parameters of a managed unit (one made after profiling, or the one
   ``transformers.Trainer`` builds) is refused before it steps (:mod:`memopt_nb.runtime.foreign`).
 * A unit holding a frozen parameter (a LoRA adapter's base weight) keeps its offloaded parameters until backward
@@ -481,8 +484,8 @@ class StateManager:
             if (self.placements[u].grads == "step" and self._sib_gen != self._gen
                     and (self._stepped or self._stale_now())):
                 raise StepInBackwardError("a backward reached parameters that were already stepped in backward and "
-                                          f"whose gradients were not cleared by opt.zero_grad(){self._half_stepped()}; "
-                                          f"{STEP_RULES}")
+                                          f"whose gradients were not cleared by opt.zero_grad(); {STEP_RULES}."
+                                          + self._settle())
             old = p.grad
             if isinstance(old, HostTensor):  # accumulate as plain training would: old += new
                 acc = old._slot.materialize()
@@ -536,7 +539,7 @@ class StateManager:
         keep = (lambda ps: self._keep_for_undo(u, ps)) if UNDO_STEPS_IN_BACKWARD else None
         self._run_parts([self._chunks_of(u, chunk)], before_step=keep)
         for p in chunk:
-            p.grad = stepped_placeholder(p.grad)
+            p.grad = stepped_placeholder(p.grad, self._settle)
             self._stale += 1
         self._stepped.add(u)
         self._sib_gen = self._gen
@@ -562,23 +565,39 @@ class StateManager:
         # stepped in an earlier backward, not in this one (and the plan still applied: not a graph backpropagated later)
         if self._active and self._stepped and self._sib_gen != self._gen:
             raise StepInBackwardError("a second backward through the model before opt.step() (retain_graph=True), "
-                                      f"after the first one already stepped some units; {STEP_RULES}")
+                                      f"after the first one already stepped some units; {STEP_RULES}." + self._settle())
 
-    def _half_stepped(self) -> str:
-        """What a refused gradient accumulation has left: the units stepped on the first micro-batch's gradients."""
+    def _settle(self) -> str:
+        """Before a refusal after a backward that stepped some units (grads='step') and not yet the parameters outside
+        them: make the model whole again, and say how (a sentence for the error; ``""`` if nothing was stepped).
+
+        With the undo copies (:data:`UNDO_STEPS_IN_BACKWARD`) those units are put back as they were before their step
+        and every gradient is cleared, as ``opt.zero_grad()`` after skipping the batch: nothing of that step is
+        applied. Without them the step is completed on that backward's gradients (``opt.step()``, then
+        ``opt.zero_grad()``): every parameter holds it. Never a model with some units stepped and others not."""
         if not self._stepped:
             return ""
-        return (f" (units {self.unit_names(sorted(self._stepped))} were already updated by the previous backward with "
-                "its gradients alone, which plain training would have accumulated first; `with memopt.plan(p) as "
-                "applied:` ... applied.state.undo_steps_in_backward() puts them back as they were before it, then "
-                "opt.zero_grad())")
+        names = self.unit_names(sorted(self._stepped))
+        if all(u in self._undo for u in self._stepped):
+            self.undo_steps_in_backward()
+            self._zero_grad(True)
+            return (f" Units {names} had already been stepped by that backward, the parameters outside them not: they "
+                    "were put back as they were before it (parameters and optimizer state) and every gradient was "
+                    "cleared, as opt.zero_grad() after skipping a batch, so the model is as before that step and "
+                    "nothing of that step is applied")
+        self.optimizer.step()
+        self._zero_grad(True)
+        return (f" Units {names} had already been stepped by that backward, the parameters outside them not; without "
+                "undo copies (memopt.runtime.state.UNDO_STEPS_IN_BACKWARD off) the step was completed on that "
+                "backward's gradients (opt.step(), then opt.zero_grad()), so the model is as after a complete step")
 
     def _check_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
             self._refuse_after_undo("forward with gradients enabled")
         if self._stepped and torch.is_grad_enabled():
             raise StepInBackwardError("forward with gradients enabled after a backward that already stepped some "
-                                      f"units, before opt.step(){self._half_stepped()}; {STEP_RULES}")
+                                      f"units, before opt.step() (gradient accumulation); {STEP_RULES}."
+                                      + self._settle())
 
     # ------------------------------------------------------------------ parameters
     def _fetch_params(self, u: int, wait: bool) -> None:
@@ -870,7 +889,6 @@ class StateManager:
 
     def _all_chunks(self, opt: torch.optim.Optimizer, closure: Any = None) -> Any:
         self._refuse_after_undo("opt.step()")
-        self._undo.clear()  # the steps in backward are this step's: no longer to be undone
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -895,6 +913,8 @@ class StateManager:
             parts = [[outside + [p for ps in by_unit for p in ps]]]
         self._run_parts(parts)
         self._stepped.clear()
+        self._undo.clear()  # the steps in backward were this step's: no longer to be undone (until here they are, if
+        # the step runs out of memory: runtime/oom.py)
         self._reorder_state(order)
         if self._lr_sched:
             opt._opt_called = True
@@ -916,10 +936,15 @@ class StateManager:
         if self._backward_failed():  # skipping a batch whose backward raised: put its stepped units back first
             self._recover_failed_backward()
         self._undone_pending = False
+        if self._stepped and all(u in self._undo for u in self._stepped):
+            self._undo_stepped()  # skipping the batch: its steps put back, as plain training never made them
+            self._undone_pending = False
         if self._stepped:
+            names = self.unit_names(sorted(self._stepped))
             raise StepInBackwardError("opt.zero_grad() before opt.step() after a backward that already stepped "
-                                      "some units: plain training would discard those gradients, but the units were "
-                                      f"already updated; {STEP_RULES}")
+                                      f"units {names}: plain training would discard those gradients, but without undo "
+                                      "copies (memopt.runtime.state.UNDO_STEPS_IN_BACKWARD off) the units cannot be "
+                                      f"put back; {STEP_RULES}." + self._settle())
         hidden = []
         for ps in self.unit_params:
             for p in ps:

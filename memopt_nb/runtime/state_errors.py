@@ -13,7 +13,9 @@ class StateError(PlanError):
 
 class StepInBackwardError(StateError):
     """The loop did something that step-in-backward cannot reproduce (gradient accumulation, clipping, zero_grad
-    before step). Raised before that call changes anything."""
+    before step). Raised before that call changes anything; when a backward had already stepped some units and not
+    the parameters outside them, those units are first put back as they were before it (or, without undo copies, the
+    step is completed), so the model is never half-stepped, and the message says which."""
 
 
 #: Before a unit steps in backward, keep host copies of its parameters and optimizer state, so that a backward that
