@@ -28,7 +28,7 @@ OTHER_SHARE = 0.1
 TIMESTEPS = 512
 
 
-def gpt2_builder(n_layer=4, n_embd=96, seq=64, vocab=1000):
+def gpt2_builder(n_layer=3, n_embd=64, seq=64, vocab=1000):
     """transformers GPT-2 (random init): ``build(b) -> (model, inputs, loss_fn, AdamW)``, the same weights each call;
     the labels are an input, so the loss holds no tensor of its own."""
     transformers = pytest.importorskip("transformers")
