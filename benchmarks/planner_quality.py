@@ -63,7 +63,7 @@ from memopt_nb import solvers  # noqa: E402
 from memopt_nb.core.plan import DEFAULT_STRATEGIES, STRATEGIES  # noqa: E402
 from memopt_nb.core.space import PlanSpace
 from memopt_nb.harness.synthetic import chain_profile, with_save_sets  # noqa: E402
-from memopt_nb.planners.space import evaluate_arrays, unit_options, unit_states  # noqa: E402
+from memopt_nb.planners.options import evaluate_arrays, unit_options, unit_states  # noqa: E402
 
 FRACTIONS = (0.40, 0.55, 0.70, 0.85)
 

@@ -35,7 +35,7 @@ from memopt_nb import solvers  # noqa: E402
 from memopt_nb.core.plan import STATE_CHOICES  # noqa: E402
 from memopt_nb.core.space import PlanSpace
 from memopt_nb.planners.floor import explain_floor  # noqa: E402
-from memopt_nb.planners.space import make_plan, uniform_arrays, unit_states  # noqa: E402
+from memopt_nb.planners.options import make_plan, uniform_arrays, unit_states  # noqa: E402
 from memopt_nb.sim.simulator import RECOMPUTE, SWAP  # noqa: E402
 
 MiB = 2**20

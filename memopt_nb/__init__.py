@@ -20,6 +20,7 @@ from typing import Any
 from . import planners
 from .core import plan as _plan_module
 from .core import profile as _profile_data
+from .core import progress as _progress
 from .core.budget import format_bytes, parse_bytes, resolve_budget
 from .core.cuts import merge_units
 from .core.device import DeviceSpec
@@ -53,6 +54,22 @@ def _profile_html(prof: ModelProfile, spelling: str) -> str:
 
 
 _profile_data.set_html_renderer(_profile_html)
+
+
+# Long calls report their progress (memopt_nb.core.progress); in a Jupyter kernel a bar shows it. The notebook layer
+# loads at the first long call, not here, and outside a kernel nothing listens unless MEMOPT_NB_PROGRESS=lines.
+def _notebook_progress(event: str, tasks: tuple[_progress.Task, ...]) -> None:
+    from .notebook.progress import notebook_listener
+
+    listener = notebook_listener()
+    if listener is not None:
+        listener(event, tasks)
+
+
+if _progress.progress_mode() == "lines":
+    _progress.set_default_listener(_progress.ProgressLines())
+elif _progress.progress_mode() == "auto" and "ipykernel" in sys.modules:
+    _progress.set_default_listener(_notebook_progress)
 
 #: ``memopt.solvers`` is the planners' package under the name it had before the layers.
 solvers = planners

@@ -1,4 +1,8 @@
-"""Command line: ``python -m memopt_nb demo`` (the main job on a built-in model) and ``python -m memopt_nb bench``."""
+"""Command line: ``python -m memopt_nb demo`` (the main job on a built-in model) and ``python -m memopt_nb bench``.
+
+While a long call runs (profiling, measuring, ...) progress lines go to standard error once it has taken ~5 s
+(:class:`memopt_nb.core.progress.ProgressLines`; ``MEMOPT_NB_PROGRESS=off`` turns them off).
+"""
 
 from __future__ import annotations
 
@@ -23,24 +27,31 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="results", help="output folder")
     args = parser.parse_args(argv)
     from .core.errors import MemoptError
+    from .core.progress import ProgressLines, listening, progress_mode
 
     try:
-        if args.command == "demo":
-            from .harness.demo import run_demo, run_whole_step_demo
-
-            if args.whole_step:
-                model = args.model if args.model != "gpt" else "vit_tiny"
-                res = run_whole_step_demo(model, steps=args.steps, seed=args.seed)
-                return 0 if res["matched"] and res["within_budget"] else 1
-            res = run_demo(args.model, args.budget, args.steps, args.seed)
-            return 0 if res["loss_matched"] else 1
-        from .harness.bench import run_bench  # noqa: PLC0415
-
-        run_bench(quick=args.quick, out=args.out)
-        return 0
+        with listening(None if progress_mode() == "off" else ProgressLines()):
+            return _command(args)
     except MemoptError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _command(args: argparse.Namespace) -> int:
+    """Run the command ``args`` name; its exit status."""
+    if args.command == "demo":
+        from .harness.demo import run_demo, run_whole_step_demo
+
+        if args.whole_step:
+            model = args.model if args.model != "gpt" else "vit_tiny"
+            res = run_whole_step_demo(model, steps=args.steps, seed=args.seed)
+            return 0 if res["matched"] and res["within_budget"] else 1
+        res = run_demo(args.model, args.budget, args.steps, args.seed)
+        return 0 if res["loss_matched"] else 1
+    from .harness.bench import run_bench  # noqa: PLC0415
+
+    run_bench(quick=args.quick, out=args.out)
+    return 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import memopt_nb as memopt
 from memopt_nb import solvers
 from memopt_nb.core.errors import PlanError
 from memopt_nb.planners.rl.env import MemoryPlanningEnv, decision_order
-from memopt_nb.planners.rl.task import PlanningTask
+from memopt_nb.planners.task import PlanningTask
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -15,10 +15,10 @@ from memopt_nb import solvers
 from memopt_nb.core.errors import BudgetError, PlanError
 from memopt_nb.core.plan import DISTANCES, STATE_CHOICES, STRATEGIES, WINDOWS, Plan, state_choices
 from memopt_nb.harness.synthetic import chain_profile
-from memopt_nb.planners.rl import task as rl_task
+from memopt_nb.planners import task as rl_task
+from memopt_nb.planners.options import TIMINGS, unit_options
 from memopt_nb.planners.rl.env import MemoryPlanningEnv
-from memopt_nb.planners.rl.task import TIMINGS, PlanningTask
-from memopt_nb.planners.space import unit_options
+from memopt_nb.planners.task import PlanningTask
 from memopt_nb.sim.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def test_reward_scale_reaches_the_environment_from_search():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # State placements, on a hand-made state table in the form memopt_nb/sim/COST_MODEL.md gives: the real StateTable comes
-# from the simulator; these tests point memopt_nb.planners.rl.task.state_model_for at a fake with made-up numbers.
+# from the simulator; these tests point memopt_nb.planners.task.state_model_for at a fake with made-up numbers.
 @dataclass(frozen=True)
 class FakeStateTable:
     choices: tuple

@@ -16,7 +16,7 @@ from memopt_nb import solvers
 from memopt_nb.core.plan import STRATEGIES
 from memopt_nb.harness.synthetic import chain_profile
 from memopt_nb.planners.rl.env import MemoryPlanningEnv
-from memopt_nb.planners.rl.task import PlanningTask
+from memopt_nb.planners.task import PlanningTask
 
 search_mod = importlib.import_module("memopt_nb.planners.rl.search")
 polish_mod = importlib.import_module("memopt_nb.planners.polish")

@@ -15,7 +15,8 @@ from memopt_nb import solvers
 from memopt_nb.core.device import DeviceSpec
 from memopt_nb.core.plan import STRATEGIES
 from memopt_nb.harness.synthetic import chain_profile
-from memopt_nb.planners.rl.task import N_OPTIONS, TIMINGS, PlanningTask
+from memopt_nb.planners.options import N_OPTIONS, TIMINGS
+from memopt_nb.planners.task import PlanningTask
 from memopt_nb.sim.replay import replay
 
 KEEP, RECOMPUTE = 0, 1
@@ -173,7 +174,7 @@ def test_penalty_steps_to_one_at_the_budget_and_overhead_is_relative():
 def test_the_completion_plan_fits_the_budget_and_is_none_where_no_uniform_plan_does():
     """The plan the environment's masks assume for the units still undecided: the lowest-peak uniform plan, which the
     simulator says fits; ``None`` at a budget only a mixed plan meets (the masks then keep their best case alone)."""
-    from memopt_nb.planners.rl.task import option_codes
+    from memopt_nb.planners.options import option_codes
 
     prof = chain_profile(24, seed=3)
     lo = solvers.min_peak(prof, "a100-40gb", offload_state=False)

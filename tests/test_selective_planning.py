@@ -82,7 +82,7 @@ def test_codes_name_every_save_set():
     with pytest.raises(memopt.PlanError, match="save-set"):
         code_of("selective")
     with pytest.raises(memopt.PlanError, match="not a strategy"):
-        save_set_of(SELECTIVE + len(SAVE_SETS))
+        save_set_of(len(NAMES))  # past the registry's last code
 
 
 # ---------------------------------------------------------------------- the cost model
@@ -232,7 +232,7 @@ def test_selective_is_chosen_where_it_wins_and_its_plan_carries_the_ops():
 
 
 def test_unit_options_offer_the_pareto_save_sets_of_recomputable_units_only_when_asked():
-    from memopt_nb.planners.space import unit_options
+    from memopt_nb.planners.options import unit_options
 
     prof = add_save_sets(chain_profile(5, seed=6), 6, offered=0.7, pareto=0.6)
     units = list(prof.units)
@@ -316,8 +316,9 @@ def test_the_agents_offer_selective_when_asked():
     of STRATEGIES, the task is what it was."""
     from pettingzoo.test import parallel_api_test
 
+    from memopt_nb.planners.options import SELECTIVE_BASE, TIMINGS, code_options, option_codes
     from memopt_nb.planners.rl.env import MemoryPlanningEnv
-    from memopt_nb.planners.rl.task import SELECTIVE_BASE, TIMINGS, PlanningTask, code_options, option_codes
+    from memopt_nb.planners.task import PlanningTask
 
     bare = chain_profile(5, seed=3)
     prof = add_save_sets(bare, 3, offered=0.7, pareto=0.7)
@@ -343,7 +344,9 @@ def test_the_agents_offer_selective_when_asked():
     default = PlanningTask(prof, "60%")
     assert default.n_options == 2 + len(TIMINGS) and default.n_strategies == 3
     every = PlanningTask(bare, "60%", strategies=STRATEGIES)  # no save-sets: selective offers nothing
-    assert every.n_options == 2 + 2 * len(TIMINGS) and every.n_strategies == 4
+    without = PlanningTask(bare, "60%", strategies=[s for s in STRATEGIES if s != "selective"])
+    assert not every.selective and every.n_strategies == without.n_strategies == len(STRATEGIES) - 1
+    assert every.n_options == without.n_options and np.array_equal(every.option_ok, without.option_ok)
     with pytest.raises(memopt.PlanError, match="no save-sets"):
         memopt.search(bare, "70%", total_timesteps=64, strategies=("keep", "selective"))
 
@@ -355,7 +358,7 @@ def test_masks_keep_the_selective_optimum_reachable():
     from test_strategies_arg import play
 
     from memopt_nb.planners.rl.env import MemoryPlanningEnv
-    from memopt_nb.planners.rl.task import PlanningTask
+    from memopt_nb.planners.task import PlanningTask
 
     used = set()
     space = {"strategies": ("keep", "recompute", "swap", "selective"), "offload_state": False}

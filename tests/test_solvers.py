@@ -66,7 +66,7 @@ def test_min_peak_is_the_true_minimum():
     sim = Simulator(prof)
     import itertools
 
-    from memopt_nb.planners.space import unit_options
+    from memopt_nb.planners.options import unit_options
     opts = [unit_options(sim, u) for u in range(prof.n_units)]
     arr = np.array(list(itertools.product(*opts)))
     peaks, _ = sim.evaluate(arr[:, :, 0], arr[:, :, 1], arr[:, :, 2])
@@ -308,7 +308,7 @@ def test_exact_solver_falls_back_to_checkpointing_when_swaps_cannot_win(small_zo
 def test_unit_options_list_each_distinct_timing_once():
     """Windows reaching past the forward's end, or distances past the last unit, act alike: one option each."""
     from memopt_nb.core.plan import DISTANCES, WINDOWS
-    from memopt_nb.planners.space import unit_options
+    from memopt_nb.planners.options import unit_options
 
     for n in (1, 2, 3, 5):
         sim = Simulator(chain_profile(n, seed=n))
@@ -466,7 +466,7 @@ def offered(sim, offload_state, step_in_backward):
 
 def enumerate_plans(sim, strategies, offload_state, step_in_backward, fixed=None):
     """Every plan as rows (code, window, distance, placement) per unit, with its peak and time by the formula."""
-    from memopt_nb.planners.space import unit_options
+    from memopt_nb.planners.options import unit_options
 
     places = offered(sim, offload_state, step_in_backward)
     acts = fixed or [unit_options(sim, u, strategies) for u in range(sim.n)]
@@ -689,7 +689,13 @@ def test_solver_modules_import_in_one_direction():
 
     for m in graph:
         visit(m, [])
-    assert graph["space"] == set() and "common" not in graph["milp"]
+    assert graph["options"] == set() and "common" not in graph["milp"]
+    # the agents build on the polish and the task, never the other way round
+    below_rl = ("options", "milp", "polish", "task", "baselines", "floor", "checks")
+    for m in below_rl:
+        rl = [node.module for node in ast.walk(ast.parse((folder / f"{m}.py").read_text()))
+              if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "").startswith("rl")]
+        assert rl == [], f"{m} imports {rl}"
 
 
 def test_the_bench_runs_the_state_baselines_when_asked():
@@ -799,7 +805,7 @@ def test_recompute_offload_frees_the_inputs_recompute_keeps():
 
 def test_recompute_offload_is_opt_in():
     """Every default space stays keep / recompute / swap: no planner offers recompute_offload unless asked."""
-    from memopt_nb.planners.space import unit_options
+    from memopt_nb.planners.options import unit_options
 
     sim = Simulator(chain_profile(4, seed=1))
     assert allowed_strategies_default() == DEFAULT_STRATEGIES
@@ -815,7 +821,7 @@ def test_recompute_offload_is_opt_in():
 
 
 def allowed_strategies_default():
-    from memopt_nb.planners.space import allowed_strategies
+    from memopt_nb.planners.options import allowed_strategies
 
     return allowed_strategies()
 

@@ -12,10 +12,10 @@ from memopt_nb import solvers
 from memopt_nb.core.errors import BudgetError, PlanError
 from memopt_nb.core.plan import STRATEGIES
 from memopt_nb.harness.synthetic import chain_profile
+from memopt_nb.planners.options import allowed_strategies
 from memopt_nb.planners.polish import polish
 from memopt_nb.planners.rl.env import MemoryPlanningEnv
-from memopt_nb.planners.rl.task import PlanningTask
-from memopt_nb.planners.space import allowed_strategies
+from memopt_nb.planners.task import PlanningTask
 from memopt_nb.sim.simulator import KEEP, RECOMPUTE, SWAP
 
 CHECKPOINTING = ("keep", "recompute")
@@ -183,12 +183,12 @@ def test_the_exact_solvers_validate_the_space_alike(chain):
 def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
     """With recompute_offload allowed the strategy agent has four strategies (timed by the timing agent like swap),
     random allowed episodes use it, and the option tables map it to its code and timings both ways."""
+    from memopt_nb.planners.options import TIMINGS
     from memopt_nb.planners.polish import option_arrays as _option_arrays
     from memopt_nb.planners.polish import to_options as _to_options
-    from memopt_nb.planners.rl.task import TIMINGS
     from memopt_nb.sim.simulator import RECOMPUTE_OFFLOAD
 
-    task = PlanningTask(chain, "60%", strategies=STRATEGIES)
+    task = PlanningTask(chain, "60%", strategies=("keep", "recompute", "swap", "recompute_offload"))
     assert task.n_strategies == 4 and task.n_options == 2 + 2 * len(TIMINGS)
     env = MemoryPlanningEnv(task)
     assert env.action_space("strategy").n == 4 * task.C
@@ -222,7 +222,7 @@ def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
 def play(env, plan, actions):
     """Play ``plan`` through ``env`` with the strategy agent's ``actions`` (one per unit) and the plan's timings;
     every action must be allowed by the masks. Returns the last step's infos."""
-    from memopt_nb.planners.rl.task import TIMINGS
+    from memopt_nb.planners.options import TIMINGS
 
     obs, _ = env.reset(seed=0)
     for t in range(env.task.n + 1):

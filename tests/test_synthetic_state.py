@@ -7,7 +7,7 @@ from memopt_nb import solvers
 from memopt_nb.core.plan import Plan
 from memopt_nb.core.space import PlanSpace
 from memopt_nb.harness.synthetic import chain_profile
-from memopt_nb.planners.space import unit_states
+from memopt_nb.planners.options import unit_states
 
 
 def test_default_chain_has_no_unit_state():

@@ -120,7 +120,7 @@ def probe_simulate() -> None:
 
 def probe_solvers() -> None:
     from memopt_nb import solvers
-    from memopt_nb.planners.space import uniform_arrays, unit_options
+    from memopt_nb.planners.options import uniform_arrays, unit_options
     from memopt_nb.sim.simulator import Simulator
 
     profs = {"chain4": chain_profile(4, seed=1, shared_boundaries=0.6), "chain6": chain_profile(6, seed=5),
@@ -353,7 +353,7 @@ def probe_runtime_effects() -> None:
 
 
 def probe_rl() -> None:
-    from memopt_nb.planners.rl.task import PlanningTask
+    from memopt_nb.planners.task import PlanningTask
 
     profs = {**chains(), **{k: v[2] for k, v in small_profiles().items()}}
     for name, prof in profs.items():
@@ -410,7 +410,7 @@ def probe_ppo() -> None:
     risk-seeking advantages on fixed inputs."""
     from memopt_nb.planners.rl import ppo
     from memopt_nb.planners.rl.env import MemoryPlanningEnv
-    from memopt_nb.planners.rl.task import PlanningTask
+    from memopt_nb.planners.task import PlanningTask
 
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)

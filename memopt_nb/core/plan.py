@@ -1,5 +1,5 @@
-"""A plan: for every unit a strategy (keep, recompute, swap, recompute_offload), for swaps its timing, and where its
-state lives.
+"""A plan: for every unit a strategy (keep, recompute, swap, recompute_offload, selective), for swaps its timing, and
+where its state lives. The strategies and placements themselves are declared in :mod:`memopt_nb.core.strategies`.
 
 A :class:`Plan` is plain data. It knows the units it was made for (a fingerprint of names, module types and parameter
 shapes), the budget and device it targets, who made it and what the simulator predicted. It saves to versioned JSON and
@@ -52,6 +52,23 @@ from typing import Any
 
 from .budget import format_bytes
 from .errors import PlanError
+from .strategies import (
+    DEFAULT_STRATEGIES,
+    DISTANCES,
+    GRAD_PLACES,
+    OFFLOADING,
+    OPTIMIZER_PLACES,
+    PARAM_PLACES,
+    PLACE_OF,
+    RECOMPUTING,
+    REGISTRY,
+    SAVE_SETS,
+    STATE_CHOICES,
+    STATE_PIECES,
+    STRATEGIES,
+    WINDOWS,
+    by_name,
+)
 
 __all__ = ["DEFAULT_STRATEGIES", "DISTANCES", "Decision", "FORMAT", "GRAD_PLACES", "MAX_TIMING", "OFFLOADING",
            "OPTIMIZER_PLACES", "PARAM_PLACES", "Plan", "RECOMPUTING", "SAVE_SETS", "SCHEMA_VERSION", "STATE_CHOICES",
@@ -61,33 +78,6 @@ __all__ = ["DEFAULT_STRATEGIES", "DISTANCES", "Decision", "FORMAT", "GRAD_PLACES
 
 SCHEMA_VERSION = 2
 FORMAT = "memopt_nb.plan"
-#: Every activation strategy a plan may use.
-STRATEGIES = ("keep", "recompute", "swap", "recompute_offload", "selective")
-#: The strategies planners search unless given ``strategies=`` (``recompute_offload`` is opt-in).
-DEFAULT_STRATEGIES = ("keep", "recompute", "swap")
-#: The strategies that offload to the host and take the timing knobs (``offload_window``, ``prefetch_distance``).
-OFFLOADING = ("swap", "recompute_offload")
-#: The strategies whose units run under checkpointing and are recomputed in backward.
-RECOMPUTING = ("recompute", "recompute_offload", "selective")
-#: The save-sets a ``selective`` unit may use (which ops' outputs it keeps; the rest is recomputed in backward): every
-#: matmul, convolution and attention kernel; torchtitan's op-SAC rule (attention and every other matmul); attention
-#: kernels only. A profile made with ``selective=True`` says which of them each unit offers and what each costs.
-SAVE_SETS = ("matmuls", "alternate", "attention")
-#: Where a unit's optimizer state may live.
-OPTIMIZER_PLACES = ("resident", "offload", "stream")
-#: Where a unit's gradients may live (``"step"``: stepped in backward, then freed).
-GRAD_PLACES = ("resident", "offload", "step")
-#: Where a unit's parameters may live.
-PARAM_PLACES = ("resident", "offload")
-#: Every ``(optimizer, grads, params)`` placement, all-resident first (index 0); planners encode placements as indices.
-STATE_CHOICES: tuple[tuple[str, str, str], ...] = tuple(
-    (o, g, p) for o in OPTIMIZER_PLACES for g in GRAD_PLACES for p in PARAM_PLACES)
-#: The pieces ``offload_state=`` names.
-STATE_PIECES = ("optimizer", "grads", "params")
-#: Offload windows the planners choose from.
-WINDOWS = (0, 1, 2)
-#: Prefetch distances the planners choose from.
-DISTANCES = (0, 1, 2, 3)
 MAX_TIMING = 64
 
 
@@ -131,6 +121,10 @@ class Decision:
             raise PlanError(
                 f"unit {self.unit!r}: strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
             )
+        kind = by_name(self.strategy)
+        if kind.offloads and not kind.timed:  # an offloading strategy without timing knobs copies with its own timing
+            object.__setattr__(self, "offload_window", kind.timing[0])
+            object.__setattr__(self, "prefetch_distance", kind.timing[1])
         for name, allowed in (("offload_window", WINDOWS), ("prefetch_distance", DISTANCES)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TIMING:
@@ -213,18 +207,13 @@ def state_choices(offload_state: bool | str | Iterable[str] = True, *,
                             "(or True for all, False for activations only)")
     if not isinstance(step_in_backward, bool):
         raise PlanError(f"step_in_backward must be True or False, got {step_in_backward!r}")
-    out = []
-    for o, g, p in STATE_CHOICES:
-        if o != "resident" and "optimizer" not in pieces:
-            continue
-        if g == "offload" and "grads" not in pieces:
-            continue
-        if g == "step" and not step_in_backward:
-            continue
-        if p == "offload" and "params" not in pieces:
-            continue
-        out.append((o, g, p))
-    return tuple(out)
+    opted = {"step_in_backward": step_in_backward}
+
+    def allowed(piece: str, name: str) -> bool:
+        place = PLACE_OF[name]
+        return (not place.moves or piece in pieces) and (not place.opt_in or opted[place.opt_in])
+
+    return tuple(c for c in STATE_CHOICES if all(allowed(*x) for x in zip(STATE_PIECES, c, strict=True)))
 
 
 def effective_triggers(strategies: Sequence[str], distances: Sequence[int]) -> list[int | None]:
@@ -606,8 +595,8 @@ class Plan:
     @property
     def exact(self) -> bool:
         """Whether training under the plan is bit-identical to training without it (``False``: the head is chunked,
-        see :attr:`head`)."""
-        return self.head is None
+        see :attr:`head`, or a unit's strategy is not :attr:`~memopt_nb.core.strategies.Strategy.exact`)."""
+        return self.head is None and all(by_name(d.strategy).exact for d in self.decisions)
 
     @property
     def units(self) -> list[str]:
@@ -839,10 +828,8 @@ class Plan:
         c = self.counts()
         name = (self.device or {}).get("name")
         device = f" for {name}" if name else ""
-        parts = [f"Plan[{self.method}]{device}: {len(self.decisions)} units: keep {c['keep']}, recompute "
-                 f"{c['recompute']}, swap {c['swap']}"
-                 + (f", recompute_offload {c['recompute_offload']}" if c["recompute_offload"] else "")
-                 + (f", selective {c['selective']}" if c["selective"] else "")]
+        counted = ", ".join(f"{s.name} {c[s.name]}" for s in REGISTRY if s.default or c[s.name])  # opt-in: if used
+        parts = [f"Plan[{self.method}]{device}: {len(self.decisions)} units: {counted}"]
         sc = self.state_counts()
         moved = [f"{k} {v}" for k, v in (("optimizer offloaded", sc["optimizer"]),
                                          ("grads offloaded", sc["grads"]), ("stepped in backward", sc["step"]),

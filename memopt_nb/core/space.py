@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import PlanError
 from .plan import DEFAULT_STRATEGIES, STATE_CHOICES, STATE_PIECES, STRATEGIES, state_choices
+from .strategies import PLACE_OF
 
 __all__ = ["OffloadState", "PlanSpace", "allowed_strategies"]
 
@@ -64,7 +65,7 @@ class PlanSpace:
         """The space of ``strategies=``, ``offload_state=`` and ``step_in_backward=`` as the planners take them."""
         choices = state_choices(offload_state, step_in_backward=step_in_backward)  # PlanError on a bad value
         moved = frozenset(piece for choice in choices for piece, place in zip(STATE_PIECES, choice, strict=True)
-                          if place in ("offload", "stream"))
+                          if PLACE_OF[place].moves)
         return cls(allowed_strategies(strategies), moved, step_in_backward)
 
     @cached_property

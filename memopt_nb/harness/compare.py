@@ -28,6 +28,7 @@ import torch.nn as nn
 from ..core.budget import format_bytes
 from ..core.errors import ProfileError
 from ..core.plan import Plan
+from ..core.progress import advance, stage, task
 from ..runtime.measure import Measurement, measure
 from ..sim.simulator import simulate
 
@@ -155,6 +156,7 @@ class Comparison:
                 f"{html.escape(self.verdict())}{notes}</div>")
 
 
+@task("compare")
 def compare(model: nn.Module, *inputs: Any, plan: Plan, profile: Any = None,
             loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
             steps: int = 5, warmup: int = 1, model_kwargs: Mapping[str, Any] | None = None,
@@ -179,11 +181,13 @@ def compare(model: nn.Module, *inputs: Any, plan: Plan, profile: Any = None,
                   autocast=autocast, **kwargs)
     without: list[Measurement] = []
     with_plan: list[Measurement] = []
+    stage("paired steps", total=steps)
     for i in range(steps):
         order = (None, plan) if i % 2 == 0 else (plan, None)
         for p in order:
             m = measure(model, *inputs, plan=p, **common)
             (with_plan if p is not None else without).append(m)
+        advance()
     ratios = [b.step_time / a.step_time for a, b in zip(without, with_plan, strict=True)]
     pred = _prediction(plan, profile)
     notes = []

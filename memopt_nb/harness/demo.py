@@ -8,7 +8,9 @@ from collections.abc import Callable
 import torch
 
 from ..core.budget import format_bytes
-from ..core.plan import OFFLOADING, Plan
+from ..core.plan import Plan
+from ..core.progress import advance, stage, task
+from ..core.strategies import REGISTRY, by_name
 from ..planners.milp import min_peak
 from ..planners.rl.search import search
 from ..profiling.profile import profile
@@ -80,6 +82,7 @@ def progress(out: Callable[[str], None] = print, every: float = 5.0) -> Callable
     return show
 
 
+@task("demo")
 def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2, steps: int = 3, seed: int = 0,
                         out: Callable[[str], None] = print) -> dict[str, object]:
     """A model whose parameters + gradients + Adam state are ``state_over_budget`` × the budget trains under a
@@ -88,6 +91,7 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
     out(f"memopt_nb whole-step demo: built-in '{model}' model, {sum(p.numel() for p in zm.model.parameters()):,} "
         "parameters, Adam")
+    stage("profiling")
     prof = profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt)
     state = prof.param_bytes + prof.grad_bytes + prof.optimizer_state_bytes
     budget = int(state / state_over_budget)
@@ -96,10 +100,15 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
     out(f"  smallest peak with activations only: {format_bytes(min_peak(prof, offload_state=False))}; "
         f"with whole-step plans: {format_bytes(min_peak(prof, offload_state=True))}")
     out("searching a plan with the two PPO agents (Ctrl-C stops and keeps the best plan) ...")
+    stage("searching a plan")
     plan = search(prof, budget, offload_state=True, callback=progress(out))
     out(f"  stopped: {plan.meta.get('stopped')}; {plan.meta.get('search_seconds', 0):.0f} s in all")
+    stage("measuring without and with the plan", total=2)
     base = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=steps)
+    advance()
     under = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=steps)
+    advance()
+    stage("training without and with the plan")
     matched = all(torch.equal(a, b) for a, b in zip(_train_state(model, steps, None, seed),
                                                       _train_state(model, steps, plan, seed), strict=True))
     out(f"  {plan.summary()}")
@@ -115,21 +124,24 @@ def run_whole_step_demo(model: str = "vit_tiny", state_over_budget: float = 2.2,
 
 
 #: What the per-unit codes of the demo's plan line mean, printed under it.
-CODES_LEGEND = ("per unit, in forward order: K keep, R recompute, S swap, O recompute_offload, P selective; the two "
-                "digits after S or O are the offload window and prefetch distance (S11: window 1, distance 1)")
+CODES_LEGEND = ("per unit, in forward order: " + ", ".join(f"{s.letter} {s.name}" for s in REGISTRY)
+                + f"; the two digits after {' or '.join(s.letter for s in REGISTRY if s.timed)} are the offload window "
+                "and prefetch distance (S11: window 1, distance 1)")
 
 
 def _short(d: object) -> str:
-    s = {"keep": "K", "recompute": "R", "swap": "S", "recompute_offload": "O", "selective": "P"}[d.strategy]
-    return s + (f"{d.offload_window}{d.prefetch_distance}" if d.strategy in OFFLOADING else "")
+    s = by_name(d.strategy)
+    return s.letter + (f"{d.offload_window}{d.prefetch_distance}" if s.timed else "")
 
 
+@task("demo")
 def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, seed: int = 0,
              planner: Callable | None = None, out: Callable[[str], None] = print) -> dict[str, object]:
     """Run the demo and return its figures (also printed through ``out``)."""
     zm = build(model, seed=seed)
     opt = torch.optim.Adam(zm.model.parameters(), lr=1e-3)
     out(f"memopt_nb demo: built-in '{model}' model, {sum(p.numel() for p in zm.model.parameters()):,} parameters")
+    stage("profiling")
     prof = profile(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt)
     out(f"profiled {prof.n_units} units ({', '.join(prof.unit_names[:3])}, ...) on {prof.device.name}")
     lowest = min_peak(prof)
@@ -138,22 +150,29 @@ def run_demo(model: str = "gpt", budget_fraction: float = 0.6, steps: int = 3, s
         planner = functools.partial(search, callback=progress(out))
     out(f"searching a plan under {budget / prof.peak_bytes:.0%} of the peak with the two PPO agents (Ctrl-C stops and "
         "keeps the best plan) ...")
+    stage("searching a plan")
     plan = planner(prof, budget)
     if plan.meta.get("stopped"):
         out(f"  stopped: {plan.meta['stopped']}")
     sim = simulate(prof, plan)
+    stage("measuring without and with the plan", total=2)
     base = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, steps=steps)
+    advance()
     under = measure(zm.model, *zm.inputs, loss_fn=zm.loss_fn, optimizer=opt, plan=plan, steps=steps)
+    advance()
+    stage("training without and with the plan", total=2)
     ref_losses, ref_params = _train(model, steps, None, seed)
+    advance()
     plan_losses, plan_params = _train(model, steps, plan, seed)
+    advance()
     matched = all(torch.equal(a, b) for a, b in zip(ref_losses, plan_losses)) and all(
         torch.equal(a, b) for a, b in zip(ref_params, plan_params))
     ratio = under.step_time / base.step_time
     counts = plan.counts()
     took = plan.meta.get("search_seconds")
-    wider = "".join(f", {s} {counts[s]}" for s in ("recompute_offload", "selective") if counts[s])
-    out(f"plan ({plan.method}{f', {took:.0f} s' if took else ''}): keep {counts['keep']}, recompute "
-        f"{counts['recompute']}, swap {counts['swap']}{wider}  — {' '.join(_short(d) for d in plan.decisions)}")
+    counted = ", ".join(f"{s.name} {counts[s.name]}" for s in REGISTRY if s.default or counts[s.name])
+    out(f"plan ({plan.method}{f', {took:.0f} s' if took else ''}): {counted}  — "
+        f"{' '.join(_short(d) for d in plan.decisions)}")
     out(f"  {CODES_LEGEND}")
     if plan.moves_state:
         sc = plan.state_counts()

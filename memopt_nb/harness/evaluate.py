@@ -38,6 +38,7 @@ from ..core.budget import format_bytes, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError, ProfileError
 from ..core.plan import Plan
+from ..core.progress import advance, stage, task
 from ..planners import BASELINES, optimal
 from ..planners.milp import min_peak
 from ..planners.rl.search import search
@@ -378,6 +379,7 @@ def _profiles(bp: BatchProfiles, batches: Sequence[int], name: str,
     profiled."""
     out: dict[int, Any] = {}
     here: int | None = None
+    stage("profiles", total=len(batches))
     for b in sorted(batches):
         real = sorted(bp.profiles)
         if here is not None and len(real) >= 2:
@@ -394,14 +396,17 @@ def _profiles(bp: BatchProfiles, batches: Sequence[int], name: str,
                     predicted.meta["extrapolation"].update(requested_batch=b, fitted_batches=list(bp.line),
                                                            check_batch=real[-3] if len(real) >= 3 else None)
                     out[b] = predicted
+                    advance()
                     continue
         say(f"profiling {name} at batch {b}")
         out[b] = bp.profiled(b)
+        advance()
         if here is None and out[b].device.capacity_known:
             here = int(out[b].device.capacity_bytes)
     return out, here
 
 
+@task("evaluate")
 def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budget: Any = None,
              methods: Sequence[str] = DEFAULT_METHODS, batch_sizes: Sequence[int] | None = None, *,
              reference_batch: int | None = None, search_timesteps: int | None = None, seed: int = 0,
@@ -467,6 +472,7 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
     ref_prof = prof_at(ref)
     value = resolve_budget(budget if budget is not None else "50%", reference=ref_prof.peak_bytes)
     results = {m: MethodResult(m, list(sizes), [], [], [], [], []) for m in methods if m != "grad_accum"}
+    stage("methods at each batch", total=len(sizes) * len(results))
     for b in sizes:  # batch by batch: one model built at a time, as the device holds it
         prof = prof_at(b)
         sim = Simulator(prof, spec)
@@ -499,6 +505,7 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
             res.throughput.append(b / step if step else None)
             res.source.append(src)
             res.plans.append(plan)
+            advance()
     plain_max = results["none"].max_batch if "none" in results else None
     if "grad_accum" in methods:
         results["grad_accum"] = _grad_accum(results.get("none"), sizes, built_at, prof_at, value, spec, steps, say,
@@ -542,6 +549,7 @@ def _grad_accum(none: MethodResult | None, sizes: list[int], built: Callable, pr
     """Plain training at its largest fitting micro-batch, accumulating gradients up to each batch size."""
     res = MethodResult("grad_accum", list(sizes), [], [], [], [], [])
     micro = none.max_batch if none is not None else None
+    stage("gradient accumulation at each batch", total=len(sizes))
     for b in sizes:
         if micro is None:
             res.feasible.append(False)
@@ -549,6 +557,7 @@ def _grad_accum(none: MethodResult | None, sizes: list[int], built: Callable, pr
             res.step_time.append(None)
             res.throughput.append(None)
             res.source.append("simulated")
+            advance()
             continue
         mb = max(x for x in sizes if x <= micro and x <= b) if any(x <= micro and x <= b for x in sizes) else micro
         accum = math.ceil(b / mb)
@@ -571,6 +580,7 @@ def _grad_accum(none: MethodResult | None, sizes: list[int], built: Callable, pr
         res.step_time.append(step)
         res.throughput.append(accum * mb / step)
         res.source.append(src)
+        advance()
     return res
 
 

@@ -35,6 +35,7 @@ from ..core.budget import format_bytes, is_share, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
+from ..core.progress import advance, stage, task
 from ..planners.checks import default_budget
 from ..planners.rl.search import search
 from ..profiling.fallback import extrapolate
@@ -368,6 +369,7 @@ class BatchProfiles:
         return b not in self.profiles or self.profiles[b].meta.get("method") == "extrapolated"
 
 
+@task("max_batch")
 def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
               device: DeviceSpec | str | None = None, optimizer: OptimizerArg = None, *,
               planner: str = "optimal", strategies: Sequence[str] = DEFAULT_STRATEGIES,
@@ -422,8 +424,10 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     bp = BatchProfiles(builder, optimizer, repeats=repeats, autocast=autocast, require_optimizer=True,
                        options={"head": head} if head else None)
     profiles, profiled, at = bp.profiles, bp.profiled, bp.at
+    stage("probe profiles", total=len(probes))
     for b in probes:
         profiled(b)
+        advance()
     _check_grows(profiles[probes[0]], profiles[probes[-1]], probes[0], probes[-1])
     bp.fit(probes[1], probes[2], check=probes[0])  # refuses a step that is not linear in the batch
 
@@ -446,13 +450,17 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     plain_max = _largest(lambda b: plain_peak(b) <= value, 1, limit)
     if plain_max is not None and plain_max >= 2 * probes[-1]:
         hi, mid = plain_max, plain_max // 2
+        stage("profiles near plain training's largest batch", total=2)
         try:
             profiled(mid)
+            advance()
             profiled(hi)
+            advance()
             bp.fit(mid, hi, check=probes[-1])
             plain_max = _largest(lambda b: plain_peak(b) <= value, 1, limit)
         except MemoptError as exc:
             notes.append(f"kept the line through the probe batches: profiling near batch {hi} said: {exc}")
+    stage("finding the largest batch a plan fits")
     best_max = _largest(lambda b: floor(b) <= value, 1, limit)
     if best_max is None:
         raise BudgetError(f"not even batch 1 fits any plan in {format_bytes(value)} on {spec.name}: the smallest "
@@ -484,7 +492,9 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
                      f"answer is batch {best_max}")
     verified: dict[str, Any] = {}
     if verify and device is None:
+        stage("checking the answer under its plan")
         best_max = _verify(bp.make, best_max, plan_for, value, autocast, verified, notes)
+    stage("predicting throughput per batch")
     candidates = sorted({b for b in _powers(best_max)} | {best_max} | ({plain_max} if plain_max else set()))
     memopt_ans = _answer(planner if planner == "optimal" else "memopt-ppo", candidates, best_max, plan_for, value)
     plain_ans = _answer("none", [b for b in candidates if plain_max and b <= plain_max], plain_max,

@@ -4,6 +4,8 @@
   ``%load_ext memopt_nb``.
 * :mod:`~memopt_nb.notebook.dashboard` — :class:`SearchDashboard` (ipywidgets in Jupyter, text lines elsewhere) and
   :func:`live_search`; ``$MEMOPT_NB_TIMESTEPS`` sets the default search length of the magic and the tutorials.
+* :mod:`~memopt_nb.notebook.progress` — :class:`~memopt_nb.notebook.progress.ProgressBar`, the progress of profile,
+  max_batch, measure, compare and evaluate in a Jupyter kernel (installed when memopt is imported there).
 * :mod:`~memopt_nb.notebook.plots` — matplotlib/seaborn figures of memory timelines, per-unit plans and search
   curves, usable outside widgets.
 

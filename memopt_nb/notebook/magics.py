@@ -57,8 +57,8 @@ from ..harness.maxbatch import NO_OPTIMIZER, MaxBatch, max_batch, optimizer_make
 from ..planners.checks import default_budget
 from ..planners.depths import search_depths
 from ..planners.floor import estimate_batch, explain_floor
+from ..planners.options import allowed_strategies
 from ..planners.rl.search import search
-from ..planners.space import allowed_strategies
 from ..profiling.profile import profile as profile_model
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
 from .plots import figure_png, unit_chart

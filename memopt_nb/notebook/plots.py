@@ -32,7 +32,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ..core.budget import format_bytes, resolve_budget
-from ..core.plan import Plan
+from ..core.plan import DEFAULT_STRATEGIES, Plan
+from ..core.strategies import REGISTRY, by_name
 from ..harness.figures import figure_class, figure_png, new_figure, styled
 from ..sim.simulator import SimResult, simulate
 
@@ -44,9 +45,13 @@ __all__ = [
 
 _PALETTE = sns.color_palette("deep")
 #: Colours of the strategies in every chart.
-STRATEGY_COLORS = {"keep": _PALETTE[0], "recompute": _PALETTE[1], "swap": _PALETTE[2], "recompute_offload": _PALETTE[8],
-                   "selective": _PALETTE[6]}
+_STRATEGY_PALETTE = {"keep": 0, "recompute": 1, "swap": 2, "recompute_offload": 8, "selective": 6}
 AGENT_COLORS = {"strategy": _PALETTE[4], "timing": _PALETTE[9]}
+_FREE = iter((3, 5, 7, *range(len(_PALETTE))))  # the palette's colours no strategy or agent has, first
+#: Colours of the strategies in every chart (every strategy of the registry; one without a colour of its own here
+#: gets a free one of the palette).
+STRATEGY_COLORS = {s.name: _PALETTE[_STRATEGY_PALETTE[s.name] if s.name in _STRATEGY_PALETTE else next(_FREE)]
+                   for s in REGISTRY}
 #: The same three roles have the same colour in every figure: the budget line, the unoptimized step, the plan.
 BUDGET_COLOR = "#c0392b"
 BASE_COLOR = "0.45"
@@ -256,12 +261,12 @@ def unit_chart(profile: Any, plan: Any = None, *, title: str | None = None) -> F
         handles = [mpl.patches.Patch(facecolor="0.6", hatch="///", edgecolor="white", label="freed by recompute")]
         if plan is not None:
             for i, d in enumerate(plan.decisions):
-                if d.strategy in ("swap", "recompute_offload"):
+                if by_name(d.strategy).timed:
                     ax_m.text(i, saved[i] / div, f"w{d.offload_window} d{d.prefetch_distance}", ha="center",
                               va="bottom", fontsize=7)
                 elif d.strategy == "selective":  # which save-set it keeps
                     ax_m.text(i, saved[i] / div, d.save_set, ha="center", va="bottom", fontsize=7)
-            used = set(plan.strategies) | {"keep", "recompute", "swap"}
+            used = set(plan.strategies) | set(DEFAULT_STRATEGIES)
             handles = [mpl.patches.Patch(color=c, label=s) for s, c in STRATEGY_COLORS.items() if s in used] + handles
             name = (plan.device or {}).get("name")
             ax_m.set_title(title or f"plan per unit ({plan.method}{' for ' + name if name else ''})\nswapped units: "

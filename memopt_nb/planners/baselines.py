@@ -61,7 +61,7 @@ from ..core.space import PlanSpace
 from ..sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP, Simulator, code_of
 from .checks import check_budget
 from .milp import place_states
-from .space import OffloadState, as_simulator, check_save_sets, make_plan, uniform_arrays, unit_states
+from .options import OffloadState, as_simulator, check_save_sets, make_plan, uniform_arrays, unit_states
 
 __all__ = ["BASELINES", "CLASSIC_BASELINES", "ECOSYSTEM_BASELINES", "STATE_BASELINES", "capuchin", "none",
            "op_sac", "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",

@@ -13,7 +13,7 @@ from ..core.errors import MemoptError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
 from ..core.space import PlanSpace
 from .checks import check_budget
-from .space import OffloadState, as_simulator, evaluate_arrays, make_plan, unit_options, unit_states
+from .options import OffloadState, as_simulator, evaluate_arrays, make_plan, unit_options, unit_states
 
 __all__ = ["MAX_PLANS", "MAX_UNITS", "brute_force"]
 

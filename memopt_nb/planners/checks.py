@@ -16,11 +16,12 @@ from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
 from ..core.space import PlanSpace
+from ..core.strategies import by_name
 from ..runtime.free import FreeMemory, free_memory
-from ..sim.simulator import CODES, SELECTIVE, Simulator
+from ..sim.simulator import Simulator
 from .floor import explain_floor
 from .milp import cached_min_peak
-from .space import evaluate_arrays, state_table_of, uniform_arrays
+from .options import evaluate_arrays, state_table_of, uniform_arrays
 
 __all__ = ["check_budget", "default_budget", "planning_for_free"]
 
@@ -61,8 +62,8 @@ def _a_uniform_plan_fits(sim: Simulator, value: int, space: PlanSpace) -> bool:
     """Whether a plan giving every unit one activation strategy of ``space`` (copies as early as they go, state
     resident) fits ``value`` bytes: then the budget is feasible without the floor's MILP, which takes tens of seconds
     at a few hundred units. ``False`` says nothing (a mixed plan may still fit)."""
-    codes = [CODES[s] for s in space.strategies if CODES.get(s, SELECTIVE) < SELECTIVE]
-    rows = [uniform_arrays(sim, c, window=w, distance=w) for c in codes for w in (0, 1)]
+    kinds = [by_name(s) for s in space.strategies if not by_name(s).variants]
+    rows = [uniform_arrays(sim, s.code, *((w, w) if s.timed else s.timing)) for s in kinds for w in (0, 1)]
     peaks, _ = evaluate_arrays(sim, *(np.array([r[i] for r in rows]) for i in range(3)))
     return bool(np.min(peaks) <= value)
 

@@ -25,17 +25,19 @@ from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
 from ..core.profile import ModelProfile
+from ..core.strategies import REGISTRY
 from ..sim.simulator import code_of
 from .polish import polish
 from .rl.search import plan_from_arrays, search
-from .rl.task import PlanningTask
+from .task import PlanningTask
 
 __all__ = ["MERGE_STRATEGIES", "search_depths"]
 
 #: A block whose units a plan all gives one of these strategies (with the same timing and placement) is merged in the
 #: mixed cut: recomputed, its checkpoint holds its input only; swapped, its saved bytes move in fewer, larger copies.
 #: Kept blocks are split: keeping their units costs the same, and the polish may then recompute their cheap ones.
-MERGE_STRATEGIES = ("recompute", "swap", "recompute_offload")
+#: Selective blocks too: a save-set names the ops of one unit. Today: recompute, swap, recompute_offload.
+MERGE_STRATEGIES = tuple(s.name for s in REGISTRY if (s.recomputes or s.offloads) and not s.variants)
 
 
 def _arrays(plan: Plan, profile: ModelProfile) -> tuple[np.ndarray, ...]:

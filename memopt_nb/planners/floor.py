@@ -43,9 +43,10 @@ import numpy as np
 from ..core.budget import format_bytes
 from ..core.plan import DEFAULT_STRATEGIES as every
 from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan, state_choices
-from ..sim.simulator import CODES, SELECTIVE, Simulator
+from ..core.strategies import NAMES, REGISTRY, by_code, by_name, save_set_of
+from ..sim.simulator import Simulator
 from .milp import cached_min_peak_plan, min_peak
-from .space import PlanSpace, as_simulator, plan_decisions
+from .options import PlanSpace, as_simulator, plan_decisions, unit_ok
 
 __all__ = ["FIXED_STATE", "KEPT_ACTIVATIONS", "LARGEST_UNIT", "PEAK_PARTS", "UNIT_PARTS", "Advice", "BatchEstimate",
            "Floor", "estimate_batch", "explain_floor", "state_floor"]
@@ -280,8 +281,9 @@ def _peak_split(sim: Simulator, codes: Sequence[int], windows: Sequence[int], di
     own = np.array([u_bwd in g.savers for g in sim.g_list], dtype=bool) & in_plan & ~caller
     acts = int(nb[in_plan & ~caller & ~own].sum())
     for u, c in enumerate(codes):  # a selective unit's save-set holds its outputs from its forward to its backward
-        if c >= SELECTIVE and sim.fwd_seg[u] < k <= sim.bwd_seg[u]:
-            acts += int(sim.sel_held[u, c - SELECTIVE])
+        save_set = save_set_of(c)
+        if save_set and sim.fwd_seg[u] < k <= sim.bwd_seg[u]:
+            acts += int(sim.sel_held[u, SAVE_SETS.index(save_set)])
     made = sum(int(getattr(up, "grad_bytes", 0)) for up in prof.units if up.bwd_segment < k)
     params, optim = int(prof.param_bytes + prof.buffer_bytes), int(prof.optimizer_state_bytes)
     outside = (int(prof.segments[k].start_level) - params - optim - made - int(nb[in_base].sum())
@@ -343,18 +345,16 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
     tab = sim.state_table()
     n = sim.n
     allowed_choices = [STATE_CHOICES.index(c) for c in state_choices(offload_state, step_in_backward=step_in_backward)]
-    codes = [c for s in strategies
-             for c in ([SELECTIVE + j for j in range(len(SAVE_SETS))] if s == "selective" else [CODES[s]])]
-    ok_s = np.ones((n, SELECTIVE + len(SAVE_SETS)), dtype=bool)
-    ok_s[:, 1] = sim.recomputable
-    ok_s[:, 2] = sim.swappable
-    ok_s[:, 3] = sim.recomputable & sim.swappable  # recompute_offload
-    ok_s[:, SELECTIVE:] = sim.recomputable[:, None] & sim.sel_pareto  # selective: the planners' save-sets
+    codes = [c for s in strategies for c in by_name(s).codes]
+    ok_s = np.ones((n, len(NAMES)), dtype=bool)  # per unit and code, as the planners offer them
+    for s in REGISTRY:
+        ok_s[:, s.codes] = unit_ok(sim, s).reshape(n, -1)
     opts = [[(s, c) for s in codes if ok_s[u, s] for c in allowed_choices if tab.allowed[u, c]] for u in range(n)]
-    ones = np.ones((1, n), dtype=np.int64)
+
+    timing = np.array([by_code(c)[0].timing for c in NAMES], dtype=np.int64)  # (1, 1) for every timed strategy
 
     def peaks(S: np.ndarray, C: np.ndarray) -> np.ndarray:
-        return sim.evaluate(S, np.broadcast_to(ones, S.shape), np.broadcast_to(ones, S.shape), states=C)[0]
+        return sim.evaluate(S, timing[S, 0], timing[S, 1], states=C)[0]
 
     cands = []
     for s in codes:
@@ -378,7 +378,8 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
                 S, C, val, improved = trial_S[i:i + 1].copy(), trial_C[i:i + 1].copy(), float(v[i]), True
         if not improved:
             break
-    decisions = plan_decisions(profile, [int(x) for x in S[0]], [1] * n, [1] * n, [int(x) for x in C[0]])
+    decisions = plan_decisions(profile, [int(x) for x in S[0]], timing[S[0], 0].tolist(), timing[S[0], 1].tolist(),
+                               [int(x) for x in C[0]])
     base = Plan.from_strategies(profile, ["keep"] * n, method="state_floor")
     plan = replace(base, decisions=decisions,
                                step_in_backward=any(STATE_CHOICES[int(x)][1] == "step" for x in C[0]))

@@ -62,9 +62,10 @@ from ..core.errors import BudgetError
 from ..core.plan import DEFAULT_STRATEGIES, effective_triggers
 from ..core.quiet import third_party_quiet
 from ..core.space import PlanSpace
-from ..sim.simulator import NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
+from ..core.strategies import by_code
+from ..sim.simulator import NAMES, Simulator
 from .heads import head_min_peak
-from .space import (
+from .options import (
     Option,
     as_simulator,
     evaluate_arrays,
@@ -77,19 +78,33 @@ __all__ = ["Formulation", "cached_min_peak", "cached_min_peak_plan", "min_peak",
            "solve_min_peak_plan"]
 
 Expr = dict[int, float]
-_RC_LIKE = (RECOMPUTE, RECOMPUTE_OFFLOAD)  # recomputed in backward (and every selective code, >= SELECTIVE)
-_OFFLOADING = (SWAP, RECOMPUTE_OFFLOAD)  # offload to the host, with the swap timing
 _CUT_REACH = 8  # issue boundaries (4 units) a link-time cut looks back
 
 
 def _rc_like(code: int) -> bool:
     """Recomputed in backward: recompute, recompute_offload, or selective with any save-set."""
-    return code in _RC_LIKE or code >= SELECTIVE
+    return by_code(code)[0].recomputes
 
 
 def _pins(code: int) -> bool:
     """Recomputed with its inputs kept on the device by its checkpoint: recompute, or selective."""
-    return code == RECOMPUTE or code >= SELECTIVE
+    return by_code(code)[0].keeps_inputs
+
+
+def _offloads(code: int) -> bool:
+    """Offloads to the host, with the swap timing: swap or recompute_offload."""
+    return by_code(code)[0].offloads
+
+
+def _offloads_inputs(code: int) -> bool:
+    """Recomputed with the inputs its checkpoint keeps offloaded: recompute_offload."""
+    return _rc_like(code) and _offloads(code)
+
+
+def _save_set(code: int) -> int:
+    """The index of a selective code's save-set (its own peaks, held bytes and recompute time); -1 for other codes."""
+    strategy, j = by_code(code)
+    return j if strategy.variants else -1
 
 
 class _Program:
@@ -189,12 +204,12 @@ class Formulation:
         self.redo: list[Expr] = []  # seconds (unscaled) the unit's backward spends recomputing, per option
         for u in range(n):
             self.rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if _rc_like(o[0])})
-            self.sw.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] in _OFFLOADING})
-            self.ro.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if o[0] == RECOMPUTE_OFFLOAD})
+            self.sw.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if _offloads(o[0])})
+            self.ro.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if _offloads_inputs(o[0])})
             self.plain_rc.append({self.x[u][i]: 1.0 for i, o in enumerate(self.opts[u]) if _pins(o[0])})
             self.redo.append({self.x[u][i]: self._redo_seconds(u, o[0])
                               for i, o in enumerate(self.opts[u]) if _rc_like(o[0])})
-        dmax = max((o[2] for u in range(n) for o in self.opts[u] if o[0] in _OFFLOADING), default=0)
+        dmax = max((o[2] for u in range(n) for o in self.opts[u] if _offloads(o[0])), default=0)
         for u in range(n):
             for v in range(u + 1, min(n, u + dmax + 1)):
                 if not self.sw[u] or not self.sw[v]:
@@ -202,17 +217,18 @@ class Formulation:
                 big = float(n)
                 expr: Expr = {}
                 for i, o in enumerate(self.opts[u]):
-                    if o[0] in _OFFLOADING:
+                    if _offloads(o[0]):
                         expr[self.x[u][i]] = expr.get(self.x[u][i], 0.0) + self.trig_of(u, o) + big
                 for i, o in enumerate(self.opts[v]):
-                    if o[0] in _OFFLOADING:
+                    if _offloads(o[0]):
                         expr[self.x[v][i]] = expr.get(self.x[v][i], 0.0) - self.trig_of(v, o) + big
                 p.row(expr, hi=2 * big)
 
     def _redo_seconds(self, u: int, code: int) -> float:
         """What unit ``u``'s backward spends recomputing under ``code``: its forward, or a save-set's share."""
         sim = self.sim
-        return float(sim.sel_time[u, code - SELECTIVE]) if code >= SELECTIVE else float(sim.fwd_time[u])
+        j = _save_set(code)
+        return float(sim.sel_time[u, j]) if j >= 0 else float(sim.fwd_time[u])
 
     def trig_of(self, u: int, o: Option) -> int:
         """The unit whose backward starts unit ``u``'s prefetch under swap (or recompute_offload) option ``o``."""
@@ -258,17 +274,17 @@ class Formulation:
             u = int(sim.seg_unit[k])
             if u >= 0 and self.rc[u]:
                 for i, o in enumerate(self.opts[u]):
-                    if o[0] >= SELECTIVE:  # the save-set's own peak above the segment's start
-                        j = o[0] - SELECTIVE
+                    j = _save_set(o[0])
+                    if j >= 0:  # the save-set's own peak above the segment's start
                         own = sim.sel_fwd_rel[u, j] if k == sim.fwd_seg[u] else sim.sel_bwd_rel[u, j]
                         _add(self.mem_expr[k], {self.x[u][i]: 1.0}, float(own - sim.rel[k]))
-                    elif o[0] in _RC_LIKE:
+                    elif _rc_like(o[0]):
                         _add(self.mem_expr[k], {self.x[u][i]: 1.0}, float(sim.rc_rel[k] - sim.rel[k]))
         # what a selective unit's save-set holds: after its forward, through its backward
         for u in range(n):
             for i, o in enumerate(self.opts[u]):
-                if o[0] >= SELECTIVE:
-                    held = float(sim.sel_held[u, o[0] - SELECTIVE])
+                if _save_set(o[0]) >= 0:
+                    held = float(sim.sel_held[u, _save_set(o[0])])
                     for k in range(int(sim.fwd_seg[u]) + 1, int(sim.bwd_seg[u]) + 1):
                         _add(self.mem_expr[k], {self.x[u][i]: 1.0}, held)
         # per (group, owner option) offload indicator, and the copy jobs they form
@@ -335,7 +351,7 @@ class Formulation:
         owner = int(sim.g_owner[g])
         pin = [c for c in consumers if c != owner and self.rc[c]]
         for i, o in enumerate(self.opts[owner]):
-            if o[0] != SWAP:
+            if not _offloads(o[0]):  # here (no option of the group's units offloads inputs): a swap
                 continue
             xi = self.x[owner][i]
             if pin:
@@ -383,7 +399,7 @@ class Formulation:
 
         def hands(c: int, o: Option) -> bool:
             return ((c in savers and not (c == producer and _rc_like(o[0])))
-                    or (c in consumers and o[0] == RECOMPUTE_OFFLOAD))
+                    or (c in consumers and _offloads_inputs(o[0])))
 
         members = sorted(set(savers) | set(consumers))
         role = {c: [i for i, o in enumerate(self.opts[c]) if hands(c, o)] for c in members}
@@ -394,7 +410,7 @@ class Formulation:
             blockers = [{self.x[v][i]: 1.0 for i in role[v]} for v in later]
             blockers += [self.plain_rc[q] for q in consumers if q != c and self.plain_rc[q]]
             for i in role[c]:
-                if self.opts[c][i][0] not in _OFFLOADING:
+                if not _offloads(self.opts[c][i][0]):
                     continue
                 xi = self.x[c][i]
                 if not blockers:
@@ -567,7 +583,7 @@ class Formulation:
                 _add(row, self.h2d_bytes[u], -inv_h2d)
                 p.row(row, lo=0.0)
             for i, o in enumerate(self.opts[u]):
-                if o[0] not in _OFFLOADING:
+                if not _offloads(o[0]):
                     continue
                 t = int(sim.bwd_seg[self.trig_of(u, o)])
                 row = {h: 1.0, rho[t]: -1.0, self.x[u][i]: -big}

@@ -17,7 +17,7 @@ from ..sim.simulator import Simulator
 from .checks import check_budget, planning_for_free
 from .heads import choosing_head
 from .milp import Formulation
-from .space import (
+from .options import (
     OffloadState,
     as_simulator,
     make_plan,

@@ -22,14 +22,15 @@ from ..core.errors import MemoptError
 from ..core.plan import STATE_CHOICES
 from .baselines import BASELINES
 from .milp import place_states
-from .rl.task import PlanningTask, code_options, option_codes
+from .options import code_options, option_codes
+from .task import PlanningTask
 
 __all__ = ["HEURISTIC_PATIENCE", "HEURISTIC_ROUNDS", "HEURISTIC_STARTS", "PLACEMENT_SOLVES", "PLACEMENT_SOLVE_SECONDS",
            "option_arrays", "polish", "polish_exact_placements", "polish_heuristic_starts", "repair", "to_options"]
 
 
 def option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Option indices (see :class:`~memopt_nb.planners.rl.task.PlanningTask`) as strategy codes, windows and
+    """Option indices (see :mod:`memopt_nb.planners.options`) as strategy codes, windows and
     distances."""
     return option_codes(opt_idx)
 
@@ -57,7 +58,7 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
                              info: dict[str, Any] | None = None) -> tuple:
     """Where placements may move, more starts for the polish: the agents' activation decisions, keep-all (where keep
     is not allowed, each unit's plainest allowed option:
-    :meth:`~memopt_nb.planners.rl.task.PlanningTask.plain_options`) and the
+    :meth:`~memopt_nb.planners.task.PlanningTask.plain_options`) and the
     activations of ``current`` (the agents' plan polished), each with the fastest state placement that fits the budget
     for those activations (exact: the MILP with activations fixed, :func:`~memopt_nb.planners.place_states`), then
     polished. A start whose polished plan is the best so far changed activations and placements together: its
@@ -333,7 +334,7 @@ def _best_move(task: PlanningTask, cand: np.ndarray, states: np.ndarray, below: 
     (row 0 and ``inf`` if none fits).
 
     The same answer as simulating every row, simulating fewer: the rows whose lower bound on the time
-    (:meth:`~memopt_nb.planners.rl.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their
+    (:meth:`~memopt_nb.planners.task.PlanningTask.time_floor`) is below ``below`` are simulated in order of their
     bound:
     the first ``block`` (default :data:`MOVE_BLOCK`), then at once every other row whose bound does not exceed the
     fastest time found, as the rest cannot be faster than it or tie with it.

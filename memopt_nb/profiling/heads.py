@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..core.errors import PlanError
 from ..core.profile import Segment
+from ..core.progress import advance, stage
 from ..runtime.head import ChunkedHead, find_head
 from .tracer import groups_from, segments_from, timed_step, tracked_step
 
@@ -65,6 +66,7 @@ def measure_heads(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
     n = len(names)
     out: dict[str, dict[str, Any]] = {}
     why = []
+    stage("head options", total=len(HEAD_CHUNKS))
     for chunks in HEAD_CHUNKS:
         with ChunkedHead(module, chunks):
             # untimed first: caches, and a loop that keeps its outputs (keep_outputs) then holds this head's output
@@ -73,6 +75,7 @@ def measure_heads(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
                                             recompute=False, kwargs=kwargs)
             if [m[0] for m in marks] != labels:
                 why.append(f"{chunks} chunks: the step ran differently with the head chunked")
+                advance()
                 continue
             times = [timed_step(model, inputs, loss_fn, optimizer, names, device, kwargs)[1] for _ in range(repeats)]
         segs, _, _ = segments_from(marks, n)
@@ -81,6 +84,7 @@ def measure_heads(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimiz
         out[str(chunks)] = {"module": name, "chunks": chunks, "peak_bytes": int(peak),
                             "segments": [dataclasses.asdict(s) for s in segs],
                             "groups": [dataclasses.asdict(g) for g in groups_from(run)]}
+        advance()
     return out, "; ".join(why)
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..core.plan import unit_fingerprint
+from ..core.progress import advance, stage
 from .tracer import chunked_step, tracked_step
 from .units import unusable
 
@@ -57,12 +58,14 @@ def measure_merges(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimi
         levels.setdefault(depth, []).append(block)
     labels = [m[0] for m in ref_marks]
     out: dict[str, dict[str, Any]] = {}
+    stage("merges", total=len(levels))
     for depth in sorted(levels):
         blocks = levels[depth]
         marks, run, _ = tracked_step(model, inputs, loss_fn, optimizer, names, device, observe=False,
                                      recompute=False, kwargs=kwargs, blocks=blocks)
         if [m[0] for m in marks] != labels:
             why.update({b: "the step ran differently with it checkpointed whole" for b in blocks})
+            advance()
             continue
         # the block's own part of the unit-by-unit optimizer step (what its state placements cost at the step)
         steps = (chunked_step(model, inputs, loss_fn, optimizer, [list(model.get_submodule(b).parameters())
@@ -90,4 +93,5 @@ def measure_merges(model: nn.Module, inputs: Sequence[Any], loss_fn: Any, optimi
                 # the candidate units beside it, as a plan's model fingerprint records them
                 "siblings": [c for c, _ in model.get_submodule(block.rpartition(".")[0]).named_children()],
             }
+        advance()
     return out, why

@@ -31,6 +31,7 @@ from ..core.device import DeviceSpec
 from ..core.errors import PlanError, ProfileError
 from ..core.plan import SAVE_SETS, model_fingerprint, optimizer_fingerprint, unit_fingerprint
 from ..core.profile import ModelProfile, Segment, UnitProfile
+from ..core.progress import advance, stage, task
 from ..runtime.distributed import check_plain
 from ..runtime.effects import ForwardEffects, forward_side_effects
 from ..runtime.head import find_head
@@ -158,6 +159,7 @@ PROFILE_OPTIONS = ("loss_fn", "optimizer", "units", "repeats", "device", "model_
                    "batch_dim", "batch_fn", "head", "head_module", "keep_outputs")
 
 
+@task("profile")
 def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, units: Any = "auto", repeats: int = 3,
             device: DeviceSpec | None = None, model_kwargs: Mapping[str, Any] | None = None,
@@ -264,6 +266,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
     # modules outside the model that the loss calls (a GAN's discriminator) are restored too
     with preserved_outside(model) as outside, preserved_state(model, optimizer), step_autocast(dev.type, amp), \
             keeping_outputs(bool(keep_outputs)):
+        stage("warm-up")
         try:
             training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)  # warm-up: optimizer state, lazy init
         except ProfileError:
@@ -282,10 +285,13 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         names, excluded = select_units(model, units, info, split, split_why,
                                           module_state_bytes(model, optimizer))
         n = len(names)
+        stage("tracked steps", total=2)
         keep_marks, run, peak = tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=True,
                                               recompute=False, kwargs=kwargs)
+        advance()
         rc_marks, _, _ = tracked_step(model, inputs, loss_fn, optimizer, names, dev, observe=False, recompute=True,
                                        kwargs=kwargs)
+        advance()
         _, fwd_ref, bwd_ref = segments_from(keep_marks, n)
         merges, merge_why = (measure_merges(model, inputs, loss_fn, optimizer, names, dev, kwargs, split, info,
                                             keep_marks, fwd_ref, bwd_ref) if split else ({}, {}))
@@ -293,6 +299,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         proposed: dict[int, dict[str, dict[str, Any]]] = {}
         set_ops: dict[str, dict[int, Any]] = {}  # per save-set, the ops each unit that has it keeps
         if selective:
+            stage("selective save-sets")
             calls = record_ops(model, inputs, kwargs, names)
             proposed = {i: propose_save_sets(calls.get(i, [])) for i in range(n)}
             set_ops = {k: ops for k in SAVE_SETS if (ops := {i: p[k]["ops"] for i, p in proposed.items() if k in p})}
@@ -300,6 +307,7 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
                                       kwargs=kwargs, save_ops=ops)[0] for k, ops in set_ops.items()}
         # untimed: the tracked steps leave caches cold
         timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs)
+        stage("timed steps", total=repeats)  # timed_repeats advances it
 
         def one_step() -> tuple[list[float], list[float]]:
             wall: list[float] = []
@@ -311,19 +319,26 @@ def profile(model: nn.Module, *example_inputs: Any, loss_fn: Callable[[Any], tor
         timings, timing = timed_repeats(one_step, repeats, dev)  # robust: see .timing
         sac_times: dict[str, list[list[float]]] = {k: [] for k in set_ops}
         rc_times: list[list[float]] = []
+        if set_ops:
+            stage("selective timed steps", total=repeats * (1 + len(set_ops)))
         for _ in range(repeats if set_ops else 0):  # what selective costs, against recompute, measured
             rc_times.append(timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, recompute=True)[1])
             for k, ops in set_ops.items():
                 sac_times[k].append(timed_step(model, inputs, loss_fn, optimizer, names, dev, kwargs, recompute=True,
                                                 save_ops=ops)[1])
+            advance(1 + len(set_ops))
         static = static_bytes(model, optimizer)
         modules = dict(model.named_modules())
         unit_params = [list(modules[nm].parameters()) for nm in names]
         state_bytes = unit_state_bytes(model, optimizer, unit_params, [modules[nm] for nm in names])
+        if optimizer is not None:
+            stage("optimizer steps", total=2)
         chunked = (chunked_step(model, inputs, loss_fn, optimizer, unit_params, dev, kwargs)
                    if optimizer is not None else None)
+        advance()
         streamed = (param_steps(model, inputs, loss_fn, optimizer, unit_params, dev, kwargs)
                     if optimizer is not None else None)
+        advance()
         heads, head_why = (measure_heads(model, inputs, loss_fn, optimizer, names, dev, kwargs, head_module,
                                          labels_ref, repeats) if head else ({}, ""))
     segs, fwd_seg, bwd_seg = segments_from(keep_marks, n)

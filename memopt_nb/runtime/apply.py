@@ -1,9 +1,10 @@
 """``with memopt.plan(p):`` — apply a plan to a live model (and its optimizer) for a block, then restore it exactly.
 
-A plan decides per unit an activation strategy (keep, recompute, swap) and, from schema 2 on, where the unit's
+A plan decides per unit an activation strategy (keep, recompute, swap, ...) and, from schema 2 on, where the unit's
 optimizer state, gradients and parameters live. The activation part is applied here by wrapping the units'
-``forward``; the state part by a :class:`~memopt_nb.runtime.state.StateManager` over the same units and the
-optimizer. Both are installed together and removed together, also when the block raises or is interrupted.
+``forward``, each strategy run by its mechanism (:data:`MECHANISMS`); the state part by a
+:class:`~memopt_nb.runtime.state.StateManager` over the same units and the optimizer. Both are installed together and
+removed together, also when the block raises or is interrupted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import torch.nn as nn
 
 from ..core.budget import format_bytes
 from ..core.errors import MemoptWarning, PlanError
-from ..core.plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers, optimizer_differences, optimizer_fingerprint
+from ..core.plan import (
+    OFFLOADING,
+    RECOMPUTING,
+    Plan,
+    effective_triggers,
+    optimizer_differences,
+    optimizer_fingerprint,
+)
+from ..core.strategies import by_name
 from .distributed import check_state_placements, order_guard, unwrap
 from .head import ChunkedHead, find_head
 from .hooks import uncopied
@@ -31,7 +40,7 @@ from .step import autocast_name
 from .storages import plain_storage_ptrs
 from .swap import SwapEngine
 
-__all__ = ["EXACT_BACKENDS", "AppliedPlan", "PlannedForward", "plan"]
+__all__ = ["EXACT_BACKENDS", "MECHANISMS", "AppliedPlan", "PlannedForward", "plan"]
 
 _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _DEVICE_WARNED: dict[int, weakref.ref] = {}  # plans already warned about (by id, while alive): warn once per plan
@@ -162,7 +171,7 @@ class PlannedForward:
     """
 
     __slots__ = ("applied", "index", "module", "strategy", "previous", "guard", "model_ptrs", "submodules", "inner",
-                 "save_ops", "complete")
+                 "save_ops", "complete", "mechanism")
 
     def __init__(self, applied: AppliedPlan, index: int, module: nn.Module, strategy: str, previous: Any,
                  guard: ReplayGuard | None, model_ptrs: set[int]) -> None:
@@ -174,6 +183,7 @@ class PlannedForward:
         #: selective: the call (see :func:`_call_key`) after which the save-set was found to keep everything backward
         #: needs, so that calls like it run as a keep unit does; ``None`` until then
         self.complete: tuple | None = None
+        self.mechanism = MECHANISMS[strategy]
 
     @property
     def __memopt__(self) -> tuple[AppliedPlan, int]:
@@ -197,19 +207,9 @@ class PlannedForward:
             if self.guard is None:  # a keep unit of a plan removed while another thread still runs
                 return inner(*args, **kwargs)
             return self._checkpointed(args, kwargs)
-        index = self.index
-        p = engine.begin_unit(index)
-        if self.guard is not None and self.strategy != "recompute_offload":
-            out = self._checkpointed(args, kwargs)
-        else:
-            ptrs = _UnitPtrs(self.model_ptrs, self.submodules)
-            if self.guard is not None:  # recompute_offload: the inputs its checkpoint keeps go to the host
-                out = checkpointed(self.guard, inner, args, kwargs, hold=lambda t: engine.pack(p, index, ptrs, t),
-                                   fetch=engine.unpack)
-            else:
-                with engine.hooks(p, index, ptrs):
-                    out = inner(*args, **kwargs)
-        engine.end_unit(p, index, out)
+        p = engine.begin_unit(self.index)
+        out = self.mechanism.run(self, engine, p, args, kwargs)
+        engine.end_unit(p, self.index, out)
         return out
 
     def _checkpointed(self, args: tuple, kwargs: dict) -> Any:
@@ -244,6 +244,41 @@ class PlannedForward:
 
     def __repr__(self) -> str:
         return f"<memopt planned forward of unit {self.index} ({self.strategy})>"
+
+
+class _Saved:
+    """keep, swap: the unit's forward as it is, under the swap engine's hooks (which move the saved tensors of a unit
+    whose strategy offloads and leave a kept unit's where they are)."""
+
+    @staticmethod
+    def run(f: PlannedForward, engine: SwapEngine, p: Any, args: tuple, kwargs: dict) -> Any:
+        with engine.hooks(p, f.index, _UnitPtrs(f.model_ptrs, f.submodules)):
+            return f.inner(*args, **kwargs)
+
+
+class _Checkpointed:
+    """recompute, selective: the unit's forward under checkpointing (its inputs kept on the device)."""
+
+    @staticmethod
+    def run(f: PlannedForward, engine: SwapEngine, p: Any, args: tuple, kwargs: dict) -> Any:
+        return f._checkpointed(args, kwargs)
+
+
+class _CheckpointedOffloaded:
+    """recompute_offload: the unit's forward under checkpointing, the inputs its checkpoint keeps sent to the host
+    through the swap engine and fetched back when the recomputation starts."""
+
+    @staticmethod
+    def run(f: PlannedForward, engine: SwapEngine, p: Any, args: tuple, kwargs: dict) -> Any:
+        index, ptrs = f.index, _UnitPtrs(f.model_ptrs, f.submodules)
+        return checkpointed(f.guard, f.inner, args, kwargs, hold=lambda t: engine.pack(p, index, ptrs, t),
+                            fetch=engine.unpack)
+
+
+#: The mechanism each strategy of :data:`~memopt_nb.core.strategies.REGISTRY` runs a unit's forward with while the plan
+#: has a swap engine (without one a unit runs checkpointed if its strategy recomputes, else as it is).
+MECHANISMS: dict[str, type] = {"keep": _Saved, "swap": _Saved, "recompute": _Checkpointed,
+                               "selective": _Checkpointed, "recompute_offload": _CheckpointedOffloaded}
 
 
 def _check_recomputable(plan: Plan, model: nn.Module) -> None:
@@ -398,8 +433,8 @@ class AppliedPlan:
         try:
             self._guard = order_guard(model, modules, names)  # sharding after this point raises at forward
             for index, (module, strategy) in enumerate(zip(modules, strategies, strict=True)):
-                if strategy == "keep" and not has_swap:
-                    continue
+                if not (has_swap or by_name(strategy).recomputes or by_name(strategy).offloads):
+                    continue  # a kept unit runs as it is unless a swap engine must see its saved tensors
                 self._wrap(index, module, strategy, model_ptrs)
             if state is not None:
                 self.state = state

@@ -16,6 +16,7 @@ import torch.nn as nn
 from ..core.budget import format_bytes
 from ..core.errors import PlanError, ProfileError
 from ..core.plan import Plan
+from ..core.progress import advance, stage, task
 from .apply import AppliedPlan
 from .distributed import ddp_bucket_bytes, ddp_bucket_view, is_ddp, resized_storages
 from .memory import meter_for
@@ -100,6 +101,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@task("measure")
 def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
             optimizer: torch.optim.Optimizer | None = None, plan: Plan | None = None, steps: int = 3,
             warmup: int = 1, model_kwargs: Mapping[str, Any] | None = None,
@@ -143,8 +145,10 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
     keep = bool(plan is not None and plan.meta.get("keep_outputs"))  # the loop the plan was profiled for
     with preserved_outside(model) as outside, preserved_state(model, optimizer), step_autocast(device.type, amp), \
             keeping_outputs(keep), ctx:
+        stage("warm-up and memory steps", total=warmup + 1)
         for _ in range(warmup - 1):
             losses.append(training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs).item())
+            advance()
         meter = meter_for(device)
         meter.track(model, optimizer, list(inputs), kwargs, [t for _, t in output_tensors(kept_outputs())])
         if hasattr(meter, "track_bytes"):  # CUDA: memory of this training that no tracked tensor reaches
@@ -160,8 +164,10 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
             meter.reset_peak()
             loss = training_step(model, inputs, loss_fn, optimizer, kwargs=kwargs)
         peak = int(meter.peak)
+        advance(2 if warmup > 0 else 1)
         outside.stop()  # every module the step calls is known: the timed steps run without the watch
         losses.append(loss.item())
+        stage("timed steps", total=steps)
         for _ in range(steps):
             _sync(device)
             t0 = time.perf_counter()
@@ -169,6 +175,7 @@ def measure(model: nn.Module, *inputs: Any, loss_fn: Callable[[Any], torch.Tenso
             _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
+            advance()
         stats = dict(ctx.stats) if isinstance(ctx, AppliedPlan) else {}
     return Measurement(peak_bytes=peak, step_time=statistics.median(times), step_times=times, losses=losses,
                        device=str(device), method=plan.method if plan is not None else "none", swap_stats=stats,

@@ -100,7 +100,8 @@ from typing import Any
 
 from ..core.device import DeviceSpec
 from ..core.errors import PlanError, ProfileError
-from ..core.plan import SAVE_SETS, STATE_CHOICES, STRATEGIES, Plan
+from ..core.plan import OFFLOADING, SAVE_SETS, STATE_CHOICES, STRATEGIES, Plan
+from ..core.strategies import by_code, by_name
 
 __all__ = ["CopyJob", "Replay", "copy_seconds", "prefetch_triggers", "replay", "thread_seconds"]
 
@@ -198,11 +199,8 @@ def prefetch_triggers(strategies: Sequence[str], distances: Sequence[int]) -> li
     """
     n = len(strategies)
     wanted = {j: min(j + int(distances[j]), n - 1) for j in range(n)
-              if strategies[j] in ("swap", "recompute_offload")}
+              if by_name(strategies[j]).offloads}
     return [min(t for j, t in wanted.items() if j >= i) if i in wanted else None for i in range(n)]
-
-
-_SELECTIVE_CODE = STRATEGIES.index("selective")  # codes _SELECTIVE_CODE + j: selective with SAVE_SETS[j]
 
 
 def _decode(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None,
@@ -225,14 +223,8 @@ def _decode(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | N
                 raise PlanError(f"a selective unit is given as 'selective:<save-set>' with a save-set among "
                                 f"{', '.join(SAVE_SETS)}; got {s!r}")
         else:
-            code = int(s)
-            if not 0 <= code < _SELECTIVE_CODE + len(SAVE_SETS):
-                raise PlanError(f"strategy code {code} is not one of 0 (keep), 1 (recompute), 2 (swap), "
-                                f"3 (recompute_offload), {_SELECTIVE_CODE}.."
-                                f"{_SELECTIVE_CODE + len(SAVE_SETS) - 1} (selective: {', '.join(SAVE_SETS)})")
-            name = STRATEGIES[min(code, _SELECTIVE_CODE)]
-            if code >= _SELECTIVE_CODE:
-                save_set = SAVE_SETS[code - _SELECTIVE_CODE]
+            strategy, j = by_code(s)  # PlanError naming every code
+            name, save_set = strategy.name, (strategy.variants[j] if strategy.variants else "")
         if name not in STRATEGIES or (save_set and name != "selective"):
             raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, got {s!r}")
         strategies.append(name)
@@ -518,10 +510,11 @@ class _GroupLedger:
     def __init__(self, profile: Any, where: _Structure, strategies: Sequence[str], windows: Sequence[int],
                  chosen: list[Any], triggers: Sequence[int]) -> None:
         n = len(profile.units)
-        rc = [s in ("recompute", "recompute_offload", "selective") for s in strategies]  # recomputed
-        ro = [s == "recompute_offload" for s in strategies]  # recomputed, inputs offloaded
-        plain_rc = [s in ("recompute", "selective") for s in strategies]  # recomputed, inputs kept
-        offloading = [s in ("swap", "recompute_offload") for s in strategies]
+        kinds = [by_name(s) for s in strategies]
+        rc = [k.recomputes for k in kinds]  # recomputed
+        ro = [k.recomputes and k.offloads for k in kinds]  # recomputed, inputs offloaded
+        plain_rc = [k.keeps_inputs for k in kinds]  # recomputed, inputs kept
+        offloading = [k.offloads for k in kinds]
         fwd_at, bwd_at = where.fwd_at, where.bwd_at
         self.change: dict[int, int] = {}
         self.offloads: dict[int, dict[int, list[Any]]] = {}
@@ -632,10 +625,10 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     strategies, windows_, distances_, save_sets = _decode(profile, plan, windows, distances)
     placements = _placements(profile, plan, states)
     units, segments = profile.units, profile.segments
-    rc = [s in ("recompute", "recompute_offload", "selective") for s in strategies]  # recomputed
+    rc = [by_name(s).recomputes for s in strategies]  # recomputed
     chosen = _save_set_costs(profile.units, save_sets)  # a selective unit's save-set costs
-    if any(s in ("swap", "recompute_offload") for s in strategies) and not dev.has_host_link:
-        used = ", ".join(sorted(set(strategies) & {"swap", "recompute_offload"}))
+    if any(s in OFFLOADING for s in strategies) and not dev.has_host_link:
+        used = ", ".join(sorted(set(strategies) & set(OFFLOADING)))
         raise PlanError(f"the plan offloads units ({used}), but {dev.name} has no host link to copy over; recompute or "
                         "keep them")
     where = _Structure(profile)

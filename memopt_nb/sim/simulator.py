@@ -86,30 +86,20 @@ from ..core.cuts import profile_for
 from ..core.device import DeviceSpec
 from ..core.errors import PlanError, ProfileError
 from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan
+from ..core.strategies import CODES, NAMES, by_code, code_of, save_set_of
 from .replay import Replay, replay
 
 __all__ = ["CODES", "NAMES", "SimResult", "Simulator", "StateTable", "code_of", "save_set_of", "simulate",
            "simulate_reference"]
 
-KEEP, RECOMPUTE, SWAP, RECOMPUTE_OFFLOAD, SELECTIVE = 0, 1, 2, 3, 4
-#: Strategy name -> its code (``"selective"``: the base code; save-set ``j`` of :data:`~memopt_nb.core.plan.SAVE_SETS`
-# is
-#: ``SELECTIVE + j``, see :func:`code_of`).
-CODES = {"keep": KEEP, "recompute": RECOMPUTE, "swap": SWAP, "recompute_offload": RECOMPUTE_OFFLOAD,
-         "selective": SELECTIVE}
-#: Code -> strategy name; every selective code (``SELECTIVE + j``) names ``"selective"``.
-NAMES = {**{v: k for k, v in CODES.items()}, **{SELECTIVE + j: "selective" for j in range(len(SAVE_SETS))}}
-
-
-def code_of(strategy: str, save_set: str = "") -> int:
-    """The code of ``strategy`` (with its save-set for ``"selective"``: ``SELECTIVE + SAVE_SETS.index(save_set)``)."""
-    if strategy == "selective":
-        if save_set not in SAVE_SETS:
-            raise PlanError(f"a selective unit needs a save-set, one of {', '.join(SAVE_SETS)}; got {save_set!r}")
-        return SELECTIVE + SAVE_SETS.index(save_set)
-    if strategy not in CODES:
-        raise PlanError(f"strategy must be one of {', '.join(CODES)}, got {strategy!r}")
-    return CODES[strategy]
+#: The codes the cost rules below name (every code and what it does comes from :mod:`memopt_nb.core.strategies`).
+KEEP, RECOMPUTE, SWAP, RECOMPUTE_OFFLOAD, SELECTIVE = (CODES[s] for s in ("keep", "recompute", "swap",
+                                                                    "recompute_offload", "selective"))
+#: Per code: recomputed in backward; offloads to the host with the swap timing; recomputed with the inputs its
+#: checkpoint keeps offloaded (the registry's flags, as arrays indexed by code).
+_RECOMPUTES = np.array([by_code(c)[0].recomputes for c in NAMES])
+_OFFLOADS = np.array([by_code(c)[0].offloads for c in NAMES])
+_OFFLOADS_INPUTS = _RECOMPUTES & _OFFLOADS
 
 
 def _row_sums(values: np.ndarray, rows: np.ndarray, B: int, width: int) -> np.ndarray:
@@ -120,17 +110,6 @@ def _row_sums(values: np.ndarray, rows: np.ndarray, B: int, width: int) -> np.nd
         starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
         out[rows[starts]] = np.add.reduceat(values, starts, axis=0)
     return out
-
-
-def save_set_of(code: int) -> str:
-    """The save-set a strategy code stands for (``""`` for the codes below :data:`SELECTIVE`)."""
-    code = int(code)
-    if code < SELECTIVE:
-        return ""
-    if code - SELECTIVE >= len(SAVE_SETS):
-        raise PlanError(f"strategy code {code} is not a strategy: selective codes are {SELECTIVE}.."
-                        f"{SELECTIVE + len(SAVE_SETS) - 1} ({', '.join(SAVE_SETS)})")
-    return SAVE_SETS[code - SELECTIVE]
 
 
 def stream_peak(unit: Any, with_grads: bool) -> int:
@@ -306,16 +285,14 @@ class Simulator:
     def _selective_of(self, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For ``(B, n)`` codes: which units run selective, and the index of their save-set (0 elsewhere); a code
         that names a save-set the profile does not have for its unit raises :class:`PlanError`."""
-        sel = s >= SELECTIVE
+        K = len(SAVE_SETS)
+        sel = (s >= SELECTIVE) & (s < SELECTIVE + K)
         j = np.where(sel, s - SELECTIVE, 0)
         if sel.any():
-            K = len(SAVE_SETS)
-            bad = sel & ((j >= K) | ~self.sel_has[np.arange(self.n)[None], np.minimum(j, K - 1)])
+            bad = sel & ~self.sel_has[np.arange(self.n)[None], j]
             if bad.any():
                 b, u = (int(x[0]) for x in np.nonzero(bad))
-                code = int(s[b, u])
-                what = (f"save-set {SAVE_SETS[code - SELECTIVE]!r}" if code - SELECTIVE < len(SAVE_SETS)
-                        else f"code {code}")
+                what = f"save-set {SAVE_SETS[int(s[b, u]) - SELECTIVE]!r}"
                 raise PlanError(f"unit {u} ({self.profile.units[u].name}): selective with {what}, which its profile "
                                 f"does not offer (it offers: {', '.join(self.profile.units[u].save_sets) or 'none'}); "
                                 "profile the model with memopt.profile(..., selective=True) or choose another "
@@ -543,12 +520,14 @@ class Simulator:
         if s.shape[1] != n or w.shape != s.shape or d.shape != s.shape:
             raise PlanError(f"expected (B, {n}) arrays of strategies, windows and distances, got {s.shape}, "
                             f"{w.shape}, {d.shape}")
-        ro = s == RECOMPUTE_OFFLOAD
-        any_ro = bool(ro.any())
+        if s.size and (s.min() < 0 or s.max() >= len(NAMES)):
+            by_code(int(s.min() if s.min() < 0 else s.max()))  # PlanError naming the codes
         sel, sel_j = self._selective_of(s)
+        ro = _OFFLOADS_INPUTS[s]
+        any_ro = bool(ro.any())
         any_sel = bool(sel.any())
-        rc = (s == RECOMPUTE) | ro | sel  # recomputed (plain, with its inputs offloaded, or selectively)
-        sw = (s == SWAP) | ro  # offloads to the host, with the swap timing
+        rc = _RECOMPUTES[s]  # recomputed (plain, with its inputs offloaded, or selectively)
+        sw = _OFFLOADS[s]  # offloads to the host, with the swap timing
         rows = np.arange(B)[:, None]
         # effective prefetch triggers (descending scan)
         trig = np.full((B, n), -1)

@@ -44,9 +44,9 @@ recompute/swap where the unit allows it, a save-set where the unit offers it, sw
 only where the state table says it changes something (not for units without parameters), timings only for swapped units
 and only where they differ in effect, and any action after which the budget is out of reach even if every remaining unit
 takes its most frugal option (by the marginal model; for the unit decided at the same step by the other agent, its most
-frugal allowed option is assumed). Activations only, on :data:`~memopt_nb.planners.rl.task.COMPLETION_FROM_UNITS`
+frugal allowed option is assumed). Activations only, on :data:`~memopt_nb.planners.task.COMPLETION_FROM_UNITS`
 units or more, where the task knows a plan that fits (its *completion*, the lowest-peak uniform plan,
-:meth:`~memopt_nb.planners.rl.task.PlanningTask.completion_options`), the masks go further:
+:meth:`~memopt_nb.planners.task.PlanningTask.completion_options`), the masks go further:
 only the actions after which that plan for the units still undecided keeps the budget, or the ones closest to it where
 none does. The per-segment best case of every unit at once is no plan at all, and on a hundred units or more it let
 episodes walk into budgets they could no longer meet. An action outside the mask is replaced by the first allowed one.
@@ -77,9 +77,11 @@ from pettingzoo import ParallelEnv
 
 from ...core.errors import PlanError
 from ...core.plan import STATE_CHOICES
-from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SWAP
+from ...core.strategies import REGISTRY
+from ...sim.simulator import KEEP, RECOMPUTE, SWAP
+from ..options import DEFAULT_TIMING, TIMINGS
+from ..task import PlanningTask
 from .ppo import SyncVectorEnv
-from .task import DEFAULT_TIMING, TIMINGS, PlanningTask
 
 __all__ = ["MemoryPlanningEnv", "STRATEGY", "TIMING", "ORDERS", "decision_order"]
 
@@ -89,7 +91,7 @@ _N_UNIT = 9
 _N_LOOK = 7
 
 
-_TIMED = (SWAP, RECOMPUTE_OFFLOAD)  # strategies the timing agent times
+_TIMED = tuple(s.code for s in REGISTRY if s.timed)  # strategies the timing agent times
 
 
 #: The decision orders :func:`decision_order` knows by name.
@@ -108,7 +110,7 @@ def decision_order(task: PlanningTask, order: str | Sequence[int] = "state") -> 
     sequence: that permutation.
 
     The masks and observations hold in any order: the marginal model is separable, and what the units still to decide
-    can take off is summed over them (:meth:`~memopt_nb.planners.rl.task.PlanningTask.suffixes`). ``memopt.search``
+    can take off is summed over them (:meth:`~memopt_nb.planners.task.PlanningTask.suffixes`). ``memopt.search``
     passes its ``order=`` here.
     """
     n = task.n
@@ -365,12 +367,15 @@ class MemoryPlanningEnv(ParallelEnv):
         n, C, S = task.n, task.C, task.S
         K, T = task.n_strategies, len(TIMINGS)
         unit = self._unit_features(u)
-        choice = [task.marg_peak[u, KEEP], task.marg_peak[u, RECOMPUTE]]
-        ok_s = [bool(task.option_ok[u, KEEP]), bool(task.option_ok[u, RECOMPUTE])]
-        costs = [task.marg_time[u, KEEP], task.marg_time[u, RECOMPUTE]]
+        choice, ok_s, costs = [], [], []
         # per timed strategy (keyed by its code): its most frugal allowed timing, what the timing agent sees
         timed_cost, pend_min, t_cost, t_unit = {}, {}, {}, {}
-        for code in task.timed_codes:
+        for a, (code, o) in enumerate(zip(task.action_codes.tolist(), task.action_option.tolist(), strict=True)):
+            if o >= 0:  # an untimed action: its one option
+                choice.append(task.marg_peak[u, o])
+                ok_s.append(bool(task.option_ok[u, o]))
+                costs.append(task.marg_time[u, o])
+                continue
             b = task.timed_base[code]
             opts = np.flatnonzero(task.option_ok[u, b:b + T])
             frugal_c = task.marg_peak[u, b + opts].min(axis=0) if opts.size else None
@@ -381,11 +386,7 @@ class MemoryPlanningEnv(ParallelEnv):
             timed_cost[code] = task.marg_time[u, b + opts].min() if opts.size else None
             pend_min[code] = frugal_c
             t_cost[code] = (task.marg_time[u, b:b + T] - default) / self._t_unit
-            t_unit[code] = np.concatenate([unit, np.eye(K)[code]])
-        for o in task.action_option[2 + len(task.timed_codes):]:  # selective, one action per save-set
-            choice.append(task.marg_peak[u, o])
-            ok_s.append(bool(task.option_ok[u, o]))
-            costs.append(task.marg_time[u, o])
+            t_unit[code] = np.concatenate([unit, np.eye(K)[a]])
         choice = np.stack(choice)
         ok_s = np.array(ok_s)
         costs = np.array(costs)
@@ -408,7 +409,8 @@ class MemoryPlanningEnv(ParallelEnv):
         look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
                                  task.profile.units[v].interior_bytes / self._b_unit,
                                  task.marg_time[v, RECOMPUTE] / self._t_unit,
-                                 task.marg_time[v, 2 + DEFAULT_TIMING] / self._t_unit] for v in look]).reshape(-1, 5)
+                                 task.marg_time[v, task.timed_base[SWAP] + DEFAULT_TIMING] / self._t_unit]
+                                for v in look]).reshape(-1, 5)
         got = {
             "choice": choice, "ok": (ok_s[:, None] & task.state_ok[u][None]).ravel(), "cost_per": cost_per,
             "unit": unit, "unit_s": unit_s, "frugal": frugal, "frugal_step": frugal_step,
@@ -636,7 +638,7 @@ class MemoryPlanningEnv(ParallelEnv):
             unit.interior_bytes / self._b_unit,
             min(float(task.copy_ratio[u]), 10.0),
             float(task.option_ok[u, RECOMPUTE]),
-            float(task.option_ok[u, 2:2 + len(TIMINGS)].any()),
+            float(task.option_ok[u, task.timed_base[SWAP]:task.timed_base[SWAP] + len(TIMINGS)].any()),
         ])
 
     def render(self) -> None:

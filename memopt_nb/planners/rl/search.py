@@ -18,10 +18,10 @@ from ...core.device import DeviceSpec
 from ...core.errors import PlanError
 from ...core.plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
 from ...runtime.limit import uncounted
-from ...sim.simulator import RECOMPUTE_OFFLOAD
 from ..checks import planning_for_free
 from ..heads import choosing_head
 from ..optimal import optimal
+from ..options import make_plan, plan_decisions
 from ..polish import (
     option_arrays,
     polish,
@@ -30,10 +30,9 @@ from ..polish import (
     repair,
     to_options,
 )
-from ..space import make_plan, plan_decisions
+from ..task import PlanningTask
 from .env import STRATEGY, TIMING, MemoryPlanningEnv, decision_order
 from .ppo import PPOConfig, train
-from .task import PlanningTask
 
 __all__ = ["search", "plan_from_arrays", "SearchTracker", "default_timesteps", "default_restarts",
            "default_update_epochs", "default_risk_quantile", "RISK_QUANTILE", "METHOD", "PATIENCE",
@@ -93,7 +92,7 @@ def default_update_epochs(task: PlanningTask) -> int:
     fit them where more steps, a larger learning rate or more entropy did not (``benchmarks/planner_quality.py
     --wide``); over the whole-step space with keep / recompute / swap they made no difference.
     """
-    return 8 if RECOMPUTE_OFFLOAD in task.timed_codes or task.selective else 4
+    return 8 if task.opt_in else 4
 
 
 def plan_from_arrays(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
@@ -101,7 +100,7 @@ def plan_from_arrays(task: PlanningTask, codes: np.ndarray, windows: np.ndarray,
     """The plan of these arrays, with the task's prediction (placements and the optimizer step included).
 
     Without a state model and without ``step_in_backward`` this is exactly
-    :func:`~memopt_nb.planners.space.make_plan`; otherwise the decisions carry the placements, the predicted peak and
+    :func:`~memopt_nb.planners.options.make_plan`; otherwise the decisions carry the placements, the predicted peak and
     step time come from the task's state-aware evaluation, and the plan records ``step_in_backward``.
     """
     plan = make_plan(task.sim, codes, windows, dists, budget=task.budget, method=METHOD, seed=seed, **meta)

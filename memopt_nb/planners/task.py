@@ -1,4 +1,5 @@
-"""One planning problem — a profile, a budget, a device, the state placements allowed — prepared for the agents.
+"""One planning problem — a profile, a budget, a device, the state placements allowed — prepared for the agents
+(:mod:`.rl`) and the polish (:mod:`.polish`), over the options of :mod:`.options` (numbered as it numbers them).
 
 Besides the exact simulator (which scores every finished plan), a task holds a *marginal model*: for every unit and
 option, how the per-segment peaks and the step time change when only that unit leaves "keep". Summing marginals is
@@ -21,65 +22,34 @@ from typing import Any
 
 import numpy as np
 
-from ...core.budget import format_bytes, resolve_budget
-from ...core.device import DeviceSpec
-from ...core.errors import BudgetError, PlanError
-from ...core.plan import DEFAULT_STRATEGIES, DISTANCES, SAVE_SETS, STATE_CHOICES, WINDOWS
-from ...core.space import PlanSpace
-from ...sim.simulator import KEEP, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator
-from ..checks import check_budget, default_budget
-from ..floor import Advice
-from ..space import as_simulator, check_save_sets, unit_states
+from ..core.budget import format_bytes, resolve_budget
+from ..core.device import DeviceSpec
+from ..core.errors import BudgetError, PlanError
+from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES
+from ..core.space import PlanSpace
+from ..core.strategies import REGISTRY
+from ..sim.simulator import KEEP, RECOMPUTE, SWAP, Simulator
+from .checks import check_budget, default_budget
+from .floor import Advice
+from .options import (
+    OPTION_BASE,
+    TIMINGS,
+    as_simulator,
+    check_save_sets,
+    code_options,
+    option_codes,
+    unit_ok,
+    unit_states,
+)
 
-__all__ = ["PlanningTask", "StateModel", "state_model_for", "TIMINGS", "DEFAULT_TIMING", "N_OPTIONS", "SELECTIVE_BASE",
-           "COMPLETION_FROM_UNITS", "code_options", "option_codes"]
+__all__ = ["PlanningTask", "StateModel", "state_model_for", "COMPLETION_FROM_UNITS"]
 
-#: Timing actions: (offload window, prefetch distance) pairs.
-TIMINGS: tuple[tuple[int, int], ...] = tuple((w, d) for w in WINDOWS for d in DISTANCES)
-#: The timing a swap gets when nobody chooses one (the timing agent's difference reward is measured against it).
-DEFAULT_TIMING = TIMINGS.index((1, 1))
-N_OPTIONS = 2 + len(TIMINGS)  # keep, recompute, swap × timings (a task with recompute_offload: task.n_options)
 #: From this many units up (activations only) the environment's masks assume a plan that fits for the units still
 #: undecided (:meth:`PlanningTask.completion_options`) rather than each unit's best case per segment. The best case
 #: keeps every plan reachable (the optimum included), but summed over a hundred units or more it is so far from any
 #: one plan that most episodes miss a tight budget; the completion keeps them within it and may mask a plan that
 #: needed a mix the uniform completion does not have.
 COMPLETION_FROM_UNITS = 96
-
-#: The first option index of the selective options, in a task that offers them (``SELECTIVE_BASE + j``: save-set
-#: ``SAVE_SETS[j]``): after keep, recompute and both timed strategies' timings (recompute_offload's columns are
-#: there, not allowed, when it is not in ``strategies``), so that an option index means the same in every such task.
-SELECTIVE_BASE = 2 + 2 * len(TIMINGS)
-
-
-def option_codes(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Option indices as strategy codes, windows and distances: 0 keep, 1 recompute, ``2 + j`` swap and
-    ``2 + len(TIMINGS) + j`` recompute_offload with ``TIMINGS[j]``, ``SELECTIVE_BASE + j`` selective with
-    ``SAVE_SETS[j]`` (timing ``(1, 1)`` where nothing is timed)."""
-    T = len(TIMINGS)
-    opt_idx = np.asarray(opt_idx)
-    codes = np.where(opt_idx < 2 + T, np.minimum(opt_idx, 2),
-                     np.where(opt_idx < SELECTIVE_BASE, RECOMPUTE_OFFLOAD, SELECTIVE + opt_idx - SELECTIVE_BASE))
-    w = np.ones_like(opt_idx)
-    d = np.ones_like(opt_idx)
-    timed = (opt_idx >= 2) & (opt_idx < SELECTIVE_BASE)
-    tw = np.array([t[0] for t in TIMINGS])
-    td = np.array([t[1] for t in TIMINGS])
-    w[timed] = tw[(opt_idx[timed] - 2) % T]
-    d[timed] = td[(opt_idx[timed] - 2) % T]
-    return codes, w, d
-
-
-def code_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.ndarray:
-    """Strategy codes with their timings as option indices (the inverse of :func:`option_codes`)."""
-    codes = np.asarray(codes)
-    idx = np.array(codes, dtype=np.int64, copy=True)
-    for u in np.flatnonzero((codes == SWAP) | (codes == RECOMPUTE_OFFLOAD)):
-        base = 2 if codes[u] == SWAP else 2 + len(TIMINGS)
-        idx[u] = base + TIMINGS.index((int(windows[u]), int(dists[u])))
-    sel = codes >= SELECTIVE
-    idx[sel] = SELECTIVE_BASE + codes[sel] - SELECTIVE
-    return idx
 
 
 class StateModel:
@@ -144,23 +114,23 @@ def state_model_for(sim: Simulator) -> StateModel | None:
 class PlanningTask:
     """A (profile, budget, device, allowed strategies and placements) compiled for the environment and the search.
 
-    ``strategies`` (read by :func:`~memopt_nb.planners.space.allowed_strategies`) restricts the activation options:
+    ``strategies`` (read by :func:`~memopt_nb.planners.options.allowed_strategies`) restricts the activation options:
     ``option_ok`` leaves out the strategies not allowed, and a unit none of the allowed ones fits keeps its
-    activations (as in the MILP's :func:`~memopt_nb.planners.space.unit_options`). ``offload_state`` and
+    activations (as in the MILP's :func:`~memopt_nb.planners.options.unit_options`). ``offload_state`` and
     ``step_in_backward`` are read by :func:`memopt_nb.core.plan.state_choices`; the allowed placements are ``state_ids``
     (indices into :data:`~memopt_nb.core.plan.STATE_CHOICES`, 0 first). Without a state model (:func:`state_model_for`
     returns ``None``) only 0 is allowed, whatever ``offload_state`` says.
 
-    Options (the columns of ``option_ok``, ``marg_peak``, ``marg_time``): 0 keep, 1 recompute, ``2 + j`` swap with
-    ``TIMINGS[j]`` and, only when ``strategies`` has it, ``2 + len(TIMINGS) + j`` recompute_offload with ``TIMINGS[j]``
-    and, only when ``strategies`` has ``"selective"`` and some unit offers a save-set, ``SELECTIVE_BASE + j``
-    selective with save-set ``SAVE_SETS[j]`` (where the unit is recomputable and the save-set is one of its Pareto
-    ones, as :func:`~memopt_nb.planners.space.unit_options` offers them); ``n_options`` in all; ``timed_base`` maps a
-    timed strategy's code to its first option; :func:`option_codes` maps options to codes.
+    Options (the columns of ``option_ok``, ``marg_peak``, ``marg_time``) are numbered as :mod:`.options`
+    numbers them (0 keep, 1 recompute, ``2 + j`` swap with ``TIMINGS[j]``, ...), up to the last strategy the task
+    ``offered``: every default one, and each opt-in one ``strategies`` allows (one with variants, selective, only where
+    some unit offers one: recomputable and a Pareto save-set, as :func:`~memopt_nb.planners.options.unit_options`
+    offers them); ``n_options`` in all; ``timed_base`` maps a timed strategy's code to its first option;
+    :func:`~memopt_nb.planners.options.option_codes` maps options to codes.
 
-    The strategy agent's actions are ``action_codes`` (keep, recompute, the timed strategies ``timed_codes``, then the
-    selective save-sets), ``n_strategies`` of them; ``action_option[s]`` is the option of an untimed action (-1 for
-    a timed one, whose option the timing agent completes).
+    The strategy agent's actions are ``action_codes``: per offered strategy in registry order, one (a timed one; the
+    timing agent then picks its option) or one per code (its variants); ``n_strategies`` of them; ``action_option[s]``
+    is the option of an untimed action (-1 for a timed one).
     """
 
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
@@ -170,25 +140,33 @@ class PlanningTask:
         #: what the agents may decide, parsed once (PlanError on a bad value)
         self.space = PlanSpace.of(strategies, offload_state, step_in_backward)
         self.strategies = self.space.strategies
-        # options: keep, recompute, swap × TIMINGS and, only when allowed, recompute_offload × TIMINGS (so that the
-        # default space's tables, actions and observations stay what they were)
+        # options: those of every default strategy (keep, recompute, swap × TIMINGS) and, only when allowed and
+        # offered, those of the opt-in ones up to the last of them (so that the default space's tables, actions and
+        # observations stay what they were, and an option index means the same in every task)
         T = len(TIMINGS)
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
         check_save_sets(self.sim, self.strategies)  # selective named for a profile without save-sets: PlanError
+        #: per registry strategy, which units may take it (``(n,)``; ``(n, variants)`` for one with variants)
+        fits = {s.code: unit_ok(self.sim, s) for s in REGISTRY}
+        #: the strategies the task offers, in registry order: the default ones, and the opt-in ones allowed (one with
+        #: variants only if some unit offers one)
+        self.offered = tuple(s for s in REGISTRY if s.default or (
+            s.name in self.strategies and (not s.variants or bool(fits[s.code].any()))))
         #: the timed strategies the timing agent times
-        self.timed_codes = (SWAP, RECOMPUTE_OFFLOAD) if "recompute_offload" in self.strategies else (SWAP,)
-        offered = self.sim.recomputable[:, None] & self.sim.sel_pareto  # (n, K): the selective options
-        self.selective = "selective" in self.strategies and bool(offered.any())
-        n_sel = len(SAVE_SETS) if self.selective else 0
-        self.action_codes = np.array([KEEP, RECOMPUTE, *self.timed_codes,
-                                      *(SELECTIVE + j for j in range(n_sel))], dtype=np.int64)
+        self.timed_codes = tuple(s.code for s in self.offered if s.timed)
+        self.selective = any(s.name == "selective" for s in self.offered)
+        #: whether any opt-in strategy is offered
+        self.opt_in = any(not s.default for s in self.offered)
+        self.action_codes = np.array([c for s in self.offered for c in (s.codes if not s.timed else [s.code])],
+                                     dtype=np.int64)
         self.n_strategies = len(self.action_codes)
-        self.n_options = SELECTIVE_BASE + n_sel if self.selective else 2 + T * len(self.timed_codes)
-        self.action_option = np.array([c if c < SWAP else (SELECTIVE_BASE + c - SELECTIVE if c >= SELECTIVE else -1)
-                                       for c in self.action_codes], dtype=np.int64)
+        self.n_options = max(OPTION_BASE[s.code] + (T if s.timed else len(s.codes)) for s in self.offered)
+        ones = np.ones_like(self.action_codes)
+        self.action_option = np.where(np.isin(self.action_codes, self.timed_codes), -1,
+                                      code_options(self.action_codes, ones, ones))
         #: first option index of each timed strategy (its timing j is option ``timed_base[code] + j``)
-        self.timed_base = {SWAP: 2, RECOMPUTE_OFFLOAD: 2 + T}
+        self.timed_base = {s.code: OPTION_BASE[s.code] for s in REGISTRY if s.timed}
         allowed = tuple(STATE_CHOICES[c] for c in self.space.placements)
         self.step_in_backward = step_in_backward
         self.n = n = self.sim.n
@@ -210,44 +188,37 @@ class PlanningTask:
         # which options exist for each unit
         N = self.n_options
         self.option_ok = np.zeros((n, N), dtype=bool)
-        self.option_ok[:, KEEP] = True
-        self.option_ok[:, RECOMPUTE] = self.sim.recomputable
-        self.option_ok[:, 2:2 + T] = self.sim.swappable[:, None]
-        if RECOMPUTE_OFFLOAD in self.timed_codes:
-            self.option_ok[:, 2 + T:2 + 2 * T] = (self.sim.swappable & self.sim.recomputable)[:, None]
-        if self.selective:
-            self.option_ok[:, SELECTIVE_BASE:] = offered
+        for s in self.offered:
+            b = OPTION_BASE[s.code]
+            if s.name in self.strategies:
+                self.option_ok[:, b:b + (T if s.timed else len(s.codes))] = (
+                    fits[s.code][:, None] if fits[s.code].ndim == 1 else fits[s.code])
+        timed = [OPTION_BASE[c] for c in self.timed_codes]
         for u in range(n):  # timings with no distinct effect are disabled, keeping the first of each class
             seen = set()
             for j, (w, d) in enumerate(TIMINGS):
                 key = (min(u + 1 + w, n), min(u + d, n - 1))
                 if key in seen:
-                    self.option_ok[u, 2 + j:2 + 2 * T:T] = False
+                    self.option_ok[u, [b + j for b in timed]] = False
                 seen.add(key)
-        if "recompute" not in self.strategies:
-            self.option_ok[:, RECOMPUTE] = False
-        if "swap" not in self.strategies:
-            self.option_ok[:, 2:2 + T] = False
         if "keep" not in self.strategies:  # kept only where nothing allowed fits the unit
             self.option_ok[:, KEEP] = ~self.option_ok[:, 1:].any(axis=1)
-        # marginal model: unit u alone on option o
-        codes, windows, dists = [], [], []
-        for u in range(n):
-            for o in range(N):
-                c = np.zeros(n, dtype=np.int64)
-                w = np.ones(n, dtype=np.int64)
-                d = np.ones(n, dtype=np.int64)
-                if o == RECOMPUTE:
-                    c[u] = RECOMPUTE
-                elif o >= SELECTIVE_BASE:  # a save-set the unit does not have is scored as keep (not allowed)
-                    c[u] = SELECTIVE + o - SELECTIVE_BASE if self.sim.sel_has[u, o - SELECTIVE_BASE] else KEEP
-                elif o >= 2:
-                    c[u] = SWAP if o < 2 + T else RECOMPUTE_OFFLOAD
-                    w[u], d[u] = TIMINGS[(o - 2) % T]
-                codes.append(c)
-                windows.append(w)
-                dists.append(d)
-        det = self.sim.evaluate(np.array(codes), np.array(windows), np.array(dists), details=True)
+        # marginal model: unit u alone on option o (a variant the unit does not have is scored as keep: not allowed)
+        oc, ow, od = option_codes(np.arange(N))
+        units = np.repeat(np.arange(n), N)
+        opts = np.tile(np.arange(N), n)
+        has = np.ones((n, N), dtype=bool)
+        for s in REGISTRY:  # every strategy with variants whose columns the task has, offered or not
+            if s.variants and OPTION_BASE[s.code] < N:
+                has[:, OPTION_BASE[s.code]:OPTION_BASE[s.code] + len(s.codes)] = self.sim.sel_has
+        mc = np.where(has[units, opts], oc[opts], KEEP)
+        codes, windows, dists = (np.zeros((n * N, n), dtype=np.int64), np.ones((n * N, n), dtype=np.int64),
+                                 np.ones((n * N, n), dtype=np.int64))
+        rows = np.arange(n * N)
+        codes[rows, units] = mc
+        windows[rows, units] = np.where(has[units, opts], ow[opts], 1)
+        dists[rows, units] = np.where(has[units, opts], od[opts], 1)
+        det = self.sim.evaluate(codes, windows, dists, details=True)
         self.marg_peak = (det["peaks"] - self.base_peaks[None]).reshape(n, N, self.S)
         self.marg_time = (det["time"] - self.base_time).reshape(n, N)
         #: seconds unit ``u``'s backward spends recomputing on option ``o`` (the simulator's ``recompute`` of the unit
@@ -265,7 +236,7 @@ class PlanningTask:
             eff = np.where(self.option_ok & (red > 0), np.maximum(self.marg_time, 0.0) / red, np.inf)
         self.best_eff = eff.min(axis=1)  # (n,)
         self.rc_eff = eff[:, RECOMPUTE]
-        self.swap_eff = eff[:, 2:2 + T].min(axis=1)
+        self.swap_eff = eff[:, self.timed_base[SWAP]:self.timed_base[SWAP] + T].min(axis=1)
         self.max_red = red.max(axis=1)  # (n,)
         if self.C > 1:  # the most a placement takes off a segment adds to it
             self.max_red = self.max_red + np.maximum(-self.st_seg.min(axis=2), 0.0).max(axis=1)
@@ -332,7 +303,7 @@ class PlanningTask:
             self.chunk_extra = sm.chunked_step_extra
         # a placement other than all-resident is offered only where it changes something (a unit without parameters
         # has all-zero rows: moving "its" state would only switch to the unit-by-unit step), and a streamed one only
-        # where it beats moving the same state whole (planners.space.unit_states, the MILP's rule)
+        # where it beats moving the same state whole (planners.options.unit_states, the MILP's rule)
         self.state_ok = np.ones((n, C), dtype=bool)
         if C > 1:
             offered = unit_states(self.sim, self.space, table=sm)

@@ -1,8 +1,19 @@
-"""The plan space every planner shares: per unit its activation options and the state placements it may take, and
-turning the chosen arrays into a :class:`~memopt_nb.core.plan.Plan` with the simulator's prediction.
+"""The plan options every planner shares (the MILP, the agents, the polish, the baselines): per unit the activation
+options and the state placements it may take, how the options are numbered, and turning the chosen arrays into a
+:class:`~memopt_nb.core.plan.Plan` with the simulator's prediction.
 
 This module depends on nothing else in :mod:`memopt_nb.planners`; the MILP (:mod:`.milp`) builds on it, and the budget
-checks (which need the MILP's minimum peak) sit above both.
+checks (which need the MILP's minimum peak) sit above both. Which options exist follows the strategy registry
+(:mod:`memopt_nb.core.strategies`): a strategy that ``recomputes`` needs a recomputable unit, one that ``offloads`` a
+swappable one, a ``timed`` one comes with every distinct (offload window, prefetch distance) of :data:`TIMINGS`, one
+with variants (selective's save-sets) with each variant the unit's profile offers.
+
+**Option numbering** (the agents' actions and the polish's moves): the registry's strategies in order, each taking
+consecutive indices: a timed one one per timing of :data:`TIMINGS` (``OPTION_BASE[code] + j`` for ``TIMINGS[j]``),
+one with variants one per variant, any other one. So 0 keep, 1 recompute, ``2 + j`` swap, ``2 + len(TIMINGS) + j``
+recompute_offload, :data:`SELECTIVE_BASE` ``+ j`` selective with ``SAVE_SETS[j]``; an option index means the same in
+every task (a task leaves out the columns after the last strategy it offers). :func:`option_codes` and
+:func:`code_options` convert.
 
 State placements are indices into :data:`~memopt_nb.core.plan.STATE_CHOICES` (0: everything resident). Which ones a plan
 may use is :func:`memopt_nb.core.plan.state_choices` of the planner's ``offload_state=`` and ``step_in_backward=``
@@ -33,14 +44,73 @@ from ..core.plan import (
     with_profile_facts,
 )
 from ..core.space import OffloadState, PlanSpace, allowed_strategies
-from ..sim.simulator import KEEP, NAMES, RECOMPUTE, RECOMPUTE_OFFLOAD, SELECTIVE, SWAP, Simulator, save_set_of
+from ..core.strategies import CODES, REGISTRY, Strategy, by_code
+from ..sim.simulator import KEEP, NAMES, Simulator, save_set_of
 
-__all__ = ["OffloadState", "Option", "PlanSpace", "allowed_strategies", "as_simulator", "check_save_sets",
-           "evaluate_arrays", "make_plan", "plan_decisions", "state_table_of", "uniform_arrays", "unit_options",
-           "unit_states"]
+__all__ = ["DEFAULT_TIMING", "N_OPTIONS", "OPTION_BASE", "OffloadState", "Option", "PlanSpace", "SELECTIVE_BASE",
+           "TIMINGS", "allowed_strategies", "as_simulator", "check_save_sets", "code_options", "evaluate_arrays",
+           "make_plan", "option_codes", "plan_decisions", "state_table_of", "uniform_arrays", "unit_options",
+           "unit_ok", "unit_states"]
 
 Option = tuple[int, int, int]  # (strategy code, offload window, prefetch distance)
 _FETCH: Any = object()  # unit_states: fetch the state table from the simulator
+
+#: Timing options of a timed strategy: (offload window, prefetch distance) pairs.
+TIMINGS: tuple[tuple[int, int], ...] = tuple((w, d) for w in WINDOWS for d in DISTANCES)
+#: The timing a swap gets when nobody chooses one (the timing agent's difference reward is measured against it).
+DEFAULT_TIMING = TIMINGS.index((1, 1))
+
+
+def _width(s: Strategy) -> int:
+    return len(TIMINGS) if s.timed else max(1, len(s.variants))
+
+
+#: Strategy code -> the index of its first option (see the module docstring).
+OPTION_BASE: dict[int, int] = {s.code: sum(_width(r) for r in REGISTRY[:i]) for i, s in enumerate(REGISTRY)}
+#: The options of the default strategies (keep, recompute, swap × timings): a task without opt-in strategies has
+#: these columns (a task with more: ``task.n_options``).
+N_OPTIONS = max(OPTION_BASE[s.code] + _width(s) for s in REGISTRY if s.default)
+#: The first option index of the selective options, in a task that offers them (``SELECTIVE_BASE + j``: save-set
+#: ``SAVE_SETS[j]``): after the strategies before it in the registry (recompute_offload's columns are there, not
+#: allowed, when it is not in ``strategies``), so that an option index means the same in every such task.
+SELECTIVE_BASE = OPTION_BASE[CODES["selective"]]
+# option index -> strategy code, window, distance; strategy code -> its (first) option index; which codes are timed
+_OPTION_ROWS = [row for s in REGISTRY for row in ([(s.code, w, d) for w, d in TIMINGS] if s.timed
+                                                   else [(c, *s.timing) for c in s.codes])]
+_OPTION_CODE, _OPTION_WINDOW, _OPTION_DISTANCE = (np.array(c, dtype=np.int64) for c in zip(*_OPTION_ROWS, strict=True))
+_CODE_OPTION = np.array([OPTION_BASE[by_code(c)[0].code] + by_code(c)[1] for c in NAMES], dtype=np.int64)
+_CODE_TIMED = np.array([by_code(c)[0].timed for c in NAMES])
+
+
+def option_codes(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Option indices as strategy codes, windows and distances: 0 keep, 1 recompute, ``2 + j`` swap and
+    ``2 + len(TIMINGS) + j`` recompute_offload with ``TIMINGS[j]``, ``SELECTIVE_BASE + j`` selective with
+    ``SAVE_SETS[j]`` (an untimed strategy carries its fixed timing, ``(1, 1)`` for those above)."""
+    opt_idx = np.asarray(opt_idx)
+    return _OPTION_CODE[opt_idx], _OPTION_WINDOW[opt_idx], _OPTION_DISTANCE[opt_idx]
+
+
+def code_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.ndarray:
+    """Strategy codes with their timings as option indices (the inverse of :func:`option_codes`)."""
+    codes = np.asarray(codes)
+    idx = _CODE_OPTION[codes]
+    for u in np.flatnonzero(_CODE_TIMED[codes]):
+        idx[u] += TIMINGS.index((int(windows[u]), int(dists[u])))
+    return idx
+
+
+def unit_ok(sim: Simulator, s: Strategy) -> np.ndarray:
+    """Which units may take strategy ``s``: ``(n,)``, or ``(n, variants)`` for one with variants (selective: the
+    unit's Pareto save-sets). A recomputing strategy needs a recomputable unit, an offloading one a swappable one."""
+    ok = np.ones(sim.n, dtype=bool)
+    if s.recomputes:
+        ok = ok & sim.recomputable
+    if s.offloads:
+        ok = ok & sim.swappable
+    if s.variants:
+        pareto = getattr(sim, "sel_pareto", None)
+        return ok[:, None] & (pareto if pareto is not None else np.zeros((sim.n, len(s.variants)), dtype=bool))
+    return ok
 
 
 def check_save_sets(sim: Simulator, strategies: Sequence[str]) -> None:
@@ -78,36 +148,29 @@ def unit_options(sim: Simulator, u: int, strategies: Sequence[str] = DEFAULT_STR
     check_save_sets(sim, strategies)
     n = sim.n
     out: list[Option] = []
-    if "keep" in strategies:
-        out.append((KEEP, 1, 1))
-    if "recompute" in strategies and sim.recomputable[u]:
-        out.append((RECOMPUTE, 1, 1))
-    timed = "swap" in strategies and sim.swappable[u]
-    timed_ro = "recompute_offload" in strategies and sim.swappable[u] and sim.recomputable[u]
-    if timed or timed_ro:
-        seen_w, seen_d = set(), set()
-        ws = []
-        for w in WINDOWS:
-            key = min(u + 1 + w, n)
-            if key not in seen_w:
-                seen_w.add(key)
-                ws.append(w)
-        ds = []
-        for d in DISTANCES:
-            key = min(u + d, n - 1)
-            if key not in seen_d:
-                seen_d.add(key)
-                ds.append(d)
-        if timed:
-            out.extend((SWAP, w, d) for w in ws for d in ds)
-        if timed_ro:
-            out.extend((RECOMPUTE_OFFLOAD, w, d) for w in ws for d in ds)
-    if "selective" in strategies and sim.recomputable[u]:
-        pareto = getattr(sim, "sel_pareto", None)
-        if pareto is not None:
-            out.extend((SELECTIVE + int(j), 1, 1) for j in np.nonzero(pareto[u])[0])
+    for s in REGISTRY:
+        if s.name not in strategies:
+            continue
+        ok = unit_ok(sim, s)[u]
+        if s.variants:
+            out.extend((s.code + int(j), *s.timing) for j in np.nonzero(ok)[0])
+        elif ok and s.timed:
+            out.extend((s.code, w, d) for w in _distinct(WINDOWS, lambda w: min(u + 1 + w, n))
+                       for d in _distinct(DISTANCES, lambda d: min(u + d, n - 1)))
+        elif ok:
+            out.append((s.code, *s.timing))
     if not out:
         out.append((KEEP, 1, 1))
+    return out
+
+
+def _distinct(values: Sequence[int], effect: Any) -> list[int]:
+    """``values`` without those whose ``effect`` an earlier one already has."""
+    seen, out = set(), []
+    for v in values:
+        if effect(v) not in seen:
+            seen.add(effect(v))
+            out.append(v)
     return out
 
 
@@ -246,12 +309,13 @@ def uniform_arrays(sim: Simulator, code: int, window: int = 1, distance: int = 1
     """The arrays of a plan that gives every unit ``code`` (units that cannot take it keep; a selective code needs
     the unit to offer that save-set)."""
     n = sim.n
-    codes = []
-    for u in range(n):
-        if (code in (RECOMPUTE, RECOMPUTE_OFFLOAD) and not sim.recomputable[u]
-                or code in (SWAP, RECOMPUTE_OFFLOAD) and not sim.swappable[u]
-                or code >= SELECTIVE and not (sim.recomputable[u] and sim.sel_has[u, code - SELECTIVE])):
-            codes.append(KEEP)
-        else:
-            codes.append(code)
+    strategy, j = by_code(code)
+    ok = np.ones(n, dtype=bool)
+    if strategy.recomputes:
+        ok &= sim.recomputable
+    if strategy.offloads:
+        ok &= sim.swappable
+    if strategy.variants:
+        ok &= sim.sel_has[:, j]
+    codes = [code if ok[u] else KEEP for u in range(n)]
     return codes, [window] * n, [distance] * n
