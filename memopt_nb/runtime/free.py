@@ -14,7 +14,8 @@ the whole capacity would run out of memory under it.
   on a GPU this machine does not have: the capacity, nothing known to be held.
 
 The step's own tensors — the model's parameters, buffers and gradients, its optimizer's state, the profiled inputs —
-are in the profile's start level already, so they are not subtracted a second time.
+are in the profile's start level already, so they are not subtracted a second time. Tensors the loss function holds
+(targets in its closure) are not in the profile's levels: they count as held, which they are.
 """
 
 from __future__ import annotations
