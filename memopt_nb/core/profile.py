@@ -214,6 +214,7 @@ class ModelProfile:
     def __post_init__(self) -> None:
         self._model_ref: weakref.ref | None = None
         self._optimizer_ref: weakref.ref | None = None
+        self._input_refs: list[weakref.ref] = []
         if self.step_segment < 0:  # schema 1: the optimizer step is the segment that ends at "optimizer_end"
             self.step_segment = next((i for i, sg in enumerate(self.segments) if sg.label == "to optimizer_end"), -1)
 
@@ -231,6 +232,13 @@ class ModelProfile:
         """The profiled model, while it is alive in this session (not saved to JSON)."""
         return self._model_ref() if self._model_ref is not None else None
 
+    @property
+    def live_step(self) -> list[Any]:
+        """The profiled model, its optimizer and the example input tensors that are still alive in this session (not
+        saved to JSON): the tensors the profile's ``start_level`` holds, which a plan's budget is not to lose twice."""
+        refs = [self._model_ref, self._optimizer_ref, *self._input_refs]
+        return [obj for ref in refs if ref is not None and (obj := ref()) is not None]
+
     def unit(self, name: str) -> UnitProfile:
         for u in self.units:
             if u.name == name:
@@ -240,6 +248,7 @@ class ModelProfile:
     def _adopt(self, other: ModelProfile) -> ModelProfile:
         """This profile, knowing the live model and optimizer ``other`` was made from (a profile derived from it)."""
         self._model_ref, self._optimizer_ref = other._model_ref, other._optimizer_ref
+        self._input_refs = list(getattr(other, "_input_refs", []))
         return self
 
     # ------------------------------------------------------------------ JSON

@@ -36,6 +36,7 @@ from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
 from ..core.progress import advance, stage, task
+from ..planners.checks import default_budget
 from ..planners.rl.search import search
 from ..profiling.fallback import extrapolate
 from ..profiling.profile import profile
@@ -382,8 +383,10 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         builder: ``builder(batch_size) -> (model, inputs, loss_fn[, optimizer])`` as :func:`memopt_nb.evaluate`
             takes it (``inputs``: a tuple of positional inputs or a dict of keyword inputs); called only at the
             batches profiled.
-        budget: bytes or a size such as ``"2GiB"``; default: the device's capacity (inside
-            :func:`memopt_nb.limit_memory`, the limit).
+        budget: bytes or a size such as ``"2GiB"``; default: on the device the model is on, what it can still give a
+            step — its capacity (inside :func:`memopt_nb.limit_memory`, the limit) less what live tensors outside the
+            step hold (your other model, a copy of the parameters), said in :attr:`MaxBatch.notes`; on a preset, its
+            capacity.
         device: ``None`` — the device the model is built on (profiled there); a preset name or DeviceSpec — plan for
             it from profiles made here.
         optimizer: the optimizer you will train with, whose state is part of every peak and which a plan that moves
@@ -430,9 +433,12 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
 
     spec = DeviceSpec.resolve(device, profiles[probes[-1]].device) if device is not None \
         else profiles[probes[-1]].device
-    value = value if value is not None else int(spec.capacity_bytes)
     space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
     notes: list[str] = []
+    if value is None:  # what the device can still give, with what the notebook holds there now
+        free = default_budget(profiles[probes[-1]], spec)
+        value = free.free_bytes
+        notes.append(free.line())
 
     def floor(b: int) -> int:
         return int(solvers.min_peak(at(b), spec, strategies, **space))

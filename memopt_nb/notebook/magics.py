@@ -54,6 +54,7 @@ from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES, Plan
 from ..core.profile import ModelProfile
 from ..harness.compare import Comparison, compare
 from ..harness.maxbatch import NO_OPTIMIZER, MaxBatch, max_batch, optimizer_maker
+from ..planners.checks import default_budget
 from ..planners.depths import search_depths
 from ..planners.floor import estimate_batch, explain_floor
 from ..planners.options import allowed_strategies
@@ -495,7 +496,9 @@ class MemoptMagics(Magics):
                  help="memory budget: a size with its unit ('2GiB', '800MB'), a share of the unoptimized peak ('60%%', "
                       "or a fraction below 1 such as 0.6), or a plain number of bytes of at least "
                       f"{MIN_TYPED_BYTES} (a smaller plain number, such as 60, is refused: write 60%% or 60MiB) "
-                      "(with --max-batch: default the device's capacity, or memopt.limit_memory's limit)")
+                      "(default: what the device can still give the step, its capacity or memopt.limit_memory's "
+                      "limit less what other tensors hold there, printed first; on the emulated device outside "
+                      "limit_memory, required)")
     @ma.argument("--max-batch", metavar="BUILDER",
                  help="answer how big a batch fits instead: BUILDER is a function in the notebook, "
                       "builder(batch_size) -> (model, inputs, loss_fn[, optimizer]); shows the largest batch any "
@@ -547,7 +550,7 @@ class MemoptMagics(Magics):
     def memopt_plan(self, line: str) -> Any:
         """Search a memory plan with the two PPO agents (``memopt.search``), watching them learn in a live dashboard.
 
-        ``%memopt_plan PROFILE --budget 60% [--device PRESET] [--timesteps N] [--seed S] [--patience N|none]
+        ``%memopt_plan PROFILE [--budget 60%] [--device PRESET] [--timesteps N] [--seed S] [--patience N|none]
         [--offload-state all|none|optimizer,grads,params] [--step-in-backward] [--strategies keep,recompute,swap]
         [-o NAME] [--no-widget] [-q]``
 
@@ -555,11 +558,14 @@ class MemoptMagics(Magics):
         of the unoptimized peak (``60%``, or a fraction below 1 such as ``0.6``), or a plain number of bytes; a plain
         number below 1024 (``--budget 60``) is refused rather than read as a few bytes: write ``60%`` or ``60MiB``.
         Options are written in full (``--budg`` is refused, naming ``--budget``), and a word the magic does not expect
-        is refused rather than ignored.
+        is refused rather than ignored. Without ``--budget`` the plan is for what the device can still give the step
+        (:func:`memopt_nb.planners.checks.default_budget`: its capacity, or the limit of ``memopt.limit_memory``,
+        less what other tensors in the notebook hold there), and a first line says how much ("planning for 207.00 MiB
+        free of 258.00 MiB (51.00 MiB held by other tensors)"); on a preset (``--device``), its capacity.
 
         ``%memopt_plan --max-batch BUILDER --optimizer AdamW [--budget 2GiB] [--device PRESET] [...]`` answers "how
         big a batch fits, how fast?" instead (:func:`memopt_nb.max_batch`, with the exact planner): the largest batch
-        any plan fits under the budget (default: the device's capacity, or the limit of ``memopt.limit_memory``), the
+        any plan fits under the budget (default: what the device can still give, as above, said in its notes), the
         batch with the highest predicted throughput, and the same for plain training and the best classic baseline.
         ``BUILDER`` is ``builder(batch_size) -> (model, inputs, loss_fn[, optimizer])``; ``--optimizer`` names the
         optimizer you train with (a torch.optim class, or your optimizer or a function ``params -> optimizer`` in the
@@ -585,8 +591,6 @@ class MemoptMagics(Magics):
         if args.profile is None:
             raise UsageError("%memopt_plan needs a profile: %memopt_plan prof --budget 60% (make prof with "
                              "%memopt_profile), or --max-batch BUILDER to ask how big a batch fits")
-        if args.budget is None:
-            raise UsageError("%memopt_plan needs --budget, e.g. %memopt_plan prof --budget 60%")
         if args.optimizer is not None:
             raise UsageError("--optimizer applies to --max-batch only: a profile already holds the optimizer it was "
                              "made with (%memopt_profile ... --optimizer NAME); leave it out")
@@ -604,7 +608,12 @@ class MemoptMagics(Magics):
                 device = DeviceSpec.preset(args.device)
             except MemoptError as exc:
                 raise UsageError(f"--device: {exc}") from None
-        budget = _read_budget(args.budget, prof.peak_bytes)
+        budget = _read_budget(args.budget, prof.peak_bytes) if args.budget is not None else None
+        free = default_budget(prof, device) if budget is None else None
+        if free is not None and not free.known:
+            raise UsageError("%memopt_plan needs --budget, e.g. %memopt_plan prof --budget 60% (outside "
+                             "memopt.limit_memory the emulated device's capacity is the host's memory; on a GPU, a "
+                             "preset or inside the limit, leaving --budget out plans for what the device can give)")
         offload_state = _parse_offload_state(args.offload_state)
         strategies = _parse_strategies(args.strategies)
         call = getattr(prof, MAGIC_CALL, None)
@@ -633,6 +642,8 @@ class MemoptMagics(Magics):
         if args.mixed_depths and not prof.merges:
             raise UsageError("--mixed-depths needs a profile whose blocks were split and measured whole: "
                              "%memopt_profile ... --units fine")
+        if free is not None and not args.quiet:
+            print(f"memopt: {free.line()}", flush=True)  # no --budget: what the device can still give the step
         try:
             space = dict(offload_state=offload_state, step_in_backward=args.step_in_backward, strategies=strategies)
             if args.mixed_depths:
@@ -642,7 +653,8 @@ class MemoptMagics(Magics):
         except BudgetError as exc:
             if exc.minimum_bytes is not None:  # below the floor: what to ask for first, in the magic's spelling
                 raise UsageError(exc.reworded("magic")) from None
-            raise UsageError(f"--budget {args.budget}: {exc}") from None
+            said = f"--budget {args.budget}" if free is None else f"memopt: {free.line()}"
+            raise UsageError(f"{said}: {exc}") from None
         except MemoptError as exc:
             raise UsageError(str(exc)) from None
         self.shell.user_ns[args.output] = plan
@@ -679,7 +691,7 @@ class MemoptMagics(Magics):
         if share and args.profile is None:
             raise UsageError(f"--budget {args.budget}: a percentage needs a profile to be a share of "
                              "(%memopt_plan prof --max-batch BUILDER --budget 60%); or give bytes such as "
-                             "2GiB, or leave --budget out for the device's capacity")
+                             "2GiB, or leave --budget out for what the device can still give")
         if args.budget is not None:
             reference = None
             if share:

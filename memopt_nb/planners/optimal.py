@@ -14,7 +14,7 @@ from ..core.errors import BudgetError
 from ..core.plan import DEFAULT_STRATEGIES, OFFLOADING, STATE_CHOICES, Plan
 from ..core.space import PlanSpace
 from ..sim.simulator import Simulator
-from .checks import check_budget
+from .checks import check_budget, planning_for_free
 from .heads import choosing_head
 from .milp import Formulation
 from .options import (
@@ -51,10 +51,13 @@ def _fallback(sim: Simulator, b: int, space: PlanSpace, time_limit: float) -> tu
 
 
 @choosing_head()
+@planning_for_free
 def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
             strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 120.0, *,
             offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
-    """The plan with the smallest simulated step time whose simulated peak fits ``budget``.
+    """The plan with the smallest simulated step time whose simulated peak fits ``budget`` (``None``: on the profiled
+    device what it can still give the step, its capacity less what live tensors outside the step hold, as
+    ``plan.meta["budget_source"]`` says; on a preset its capacity).
 
     Solved exactly (to HiGHS tolerances) as a MILP over the simulator's model; ``strategies`` restricts the activation
     options (e.g. ``("keep", "recompute")`` for checkpointing only; a bad value raises

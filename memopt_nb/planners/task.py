@@ -29,7 +29,7 @@ from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES
 from ..core.space import PlanSpace
 from ..core.strategies import REGISTRY
 from ..sim.simulator import KEEP, RECOMPUTE, SWAP, Simulator
-from .checks import check_budget
+from .checks import check_budget, default_budget
 from .floor import Advice
 from .options import (
     OPTION_BASE,
@@ -384,7 +384,7 @@ class PlanningTask:
         except BudgetError:
             if self.C == 1:
                 raise
-        value = resolve_budget(self.sim.device.capacity_bytes if budget is None else budget,
+        value = resolve_budget(default_budget(self.sim).free_bytes if budget is None else budget,
                                reference=self.sim.profile.peak_bytes)
         seg, step = self.base_peaks + self.suffix_min[0], self.step_base + self.suffix_step[0]
         can_move = bool(self.suffix_can_move[0])

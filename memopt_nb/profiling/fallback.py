@@ -31,10 +31,12 @@ import gc
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..core.errors import ProfileError
 from ..core.profile import ModelProfile
@@ -110,7 +112,7 @@ def profile_or_extrapolate(profile_fn: Callable[..., Any], model: torch.nn.Modul
     t0 = time.perf_counter()
     try:
         try:
-            return profile_fn(model, *inputs, **options, **kwargs)
+            return _knowing_inputs(profile_fn(model, *inputs, **options, **kwargs), inputs, options, kwargs)
         except Exception as exc:  # noqa: BLE001 - only out of memory is handled; the rest is raised as it was
             if not _is_oom(exc):
                 raise
@@ -118,9 +120,18 @@ def profile_or_extrapolate(profile_fn: Callable[..., Any], model: torch.nn.Modul
         # outside the except block: the failed step's traceback, and with it its tensors, are gone
         gc.collect()
         failed = time.perf_counter() - t0
-        return _extrapolated_profile(profile_fn, model, inputs, options, kwargs, batch_dim, batch_fn, first, failed)
+        prof = _extrapolated_profile(profile_fn, model, inputs, options, kwargs, batch_dim, batch_fn, first, failed)
+        return _knowing_inputs(prof, inputs, options, kwargs)
     finally:
         _DIRECT.reset(token)
+
+
+def _knowing_inputs(prof: Any, inputs: tuple, options: dict, kwargs: dict) -> Any:
+    """``prof``, knowing the example input tensors it was asked for while they are alive (``ModelProfile.live_step``:
+    what its start level holds, which a plan for the device's free memory does not count as held by others)."""
+    given = [*inputs, *kwargs.values(), *(options.get("model_kwargs") or {}).values()]
+    prof._input_refs = [weakref.ref(t) for t in tree_leaves(given) if isinstance(t, torch.Tensor)]
+    return prof
 
 
 def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module, inputs: tuple, options: dict,
@@ -159,8 +170,8 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
                                    f"inputs or a dict of keyword inputs; got {type(made).__name__}")
             ins, loss_fn = made
             opts = {**options, "loss_fn": loss_fn}
-            if isinstance(ins, Mapping):
-                return profile_fn(model, **opts, **{**dict(ins)})
+            if isinstance(ins, Mapping):  # batch b's keyword inputs in place of the full batch's (model_kwargs too)
+                return profile_fn(model, **{**opts, "model_kwargs": dict(ins)})
             return profile_fn(model, *tuple(ins), **opts)
         ins, kws = _sliced(inputs, kwargs, batch, b, batch_dim)
         opts = dict(options)

@@ -31,7 +31,7 @@ from ..core.budget import format_bytes, parse_bytes
 from ..core.errors import BudgetError
 from .memory import _LISTENERS, StorageTracker, _plain, _tensors_of
 
-__all__ = ["MemoryLimit", "active_limit", "exempt", "limit_memory", "recount", "uncounted"]
+__all__ = ["MemoryLimit", "active_limit", "exempt", "limit_in_force", "limit_memory", "recount", "uncounted"]
 
 _LOCAL = threading.local()
 #: active limits, outermost first (each one a :class:`MemoryLimit`)
@@ -90,9 +90,16 @@ def _tensor_leaves(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
 def active_limit(device: torch.device | str | None = None) -> int | None:
     """The smallest limit in force for ``device`` (any device if ``None``), in bytes, or ``None`` outside every
     :func:`limit_memory` block."""
+    lim = limit_in_force(device)
+    return lim.limit_bytes if lim is not None else None
+
+
+def limit_in_force(device: torch.device | str | None = None) -> MemoryLimit | None:
+    """The :func:`limit_memory` block whose limit is the smallest in force for ``device`` (any device if ``None``),
+    or ``None`` outside every block."""
     dev = torch.device(device) if device is not None else None
-    limits = [lim.limit_bytes for lim in _STACK if dev is None or lim.device.type == dev.type]
-    return min(limits) if limits else None
+    limits = [lim for lim in _STACK if dev is None or lim.device.type == dev.type]
+    return min(limits, key=lambda lim: lim.limit_bytes) if limits else None
 
 
 class _EmulatedLimit(StorageTracker):
@@ -270,6 +277,21 @@ class MemoryLimit:
     def current_bytes(self) -> int | None:
         """(emulated device) the tensor bytes the device holds now; ``None`` on CUDA."""
         return int(self._tracker.current) if self._tracker is not None else None
+
+    def counted_bytes(self, *objs: Any) -> int | None:
+        """(emulated device) the bytes of the tensors of ``objs`` (modules, optimizers, tensors) that the block
+        counts now, each storage once; ``None`` on CUDA."""
+        if self._tracker is None:
+            return None
+        total, seen = 0, set()
+        for t in _tensors_of_all(list(objs)):
+            for q in _plain(t):
+                st = q.untyped_storage()
+                entry = self._tracker._live.get(id(st))
+                if id(st) not in seen and entry is not None and entry[0]() is st:
+                    seen.add(id(st))
+                    total += entry[1]
+        return total
 
     def __enter__(self) -> MemoryLimit:
         if self._entered:

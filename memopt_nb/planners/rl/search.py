@@ -18,6 +18,7 @@ from ...core.device import DeviceSpec
 from ...core.errors import PlanError
 from ...core.plan import DEFAULT_STRATEGIES, STATE_CHOICES, Plan
 from ...runtime.limit import uncounted
+from ..checks import planning_for_free
 from ..heads import choosing_head
 from ..optimal import optimal
 from ..options import make_plan, plan_decisions
@@ -146,6 +147,7 @@ def _keeps_global_rng(fn: Callable[..., Plan]) -> Callable[..., Plan]:
 
 
 @choosing_head(optimal)
+@planning_for_free
 @_keeps_global_rng
 def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
            total_timesteps: int | None = None, seed: int = 0, callback: Callable[[dict], None] | None = None,
@@ -161,8 +163,11 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
 
     Args:
         profile: a :class:`~memopt_nb.core.profile.ModelProfile`.
-        budget: bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak, or ``None`` for the device's capacity. A budget
-            below the minimum feasible peak raises :class:`~memopt_nb.core.errors.BudgetError` before any training.
+        budget: bytes, ``"1.5GiB"``, ``"60%"`` of the unoptimized peak, or ``None``: on the profiled device, what it
+            can still give the step (its capacity, or :func:`memopt_nb.limit_memory`'s limit, less what live tensors
+            outside the step hold: another model, a copy of the parameters; ``plan.meta["budget_source"]`` says how
+            much), on a preset its capacity. A budget below the minimum feasible peak raises
+            :class:`~memopt_nb.core.errors.BudgetError` before any training.
         device: the device to plan for (default: the profiled one), e.g. ``"a100-40gb"``.
         total_timesteps: PPO environment steps (default :func:`default_timesteps`, more where state may move).
         seed: the same seed gives the same plan.
