@@ -68,14 +68,9 @@ def _model(name: str):
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(BUDGETS)}")
 
 
-_BASE: dict[str, torch.nn.Module] = {}
-
-
 def builder(name: str, seq: int):
     def build(b: int):
-        if name not in _BASE:
-            _BASE[name] = _model(name)
-        model = copy.deepcopy(_BASE[name])
+        model = _model(name)  # built anew (same seed, same weights): no second model held beside the step
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (b, seq), generator=torch.Generator().manual_seed(b))
         return model, {"input_ids": ids, "labels": ids}, (lambda out: out.loss)
