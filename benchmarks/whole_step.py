@@ -32,15 +32,10 @@ from _common import small_gpt2  # noqa: E402
 
 import memopt_nb as memopt  # noqa: E402
 from memopt_nb import solvers  # noqa: E402
-from memopt_nb.core.plan import STATE_CHOICES  # noqa: E402
-from memopt_nb.core.space import PlanSpace
 from memopt_nb.planners.floor import explain_floor  # noqa: E402
-from memopt_nb.planners.options import make_plan, uniform_arrays, unit_states  # noqa: E402
-from memopt_nb.sim.simulator import RECOMPUTE, SWAP  # noqa: E402
 
 MiB = 2**20
 GPUS = ("a100-40gb", "h100-80gb")
-EVERYTHING = STATE_CHOICES.index(("offload", "offload", "offload"))
 
 
 def split_units(model: nn.Module) -> list[str]:
@@ -117,23 +112,6 @@ def floor_table(names: list[str]) -> None:
 
 
 # ------------------------------------------------------------------ the bench
-def offload_everything(sim: memopt.Simulator, budget: int):
-    """Every unit's optimizer state, gradients and parameters offloaded; activations swap-all or recompute-all
-    (the faster one that fits; the smaller peak if neither does)."""
-    offered = unit_states(sim, PlanSpace())
-    states = [EVERYTHING if EVERYTHING in offered[u] else
-              STATE_CHOICES.index(("offload", "offload", "resident")) if
-              STATE_CHOICES.index(("offload", "offload", "resident")) in offered[u] else 0 for u in range(sim.n)]
-    plans = []
-    for code, w, d in ((SWAP, 1, 1), (RECOMPUTE, 1, 1)):
-        arrays = uniform_arrays(sim, code, window=w, distance=d)
-        plans.append(make_plan(sim, *arrays, budget=budget, method="offload_everything", states=states))
-    fit = [p for p in plans if p.feasible]
-    if fit:
-        return min(fit, key=lambda p: p.predicted_step_time)
-    return min(plans, key=lambda p: p.predicted_peak_bytes)
-
-
 def refused_or(fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, or None where it refuses the budget (below the floor of its own space)."""
     try:
@@ -159,7 +137,7 @@ def methods(sim: memopt.Simulator, prof, budget: int, device, timesteps: int | N
         out[f"{n}+state"] = refused_or(fn, sim, budget, offload_state=True)
     for n, fn in solvers.STATE_BASELINES.items():
         out[n] = refused_or(fn, sim, budget)
-    out["offload_everything"] = offload_everything(sim, budget)
+    out["offload_everything"] = solvers.offload_everything(sim, budget)
     return out
 
 

@@ -31,6 +31,7 @@ from .harness import zoo
 from .harness.compare import Comparison, compare
 from .harness.evaluate import Evaluation, evaluate
 from .harness.maxbatch import MaxBatch, max_batch
+from .harness.maxmodel import ModelSizes, max_model
 from .planners.depths import search_depths
 from .planners.rl.search import search
 from .profiling import profile as _profile_module
@@ -85,10 +86,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "MaxBatch", "Measurement",
-    "MemoptError", "MemoptWarning", "MemoryLimit", "ModelProfile", "Plan", "PlanError", "ProfileError", "SimResult",
-    "Simulator", "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError", "chunked_cross_entropy",
-    "compare", "distributed", "evaluate", "format_bytes", "limit_memory", "max_batch", "measure", "merge_units",
-    "parse_bytes", "plan", "profile", "resolve_budget", "search", "search_depths", "simulate", "solvers", "zoo",
+    "MemoptError", "MemoptWarning", "MemoryLimit", "ModelProfile", "ModelSizes", "Plan", "PlanError",
+    "ProfileError", "SimResult", "Simulator", "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError",
+    "chunked_cross_entropy", "compare", "distributed", "evaluate", "format_bytes", "limit_memory", "max_batch",
+    "max_model", "measure", "merge_units", "parse_bytes", "plan", "profile", "resolve_budget", "search",
+    "search_depths", "simulate", "solvers", "zoo",
 ]
 
 

@@ -21,6 +21,7 @@ from .baselines import (
     STATE_BASELINES,
     capuchin,
     none,
+    offload_everything,
     op_sac,
     recompute_all,
     recompute_offload_all,
@@ -37,5 +38,6 @@ from .milp import min_peak, place_states
 from .optimal import optimal
 
 __all__ = ["BASELINES", "CLASSIC_BASELINES", "STATE_BASELINES", "brute_force", "capuchin", "min_peak", "none",
-           "op_sac", "optimal", "place_states", "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
+           "offload_everything", "op_sac", "optimal", "place_states", "recompute_all", "recompute_offload_all",
+           "selective_layer", "sqrt_n",
            "state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]

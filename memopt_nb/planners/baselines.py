@@ -32,6 +32,9 @@ Where the optimizer state, gradients and parameters live:
 * ``step_in_backward`` — every unit's optimizer step runs inside backward as soon as its gradients are complete, then
   its gradients are freed (PyTorch's optimizer-in-backward tutorial); the plan has ``step_in_backward=True``.
 * ``state_offload_recompute``, ``step_in_backward_recompute`` — each of these with every unit recomputed.
+* ``offload_everything`` — every unit's optimizer state, gradients and parameters offloaded (ZeRO-Offload's and FSDP2's
+  ``CPUOffloadPolicy``'s "everything on the host, always"), activations swap-all or recompute-all, the faster that
+  fits (the smaller peak if neither does). A reference for models whose state exceeds the device; in no dict.
 
 A unit for which the placement changes nothing (no parameters) keeps everything resident. These four ignore the
 budget; each refuses one below the floor of its own space (the state it may move, every activation strategy).
@@ -64,7 +67,7 @@ from .milp import place_states
 from .options import OffloadState, as_simulator, check_save_sets, make_plan, uniform_arrays, unit_states
 
 __all__ = ["BASELINES", "CLASSIC_BASELINES", "ECOSYSTEM_BASELINES", "STATE_BASELINES", "capuchin", "none",
-           "op_sac", "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
+           "offload_everything", "op_sac", "recompute_all", "recompute_offload_all", "selective_layer", "sqrt_n",
            "state_offload", "state_offload_recompute", "step_in_backward", "step_in_backward_recompute", "swap_all"]
 
 
@@ -245,6 +248,22 @@ def step_in_backward_recompute(profile: Any, budget: Any = None, device: DeviceS
     """:func:`step_in_backward` with every unit recomputed."""
     return _everywhere(profile, budget, device, RECOMPUTE, ("resident", "step", "resident"),
                        "step_in_backward_recompute")
+
+
+def offload_everything(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None) -> Plan:
+    """Every unit's optimizer state, gradients and parameters offloaded (where a unit cannot take that, its optimizer
+    state and gradients), activations swap-all or recompute-all: the faster plan that fits, else the smaller peak."""
+    sim = as_simulator(profile, device)
+    space = PlanSpace.of(offload_state=True)
+    b = check_budget(sim, budget, space)
+    offered = unit_states(sim, space)
+    wanted = [STATE_CHOICES.index(("offload", "offload", "offload")), STATE_CHOICES.index(("offload", "offload",
+                                                                                            "resident"))]
+    states = [next((c for c in wanted if c in offered[u]), 0) for u in range(sim.n)]
+    plans = [make_plan(sim, *uniform_arrays(sim, code), budget=b, method="offload_everything", states=states)
+             for code in (SWAP, RECOMPUTE)]
+    fit = [p for p in plans if p.feasible]
+    return min(fit, key=lambda p: p.predicted_step_time) if fit else min(plans, key=lambda p: p.predicted_peak_bytes)
 
 
 #: The activation heuristics (they take ``offload_state=``, default ``False``).
