@@ -38,7 +38,7 @@ def test_compare_measures_both_sides_in_pairs_beside_the_prediction(small):
     assert text.splitlines()[0].split() == ["what", "peak", "step", "spread", "vs", "no", "plan"]
     assert "no plan (measured)" in text and "plan recompute_all (predicted)" in text and CPU_CAVEAT in text
     html = c._repr_html_()
-    assert html.count("<tr>") == 4 and "<th>spread</th>" in html and "(median of 5 paired steps)" in html
+    assert html.count("<tr>") == 4 and "<th>spread</th>" in html and "of 5 paired steps" in html
 
 
 def test_the_table_has_no_false_precision_and_says_the_ratio_spread():
@@ -53,8 +53,19 @@ def test_the_table_has_no_false_precision_and_says_the_ratio_spread():
 
     assert _ms(2.8173) == "2.82 s" and _ms(0.0123456) == "12.3 ms"  # three significant figures, never more
     assert any("the slowest timed step took 2.0× the fastest" in n for n in c.caveats())  # 0.2 s vs 0.1 s
-    assert c.verdict() == ("measured slowdown 1.18× (median of 5 paired steps); predicted 1.15×; peak 512.00 KiB "
-                           "within the budget 585.94 KiB.")
+    assert c.verdict() == ("the plan is slower: measured 1.18× the step without it (median of 5 paired steps, "
+                           "1.10×–2.00×); predicted 1.15×; peak 512.00 KiB within the budget 585.94 KiB.")
+    assert not c.within_noise
+
+
+def test_pairs_that_straddle_one_are_within_noise_and_fewer_than_three_never_are():
+    c = Comparison(without=fake([0.1] * 4, 2**20), with_plan=fake([0.1] * 4, 2**19), ratios=[0.93, 1.04, 1.1, 0.98])
+    assert c.within_noise
+    assert c.verdict().startswith("with and without the plan within noise of each other (paired ratios 0.93×–1.10×")
+    faster = Comparison(without=fake([0.1] * 3, 2**20), with_plan=fake([0.1] * 3, 2**19), ratios=[0.8, 0.9, 0.85])
+    assert not faster.within_noise and faster.verdict().startswith("the plan is faster: measured 0.85×")
+    two = Comparison(without=fake([0.1] * 2, 2**20), with_plan=fake([0.1] * 2, 2**19), ratios=[0.9, 1.1])
+    assert not two.within_noise
 
 
 def test_compare_refuses_what_it_cannot_compare(small):

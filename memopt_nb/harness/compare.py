@@ -36,8 +36,9 @@ __all__ = ["CPU_CAVEAT", "Comparison", "compare"]
 
 #: Said under every comparison measured on the CPU (the emulated device).
 CPU_CAVEAT = ("measured on the CPU (the emulated device): step times there move by 10% or more from run to run, "
-              "more on a shared machine (where fewer threads, torch.set_num_threads, steady them); memory figures "
-              "are exact")
+              "more on a shared machine (where fewer threads, torch.set_num_threads, steady them), and say little "
+              "about a GPU: simulate the plan on a preset (memopt.simulate(profile, plan, device='a100-40gb')) or run "
+              "benchmarks/cuda_check.py where one is lent; memory figures are exact")
 #: A side whose slowest timed step is this many times its fastest was measured on a busy machine.
 BUSY_SPREAD = 1.5
 
@@ -115,9 +116,23 @@ class Comparison:
                         "vs no plan": _ratio(self.predicted_ratio)})
         return out
 
+    @property
+    def within_noise(self) -> bool:
+        """Whether the paired ratios straddle 1 (some pairs faster with the plan, some slower): the measurement cannot
+        tell the two apart. Needs 3 pairs or more; with fewer, nothing is said to be within noise."""
+        return len(self.ratios) >= 3 and min(self.ratios) <= 1.0 <= max(self.ratios)
+
     def verdict(self) -> str:
-        """One sentence: measured against predicted slowdown, and the peak against the budget."""
-        parts = [f"measured slowdown {_ratio(self.ratio)} (median of {len(self.ratios)} paired steps)"]
+        """One sentence: measured against predicted slowdown (or "within noise" when the pairs cannot tell the two
+        apart), whether the plan is slower, and the peak against the budget."""
+        spread = f"{_ratio(min(self.ratios))}–{_ratio(max(self.ratios))}"
+        if self.within_noise:
+            parts = [f"with and without the plan within noise of each other (paired ratios {spread}, median "
+                     f"{_ratio(self.ratio)} of {len(self.ratios)} paired steps)"]
+        else:
+            slower = "slower" if self.ratio > 1 else "faster"
+            parts = [f"the plan is {slower}: measured {_ratio(self.ratio)} the step without it (median of "
+                     f"{len(self.ratios)} paired steps, {spread})"]
         if self.predicted_ratio is not None:
             parts.append(f"predicted {_ratio(self.predicted_ratio)}")
         peak = max(m.peak_bytes for m in self.with_plan)

@@ -123,10 +123,11 @@ class ModelSizes:
 
 
 def _probe(builder: Callable[[Any], Any], size: Any, make: Callable | None, device: DeviceSpec | str | None,
-           budget: Any, repeats: int) -> tuple[ModelSize, Any, int]:
+           budget: Any, repeats: int, units: Any) -> tuple[ModelSize, Any, int]:
     """Build and profile ``size``: its row, its profile and the budget in bytes."""
     model, args, kwargs, loss_fn, opt = _unpack(builder(size), make)
-    prof = profile(model, *args, loss_fn=loss_fn, optimizer=opt, repeats=repeats, **kwargs)
+    prof = profile(model, *args, loss_fn=loss_fn, optimizer=opt, repeats=repeats,
+                   units=units(model) if callable(units) else units, **kwargs)
     if budget is None:
         b = default_budget(prof, device).free_bytes
     else:
@@ -153,7 +154,7 @@ def _probe(builder: Callable[[Any], Any], size: Any, make: Callable | None, devi
 @task("max_model")
 def max_model(builder: Callable[[Any], Any], sizes: Sequence[Any], budget: Any = None,
               device: DeviceSpec | str | None = None, *, optimizer: OptimizerArg = None, verify: bool = True,
-              repeats: int = 1, time_limit: float = 30.0) -> ModelSizes:
+              repeats: int = 1, time_limit: float = 30.0, units: Any = "auto") -> ModelSizes:
     """The largest of ``sizes`` (smallest first) that trains within ``budget``: with memopt's plan, with plain
     training, and with everything offloaded, each with its step time (see the module's description).
 
@@ -171,6 +172,8 @@ def max_model(builder: Callable[[Any], Any], sizes: Sequence[Any], budget: Any =
         verify: run memopt's answer for one step under its plan inside the budget (only where the models live: not
             for a preset), stepping down a size if it does not run.
         repeats: the profiler's repeats per size. time_limit: the exact planner's safety limit per plan.
+        units: :func:`memopt_nb.profile`'s ``units=``, or a function of the model giving them (e.g. the embedding, each
+            block and the LM head, so that a plan may move the embedding's and the head's state too).
     """
     sizes = list(sizes)
     if not sizes:
@@ -185,7 +188,7 @@ def max_model(builder: Callable[[Any], Any], sizes: Sequence[Any], budget: Any =
     def at(i: int) -> ModelSize:
         if i not in rows:
             gc.collect()
-            rows[i] = _probe(builder, sizes[i], make, device, budget, repeats)
+            rows[i] = _probe(builder, sizes[i], make, device, budget, repeats, units)
             advance(1)
         return rows[i][0]
 
