@@ -1,6 +1,6 @@
-"""Whole-step plans on timm's ResNet-18, ConvNeXt-Atto and ViT-Tiny (module for module, ``timm_like``), Adam, default
-options: the floor is at most half the unplanned peak (a third with step in backward), and a
-plan searched at 50 % trains three steps bit for bit — parameters, buffers, optimizer state, losses — with the
+"""Whole-step plans on timm's own ResNet-18, ConvNeXt-Atto and ViT-Tiny (``timm.create_model``, random init; see
+``real_timm``), Adam, default options: the floor is at most half the unplanned peak (a third with step in backward),
+and a plan searched at 50 % trains three steps bit for bit — parameters, buffers, optimizer state, losses — with the
 emulated device's measured peak within the budget.
 
 What makes it reach that: units are split by state where one unit holds much of the model's parameters (timm's last
@@ -11,7 +11,7 @@ between units instead of breaking the recompute of a unit whose input they chang
 import gc
 
 import pytest
-import timm_like
+import real_timm
 import torch
 from test_does_not_fit import train
 
@@ -28,7 +28,7 @@ MODELS = {"resnet18": dict(batch=8, image=64), "convnext_atto": dict(batch=4, im
 
 
 def build(name, device="cpu"):
-    model, inputs, loss_fn = getattr(timm_like, name)(**MODELS[name], device=device)
+    model, inputs, loss_fn = getattr(real_timm, name)(**MODELS[name], device=device)
     return model, inputs, loss_fn, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
