@@ -1,8 +1,9 @@
 """timm's own ResNet-18, ConvNeXt-Atto and ViT-Tiny (``timm.create_model(..., pretrained=False)``: random init, no
 download) as ``(model, inputs, loss_fn)`` for the tests and benchmarks, at small images so a CPU step is quick.
 
-timm needs torchvision, and the only torchvision 0.28.0 wheel on the package registry is built against CUDA torch:
-beside the CPU torch this project pins, its C++ ops (``nms``, ``roi_align``, ...) cannot load, and ``import
+timm needs torchvision, and the torchvision 0.28.0 wheel pip finds (PyPI's Linux build; the CPU builds are on
+download.pytorch.org, which the package registry here does not mirror) is built against CUDA torch: beside the CPU
+torch this project pins, its C++ ops (``nms``, ``roi_align``, ...) cannot load, and ``import
 torchvision`` stops at the one registration that does not check for them (``register_fake("torchvision::nms")`` and
 ``qnms``). transformers imports torchvision wherever it is installed, so installed beside it that wheel would break
 every transformers model. ``make install`` therefore puts timm and torchvision in a directory of their own,
