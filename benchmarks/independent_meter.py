@@ -11,8 +11,10 @@ where no operator outputs a view of them (``cross_entropy(out, y)``): it may exc
 MemTracker never sees the storages the swap and state engines make outside any operator (``torch.UntypedStorage(n)``:
 a tensor brought back from the host store, a state slot refilled), which the project's meters hear of through
 ``note_device_storage``. The column "MemTracker told" passes it those same notices and nothing else; "MemTracker
-alone" does not. The plans are the uniform recompute and swap plans on the profile's units and a whole-step plan
-moving optimizer state, gradients and parameters (``MIXED`` below).
+alone" does not. MemTracker's module hooks (``ModTracker``) are part of the step they watch: each step is also
+counted without MemTracker, as ``measure`` counts it, beside the prediction. The plans are the uniform recompute
+and swap plans on the profile's units and a whole-step plan moving optimizer state, gradients and parameters
+(``MIXED`` below).
 
     python benchmarks/independent_meter.py            # the zoo, HF GPT-2 and Llama, timm's ConvNeXt-Atto
     python benchmarks/independent_meter.py --models gpt,mlp
@@ -116,30 +118,34 @@ def _step(case: Case, opt: torch.optim.Optimizer) -> None:
     training_step(case.model, case.args, case.loss_fn, opt, kwargs=case.kwargs)
 
 
-def count(name: str, plan: Plan | None, tell: bool) -> dict[str, int]:
-    """One warm-up step, then one step counted by the meter, the limit and MemTracker at once (all under ``plan``).
-    ``tell``: pass MemTracker the storages the engines make outside operators."""
+def count(name: str, plan: Plan | None, tracker: str) -> dict[str, int]:
+    """One warm-up step, then one step counted by the meter and the limit at once (all under ``plan``), and by
+    MemTracker unless ``tracker`` is ``"none"``: ``"told"`` passes it the storages the engines make outside operators,
+    ``"alone"`` does not."""
     case = build(name)
     opt = torch.optim.Adam(case.model.parameters(), lr=1e-3)
     applied = memopt.plan(plan, case.model, optimizer=opt) if plan is not None else contextlib.nullcontext()
     with applied:
         _step(case, opt)  # the optimizer's state exists, the plan's state placements are in force
         gc.collect()
-        tracker = MemTracker()
-        tracker.track_external(case.model, opt, *case.inputs)
+        mt = MemTracker() if tracker != "none" else None
+        if mt is not None:
+            mt.track_external(case.model, opt, *case.inputs)
         meter = meter_for("cpu")
         meter.track(case.model, opt, *case.inputs)
-        listener = _TellMemTracker(tracker)
-        if tell:
+        listener = _TellMemTracker(mt)
+        if tracker == "told":
             _LISTENERS.append(listener)
         try:
-            with tracker, memopt.limit_memory(1 << 40) as lim, meter:
+            with mt if mt is not None else contextlib.nullcontext(), memopt.limit_memory(1 << 40) as lim, meter:
                 _step(case, opt)
         finally:
-            if tell:
+            if tracker == "told":
                 _LISTENERS.remove(listener)
-    return {"meter": meter.peak, "limit": lim.peak_bytes, "label_bytes": sum(t.nbytes for t in case.labels),
-            "memtracker": tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]}
+    out = {"meter": meter.peak, "limit": lim.peak_bytes, "label_bytes": sum(t.nbytes for t in case.labels)}
+    if mt is not None:
+        out["memtracker"] = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return out
 
 
 def plans_for(name: str) -> tuple[memopt.ModelProfile, dict[str, Plan | None]]:
@@ -158,24 +164,26 @@ def plans_for(name: str) -> tuple[memopt.ModelProfile, dict[str, Plan | None]]:
 
 
 def cross_check(name: str, plan_names: tuple[str, ...] = PLANS) -> list[dict[str, Any]]:
-    """Per plan: the predicted peak, the meter's, the limit's, MemTracker's told and alone."""
+    """Per plan: the predicted peak; the meter's, the limit's and MemTracker's with MemTracker told; MemTracker's and
+    the meter's with MemTracker alone; the meter's and the limit's without MemTracker (``_plain``)."""
     prof, plans = plans_for(name)
     out = []
     for pn in plan_names:
         plan = plans[pn]
-        told, alone = count(name, plan, tell=True), count(name, plan, tell=False)
+        told, alone, plain = (count(name, plan, tracker=t) for t in ("told", "alone", "none"))
         predicted = memopt.simulate(prof, plan if plan is not None else memopt.solvers.none(prof)).peak_bytes
         out.append({"model": name, "plan": pn, "predicted": predicted, **told, "memtracker_alone": alone["memtracker"],
-                    "meter_alone": alone["meter"]})
+                    "meter_alone": alone["meter"], "meter_plain": plain["meter"], "limit_plain": plain["limit"]})
     return out
 
 
 def _cell(r: dict[str, Any]) -> str:
-    """MemTracker told, ``=`` where the meter and the prediction are the same bytes (else the differences), and the
-    limit's excess over the meter where it has one."""
-    same = r["predicted"] == r["meter"] == r["memtracker"]
+    """MemTracker told, ``=`` where the meter, and the prediction and the meter without MemTracker, are the same bytes
+    (else the differences), and the limit's excess over the meter where it has one."""
+    same = r["predicted"] == r["meter"] == r["memtracker"] == r["meter_plain"]
     out = f"{r['memtracker']:,}" + (" =" if same else f" (meter {r['meter'] - r['memtracker']:+,}, "
-                                                      f"predicted {r['predicted'] - r['memtracker']:+,})")
+                                                      f"predicted {r['predicted'] - r['memtracker']:+,}, "
+                                                      f"without MemTracker {r['meter_plain'] - r['memtracker']:+,})")
     return out + (f" L{r['limit'] - r['meter']:+,}" if r["limit"] != r["meter"] else "")
 
 
@@ -192,8 +200,8 @@ def main() -> None:
         print(*res.values(), sep="\n", flush=True)
     print(md_table(["model", *(f"{p}: MemTracker told" for p in PLANS), "MemTracker alone − meter (swap / whole)"],
                    rows))
-    print("bytes at the step's peak; '=': predicted = meter = MemTracker told, to the byte; 'L+n': limit_memory "
-          "counted n bytes more than the meter (labels only an operator reads)")
+    print("bytes at the step's peak; '=': predicted = meter = MemTracker told = meter without MemTracker, to the byte; "
+          "'L+n': limit_memory counted n bytes more than the meter (labels only an operator reads)")
 
 
 if __name__ == "__main__":
