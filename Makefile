@@ -1,6 +1,8 @@
 # Two entry points: `make demo` and `make test` (every test; `make test-fast` leaves out those marked slow). Both create
 # .venv if missing and install everything into it, torch==2.13.0 (CPU build) first so that nothing pulls a multi-GB
-# CUDA build.
+# CUDA build. timm and the torchvision matching that torch (no deps: they would pull a CUDA torch) go in a directory of
+# their own, $(VENV)/timm-packages, that only the timm tests put on sys.path: the registry's torchvision is built for
+# CUDA torch and, installed beside transformers, breaks its models (tests/real_timm.py says why and how it imports).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/timm-packages torchvision==0.28.0 timm==1.0.31
 	touch $(STAMP)
 
 install: $(STAMP)

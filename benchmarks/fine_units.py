@@ -251,11 +251,11 @@ def max_batch_section(names, adam):
 
 
 def timm_vit_section(batches: list[int]) -> None:
-    """``--timm-vit``: timm's ViT-Tiny (``tests/timm_like.py``, 12 blocks, 96 px, SGD) at each batch: the
+    """``--timm-vit``: timm's ViT-Tiny (``tests/real_timm.py``, 12 blocks, 96 px, SGD) at each batch: the
     activation-only floor of fine units with every strategy but selective against the block floor with keep /
     recompute / swap, and where the fine floor's plan peaks."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import timm_like
+    import real_timm
 
     from memopt_nb.core.plan import STRATEGIES
     from memopt_nb.planners.floor import explain_floor
@@ -266,7 +266,7 @@ def timm_vit_section(batches: list[int]) -> None:
     for b in batches:
         floors = {}
         for units in ("auto", "fine"):
-            model, inputs, loss_fn = timm_like.vit_tiny(batch=b, image=96)
+            model, inputs, loss_fn = real_timm.vit_tiny(batch=b, image=96)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             prof = memopt.profile(model, *inputs, loss_fn=loss_fn, optimizer=opt, units=units, repeats=1)
             strategies = every if units == "fine" else ("keep", "recompute", "swap")

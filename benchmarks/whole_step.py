@@ -10,7 +10,7 @@
 Models: the zoo's fixed-state-heavy models (``memopt.zoo.STATE_HEAVY`` at their default batch), zoo ``gpt`` and ``mlp``
 (small configs), a transformers GPT-2 from a small config (random init), and ``resnet18-split`` (resnet18 with the
 blocks of ``layers.3`` split into conv1/bn1/conv2/bn2/short units), ``timm-resnet18`` / ``timm-convnext_atto`` /
-``timm-vit_tiny`` (``tests/timm_like.py`` at the sizes ``tests/test_timm_models.py`` checks), all with Adam. Timings
+``timm-vit_tiny`` (``tests/real_timm.py`` at the sizes ``tests/test_timm_models.py`` checks), all with Adam. Timings
 use one torch thread.
 """
 
@@ -58,14 +58,14 @@ def build(name: str):
     """(model, inputs, loss_fn, units) for a model name."""
     if name == "gpt2":
         return (*small_gpt2(), "auto")
-    if name.startswith("timm-"):  # tests/timm_like.py, at the sizes tests/test_timm_models.py checks
+    if name.startswith("timm-"):  # tests/real_timm.py, at the sizes tests/test_timm_models.py checks
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import timm_like
+        import real_timm
 
         kind = name.removeprefix("timm-")
         size = {"resnet18": dict(batch=8, image=64), "convnext_atto": dict(batch=4, image=64),
                 "vit_tiny": dict(batch=4, image=96)}[kind]
-        return (*getattr(timm_like, kind)(**size), "auto")
+        return (*getattr(real_timm, kind)(**size), "auto")
     if name == "resnet18-split":
         z = memopt.zoo.build("resnet18")
         return z.model, z.inputs, z.loss_fn, split_units(z.model)

@@ -230,15 +230,15 @@ def test_search_depths_refuses_a_budget_below_both_floors_naming_both(fine):
 # ---------------------------------------------------------------------- models this project did not write
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["vit_tiny", "convnext_atto"])
-def test_timm_style_blocks_merged_predict_the_measured_peak_and_train_bit_for_bit(name):
-    """timm's ViT-Tiny (residual code and Identity placeholders between a block's units) and ConvNeXt-Atto, module for
-    module: every other block the fine profile can merge, merged, recomputed or swapped with the rest random (state
-    placements too): predicted = measured; and a mixed plan trains three steps as without it, buffers and optimizer
-    state included."""
-    import timm_like
+def test_timm_blocks_merged_predict_the_measured_peak_and_train_bit_for_bit(name):
+    """timm's own ViT-Tiny (residual code and Identity placeholders between a block's units) and ConvNeXt-Atto
+    (``timm.create_model``): every other block the fine profile can merge, merged, recomputed or swapped with the rest
+    random (state placements too): predicted = measured; and a mixed plan trains three steps as without it, buffers
+    and optimizer state included."""
+    import real_timm
     from test_whole_step_apply import _assert_same_training, train_loop
 
-    build = getattr(timm_like, name)
+    build = getattr(real_timm, name)
     model, x, loss_fn = build(batch=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prof = memopt.profile(model, *x, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
@@ -268,9 +268,9 @@ def test_a_block_whose_own_code_after_its_units_saves_for_backward_is_not_merged
     """timm's ResNet-18 BasicBlock ends in ``x += shortcut; x = self.act2(x)`` with an in-place ReLU, which is no unit
     and saves its output: checkpointed whole, the block's recomputation would start in that code's backward, before
     its units' backward, where no merged block's figure is measured. The profiler says so instead of merging."""
-    import timm_like
+    import real_timm
 
-    model, x, loss_fn = timm_like.resnet18(batch=2)
+    model, x, loss_fn = real_timm.resnet18(batch=2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     prof = memopt.profile(model, *x, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
     assert prof.meta["split"] and not prof.merges

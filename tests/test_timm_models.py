@@ -1,6 +1,6 @@
-"""Whole-step plans on timm's ResNet-18, ConvNeXt-Atto and ViT-Tiny (module for module, ``timm_like``), Adam, default
-options: the floor is at most half the unplanned peak (a third with step in backward), and a
-plan searched at 50 % trains three steps bit for bit — parameters, buffers, optimizer state, losses — with the
+"""Whole-step plans on timm's own ResNet-18, ConvNeXt-Atto and ViT-Tiny (``timm.create_model``, random init; see
+``real_timm``), Adam, default options: the floor is at most half the unplanned peak (a third with step in backward),
+and a plan searched at 50 % trains three steps bit for bit — parameters, buffers, optimizer state, losses — with the
 emulated device's measured peak within the budget.
 
 What makes it reach that: units are split by state where one unit holds much of the model's parameters (timm's last
@@ -11,7 +11,7 @@ between units instead of breaking the recompute of a unit whose input they chang
 import gc
 
 import pytest
-import timm_like
+import real_timm
 import torch
 from test_does_not_fit import train
 
@@ -28,7 +28,7 @@ MODELS = {"resnet18": dict(batch=8, image=64), "convnext_atto": dict(batch=4, im
 
 
 def build(name, device="cpu"):
-    model, inputs, loss_fn = getattr(timm_like, name)(**MODELS[name], device=device)
+    model, inputs, loss_fn = getattr(real_timm, name)(**MODELS[name], device=device)
     return model, inputs, loss_fn, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -135,3 +135,26 @@ def test_a_module_whose_input_is_changed_in_place_is_refused_as_a_unit_with_the_
         memopt.profile(model, x, units=["1.act"], repeats=1)
     prof = memopt.profile(model, x, units=["1.b", "2"], repeats=1)  # the others are fine
     assert prof.unit_names == ["1.b", "2"]
+
+
+# ---------------------------------------------------------------------- the zoo's models against timm's
+def _shapes(model: torch.nn.Module, squeeze_1x1: bool = False) -> list[tuple[int, ...]]:
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    if squeeze_1x1:  # a 1x1 convolution's weight (out, in, 1, 1) as the Linear weight (out, in) it equals
+        shapes = [s[:2] if len(s) == 4 and s[2:] == (1, 1) else s for s in shapes]
+    return sorted(shapes)
+
+
+def test_the_zoo_models_have_timms_parameter_shapes():
+    """``memopt.zoo``'s ``resnet18`` and ``vit_tiny`` (8 px patches) say they have those models' shapes: each
+    parameter's shape is one of timm's, one for one. ``convnext_atto`` writes its MLP as ``Linear`` layers on a
+    channels-last tensor where timm 1.0.31 uses 1×1 convolutions (``conv_mlp=True``): the same shapes once those are
+    read as the matrices they are."""
+    timm = real_timm.import_timm()
+    pairs = [(memopt.zoo.resnet18(), timm.create_model("resnet18", pretrained=False), False),
+             (memopt.zoo.vit_tiny(image=64, patch=8),
+              timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=8), False),
+             (memopt.zoo.convnext_atto(), timm.create_model("convnext_atto", pretrained=False), True)]
+    for z, t, squeeze in pairs:
+        assert _shapes(z.model) == _shapes(t, squeeze), z.name
+    assert _shapes(pairs[2][0].model) != _shapes(pairs[2][1])  # the MLP differs as written

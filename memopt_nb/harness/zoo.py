@@ -18,7 +18,7 @@ for). They are built here, not imported: no torchvision or timm needed.
 * ``resnet18`` — ResNet-18's shapes (7×7 stem, max-pool, BasicBlocks 64–512 wide, 2 per stage; 11.7 M parameters).
 * ``vit_tiny`` — ViT-Tiny's shapes (width 192, 12 blocks, 3 heads, MLP ×4; 5.6 M parameters) on 8×8 patches.
 * ``convnext_atto`` — ConvNeXt-Atto's shapes (widths 40–320, blocks 2/2/6/2, 7×7 depthwise convolutions, LayerNorm,
-  layer scale; 3.7 M parameters).
+  layer scale; 3.7 M parameters), its MLP as ``Linear`` layers where timm has 1×1 convolutions.
 """
 
 from __future__ import annotations
