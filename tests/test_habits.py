@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 
+import helpers.whole_step as ws
 import pytest
-import test_whole_step_apply as ws
 import torch
 import torch.nn as nn
 
