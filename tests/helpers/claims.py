@@ -81,6 +81,8 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         session.config.workeroutput["memopt_nb_skipped"] = dict(_SKIPPED)  # modules skipped while collecting too
         return
     claims = Path(os.environ.get("MEMOPT_NB_CLAIMS", CLAIMS))
+    if not claims.is_file():  # a copy of the tests without the docs
+        return
     _FAILED_CLAIMS[:] = skipped_claims(_SKIPPED, _RAN, claimed_tests(claims.read_text(encoding="utf-8")))
     if _FAILED_CLAIMS and _strict() and session.exitstatus == 0:
         session.exitstatus = 1
