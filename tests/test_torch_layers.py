@@ -22,12 +22,7 @@ state bit for bit; the measured peak is the simulator's, to the byte, but for tw
 import helpers.whole_step as ws
 import pytest
 import torch
-from helpers.torch_layers import (
-    IDS_MASK,
-    MODELS,
-    PADDED,
-    _plans,
-)
+from helpers.torch_layers import MODELS, _plans
 
 import memopt_nb as memopt
 from memopt_nb import solvers
@@ -35,12 +30,6 @@ from memopt_nb.core.plan import Plan
 from memopt_nb.runtime.storages import dense, exclusive
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-PADDED[1, 7:] = True
-
-
-IDS_MASK[1, 12:] = 0
 
 
 #: (model, plan): measured peak minus predicted, bytes — the simulator's known misses, pinned so that any change shows.

@@ -93,6 +93,7 @@ IMAGES32 = torch.randn(4, 3, 32, 32, generator=_g)
 
 LABELS = torch.randint(0, 10, (4,), generator=_g)
 PADDED = torch.zeros(4, 10, dtype=torch.bool)
+PADDED[1, 7:] = True
 
 
 def _lm_loss(out):
@@ -138,6 +139,7 @@ def _whisper():
 
 IDS = torch.randint(0, 96, (2, 16), generator=_g)
 IDS_MASK = torch.ones(2, 16, dtype=torch.long)
+IDS_MASK[1, 12:] = 0
 
 
 FEATURES = torch.randn(2, 16, 64, generator=_g)

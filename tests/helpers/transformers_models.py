@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 PAD = torch.ones(2, 16, dtype=torch.long)
+PAD[1, 11:] = 0
 
 
 def llama(use_cache: bool | None = False):
