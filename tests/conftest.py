@@ -2,6 +2,14 @@ import os
 
 import pytest
 import torch
+from helpers.claims import (  # noqa: F401 - hooks: a test docs/readme_claims.md names must not skip
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+    pytest_testnodedown,
+)
+from helpers.determinism import deterministic_from_env
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 # two intra-op threads at most; one per worker when pytest-xdist runs several (make test: two workers on two cores)
@@ -11,6 +19,7 @@ torch.set_num_threads(1 if _WORKERS > 1 else max(1, min(2, torch.get_num_threads
 # on as many threads: at torch's default, one per core, two kernels beside each other oversubscribed the cores and ran
 # the notebooks 4-10x slower under make test (benchmarks.ipynb 357 s with two threads, 72 s with one)
 os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+deterministic_from_env()  # cuda_check.py --pytest: GPU tests compare bit for bit on deterministic kernels
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -20,8 +20,8 @@ import copy
 import io
 import pickle
 
+import helpers.whole_step as ws
 import pytest
-import test_whole_step_apply as ws
 import torch
 import torch.nn as nn
 

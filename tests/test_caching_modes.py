@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_selective import _record as record_unit_ops
+from helpers.selective import _record as record_unit_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memopt_nb as memopt

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -173,6 +174,35 @@ def test_pytest_runs_every_test_that_needs_cuda(cc) -> None:
     assert any(n.startswith("test_cuda_autocast_") for n in needs_cuda)
     missed = {n: f for n, f in needs_cuda.items() if f not in cc.PYTEST_FILES or "cuda" not in n}
     assert missed == {}
+
+
+def test_the_cuda_tests_compare_bit_for_bit_with_deterministic_algorithms(cc, monkeypatch, tmp_path) -> None:
+    """``--pytest`` starts its pytest with ``MEMOPT_NB_DETERMINISTIC=1`` and cuBLAS's fixed workspace, and the suite's
+    conftest turns deterministic algorithms on when it sees it (checked here in this process, then put back)."""
+    import subprocess
+
+    from helpers.determinism import ENV, deterministic_from_env
+
+    seen = {}
+
+    def run(cmd, **kw):
+        seen.update(kw["env"])
+        return subprocess.CompletedProcess(cmd, 0, "1 passed", "")
+
+    monkeypatch.setattr(cc.subprocess, "run", run)
+    cc.pytest_section(cc.config_from_args(cc.parse_args(["--dry-run"])), [], tmp_path)
+    assert seen[ENV] == "1" and seen["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+    before = torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        assert deterministic_from_env() and torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before)
+    monkeypatch.setenv(ENV, "0")
+    assert not deterministic_from_env()
 
 
 @pytest.mark.slow  # profiles past a limit and answers max_batch: a minute or two on 2 cores

@@ -5,6 +5,7 @@ its polish stacks moves; the runtime applies a searched plan of over a hundred u
 
 import pytest
 import torch
+from helpers.depth import train
 
 import memopt_nb as memopt
 from memopt_nb import solvers
@@ -23,17 +24,6 @@ def gpt2(transformers):
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 500, (4, 64))
     return model, {"input_ids": ids, "labels": ids}, torch.optim.SGD(model.parameters(), lr=1e-2)
-
-
-def train(model, inputs, opt, steps=2):
-    losses = []
-    for _ in range(steps):
-        loss = model(**inputs).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def test_a_deep_gpt2_with_fine_units_trains_bit_for_bit_within_a_budget_between_its_floors():

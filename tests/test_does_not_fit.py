@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from helpers.does_not_fit import assert_same, build, snapshot, train
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import memopt_nb as memopt
@@ -19,43 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WANT = 16  # the batch the user wants, which does not fit
 
 
-def build(b, seed=0):
-    """Tiny GPT, AdamW: (model, inputs, loss_fn, optimizer) at batch ``b`` (the same weights for a seed)."""
-    z = memopt.zoo.gpt(batch_size=b, seq_len=32, d_model=48, n_layers=4, n_heads=4, vocab=128, seed=seed)
-    return z.model, z.inputs, z.loss_fn, torch.optim.AdamW(z.model.parameters(), lr=1e-3)
-
-
 def batch_fn(b):
     _, inputs, loss_fn, _ = build(b)
     return inputs, loss_fn
-
-
-def train(model, inputs, loss_fn, opt, steps):
-    losses = []
-    for _ in range(steps):
-        loss = loss_fn(model(**inputs) if isinstance(inputs, dict) else model(*inputs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def snapshot(model, opt):
-    params = [p.detach().clone() for p in model.parameters()]
-    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-    state = [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.state.values()]
-    return params, grads, state
-
-
-def assert_same(before, after):
-    for a, b in zip(before[0], after[0], strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(before[1], after[1], strict=True):
-        assert (a is None and b is None) or torch.equal(a, b)
-    assert len(before[2]) == len(after[2])
-    for sa, sb in zip(before[2], after[2], strict=True):
-        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 @pytest.fixture(scope="module")

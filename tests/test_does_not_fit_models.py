@@ -13,7 +13,7 @@ import gc
 
 import pytest
 import torch
-from test_does_not_fit import assert_same, snapshot, train
+from helpers.does_not_fit import assert_same, snapshot, train
 
 import memopt_nb as memopt
 

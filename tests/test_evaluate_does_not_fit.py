@@ -6,7 +6,7 @@ plans predicted to fit are measured there; rows that are predicted say so in the
 import importlib
 
 import pytest
-from test_does_not_fit import build
+from helpers.does_not_fit import build
 
 import memopt_nb as memopt
 from memopt_nb.profiling import fallback

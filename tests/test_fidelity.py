@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import tolerances
 
 import memopt_nb as memopt
 from memopt_nb import solvers, zoo
@@ -136,7 +137,7 @@ def test_hf_gpt2_peak_predicted_within_2_percent(hf_gpt2, strategy):
     plan = memopt.Plan.uniform(prof, strategy, offload_window=0, prefetch_distance=0)
     sim = memopt.simulate(prof, plan)
     meas = memopt.measure(model, ids, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1)
-    assert abs(sim.peak_bytes - meas.peak_bytes) <= 0.02 * meas.peak_bytes
+    assert abs(sim.peak_bytes - meas.peak_bytes) <= tolerances.GPT2_REL * meas.peak_bytes
     if strategy != "keep":
         assert sim.peak_bytes < prof.peak_bytes  # the plan changes something the prediction has to follow
 

@@ -7,7 +7,8 @@ on models this project did not write (transformers GPT-2 with its KV cache and d
 
 import pytest
 import torch
-from test_third_party import assert_same, gpt2, train
+from helpers.fine_units import IDS, LABELS, PIXELS, gpt2_step, vit, vit_step
+from helpers.third_party import assert_same, gpt2, train
 
 import memopt_nb as memopt
 from memopt_nb import solvers
@@ -19,27 +20,6 @@ from memopt_nb.profiling.units import FINE_MAX_CHILD
 @pytest.fixture(scope="module")
 def transformers():
     return pytest.importorskip("transformers")
-
-
-IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-
-
-def gpt2_step(model):
-    return model(input_ids=IDS, labels=IDS).loss, None
-
-
-def vit(transformers):
-    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                 image_size=16, patch_size=4, num_labels=3)
-    return transformers.ViTForImageClassification(cfg)
-
-
-PIXELS = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-LABELS = torch.tensor([0, 2])
-
-
-def vit_step(model):
-    return model(pixel_values=PIXELS, labels=LABELS).loss, None
 
 
 def fine_profile(build, **inputs):

@@ -15,8 +15,8 @@ import contextlib
 import json
 import os
 
+import helpers.whole_step as ws
 import pytest
-import test_whole_step_apply as ws
 import torch
 import torch.nn as nn
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -138,3 +139,19 @@ def test_the_readmes_old_module_paths_import():
     assert importlib.import_module("memopt_nb.plan").Plan is memopt.Plan
     assert importlib.import_module("memopt_nb.profile").ModelProfile is memopt.ModelProfile
     assert importlib.import_module("memopt_nb.solvers").optimal is memopt.solvers.optimal
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in ``tests/helpers/``: a test module importing another would run that module's
+    top level (and share its caches), so a result could depend on which test module was imported first."""
+    tests = PACKAGE.parent / "tests"
+    found = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    for path in sorted((tests / "helpers").glob("*.py")):
+        found += [f"helpers/{path.name}:{m.start()} imports {m.group(1)}"
+                  for m in re.finditer(r"^\s*(?:from|import) (test_\w+)", path.read_text(), flags=re.M)]
+    assert found == []

@@ -8,6 +8,9 @@ import random
 
 import pytest
 import torch
+from helpers import tolerances
+from helpers.depth import train
+from helpers.whole_step import _assert_same_training, train_loop
 
 import memopt_nb as memopt
 from memopt_nb import solvers
@@ -26,9 +29,9 @@ CUTS = {"fine": [], "one block": ["transformer.h.1"], "one mlp": ["transformer.h
         "mixed": ["transformer.h.0", "transformer.h.2.mlp"], "blocks": BLOCKS}
 
 
-def gpt2(optimizer=torch.optim.Adam):
+def gpt2(optimizer=torch.optim.Adam, n_layer=3):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=500)
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=64, n_head=4, n_positions=64, vocab_size=500)
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 500, (4, 64))
     return model, {"input_ids": ids, "labels": ids}, optimizer(model.parameters(), lr=1e-3)
@@ -177,45 +180,59 @@ def test_the_blocks_a_plan_treats_alike_are_merged_and_the_others_split(fine):
     assert codes[0] == depths.code_of("recompute", "") and set(codes[1:].tolist()) == {depths.code_of("keep", "")}
 
 
+def _fixed_times(prof: ModelProfile) -> ModelProfile:
+    """``prof`` with every unit's forward 1 ms, its backward 2 ms and the code between units 0.1 ms: which plan is
+    fastest then depends on memory alone, not on how busy this machine was while profiling."""
+    def seconds(seg):
+        return {"fwd": 1e-3, "bwd": 2e-3}.get(seg.kind, 1e-4) if 0 <= seg.unit < prof.n_units else 1e-4
+    out = dataclasses.replace(prof, segments=[dataclasses.replace(g, time=seconds(g)) for g in prof.segments])
+    return out._adopt(prof)
+
+
 def _exact(strategies):
     def planner(profile, budget, device):
         return solvers.optimal(profile, budget, device, strategies=strategies, offload_state=False)
     return planner
 
 
-def test_the_mixed_depth_plan_is_never_slower_and_trains_bit_for_bit_at_its_predicted_peak():
-    """Checkpointing only, at a budget below the fine units' floor and above the blocks': no fine plan fits, and the
-    mixed search returns a plan no slower than the whole blocks'; it trains two steps as without a plan, inside the
-    budget, its measured peak the predicted one."""
-    model, inputs, opt = gpt2(torch.optim.SGD)
-    prof = memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1)
+def test_a_mixed_plan_is_chosen_where_faster_and_trains_bit_for_bit_at_its_predicted_peak():
+    """Checkpointing only, a 6-layer GPT-2 at a budget three quarters of the way from the whole blocks' floor to the
+    fine units': no fine plan fits, and the search chooses a mixed plan (some blocks whole, the others split) strictly
+    faster than the whole blocks' (unit times fixed, so the choice is memory's); it trains two steps as without a
+    plan, inside the budget, its measured peak the predicted one."""
+    model, inputs, opt = gpt2(torch.optim.SGD, n_layer=6)
+    prof = _fixed_times(memopt.profile(model, **inputs, loss_fn=loss_fn, optimizer=opt, units="fine", repeats=1))
+    blocks = outermost(mergeable(prof))
+    assert len(blocks) == 6
     strategies = ("keep", "recompute")
-    lo = solvers.min_peak(merge_units(prof, BLOCKS), None, strategies, offload_state=False)
+    lo = solvers.min_peak(merge_units(prof, blocks), None, strategies, offload_state=False)
     hi = solvers.min_peak(prof, None, strategies, offload_state=False)
     assert lo < hi
-    budget = (lo + hi) // 2
+    budget = lo + 3 * (hi - lo) // 4
     with pytest.raises(BudgetError):
         solvers.optimal(prof, budget, strategies=strategies, offload_state=False)
     plan = memopt.search_depths(prof, budget, planner=_exact(strategies), strategies=strategies, offload_state=False)
     d = plan.meta["depths"]
     assert d["fine_step_time"] is None and plan.feasible
-    assert plan.predicted_step_time <= d["blocks_step_time"]
-    assert plan.meta["merged"] and set(plan.meta["merged"]) <= set(mergeable(prof))
+    # a mixed plan, strictly faster than the whole blocks' (a tie would go to the blocks): blocks merged, not all
+    assert d["chosen"] == "mixed" and plan.predicted_step_time == d["mixed_step_time"] < d["blocks_step_time"]
+    assert 0 < len(plan.meta["merged"]) < len(blocks) and set(plan.meta["merged"]) <= set(mergeable(prof))
     assert plan.units == merge_units(prof, plan.meta["merged"]).unit_names
-
-    from test_depth import train
+    assert len(blocks) < len(plan.units) < prof.n_units
 
     torch.manual_seed(1)
     with memopt.plan(plan), memopt.limit_memory(budget) as lim:
         losses = train(model, inputs, opt)
     assert lim.peak_bytes <= budget
-    ref, ref_inputs, ref_opt = gpt2(torch.optim.SGD)
+    ref, ref_inputs, ref_opt = gpt2(torch.optim.SGD, n_layer=6)
     torch.manual_seed(1)
     assert losses == train(ref, ref_inputs, ref_opt)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
+    for a, b in zip(model.buffers(), ref.buffers(), strict=True):
+        assert torch.equal(a, b)
     measured = memopt.measure(model, **inputs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1).peak_bytes
-    assert measured == plan.predicted_peak_bytes
+    assert measured - plan.predicted_peak_bytes == tolerances.EXACT
 
 
 def test_search_depths_refuses_a_budget_below_both_floors_naming_both(fine):
@@ -236,7 +253,6 @@ def test_timm_blocks_merged_predict_the_measured_peak_and_train_bit_for_bit(name
     random (state placements too): predicted = measured; and a mixed plan trains three steps as without it, buffers
     and optimizer state included."""
     import real_timm
-    from test_whole_step_apply import _assert_same_training, train_loop
 
     build = getattr(real_timm, name)
     model, x, loss_fn = build(batch=2)
@@ -295,9 +311,10 @@ def test_an_extrapolated_fine_profile_merges_no_block_and_says_why():
 def test_llama_style_blocks_merged_are_predicted_at_or_above_the_measured_peak(name):
     """Llama and Qwen2 decoder layers merged whole (and their MLPs): the prediction is not exact as on GPT-2 but never
     below the measured peak, and above it by at most 32 KiB here (a 0.5 MB model), under recompute, swap and random
-    plans. Known, not yet explained: a storage the attention frees partway through its backward (``late_bytes``) is
-    counted in the merged block's backward where the block's own recomputation already holds less."""
-    import test_more_transformers as tm
+    plans (``tolerances.MERGED_LATE_BYTES``, as the README says). Known, not yet explained: a storage the attention
+    frees partway through its backward (``late_bytes``) is counted in the merged block's backward where the block's own
+    recomputation already holds less."""
+    import helpers.transformers_models as tm
 
     build, inputs, _ = tm.MODELS[name]
     torch.manual_seed(0)
@@ -314,4 +331,4 @@ def test_llama_style_blocks_merged_are_predicted_at_or_above_the_measured_peak(n
         for plan in plans:
             predicted = memopt.simulate(cut, plan).peak_bytes
             measured = memopt.measure(model, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1, **inputs).peak_bytes
-            assert 0 <= predicted - measured <= 32 * 1024, (name, blocks, predicted - measured)
+            assert 0 <= predicted - measured <= tolerances.MERGED_LATE_BYTES, (name, blocks, predicted - measured)

@@ -12,8 +12,8 @@ import gc
 
 import pytest
 import torch
+from helpers.does_not_fit import train
 from IPython.core.error import UsageError
-from test_does_not_fit import train
 
 import memopt_nb as memopt
 from memopt_nb.planners.checks import default_budget

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from test_selective_planning import add_save_sets
+from helpers.planning import add_save_sets
 
 import memopt_nb as memopt
 from memopt_nb import solvers

@@ -3,15 +3,22 @@
 Every ```python block of README.md is run, in order, in one IPython namespace (so the notebook walk-through's magics
 run too), in a temporary directory. A block whose first line is ``# not run in tests: <why>`` (it needs a GPU or the
 network) is skipped; any other block that raises fails the test, naming the block. docs/readme_claims.md lists each
-README claim with the test or benchmark that checks it; every test and benchmark it names must exist.
+README claim with the test or benchmark that checks it; every test and benchmark it names must exist, and must run:
+under CI a named test that skips fails the run (``tests/helpers/claims.py``, checked here on a claims file of its own).
+The tolerances of the peak claims (``tests/helpers/tolerances.py``) are quoted in the README as the tests use them.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from helpers import tolerances
+from helpers.claims import claimed_tests, skipped_claims
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -90,3 +97,65 @@ def test_every_python_block_of_the_readme_runs(ipython_shell, tmp_path, monkeypa
         for name in set(shell.user_ns) - names_before:
             del shell.user_ns[name]
     assert ran >= 8
+
+
+def test_each_tolerance_is_quoted_as_the_tests_use_it():
+    """The README and the claims list say each peak tolerance in the words ``tests/helpers/tolerances.py`` gives it."""
+    readme, claims = README.read_text(encoding="utf-8"), CLAIMS.read_text(encoding="utf-8")
+    for name, words in tolerances.QUOTED.items():
+        assert words in readme, f"README.md does not say {words!r} ({name} in tests/helpers/tolerances.py)"
+        assert words in claims, f"{CLAIMS.name} does not say {words!r} ({name} in tests/helpers/tolerances.py)"
+
+
+def test_a_claimed_test_that_skips_is_named_with_its_reason():
+    claimed = claimed_tests("`tests/test_a.py::test_x`, `tests/test_b.py::test_y`")
+    assert claimed == {"tests/test_a.py::test_x", "tests/test_b.py::test_y"}
+    skipped = {"tests/test_a.py::test_x[cuda]": "no GPU", "tests/test_a.py::test_z": "other", "tests/test_b.py": "no b"}
+    assert skipped_claims(skipped, set(), claimed) == ["tests/test_a.py::test_x[cuda]: no GPU", "tests/test_b.py: no b"]
+    # a parametrized test whose other cases ran still checks its claim
+    assert skipped_claims(skipped, {"tests/test_a.py::test_x"}, claimed) == ["tests/test_b.py: no b"]
+
+
+CONFTEST = """from helpers.claims import (pytest_collectreport, pytest_runtest_logreport, pytest_sessionfinish,
+                            pytest_terminal_summary, pytest_testnodedown)
+"""
+TESTS = """import pytest
+
+def test_runs():
+    pass
+
+def test_skips():
+    pytest.skip("nothing to check here")
+
+@pytest.mark.parametrize("case", ["runs", "skips"])
+def test_one_case_skips(case):
+    if case == "skips":
+        pytest.skip("not on this machine")
+"""
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_the_run_fails_under_ci_when_a_claimed_test_skips(tmp_path, ci):
+    """A pytest run (the hooks ``tests/conftest.py`` installs, on a claims file naming a test that passes, one that
+    skips one case of two and one that skips) exits 1 under CI, naming the skipped test and why; without CI it passes
+    and says so. Without the skipped one named, it passes."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_fake.py").write_text(TESTS)
+    claims = tmp_path / "claims.md"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+           "MEMOPT_NB_CLAIMS": str(claims), "CI": ci}
+
+    def run():
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                               "tests"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    claims.write_text("`tests/test_fake.py::test_runs`<br>`tests/test_fake.py::test_one_case_skips`")
+    ok = run()
+    assert ok.returncode == 0 and "README claims not checked" not in ok.stdout, ok.stdout + ok.stderr
+    claims.write_text("`tests/test_fake.py::test_runs`<br>`tests/test_fake.py::test_skips`")
+    out = run()
+    assert out.returncode == (1 if ci else 0), out.stdout + out.stderr
+    assert "README claims not checked" in out.stdout
+    assert "tests/test_fake.py::test_skips: Skipped: nothing to check here" in out.stdout

@@ -6,8 +6,8 @@ emulated device is the simulator's prediction for every offload window and prefe
 the floor below what keep / recompute / swap reach where kept inputs bound it.
 """
 
+import helpers.third_party as third
 import pytest
-import test_third_party as third
 import torch
 
 import memopt_nb as memopt
@@ -40,7 +40,7 @@ def test_recompute_offload_lowers_a_third_party_floor():
     """Transformers GPT-2 split into fine units: recompute keeps every small unit's input, which bounds the floor;
     recompute_offload sends them to the host, so the floor drops."""
     transformers = pytest.importorskip("transformers")
-    import test_fine_units as fine
+    import helpers.fine_units as fine
 
     prof = memopt.profile(third.gpt2(transformers), loss_fn=lambda o: o.loss, units="fine", repeats=1,
                           input_ids=fine.IDS, labels=fine.IDS)
@@ -55,7 +55,7 @@ def test_third_party_fine_units_measured_as_predicted(model):
     """Hugging Face GPT-2 (KV cache, dropout) and ViT profiled with units='fine': a plan mixing recompute_offload with
     the other strategies trains bit-identically and its measured peak is the simulator's."""
     transformers = pytest.importorskip("transformers")
-    import test_fine_units as fine
+    import helpers.fine_units as fine
 
     if model == "gpt2":
         build, step, inputs = (lambda: third.gpt2(transformers)), fine.gpt2_step, dict(input_ids=fine.IDS,

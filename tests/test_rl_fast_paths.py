@@ -10,7 +10,7 @@ import importlib
 
 import numpy as np
 import pytest
-from test_selective_planning import add_save_sets
+from helpers.planning import add_save_sets
 
 from memopt_nb import solvers
 from memopt_nb.core.plan import STRATEGIES

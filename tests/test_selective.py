@@ -6,10 +6,11 @@ Face GPT-2 with its cache, ViT), for every save-set; the measured peak on the em
 prediction; and a save-set really keeps what it says (its recomputation skips those ops).
 """
 
+import helpers.third_party as third
 import pytest
-import test_third_party as third
 import torch
 import torch.nn as nn
+from helpers.selective import _record
 
 import memopt_nb as memopt
 from memopt_nb import zoo
@@ -32,16 +33,6 @@ class Mutates(nn.Module):
         h.mul_(2)
         h = torch.relu(self.c(h))
         return self.b(h)
-
-
-def _record(module, x):
-    rec = OpRecorder()
-    with rec:
-        rec.begin(0)
-        out = checkpointed(module, module.forward, (x,), {})
-        rec.end()
-    del out
-    return rec.calls[0]
 
 
 def test_only_outputs_nothing_else_keeps_are_offered():
@@ -247,7 +238,7 @@ def test_hf_gpt2_every_output_kept_runs_as_keep_after_the_first_step(monkeypatch
 
 def test_hf_vit_bit_identical():
     transformers = pytest.importorskip("transformers")
-    import test_fine_units as fine
+    import helpers.fine_units as fine
 
     torch.manual_seed(0)
     prof = memopt.profile(fine.vit(transformers), loss_fn=lambda o: o.loss, units="fine", repeats=1,

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.planning import add_save_sets
 
 import memopt_nb as memopt
 from memopt_nb import solvers
 from memopt_nb.core.device import DeviceSpec
 from memopt_nb.core.plan import DEFAULT_STRATEGIES, SAVE_SETS, STRATEGIES, Decision, Plan
 from memopt_nb.core.profile import ModelProfile
-from memopt_nb.harness.synthetic import chain_profile, with_save_sets
+from memopt_nb.harness.synthetic import chain_profile
 from memopt_nb.sim.replay import replay
 from memopt_nb.sim.simulator import CODES, NAMES, RECOMPUTE, SELECTIVE, SWAP, Simulator, code_of, save_set_of
 
@@ -26,14 +27,6 @@ CPU_LIKE = DeviceSpec(name="cpu-like", kind="cpu", capacity_bytes=2**34, h2d_byt
                       compute_flops=1e11, copy_overlap=False)
 SLOW_LINK = DeviceSpec.preset("a100-40gb").with_changes(name="a100-slow-link", h2d_bytes_per_s=2e9,
                                                         d2h_bytes_per_s=1e9)
-
-
-def add_save_sets(prof, seed=0, offered=0.8, pareto=0.8):
-    """``prof`` with synthetic save-sets (:func:`memopt_nb.harness.synthetic.with_save_sets`), at least one unit
-    offering."""
-    out = with_save_sets(prof, seed, offered, pareto)
-    assert any(u.save_sets for u in out.units)
-    return out
 
 
 def zoo_gpt():
@@ -201,7 +194,7 @@ SEL_CASES = [(n, seed, strategies, device) for n, seed in ((3, 0), (4, 1), (4, 2
 def test_exact_solver_matches_brute_force_with_selective(n, seed, strategies, device):
     if len(strategies) == len(STRATEGIES) and n > 3:
         n = 3  # every option of every strategy: keep brute force small
-    from test_solvers import assert_exact_equals_brute_force
+    from helpers.planning import assert_exact_equals_brute_force
 
     prof = add_save_sets(chain_profile(n, seed=seed, shared_boundaries=0.5, device=device), seed, pareto=0.7)
     space = {"strategies": strategies, "offload_state": False}
@@ -355,7 +348,7 @@ def test_masks_keep_the_selective_optimum_reachable():
     """Played through the environment, brute force's optimum with selective allowed is reachable: every action it
     takes is allowed by the masks (no shared boundaries: the marginal model is exact for memory), and the episode's
     exact time is the optimum's."""
-    from test_strategies_arg import play
+    from helpers.planning import play
 
     from memopt_nb.planners.rl.env import MemoryPlanningEnv
     from memopt_nb.planners.task import PlanningTask

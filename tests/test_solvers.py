@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from test_selective_planning import add_save_sets
+from helpers.planning import add_save_sets, assert_exact_equals_brute_force
 
 import memopt_nb as memopt
 from memopt_nb import solvers
@@ -273,21 +273,6 @@ def test_exact_solver_matches_brute_force_over_state_on_real_profiles(name, smal
     prof = fixed_times(small_zoo[name])
     space = {"strategies": ("keep", "recompute"), "offload_state": {"optimizer", "grads"}, "step_in_backward": True}
     assert_exact_equals_brute_force(prof, space, (0.0, 0.3, 1.0))
-
-
-def assert_exact_equals_brute_force(prof, space, fracs, abs_tol=1e-6):
-    """On the GPU preset and the profiled device, at budgets ``fracs`` of the way from the floor to the peak: the MILP's
-    plan is as fast as the enumeration's and fits (times within ``abs_tol``: by default HiGHS's absolute MIP gap,
-    1e-6 s)."""
-    for device in ("a100-40gb", None):
-        lo = solvers.min_peak(prof, device=device, **space)
-        for frac in fracs:
-            budget = int(lo + frac * (prof.peak_bytes - lo))
-            exact = solvers.optimal(prof, budget, device=device, **space)
-            oracle = solvers.brute_force(prof, budget, device=device, **space)
-            assert exact.feasible and oracle.feasible
-            assert exact.predicted_step_time == pytest.approx(oracle.predicted_step_time, rel=1e-9, abs=abs_tol)
-            assert memopt.simulate(prof, exact, device=device).peak_bytes <= budget
 
 
 def test_exact_solver_falls_back_to_checkpointing_when_swaps_cannot_win(small_zoo):

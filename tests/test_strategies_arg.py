@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers.planning import play
 from pettingzoo.test import parallel_api_test
 
 import memopt_nb as memopt
@@ -217,24 +218,6 @@ def test_recompute_offload_is_a_fourth_strategy_for_the_agents(chain):
             c, ww, dd = (np.where(np.arange(n) == u, x[o], y) for x, y in zip((codes, w, d), (KEEP, 1, 1)))
             peak, t = task.sim.evaluate(c[None], ww[None], dd[None])
             assert t[0] - task.base_time == pytest.approx(task.marg_time[u, o], rel=1e-9, abs=1e-15)
-
-
-def play(env, plan, actions):
-    """Play ``plan`` through ``env`` with the strategy agent's ``actions`` (one per unit) and the plan's timings;
-    every action must be allowed by the masks. Returns the last step's infos."""
-    from memopt_nb.planners.options import TIMINGS
-
-    obs, _ = env.reset(seed=0)
-    for t in range(env.task.n + 1):
-        a = {}
-        if t < env.task.n:
-            a["strategy"] = actions[t]
-            assert obs["strategy"]["action_mask"][a["strategy"]], (plan.decisions, t)
-        if t >= 1 and plan.strategies[t - 1] in ("swap", "recompute_offload"):
-            a["timing"] = TIMINGS.index((plan.offload_windows[t - 1], plan.prefetch_distances[t - 1]))
-            assert obs["timing"]["action_mask"][a["timing"]], (plan.decisions, t)
-        obs, rew, term, trunc, info = env.step(a)
-    return info
 
 
 def test_masks_keep_the_recompute_offload_optimum_reachable():

@@ -80,7 +80,7 @@ def test_the_floor_streams_where_a_units_state_bounds_it(gpt_blocks):
 
 
 def test_a_streamed_plan_trains_as_plain_training_with_every_kernel():
-    from test_whole_step_apply import _assert_same_training, train_loop
+    from helpers.whole_step import _assert_same_training, train_loop
 
     for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
                  lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
@@ -135,7 +135,7 @@ def _torch_optimizers():
 @pytest.mark.parametrize("placement", ["stream_all", "stream_step_params"])
 @pytest.mark.parametrize(("cls", "kw"), _torch_optimizers())
 def test_every_torch_optimizer_streamed_trains_as_plain_training(cls, kw, placement):
-    from test_state_runtime import PLACEMENTS, _assert_same_training, _train
+    from helpers.state_runtime import PLACEMENTS, _assert_same_training, _train
 
     def make(ps, _k=None):
         return cls(ps, lr=1e-2, **kw)
