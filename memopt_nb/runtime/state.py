@@ -46,10 +46,26 @@ How values stay identical to plain training:
   are registered through :func:`~memopt_nb.runtime.hooks.uncopied`, so a copy of the model made inside the block is a
   plain model.
 
-On exit everything is put back exactly: the original state tensor objects refilled and back in ``opt.state``,
+On exit everything is put back exactly — the original state tensor objects refilled and back in ``opt.state``,
 placeholder gradients replaced by real ones, parameters refilled, hooks removed, ``opt.step`` / ``zero_grad`` /
-``state_dict`` / ``load_state_dict`` restored — also when the block raises or is interrupted. A graph built inside
-the block and backpropagated after it runs none of the manager's hooks (the parameters are back on the device).
+``state_dict`` / ``load_state_dict`` restored, also when the block raises or is interrupted — if what is on the host
+fits the device then (:meth:`StateManager.leave`: inside ``memopt.limit_memory`` the limit less what it counts, on
+CUDA what the allocator can still give). A graph built inside the block and backpropagated after it runs none of the
+manager's hooks (the parameters are back on the device).
+
+When it does not fit (a model whose training state is larger than the device), the manager stays applied, *parked*:
+every tensor stays where the plan put it and keeps moving as under the plan, so the device holds what it held between
+steps inside the block, never more, and a warning says so. Bringing back part of it instead would fill the device and
+leave no room for the next step's activations or an evaluation. Parked, the loop works as inside the block: a plain
+``forward`` / ``backward`` / ``opt.step()`` trains the same values (activations unplanned), an evaluation or an EMA
+brings a unit's parameters at a time. The next ``with memopt.plan(p):`` with the same placements takes the parked
+manager over; another plan brings the state back first (:class:`StateError` if it does not fit).
+:func:`bring_back` (``memopt.bring_back(opt)``) removes it once the device has room.
+
+``model.state_dict()`` and ``opt.state_dict()`` (inside the block and parked) give offloaded parameters and state as
+host copies (CPU tensors; on the emulated device made under :func:`~memopt_nb.runtime.limit.uncounted`): saving a
+checkpoint brings nothing to the device. ``load_state_dict`` sends loaded state of offloaded units to the host a
+parameter at a time.
 
 What the loop may get wrong:
 
@@ -96,6 +112,8 @@ import contextlib
 import copy
 import ctypes
 import types
+import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,10 +122,14 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from ..core.budget import format_bytes
+from ..core.errors import MemoptWarning
 from ..core.plan import GRAD_PLACES, OPTIMIZER_PLACES, PARAM_PLACES
 from .foreign import unwatch as _unwatch_foreign
 from .foreign import watch as _watch_foreign
+from .free import device_room
 from .hooks import uncopied
+from .limit import active_limit, recount
 from .movers import CudaMover, ThreadMover
 from .offloaded import Worn, offloaded_class
 from .slots import HostTensor, Slot, placeholder, stepped_placeholder
@@ -115,7 +137,8 @@ from .state_errors import STEP_RULES, StateError, StepInBackwardError
 from .storages import exclusive as _exclusive
 from .storages import movable
 
-__all__ = ["HostTensor", "Placement", "StateError", "StateManager", "StepInBackwardError", "manage_state"]
+__all__ = ["HostTensor", "Placement", "StateError", "StateManager", "StepInBackwardError", "bring_back", "manage_state",
+           "parked_manager"]
 
 
 
@@ -205,6 +228,8 @@ class StateManager:
                 self.unit_of[id(p)] = i
         self._check_optimizer()
         self._active = False
+        self._parked = False
+        self._device = torch.device("cpu")
         self._mover: Any = None
         self._managed_ids: set[int] | None = None
         self.stats: collections.Counter = collections.Counter()
@@ -255,6 +280,75 @@ class StateManager:
     def active(self) -> bool:
         return self._active
 
+    @property
+    def parked(self) -> bool:
+        """Whether the plan's block has ended with this manager still applied, its host state not fitting the device
+        (see :meth:`leave`)."""
+        return self._parked
+
+    def host_bytes(self) -> int:
+        """The bytes of parameters, optimizer state and gradients on the host now: what :meth:`remove` would bring to
+        the device."""
+        total = sum(s.nbytes for u, slots in enumerate(self._param_slots) if self._param_where[u] != "device"
+                    for s in slots)
+        for (_, key), slot in self._state_slots.items():
+            st = self.optimizer.state.get(slot.owner)
+            v = st.get(key) if st is not None else None
+            if isinstance(v, HostTensor) and v._slot is slot:
+                total += slot.nbytes
+        return total + sum(p.grad._slot.nbytes for ps in self.unit_params for p in ps
+                           if isinstance(p.grad, HostTensor) and not p.grad._stepped)
+
+    def leave(self) -> bool:
+        """End the plan's block: :meth:`remove` if what is on the host fits the device now (returns ``True``), else
+        stay applied, parked (returns ``False``): every parameter, gradient and optimizer-state tensor stays where the
+        plan put it and keeps moving as under the plan, so the model and optimizer keep working as inside the block
+        and the device never holds more than it did between steps there. :func:`bring_back` removes it later; the next
+        ``memopt.plan`` with the same placements takes it over."""
+        if self._mover is None:
+            return True
+        if self._backward_failed():  # leaving by an exception raised mid-backward
+            self._recover_failed_backward()
+        need, room = self.host_bytes(), device_room(self._device)
+        if room is None or need <= room:
+            self.remove()
+            return True
+        if not self._parked:
+            self._parked = True
+            _PARKED.add(self)
+            self.stats["parked_bytes"] = need
+            warnings.warn(
+                f"memopt: {format_bytes(need)} of training state (parameters, gradients, optimizer state) stay on the "
+                f"host after the plan's block: the device has {format_bytes(room)} free. The model and optimizer keep "
+                "working (that state moves to the device as under the plan); call memopt.bring_back(optimizer) when "
+                "the device has room", MemoptWarning, stacklevel=4)
+        return False
+
+    def resume(self) -> StateManager:
+        """A parked manager taken over by the next block of a plan with its placements: applied again as it is."""
+        self._parked = False
+        _PARKED.discard(self)
+        return self
+
+    def matches(self, model: nn.Module, units: Sequence[nn.Module], placements: Sequence[Placement],
+                step_in_backward: bool) -> bool:
+        """Whether this manager places the state of ``units`` of ``model`` as ``placements`` say."""
+        return (model is self.model and len(units) == len(self.modules)
+                and all(a is b for a, b in zip(units, self.modules, strict=True))
+                and list(placements) == self.placements and step_in_backward == self.step_in_backward)
+
+    def bring_back(self) -> int:
+        """Remove a parked manager if what it holds on the host fits the device now (see :func:`bring_back`); returns
+        the bytes brought back."""
+        need, room = self.host_bytes(), device_room(self._device)
+        if room is not None and need > room:
+            raise StateError(
+                f"the training state a plan's block left on the host ({format_bytes(need)}) does not fit the device "
+                f"now ({format_bytes(room)} free); free device memory first (del what you no longer need), or keep "
+                "training under the plan (`with memopt.plan(p):` with the same plan takes the state over as it is)")
+        self.remove()
+        return need
+
     def _reset(self) -> None:
         self._handles: list[Any] = []
         self._opt_saved: dict[str, Any] = {}
@@ -294,9 +388,14 @@ class StateManager:
         if self._active:
             raise StateError("this StateManager is applied already; leave its `with` block first")
         opt = self.optimizer
-        if getattr(opt, "_memopt_state", None) is not None:
+        other = getattr(opt, "_memopt_state", None)
+        if other is not None and other.parked:
+            raise StateError("a plan's block left this optimizer's training state on the host (it did not fit the "
+                             "device); apply that plan again, or call memopt.bring_back(optimizer) first")
+        if other is not None:
             raise StateError("another StateManager manages this optimizer; leave its `with` block first")
         device = next((p.device for ps in self.unit_params for p in ps), torch.device("cpu"))
+        self._device = device
         self._reset()
         self._mover = CudaMover(device) if device.type == "cuda" else ThreadMover()
         self._active = True
@@ -384,6 +483,8 @@ class StateManager:
         if self._mover is None:
             return
         opt = self.optimizer
+        self._parked = False
+        _PARKED.discard(self)
         try:
             if self._backward_failed():  # leaving the block by an exception raised mid-backward
                 self._recover_failed_backward()
@@ -669,7 +770,7 @@ class StateManager:
             for name, p in module.named_parameters(prefix=prefix.rstrip(".")):
                 slot = slot_of.get(id(p))
                 if slot is not None and name in state_dict:
-                    state_dict[name] = slot.materialize()  # a copy: the parameter itself has no data now
+                    state_dict[name] = slot.host_copy()  # a host copy: the parameter has no device data now
 
         def loading(module: nn.Module, *args: Any) -> None:
             self._fetch_params(u, wait=True)
@@ -983,15 +1084,19 @@ class StateManager:
         state = {}
         for k, v in sd["state"].items():
             if isinstance(v, dict) and any(isinstance(x, HostTensor) for x in v.values()):
-                v = {kk: (x._slot.materialize() if isinstance(x, HostTensor) else x) for kk, x in v.items()}
+                v = {kk: (x._slot.host_copy() if isinstance(x, HostTensor) else x) for kk, x in v.items()}
             state[k] = v
         sd["state"] = state
         return sd
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The optimizer's own ``load_state_dict`` (it replaces the state, offloaded entries included: nothing is
+        brought back for it), then the state of units that keep it on the host sent there one parameter at a time.
+        A tensor of ``state_dict`` the optimizer took as it is (same device and dtype) is copied before it is sent, so
+        the caller's state dict keeps its values."""
         opt = self.optimizer
-        for p in list(opt.state):  # put every offloaded entry back before the optimizer replaces the state
-            self._bring_state(p, wait=True)
+        given = {id(v) for st in state_dict.get("state", {}).values() if isinstance(st, dict)
+                 for v in st.values() if isinstance(v, torch.Tensor)}
         prev = self._opt_saved.get("load_state_dict", _MISSING)
         if prev is _MISSING:
             type(opt).load_state_dict(opt, state_dict)
@@ -999,11 +1104,19 @@ class StateManager:
             prev(state_dict)
         self._state_slots.clear()
         for u, pl in enumerate(self.placements):
-            if pl.optimizer != "resident":
-                for p in self.unit_params[u]:
-                    if p in opt.state:
-                        self._send_state(p)
-        self._release_pending()
+            if pl.optimizer == "resident":
+                continue
+            for p in self.unit_params[u]:
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and id(v) in given and v.dim() > 0:
+                        st[k] = v.clone(memory_format=torch.preserve_format)
+                self._send_state(p)
+                self._release_pending()
+        if active_limit() is not None:
+            recount(opt)  # state loaded from host copies is the device's now
         self._state_keys = {id(k) for k in opt.state}
 
     # ------------------------------------------------------------------ another optimizer (runtime/foreign.py)
@@ -1166,6 +1279,28 @@ class _Missing:
 
 
 _MISSING = _Missing()
+#: managers whose plan's block ended with their host state not fitting the device (:meth:`StateManager.leave`)
+_PARKED: weakref.WeakSet = weakref.WeakSet()
+
+
+def parked_manager(obj: Any) -> StateManager | None:
+    """The parked :class:`StateManager` of ``obj`` (a model or an optimizer), or ``None``."""
+    for mgr in list(_PARKED):
+        if mgr.parked and (obj is mgr.optimizer or obj is mgr.model):
+            return mgr
+    return None
+
+
+def bring_back(obj: Any) -> int:
+    """Bring the training state a plan's block left on the host back to the device and remove what of the plan stayed
+    to move it; ``obj`` is the model or its optimizer. Returns the bytes brought back (0 if nothing was left there).
+
+    Leaving ``with memopt.plan(p):`` brings every parameter, gradient and optimizer-state tensor back only if all of
+    it fits the device then; otherwise it stays where the plan put it (see :meth:`StateManager.leave`). Call this once
+    the device has room (outside ``memopt.limit_memory``, or after freeing memory). Raises :class:`StateError`, with
+    nothing changed, if it still does not fit."""
+    mgr = parked_manager(obj)
+    return 0 if mgr is None else mgr.bring_back()
 
 
 def manage_state(model: nn.Module, optimizer: torch.optim.Optimizer,
