@@ -19,14 +19,8 @@ import torch.nn as nn
 
 from ..core.budget import format_bytes
 from ..core.errors import MemoptWarning, PlanError
-from ..core.plan import (
-    OFFLOADING,
-    RECOMPUTING,
-    Plan,
-    effective_triggers,
-    optimizer_differences,
-    optimizer_fingerprint,
-)
+from ..core.fingerprint import optimizer_differences, optimizer_fingerprint
+from ..core.plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers
 from ..core.strategies import by_name
 from .distributed import check_state_placements, order_guard, unwrap
 from .head import ChunkedHead, find_head
