@@ -42,7 +42,7 @@ from .runtime.apply import AppliedPlan, plan
 from .runtime.head import chunked_cross_entropy
 from .runtime.limit import MemoryLimit, limit_memory
 from .runtime.measure import Measurement, measure
-from .runtime.state import StateError, StepInBackwardError
+from .runtime.state import StateError, StepInBackwardError, bring_back
 from .sim.simulator import SimResult, Simulator, simulate
 
 
@@ -88,9 +88,9 @@ __all__ = [
     "AppliedPlan", "BudgetError", "Comparison", "Decision", "DeviceSpec", "Evaluation", "MaxBatch", "Measurement",
     "MemoptError", "MemoptWarning", "MemoryLimit", "ModelProfile", "ModelSizes", "Plan", "PlanError",
     "ProfileError", "SimResult", "Simulator", "StateError", "StepInBackwardError", "UnitProfile", "WrapOrderError",
-    "chunked_cross_entropy", "compare", "distributed", "evaluate", "format_bytes", "limit_memory", "max_batch",
-    "max_model", "measure", "merge_units", "parse_bytes", "plan", "profile", "resolve_budget", "search",
-    "search_depths", "simulate", "solvers", "zoo",
+    "bring_back", "chunked_cross_entropy", "compare", "distributed", "evaluate", "format_bytes", "limit_memory",
+    "max_batch", "max_model", "measure", "merge_units", "parse_bytes", "plan", "profile", "resolve_budget",
+    "search", "search_depths", "simulate", "solvers", "zoo",
 ]
 
 

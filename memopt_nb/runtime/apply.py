@@ -19,14 +19,8 @@ import torch.nn as nn
 
 from ..core.budget import format_bytes
 from ..core.errors import MemoptWarning, PlanError
-from ..core.plan import (
-    OFFLOADING,
-    RECOMPUTING,
-    Plan,
-    effective_triggers,
-    optimizer_differences,
-    optimizer_fingerprint,
-)
+from ..core.fingerprint import optimizer_differences, optimizer_fingerprint
+from ..core.plan import OFFLOADING, RECOMPUTING, Plan, effective_triggers
 from ..core.strategies import by_name
 from .distributed import check_state_placements, order_guard, unwrap
 from .head import ChunkedHead, find_head
@@ -35,7 +29,7 @@ from .oom import StepGuard, leave_plan
 from .outputs import KeptOutputWatch
 from .recompute import checkpointed
 from .replay_guard import ReplayGuard, cache_tensors, is_cache
-from .state import Placement, StateManager
+from .state import Placement, StateManager, parked_manager
 from .step import autocast_name
 from .storages import plain_storage_ptrs
 from .swap import SwapEngine
@@ -394,6 +388,11 @@ class AppliedPlan:
             raise PlanError("the optimizer holds none of the model's parameters; pass the optimizer that trains this "
                             "model: memopt.plan(p, model, optimizer=opt)")
         placements = [Placement(*d.placement) for d in plan.decisions]
+        parked = parked_manager(opt)  # the state an earlier block left on the host: taken over, or brought back
+        if parked is not None:
+            if parked.matches(self.model, modules, placements, plan.step_in_backward):
+                return parked
+            parked.bring_back()
         return StateManager(self.model, opt, modules, placements, step_in_backward=plan.step_in_backward)
 
     def apply(self) -> AppliedPlan:
@@ -438,7 +437,10 @@ class AppliedPlan:
                 self._wrap(index, module, strategy, model_ptrs)
             if state is not None:
                 self.state = state
-                state.apply()
+                if state.parked:
+                    state.resume()
+                else:
+                    state.apply()
             if head is not None:
                 self._head = head.install()
             if not plan.meta.get("keep_outputs"):
@@ -463,13 +465,19 @@ class AppliedPlan:
         module.forward = PlannedForward(self, index, module, strategy, previous, guard, model_ptrs)
         self._installed.append((module, had_own, previous))
 
-    def remove(self) -> None:
-        """Undo :meth:`apply`: optimizer state, gradients and parameters back on the device in their own tensors, the
-        optimizer's methods and every wrapped ``forward`` restored exactly. Safe to call twice."""
+    def remove(self, *, everything: bool = False) -> None:
+        """Undo :meth:`apply`: every wrapped ``forward`` restored exactly; optimizer state, gradients and parameters
+        back on the device in their own tensors and the optimizer's methods restored if they fit the device now (or
+        with ``everything=True``), else left where the plan put them, still moved as under the plan
+        (:meth:`~memopt_nb.runtime.state.StateManager.leave`; :func:`~memopt_nb.runtime.state.bring_back` later).
+        Safe to call twice."""
         try:
             if self.state is not None:
                 try:
-                    self.state.remove()
+                    if everything:
+                        self.state.remove()
+                    else:
+                        self.state.leave()
                 finally:  # after: removing may still move state (a failed backward's steps put back)
                     self._stats.update(self.state.stats)
         finally:
@@ -610,7 +618,9 @@ def plan(p: Plan, model: nn.Module | None = None, *, optimizer: torch.optim.Opti
 
     Loss, gradients, parameters, buffers and optimizer state are the same as without the plan; only memory and time
     change. On exit the model's modules (and the optimizer) are exactly as before, also after an exception or an
-    interrupt.
+    interrupt — except that training state the plan keeps on the host comes back only if all of it fits the device
+    then; else it stays placed as under the plan, training on the same way, until ``memopt.bring_back(opt)`` or the
+    same plan's next block (:mod:`memopt_nb.runtime.state`). State dicts hold offloaded state as host copies.
 
     A plan that moves optimizer state, gradients or parameters (schema 2) manages the optimizer too: by default the one
     its profile saw (``memopt.profile(..., optimizer=opt)``); for a loaded plan, or another optimizer object, pass it:

@@ -33,7 +33,7 @@ from ..core.device import DeviceSpec
 from .limit import limit_in_force
 from .memory import CudaMeter, _storages_on
 
-__all__ = ["FreeMemory", "free_memory"]
+__all__ = ["FreeMemory", "device_room", "free_memory"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +113,21 @@ def _free(capacity: int, free: int, device: str) -> FreeMemory:
     free = max(0, min(int(free), capacity))
     return FreeMemory(free_bytes=free, capacity_bytes=capacity, held_bytes=capacity - free, device=device,
                       source="free")
+
+
+def device_room(device: torch.device | str) -> int | None:
+    """How many more bytes of tensors ``device`` can take now: inside :func:`memopt_nb.limit_memory` on the emulated
+    device, the limit less what it counts; on CUDA what the caching allocator can still give (the driver's free memory
+    plus what it holds reserved but unallocated, and no more than a ``limit_memory`` fraction leaves); ``None`` on the
+    emulated device outside every limit (its memory is the host's)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":  # pragma: no cover - needs a GPU (benchmarks/cuda_check.py)
+        driver_free, total = torch.cuda.mem_get_info(dev)
+        allocated = torch.cuda.memory_allocated(dev)
+        room = driver_free + torch.cuda.memory_reserved(dev) - allocated
+        room = min(room, int(torch.cuda.get_per_process_memory_fraction(dev) * total) - allocated)
+        return max(0, room)
+    lim = limit_in_force(dev.type)
+    if lim is None or lim.current_bytes is None:
+        return None
+    return max(0, lim.limit_bytes - lim.current_bytes)

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..core.budget import format_bytes
 from .hooks import uncopied
-from .limit import active_limit, exempt, recount, uncounted
+from .limit import active_limit, exempt, recount
 from .replay_guard import running_stat_modules
 from .slots import HostTensor
 from .storages import tensor_on
@@ -230,7 +230,7 @@ class StepGuard:
                     applied.state.undo_steps_in_backward()  # units stepped in backward, from the plan's own copies
                 gc.collect()
                 try:
-                    applied.remove()
+                    applied.remove(everything=True)
                 finally:
                     if mid:
                         self._put_back(lost)
@@ -341,16 +341,16 @@ def _let_go(error: BaseException, tb: Any) -> str | None:
 
 def leave_plan(applied: Any, exc: tuple[Any, Any, Any]) -> None:
     """``AppliedPlan.__exit__``: remove the plan and, when out of memory ended the block, put the step back (see the
-    module docstring). Removing never runs into an emulated limit: what the plan held on the host comes back even if
-    the device is then over it (the next allocation past the limit raises)."""
+    module docstring). What the plan held on the host comes back only if it fits the device (counted by an emulated
+    limit as it comes); otherwise it stays there, the plan's state placements still in force
+    (:meth:`~memopt_nb.runtime.state.StateManager.leave`)."""
     guard = getattr(applied, "_oom_guard", None)
     if guard is not None and isinstance(exc[1], torch.OutOfMemoryError):
         guard.recover(exc[1], exc[2])
         return
     model, optimizer = applied.model, applied.optimizer
     try:
-        with uncounted() if active_limit() is not None else contextlib.nullcontext():
-            applied.remove()
+        applied.remove()
     finally:
         if active_limit() is not None:
             recount(model, optimizer)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .limit import uncounted
 from .memory import note_device_storage
 from .state_errors import STEP_RULES, StateError, StepInBackwardError
 from .storages import tensor_on
@@ -69,6 +70,14 @@ class Slot:
         ticket = self.mover.copy("h2d", st, self.host, self.nbytes, after=after)
         self.mover.wait(ticket)
         return tensor_on(st, self.dtype, self.offset, self.size, self.stride)
+
+    def host_copy(self) -> torch.Tensor:
+        """A host (CPU) tensor holding the value, for a state dict: no device memory. On the emulated device it is
+        made under :func:`~memopt_nb.runtime.limit.uncounted`, so a limit counts it as the host memory it is."""
+        self.mover.wait_host(self.ticket)
+        with uncounted():
+            host = tensor_on(self.host, self.dtype, self.offset, self.size, self.stride)
+            return host.clone(memory_format=torch.preserve_format)
 
     def store(self, t: torch.Tensor) -> None:
         """Write a device tensor's value (same layout) back to the host, synchronously."""
