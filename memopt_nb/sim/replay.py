@@ -608,6 +608,53 @@ def _own_peak(seg: Any, units: Sequence[Any], rc: Sequence[bool], chosen: list[A
     return own
 
 
+def _offload_at(k: int, clock: _Engines, groups: _GroupLedger, held_at: dict[int, float]) -> float:
+    """Queue the offloads possible at boundary ``k`` (earliest drop first); the seconds the forward waits there for
+    the copies whose memory it drops at ``k``."""
+    for drop in sorted(groups.offloads.get(k, {})):
+        gs = groups.offloads[k][drop]
+        job = clock.job("d2h", k, drop, tuple(sorted({groups.owner_of[id(g)] for g in gs})), gs)
+        clock.d2h_free = clock.run(job, clock.d2h_free)
+        held_at[drop] = max(held_at.get(drop, 0.0), job.end)
+    if k not in held_at:
+        return 0.0
+    wait = max(0.0, held_at[k] - clock.t)
+    clock.t += wait
+    return wait
+
+
+def _prefetch_for(u: int, k: int, clock: _Engines, groups: _GroupLedger, where: _Structure,
+                  triggers: Sequence[int | None], back_at: dict[int, float]) -> float:
+    """Queue the prefetches unit ``u``'s backward (segment ``k``) triggers, latest owner first; the seconds it waits
+    for its own."""
+    for owner in sorted((o for o, tr in enumerate(triggers) if tr == u and o in groups.returns), reverse=True):
+        job = clock.job("h2d", k, where.bwd_at[owner], (owner,), groups.returns[owner])
+        clock.h2d_free = clock.run(job, clock.h2d_free)
+        back_at[owner] = job.end
+    if u not in back_at:
+        return 0.0
+    wait = max(0.0, back_at[u] - clock.t)
+    clock.t += wait
+    return wait
+
+
+def _check_host_link(strategies: Sequence[str], dev: DeviceSpec) -> None:
+    """A plan that offloads needs a device with a host link: :class:`PlanError` otherwise."""
+    if any(s in OFFLOADING for s in strategies) and not dev.has_host_link:
+        used = ", ".join(sorted(set(strategies) & set(OFFLOADING)))
+        raise PlanError(f"the plan offloads units ({used}), but {dev.name} has no host link to copy over; recompute or "
+                        "keep them")
+
+
+def _phase(k: int, where: _Structure, state: _StateReplay) -> str:
+    """The phase segment ``k`` belongs to, as the timeline names it."""
+    if k == state.step_seg:
+        return "optimizer step"
+    if 0 <= state.step_seg < k:
+        return "after the step"
+    return "forward" if k < where.forward_end else "backward"
+
+
 def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None = None,
            distances: Sequence[int] | None = None, device: DeviceSpec | str | None = None,
            states: Sequence[Any] | None = None) -> Replay:
@@ -619,7 +666,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     ``states``: per unit an ``(optimizer, grads, params)`` placement or an index into
     :data:`~memopt_nb.core.plan.STATE_CHOICES`. See the module docstring for the rules.
 
-    Long by design: one walk over the segments; each one's bookkeeping is in the small classes above.
+    One walk over the segments; each one's bookkeeping is in the small classes and helpers above.
     """
     dev = DeviceSpec.resolve(device, profile.device)
     strategies, windows_, distances_, save_sets = _decode(profile, plan, windows, distances)
@@ -627,10 +674,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     units, segments = profile.units, profile.segments
     rc = [by_name(s).recomputes for s in strategies]  # recomputed
     chosen = _save_set_costs(profile.units, save_sets)  # a selective unit's save-set costs
-    if any(s in OFFLOADING for s in strategies) and not dev.has_host_link:
-        used = ", ".join(sorted(set(strategies) & set(OFFLOADING)))
-        raise PlanError(f"the plan offloads units ({used}), but {dev.name} has no host link to copy over; recompute or "
-                        "keep them")
+    _check_host_link(strategies, dev)
     where = _Structure(profile)
     triggers = prefetch_triggers(strategies, distances_)
     groups = _GroupLedger(profile, where, strategies, windows_, chosen, triggers)
@@ -647,27 +691,11 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     extra = 0
     for k, seg in enumerate(segments):
         extra += groups.change.get(k, 0)
-        for drop in sorted(groups.offloads.get(k, {})):  # offloads possible at this boundary, earliest drop first
-            gs = groups.offloads[k][drop]
-            job = clock.job("d2h", k, drop, tuple(sorted({groups.owner_of[id(g)] for g in gs})), gs)
-            clock.d2h_free = clock.run(job, clock.d2h_free)
-            held_at[drop] = max(held_at.get(drop, 0.0), job.end)
-        if k in held_at:  # the forward drops offloaded memory here: it waits for those copies
-            wait = max(0.0, held_at[k] - clock.t)
-            fwd_stall += wait
-            clock.t += wait
+        fwd_stall += _offload_at(k, clock, groups, held_at)
         dur = seg.time * factor
         if seg.kind == "bwd":
             u = seg.unit
-            for owner in sorted((o for o, tr in enumerate(triggers) if tr == u and o in groups.returns),
-                                reverse=True):
-                job = clock.job("h2d", k, where.bwd_at[owner], (owner,), groups.returns[owner])
-                clock.h2d_free = clock.run(job, clock.h2d_free)
-                back_at[owner] = job.end
-            if u in back_at:
-                wait = max(0.0, back_at[u] - clock.t)
-                bwd_stall += wait
-                clock.t += wait
+            bwd_stall += _prefetch_for(u, k, clock, groups, where, triggers, back_at)
             if rc[u]:
                 redo = (units[u].fwd_time if chosen[u] is None else float(chosen[u]["recompute_time"])) * factor
                 recompute += redo
@@ -675,11 +703,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
         level = seg.start_level + extra + state.extra(k)
         peak = level + _own_peak(seg, units, rc, chosen) + groups.late_at.get(k, 0)
         peak += state.backward_step_gap(k)
-        phase = "forward" if k < where.forward_end else "backward"
-        if k == state.step_seg:
-            phase = "optimizer step"
-        elif 0 <= state.step_seg < k:
-            phase = "after the step"
+        phase = _phase(k, where, state)
         t = clock.t
         if k == state.step_seg and state.moves:
             # the parted step replaces the plain one: one row per part
