@@ -136,19 +136,48 @@ class PlanningTask:
     def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
                  offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
                  strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> None:
-        """Long by design: it compiles every table the environment reads, in dependency order."""
+        """Compiles every table the environment reads, in dependency order (one ``_compile_*`` step each)."""
         #: what the agents may decide, parsed once (PlanError on a bad value)
         self.space = PlanSpace.of(strategies, offload_state, step_in_backward)
         self.strategies = self.space.strategies
-        # options: those of every default strategy (keep, recompute, swap × TIMINGS) and, only when allowed and
-        # offered, those of the opt-in ones up to the last of them (so that the default space's tables, actions and
-        # observations stay what they were, and an option index means the same in every task)
-        T = len(TIMINGS)
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
         check_save_sets(self.sim, self.strategies)  # selective named for a profile without save-sets: PlanError
         #: per registry strategy, which units may take it (``(n,)``; ``(n, variants)`` for one with variants)
         fits = {s.code: unit_ok(self.sim, s) for s in REGISTRY}
+        self._compile_actions(fits)
+        allowed = tuple(STATE_CHOICES[c] for c in self.space.placements)
+        self.step_in_backward = step_in_backward
+        self.n = n = self.sim.n
+        self.S = self.sim.S
+        self.state_model = state_model_for(self.sim)
+        if self.state_model is None:
+            allowed = allowed[:1]
+        self.state_ids = np.array([STATE_CHOICES.index(c) for c in allowed], dtype=np.int64)
+        self._compile_states()
+        if self.C == 1:  # activations only: the exact floor (before anything else is computed)
+            self.budget = check_budget(self.sim, budget, self.space.replace(offload_state=False))
+        self._compile_base()
+        self._compile_option_ok(fits)
+        self._compile_marginals()
+        #: what the units from position ``k`` of the forward order on can still do at most (:meth:`suffixes`)
+        self.suffix_min, self.suffix_step, self.suffix_can_move, self.suffix_red = self.suffixes(np.arange(n))
+        if self.C > 1:  # placements may lower the floor below the activation-only one: the enlarged space's floor
+            self.budget = self._check_budget(budget)
+        self._check_step_floor()
+        self._compile_copy_ratio()
+        #: activations only, from :data:`COMPLETION_FROM_UNITS` units up: a plan known to fit the budget (option
+        #: indices; ``None`` where none is known), whose options the environment's masks assume for the units still
+        #: undecided (:meth:`completion_options`)
+        self.completion = (self.completion_options() if self.C == 1 and n >= COMPLETION_FROM_UNITS else None)
+
+    def _compile_actions(self, fits: dict[int, np.ndarray]) -> None:
+        """The strategies offered, the strategy agent's actions and the option numbering they map to.
+
+        Options: those of every default strategy (keep, recompute, swap × TIMINGS) and, only when allowed and offered,
+        those of the opt-in ones up to the last of them (so that the default space's tables, actions and observations
+        stay what they were, and an option index means the same in every task)."""
+        T = len(TIMINGS)
         #: the strategies the task offers, in registry order: the default ones, and the opt-in ones allowed (one with
         #: variants only if some unit offers one)
         self.offered = tuple(s for s in REGISTRY if s.default or (
@@ -167,17 +196,10 @@ class PlanningTask:
                                       code_options(self.action_codes, ones, ones))
         #: first option index of each timed strategy (its timing j is option ``timed_base[code] + j``)
         self.timed_base = {s.code: OPTION_BASE[s.code] for s in REGISTRY if s.timed}
-        allowed = tuple(STATE_CHOICES[c] for c in self.space.placements)
-        self.step_in_backward = step_in_backward
-        self.n = n = self.sim.n
-        self.S = self.sim.S
-        self.state_model = state_model_for(self.sim)
-        if self.state_model is None:
-            allowed = allowed[:1]
-        self.state_ids = np.array([STATE_CHOICES.index(c) for c in allowed], dtype=np.int64)
-        self._compile_states()
-        if self.C == 1:  # activations only: the exact floor (before anything else is computed)
-            self.budget = check_budget(self.sim, budget, self.space.replace(offload_state=False))
+
+    def _compile_base(self) -> None:
+        """The plan that keeps everything: its segment peaks, peak and step time (what the marginals are against)."""
+        n = self.n
         keep = np.zeros((1, n), dtype=np.int64)
         base = self.sim.evaluate(keep, keep + 1, keep + 1, details=True)
         self.base_peaks = base["peaks"][0]
@@ -185,6 +207,10 @@ class PlanningTask:
         if self.has_step:
             self.base_peak = max(self.base_peak, self.plain_step)
         self.base_time = float(self.evaluate(keep, keep + 1, keep + 1, keep)[1][0])
+
+    def _compile_option_ok(self, fits: dict[int, np.ndarray]) -> None:
+        """``option_ok``: which options each unit may take."""
+        n, T = self.n, len(TIMINGS)
         # which options exist for each unit
         N = self.n_options
         self.option_ok = np.zeros((n, N), dtype=bool)
@@ -203,6 +229,11 @@ class PlanningTask:
                 seen.add(key)
         if "keep" not in self.strategies:  # kept only where nothing allowed fits the unit
             self.option_ok[:, KEEP] = ~self.option_ok[:, 1:].any(axis=1)
+
+    def _compile_marginals(self) -> None:
+        """The marginal model (each unit alone on each option: what it takes off every segment and adds in seconds)
+        and the cost efficiencies the observations and the masks read."""
+        n, N, T = self.n, self.n_options, len(TIMINGS)
         # marginal model: unit u alone on option o (a variant the unit does not have is scored as keep: not allowed)
         oc, ow, od = option_codes(np.arange(N))
         units = np.repeat(np.arange(n), N)
@@ -240,11 +271,10 @@ class PlanningTask:
         self.max_red = red.max(axis=1)  # (n,)
         if self.C > 1:  # the most a placement takes off a segment adds to it
             self.max_red = self.max_red + np.maximum(-self.st_seg.min(axis=2), 0.0).max(axis=1)
-        #: what the units from position ``k`` of the forward order on can still do at most (:meth:`suffixes`)
-        self.suffix_min, self.suffix_step, self.suffix_can_move, self.suffix_red = self.suffixes(np.arange(n))
-        if self.C > 1:  # placements may lower the floor below the activation-only one: the enlarged space's floor
-            self.budget = self._check_budget(budget)
-        self._check_step_floor()
+
+    def _compile_copy_ratio(self) -> None:
+        """Per unit, the copy-engine load of swapping it relative to its forward."""
+        n = self.n
         # copy-engine load of swapping a unit, relative to its forward: its bytes plus the storages it owns, priced by
         # DeviceSpec.copy_seconds (the slower direction)
         sim, dev = self.sim, self.sim.device
@@ -253,10 +283,6 @@ class PlanningTask:
         swap_bytes = np.array([u.interior_bytes + u.input_bytes for u in self.profile.units], dtype=float)
         copy = np.maximum(dev.copy_seconds(swap_bytes, owned, "d2h"), dev.copy_seconds(swap_bytes, owned, "h2d"))
         self.copy_ratio = copy / np.maximum(sim.dur[sim.fwd_seg], 1e-9)
-        #: activations only, from :data:`COMPLETION_FROM_UNITS` units up: a plan known to fit the budget (option
-        #: indices; ``None`` where none is known), whose options the environment's masks assume for the units still
-        #: undecided (:meth:`completion_options`)
-        self.completion = (self.completion_options() if self.C == 1 and n >= COMPLETION_FROM_UNITS else None)
 
     def completion_options(self) -> np.ndarray | None:
         """Option indices of the lowest-peak plan that gives every unit one allowed timed or recompute option
