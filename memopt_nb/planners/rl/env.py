@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -425,137 +426,12 @@ class MemoryPlanningEnv(ParallelEnv):
     @staticmethod
     def _observe_many(envs: list[MemoryPlanningEnv]) -> list[tuple[dict, dict]]:
         """Both agents' observations and masks for copies at the same step ``t < n`` of one task and decision order,
-        computed together on stacked arrays (one copy alone: :meth:`_observe`).
-
-        Long by design: one vectorised computation over the copies whose parts share the stacked arrays.
-        """
-        first = envs[0]
-        task, t = first.task, first.t
-        u = int(first.order[t])  # the unit decided at this step; p, the one before (its timing still open)
-        p = int(first.order[t - 1]) if t >= 1 else -1
-        n, C, E = task.n, task.C, len(envs)
-        budget = task.budget
-        tol = budget * (1 + 1e-9)
-        st = first._static(u)
-        base_level = np.stack([env.level for env in envs])
-        step_level = np.stack([env.step_level for env in envs])
-        was_moved = np.array([env.moved for env in envs])
-        pcode = np.array([env.codes[p] if t >= 1 else -1 for env in envs])  # timed: its timing still open
-        pending = np.isin(pcode, _TIMED)
-        level = base_level.copy()
-        for code in np.unique(pcode[pending]):
-            sel = pcode == code
-            level[sel] = base_level[sel] + first._static(p)["pend_min"][int(code)]
-
-        def bound(seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
-            seg_max = seg.max(axis=-1)
-            if not task.has_step:
-                return seg_max
-            return task.bounds(seg_max, _rowmax(step) if task.K else np.full(seg_max.shape, -np.inf), moved,
-                               can_move)
-
-        rest = first._suffix_min[t + 1]
-        rest_step = first._suffix_step[t + 1]
-        rest_move = bool(first._suffix_can_move[t + 1])
-        cur = bound(level, step_level, was_moved, False)
-        need = np.maximum(cur - budget, 0.01 * budget)
-        need_ratio = np.maximum(cur - budget, 0.0) / max(float(first._suffix_red[t]), 1.0)
-        loads = []
-        for env in envs:
-            load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in range(max(0, u - 3), u)
-                       if env.codes[v] == SWAP)
-            loads.append(min(load / st["load_den"], 10.0))
-        least = bound(level + first._suffix_min[t], step_level + first._suffix_step[t], was_moved,
-                      bool(first._suffix_can_move[t]))
-        common = np.stack([np.full(E, t / n), np.full(E, (n - t) / n), (cur - budget) / budget,
-                           (least - budget) / budget, np.array([env.spent for env in envs]) / task.base_time,
-                           np.full(E, float(task.sim.device.copy_overlap)), np.minimum(need_ratio, 5.0),
-                           np.array(loads)], axis=1)
-        # strategy agent, unit u: every (strategy o, placement j) of every copy, (E, K, C, S) and (E, C, K)
-        ok = st["ok"]
-        seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[u][None, None]
-        step = step_level[:, None, :] + task.st_step[u][None]
-        moved = was_moved[:, None] | (np.arange(C) > 0)[None]  # (E, C)
-        rest_max = _rowmax(step + rest_step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
-        comp = first._suffix_comp
-        # the rest at its best case per segment, or (comp) on the completion plan
-        with_rest = (seg + (rest if comp is None else comp[t + 1])).max(axis=3)
-        if task.has_step:
-            with_rest = task.bounds(with_rest, rest_max, moved[:, None], rest_move)
-        with_rest = with_rest.reshape(E, -1)
-        if comp is None:  # the actions after which the budget stays in reach (all, where none does)
-            s_mask = (ok[None] & (with_rest <= tol)).astype(np.int8)
-            s_mask[~s_mask.any(axis=1)] = ok
-        else:  # the actions that keep the budget with the completion plan for the rest (else the ones closest to it:
-            # where an earlier choice of the other agent went over, back towards the budget)
-            with_rest = np.where(ok[None], with_rest, np.inf)
-            s_mask = (ok[None] & (with_rest <= np.maximum(tol, with_rest.min(axis=1, keepdims=True)))).astype(np.int8)
-        step_max = _rowmax(step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
-        est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
-        cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
-        per = np.stack([(cur[:, None, None] - est) / need[:, None, None], cost,
-                        s_mask.reshape(E, task.n_strategies, C).astype(np.float64)], axis=3).reshape(E, -1)
-        vs = st["look"]
-        look = np.zeros((E, first.lookahead, first._n_look))
-        if vs.size:
-            m = vs.size
-            c_, n_ = cur[:, None], need[:, None]
-            look[:, :m, :5] = st["look_static"][None]
-            look[:, :m, 5] = (c_ - (level[:, None, :] + task.marg_peak[vs, RECOMPUTE][None]).max(axis=2)) / n_
-            look[:, :m, 6] = (c_ - (level[:, None, :] + task.min_marg[vs][None]).max(axis=2)) / n_
-            if first._states:
-                st_est = (level[:, None, :] + task.st_min_seg[vs][None]).max(axis=2)
-                if task.has_step:
-                    chunked = (_rowmax(step_level[:, None, :] + task.st_min_step[vs][None]) if task.K else
-                               np.full((E, m), -np.inf))
-                    st_est = np.maximum(st_est, np.where(was_moved[:, None] | st["look_moved"][None], chunked,
-                                                         task.plain_step))
-                look[:, :m, 7] = (c_ - st_est) / n_
-        s_feat = np.concatenate([common, np.broadcast_to(st["unit_s"], (E, st["unit_s"].size)), per,
-                                 look.reshape(E, -1)], axis=1).astype(np.float32)
-        # timing agent, unit p (only where it is timed: per timed strategy, the copies that chose it)
-        T = len(TIMINGS)
-        t_mask = np.zeros((E, T), dtype=np.int8)
-        t_mask[:, 0] = 1
-        t_feat = np.zeros((E, first._dims[TIMING]), dtype=np.float32)
-        for code in (int(c) for c in np.unique(pcode[pending])):
-            sp = first._static(p)
-            k = np.flatnonzero(pcode == code)
-            bo = task.timed_base[code]
-            popt = task.option_ok[p, bo:bo + T]
-            marg = task.marg_peak[p, bo:bo + T]
-            if comp is None:  # unit u at its most frugal allowed action, the rest at their best case
-                sel = s_mask[k].astype(bool)
-                frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
-                frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
-                t_move = (sel & (np.arange(sel.shape[1]) % C > 0)[None]).any(axis=1)
-                base = base_level[k] + frugal + rest
-                base_step = step_level[k] + frugal_step + rest_step
-                seg_max = (base[:, None, :] + marg[None]).max(axis=2)
-                if task.has_step:
-                    bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
-                    still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
-                    peaks = np.maximum(seg_max, np.where(was_moved[k], bmax, still)[:, None])
-                else:
-                    peaks = seg_max
-                tm = (popt[None] & (peaks <= tol)).astype(np.int8)
-                tm[~tm.any(axis=1)] = popt
-            else:  # likewise with unit u and the rest on the completion plan
-                cseg = ((base_level[k] + comp[t])[:, None, :] + marg[None]).max(axis=2)
-                if task.has_step:
-                    cseg = np.maximum(cseg, np.where(was_moved[k], -np.inf, task.plain_step)[:, None])
-                cseg = np.where(popt[None], cseg, np.inf)
-                tm = (popt[None] & (cseg <= np.maximum(tol, cseg.min(axis=1, keepdims=True)))).astype(np.int8)
-            t_mask[k] = tm
-            ref = base_level[k].max(axis=1)
-            red = (ref[:, None] - (base_level[k][:, None, :] + marg[None]).max(axis=2)) / need[k, None]
-            per_t = np.stack([red, np.broadcast_to(sp["t_cost"][code], red.shape), tm.astype(np.float64)],
-                             axis=2).reshape(k.size, -1)
-            t_unit = sp["t_unit"][code]
-            t_feat[k] = np.concatenate([common[k], np.broadcast_to(t_unit, (k.size, t_unit.size)), per_t],
-                                       axis=1).astype(np.float32)
+        computed together on stacked arrays (one copy alone: :meth:`_observe`)."""
+        c = _step_context(envs)
+        s_feat, s_mask = _strategy_part(c)
+        t_feat, t_mask = _timing_part(c, s_mask)
         out = []
-        for e in range(E):
+        for e in range(c.E):
             obs = {STRATEGY: {"observation": s_feat[e], "action_mask": s_mask[e]},
                    TIMING: {"observation": t_feat[e], "action_mask": t_mask[e]}}
             out.append((obs, {STRATEGY: s_mask[e], TIMING: t_mask[e]}))
@@ -646,6 +522,161 @@ class MemoryPlanningEnv(ParallelEnv):
 
     def close(self) -> None:
         pass
+
+
+# ---------------------------------------------------------------------- observations of stacked copies
+# MemoryPlanningEnv._observe_many in its parts: what the copies share at this step (_Step), then each agent's part.
+def _bound(task: PlanningTask, seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
+    """The peak bound of segment levels ``seg`` and unit-by-unit step levels ``step`` (the segments' alone where the
+    task has no step model)."""
+    seg_max = seg.max(axis=-1)
+    if not task.has_step:
+        return seg_max
+    return task.bounds(seg_max, _rowmax(step) if task.K else np.full(seg_max.shape, -np.inf), moved, can_move)
+
+
+def _step_context(envs: list[MemoryPlanningEnv]) -> SimpleNamespace:
+    """What both agents' observations share for copies at the same step: the units decided now (``u``) and before
+    (``p``), the copies' levels (the pending timing at its best), the bounds and the common features."""
+    first = envs[0]
+    task, t = first.task, first.t
+    u = int(first.order[t])  # the unit decided at this step; p, the one before (its timing still open)
+    p = int(first.order[t - 1]) if t >= 1 else -1
+    n, C, E = task.n, task.C, len(envs)
+    budget = task.budget
+    tol = budget * (1 + 1e-9)
+    st = first._static(u)
+    base_level = np.stack([env.level for env in envs])
+    step_level = np.stack([env.step_level for env in envs])
+    was_moved = np.array([env.moved for env in envs])
+    pcode = np.array([env.codes[p] if t >= 1 else -1 for env in envs])  # timed: its timing still open
+    pending = np.isin(pcode, _TIMED)
+    level = base_level.copy()
+    for code in np.unique(pcode[pending]):
+        sel = pcode == code
+        level[sel] = base_level[sel] + first._static(p)["pend_min"][int(code)]
+    rest = first._suffix_min[t + 1]
+    rest_step = first._suffix_step[t + 1]
+    rest_move = bool(first._suffix_can_move[t + 1])
+    cur = _bound(task, level, step_level, was_moved, False)
+    need = np.maximum(cur - budget, 0.01 * budget)
+    need_ratio = np.maximum(cur - budget, 0.0) / max(float(first._suffix_red[t]), 1.0)
+    loads = []
+    for env in envs:
+        load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in range(max(0, u - 3), u)
+                   if env.codes[v] == SWAP)
+        loads.append(min(load / st["load_den"], 10.0))
+    least = _bound(task, level + first._suffix_min[t], step_level + first._suffix_step[t], was_moved,
+                   bool(first._suffix_can_move[t]))
+    common = np.stack([np.full(E, t / n), np.full(E, (n - t) / n), (cur - budget) / budget,
+                       (least - budget) / budget, np.array([env.spent for env in envs]) / task.base_time,
+                       np.full(E, float(task.sim.device.copy_overlap)), np.minimum(need_ratio, 5.0),
+                       np.array(loads)], axis=1)
+    comp = first._suffix_comp
+    return SimpleNamespace(first=first, task=task, t=t, u=u, p=p, n=n, C=C, E=E, budget=budget, tol=tol, st=st,
+                           base_level=base_level, step_level=step_level, was_moved=was_moved, pcode=pcode,
+                           pending=pending, rest=rest, rest_step=rest_step, rest_move=rest_move, cur=cur, need=need,
+                           common=common, level=level, comp=comp)
+
+
+def _strategy_part(c: SimpleNamespace) -> tuple[np.ndarray, np.ndarray]:
+    """The strategy agent's observations and masks for unit ``c.u``, every copy at once."""
+    first, task, t, u, C, E, st, tol = c.first, c.task, c.t, c.u, c.C, c.E, c.st, c.tol
+    level, step_level, was_moved, cur, need, common = c.level, c.step_level, c.was_moved, c.cur, c.need, c.common
+    rest, rest_step, rest_move = c.rest, c.rest_step, c.rest_move
+    # strategy agent, unit u: every (strategy o, placement j) of every copy, (E, K, C, S) and (E, C, K)
+    ok = st["ok"]
+    seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[u][None, None]
+    step = step_level[:, None, :] + task.st_step[u][None]
+    moved = was_moved[:, None] | (np.arange(C) > 0)[None]  # (E, C)
+    rest_max = _rowmax(step + rest_step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
+    comp = c.comp
+    # the rest at its best case per segment, or (comp) on the completion plan
+    with_rest = (seg + (rest if comp is None else comp[t + 1])).max(axis=3)
+    if task.has_step:
+        with_rest = task.bounds(with_rest, rest_max, moved[:, None], rest_move)
+    with_rest = with_rest.reshape(E, -1)
+    if comp is None:  # the actions after which the budget stays in reach (all, where none does)
+        s_mask = (ok[None] & (with_rest <= tol)).astype(np.int8)
+        s_mask[~s_mask.any(axis=1)] = ok
+    else:  # the actions that keep the budget with the completion plan for the rest (else the ones closest to it:
+        # where an earlier choice of the other agent went over, back towards the budget)
+        with_rest = np.where(ok[None], with_rest, np.inf)
+        s_mask = (ok[None] & (with_rest <= np.maximum(tol, with_rest.min(axis=1, keepdims=True)))).astype(np.int8)
+    step_max = _rowmax(step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
+    est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
+    cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
+    per = np.stack([(cur[:, None, None] - est) / need[:, None, None], cost,
+                    s_mask.reshape(E, task.n_strategies, C).astype(np.float64)], axis=3).reshape(E, -1)
+    vs = st["look"]
+    look = np.zeros((E, first.lookahead, first._n_look))
+    if vs.size:
+        m = vs.size
+        c_, n_ = cur[:, None], need[:, None]
+        look[:, :m, :5] = st["look_static"][None]
+        look[:, :m, 5] = (c_ - (level[:, None, :] + task.marg_peak[vs, RECOMPUTE][None]).max(axis=2)) / n_
+        look[:, :m, 6] = (c_ - (level[:, None, :] + task.min_marg[vs][None]).max(axis=2)) / n_
+        if first._states:
+            st_est = (level[:, None, :] + task.st_min_seg[vs][None]).max(axis=2)
+            if task.has_step:
+                chunked = (_rowmax(step_level[:, None, :] + task.st_min_step[vs][None]) if task.K else
+                           np.full((E, m), -np.inf))
+                st_est = np.maximum(st_est, np.where(was_moved[:, None] | st["look_moved"][None], chunked,
+                                                     task.plain_step))
+            look[:, :m, 7] = (c_ - st_est) / n_
+    s_feat = np.concatenate([common, np.broadcast_to(st["unit_s"], (E, st["unit_s"].size)), per,
+                             look.reshape(E, -1)], axis=1).astype(np.float32)
+    return s_feat, s_mask
+
+
+def _timing_part(c: SimpleNamespace, s_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The timing agent's observations and masks for unit ``c.p`` (only where it is timed: per timed strategy, the
+    copies that chose it)."""
+    first, task, t, p, C, E, st, tol, comp = c.first, c.task, c.t, c.p, c.C, c.E, c.st, c.tol, c.comp
+    base_level, step_level, was_moved, need, common = c.base_level, c.step_level, c.was_moved, c.need, c.common
+    rest, rest_step, rest_move, pcode, pending = c.rest, c.rest_step, c.rest_move, c.pcode, c.pending
+    # timing agent, unit p (only where it is timed: per timed strategy, the copies that chose it)
+    T = len(TIMINGS)
+    t_mask = np.zeros((E, T), dtype=np.int8)
+    t_mask[:, 0] = 1
+    t_feat = np.zeros((E, first._dims[TIMING]), dtype=np.float32)
+    for code in (int(c) for c in np.unique(pcode[pending])):
+        sp = first._static(p)
+        k = np.flatnonzero(pcode == code)
+        bo = task.timed_base[code]
+        popt = task.option_ok[p, bo:bo + T]
+        marg = task.marg_peak[p, bo:bo + T]
+        if comp is None:  # unit u at its most frugal allowed action, the rest at their best case
+            sel = s_mask[k].astype(bool)
+            frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
+            frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
+            t_move = (sel & (np.arange(sel.shape[1]) % C > 0)[None]).any(axis=1)
+            base = base_level[k] + frugal + rest
+            base_step = step_level[k] + frugal_step + rest_step
+            seg_max = (base[:, None, :] + marg[None]).max(axis=2)
+            if task.has_step:
+                bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
+                still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
+                peaks = np.maximum(seg_max, np.where(was_moved[k], bmax, still)[:, None])
+            else:
+                peaks = seg_max
+            tm = (popt[None] & (peaks <= tol)).astype(np.int8)
+            tm[~tm.any(axis=1)] = popt
+        else:  # likewise with unit u and the rest on the completion plan
+            cseg = ((base_level[k] + comp[t])[:, None, :] + marg[None]).max(axis=2)
+            if task.has_step:
+                cseg = np.maximum(cseg, np.where(was_moved[k], -np.inf, task.plain_step)[:, None])
+            cseg = np.where(popt[None], cseg, np.inf)
+            tm = (popt[None] & (cseg <= np.maximum(tol, cseg.min(axis=1, keepdims=True)))).astype(np.int8)
+        t_mask[k] = tm
+        ref = base_level[k].max(axis=1)
+        red = (ref[:, None] - (base_level[k][:, None, :] + marg[None]).max(axis=2)) / need[k, None]
+        per_t = np.stack([red, np.broadcast_to(sp["t_cost"][code], red.shape), tm.astype(np.float64)],
+                         axis=2).reshape(k.size, -1)
+        t_unit = sp["t_unit"][code]
+        t_feat[k] = np.concatenate([common[k], np.broadcast_to(t_unit, (k.size, t_unit.size)), per_t],
+                                   axis=1).astype(np.float32)
+    return t_feat, t_mask
 
 
 class PlanningVectorEnv(SyncVectorEnv):
