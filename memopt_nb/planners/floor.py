@@ -413,34 +413,9 @@ def _grads_may_move(offload_state: Any) -> bool:
     return any(g != "resident" for _, g, _ in state_choices(offload_state))
 
 
-def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None = None,
-                  strategies: Sequence[str] = ("keep", "recompute", "swap"), offload_state: Any = False,
-                  step_in_backward: bool = False) -> Floor:
-    """Split the smallest reachable peak of ``profile`` (on ``device``) where the floor's plan peaks (the parts of
-    :data:`PEAK_PARTS`; grouped into fixed state, that unit's working set and kept activations), and say which bounds
-    it and what would lower it.
-
-    ``floor_bytes``: the floor if already known (else :func:`memopt_nb.planners.min_peak` computes it, or with
-    ``offload_state`` :func:`state_floor`). ``offload_state`` / ``step_in_backward``: the state placements a plan may
-    use (as in :func:`memopt_nb.core.plan.state_choices`; ``False``: activations only).
-    """
-    plan = None
-    state_floor_bytes = None
-    moved = 0
-    sim = as_simulator(profile, device)
-    with_state = offload_state is not False and _has_state(profile)
-    space = (PlanSpace.of(strategies, offload_state, step_in_backward) if with_state
-             else PlanSpace.of(strategies, False, False))
-    if with_state:
-        found, plan = state_floor(profile, device, strategies, offload_state, step_in_backward)
-        if floor_bytes is None:  # the exact floor (the MILP's); the search above gives the plan reaching ~it
-            floor_bytes = min(found, cached_min_peak_plan(sim, space)[0])
-        state_floor_bytes = int(floor_bytes)
-        moved = _moved_bytes(profile, plan)
-    if floor_bytes is None:
-        floor_bytes = cached_min_peak_plan(sim, space)[0]
-    floor = int(floor_bytes)
-    split = _floor_split(sim, space, floor, plan)
+def _floor_parts(profile: Any, split: Any, floor: int, moved: int) -> tuple[int, str | None, int]:
+    """The floor's fixed state, its largest unit and that unit's working set: from the floor plan's peak where it is
+    known (``split``), else estimated from the profile's totals."""
     if split is not None:  # the parts of the floor plan's peak, where it is
         fixed = split.parts["parameters"] + split.parts["optimizer state"] + split.parts["gradients made so far"]
         if split.phase == "optimizer step":  # the step's own working set is the state's (it grows with it)
@@ -458,12 +433,15 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
             name, work = big.name, min(_working_set(big), floor - fixed)
         else:
             name, work = None, 0
-    kept = max(floor - fixed - work, 0)
-    parts = {FIXED_STATE: fixed, LARGEST_UNIT: work, KEPT_ACTIVATIONS: kept}
-    bound = max(parts, key=lambda k: parts[k])
-    activations = work + kept
-    advice: list[Advice] = []
+    return fixed, name, work
 
+
+def _floor_advice(profile: Any, device: Any, split: Any, floor: int, bound: str, name: str | None, activations: int,
+                  strategies: Sequence[str], offload_state: Any, step_in_backward: bool,
+                  state_floor_bytes: int | None) -> tuple[list[Advice], int, int | None]:
+    """What would lower the floor, given what bounds it; the LM head's share of the peak where the head is where it
+    sits; the floor with state moved where that was worked out for the advice."""
+    advice: list[Advice] = []
     head_bytes = 0
     if split is not None and split.where.startswith("the LM head"):
         head_bytes = split.parts["held outside units"] + split.parts["working set"]
@@ -474,7 +452,6 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
             advice.append(Advice(what + "memopt.profile(..., head='chunked'), then plan again",
                                  what + "%memopt_profile ... --head chunked, then plan again"))
     if not set(every) <= set(strategies):  # a restricted activation space: what the whole default one reaches
-
         wider = min_peak(profile, device, every, offload_state=offload_state, step_in_backward=step_in_backward)
         if wider < floor:
             advice.append(Advice(f"allow every activation strategy (strategies={every!r}): floor "
@@ -514,6 +491,45 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
             what = "recompute_offload, which offloads the unit inputs recompute keeps (opt-in: "
             advice.append(Advice(what + "strategies=memopt_nb.plan.STRATEGIES)",
                                  what + "--strategies keep,recompute,swap,recompute_offload)"))
+    return advice, head_bytes, state_floor_bytes
+
+
+def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None = None,
+                  strategies: Sequence[str] = ("keep", "recompute", "swap"), offload_state: Any = False,
+                  step_in_backward: bool = False) -> Floor:
+    """Split the smallest reachable peak of ``profile`` (on ``device``) where the floor's plan peaks (the parts of
+    :data:`PEAK_PARTS`; grouped into fixed state, that unit's working set and kept activations), and say which bounds
+    it and what would lower it.
+
+    ``floor_bytes``: the floor if already known (else :func:`memopt_nb.planners.min_peak` computes it, or with
+    ``offload_state`` :func:`state_floor`). ``offload_state`` / ``step_in_backward``: the state placements a plan may
+    use (as in :func:`memopt_nb.core.plan.state_choices`; ``False``: activations only).
+    """
+    plan = None
+    state_floor_bytes = None
+    moved = 0
+    sim = as_simulator(profile, device)
+    with_state = offload_state is not False and _has_state(profile)
+    space = (PlanSpace.of(strategies, offload_state, step_in_backward) if with_state
+             else PlanSpace.of(strategies, False, False))
+    if with_state:
+        found, plan = state_floor(profile, device, strategies, offload_state, step_in_backward)
+        if floor_bytes is None:  # the exact floor (the MILP's); the search above gives the plan reaching ~it
+            floor_bytes = min(found, cached_min_peak_plan(sim, space)[0])
+        state_floor_bytes = int(floor_bytes)
+        moved = _moved_bytes(profile, plan)
+    if floor_bytes is None:
+        floor_bytes = cached_min_peak_plan(sim, space)[0]
+    floor = int(floor_bytes)
+    split = _floor_split(sim, space, floor, plan)
+    fixed, name, work = _floor_parts(profile, split, floor, moved)
+    kept = max(floor - fixed - work, 0)
+    parts = {FIXED_STATE: fixed, LARGEST_UNIT: work, KEPT_ACTIVATIONS: kept}
+    bound = max(parts, key=lambda k: parts[k])
+    activations = work + kept
+    advice, head_bytes, state_floor_bytes = _floor_advice(profile, device, split, floor, bound, name, activations,
+                                                          strategies, offload_state, step_in_backward,
+                                                          state_floor_bytes)
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
                  bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
                  state_floor_bytes=state_floor_bytes, plan=plan, peak_where=split.where if split else None,
