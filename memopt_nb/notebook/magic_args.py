@@ -14,8 +14,7 @@ from IPython.core import magic_arguments as ma
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
-from ..core.budget import check_typed_budget, resolve_budget
-from ..core.errors import MemoptError, PlanError
+from ..core.errors import PlanError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES
 from ..planners.options import allowed_strategies
 
@@ -165,18 +164,6 @@ def _parse_patience(text: str | None) -> dict[str, Any]:
         return {"patience": int(value)}
     raise UsageError(f"--patience {text}: give the number of PPO iterations without a better plan after which the "
                      "search stops, at least 1 (default 50), or none to run every timestep; e.g. --patience 20")
-
-
-def _read_budget(raw: str, reference: int | None) -> int:
-    """``--budget`` in bytes: read as the Python API reads a budget (:func:`memopt_nb.resolve_budget`; ``reference``:
-    the unoptimized peak a share is taken of), a plain number below 1024 refused (:func:`check_typed_budget`)."""
-    text = (_unquote(raw.strip()) or "").strip()
-    try:  # the one budget parser of the API: "60%" of the profiled peak, "2GiB", bytes
-        budget = resolve_budget(text, reference=reference)
-        check_typed_budget(text)
-    except MemoptError as exc:
-        raise UsageError(f"--budget {raw}: {exc}") from None
-    return budget
 
 
 def _parse_units(text: str | None) -> Any:

@@ -44,7 +44,7 @@ from IPython.core import magic_arguments as ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from ..core.budget import MIN_TYPED_BYTES, format_bytes, is_share
+from ..core.budget import MIN_TYPED_BYTES, check_typed_budget, format_bytes, is_share, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
@@ -66,7 +66,6 @@ from .magic_args import (
     _parse_patience,
     _parse_strategies,
     _parse_units,
-    _read_budget,
     _strip_semicolon,
     _unquote,
     parse_magic_line,
@@ -582,6 +581,18 @@ def unload_ipython_extension(ip: Any) -> None:
     formatter.pop(ModelProfile, None)
     if state is not None and state["previous"] is not None:
         formatter.for_type(ModelProfile, state["previous"])
+
+
+def _read_budget(raw: str, reference: int | None) -> int:
+    """``--budget`` in bytes: read as the Python API reads a budget (:func:`memopt_nb.resolve_budget`; ``reference``:
+    the unoptimized peak a share is taken of), a plain number below 1024 refused (:func:`check_typed_budget`)."""
+    text = (_unquote(raw.strip()) or "").strip()
+    try:  # the one budget parser of the API: "60%" of the profiled peak, "2GiB", bytes
+        budget = resolve_budget(text, reference=reference)
+        check_typed_budget(text)
+    except MemoptError as exc:
+        raise UsageError(f"--budget {raw}: {exc}") from None
+    return budget
 
 
 def _check_plan_args(args: Any) -> None:

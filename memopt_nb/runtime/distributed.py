@@ -304,6 +304,30 @@ def _padded_unit_bytes(profile: Any, index: int, nbytes: int, world_size: int) -
     return int(round(nbytes * padded / numel))
 
 
+def _check_per_rank(profile: Any, world_size: int, sharding: str | None) -> None:
+    """:class:`ProfileError` for a sharding or world size :func:`per_rank` does not know, or a per-rank profile."""
+    if sharding not in SHARDINGS:
+        raise ProfileError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ProfileError(f"world_size must be a positive int, got {world_size!r}")
+    if profile.meta.get("per_rank"):
+        raise ProfileError("this profile is already per rank; pass the plain model's profile")
+
+
+def _shift_levels(out: Any, deltas: list[tuple[float, float]], scale: list[float]) -> None:
+    """Each segment's start level and peak (its own part scaled by ``scale``) moved by ``deltas`` (what one rank holds
+    more or less at the segment's start and at its peak), and the units' recomputed peaks with them."""
+    for k, seg in enumerate(out.segments):
+        d0, d1 = deltas[k]
+        seg.start_level = int(seg.start_level + d0)
+        seg.rel_peak = int(max(0, round(seg.rel_peak * scale[k]) + d1 - d0))
+    for u in out.units:
+        f0, f1 = deltas[u.fwd_segment]
+        b0, b1 = deltas[u.bwd_segment]
+        u.rc_fwd_rel_peak = int(max(0, u.rc_fwd_rel_peak + f1 - f0))
+        u.rc_bwd_rel_peak = int(max(0, u.rc_bwd_rel_peak + b1 - b0))
+
+
 def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, ddp: nn.Module | None = None,
              bucket_bytes: int | None = None, gradient_as_bucket_view: bool | None = None) -> Any:
     """What one rank holds: a copy of ``profile`` whose memory is that of one of ``world_size`` ranks.
@@ -348,12 +372,7 @@ def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, dd
     Not modelled: mixed precision (``param_dtype``), ``reshard_after_forward=False``, CPU offload, hybrid sharding,
     explicit prefetching, and other layouts than :func:`fully_shard_units`.
     """
-    if sharding not in SHARDINGS:
-        raise ProfileError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ProfileError(f"world_size must be a positive int, got {world_size!r}")
-    if profile.meta.get("per_rank"):
-        raise ProfileError("this profile is already per rank; pass the plain model's profile")
+    _check_per_rank(profile, world_size, sharding)
     out = type(profile).from_dict(profile.to_dict())
     out._model_ref = profile._model_ref
     info: dict[str, Any] = {"world_size": world_size, "sharding": sharding}
@@ -372,15 +391,7 @@ def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, dd
         scale = [1.0] * len(segs)
     else:
         deltas, scale = _fsdp_deltas(out, world_size, info)
-    for k, seg in enumerate(segs):
-        d0, d1 = deltas[k]
-        seg.start_level = int(seg.start_level + d0)
-        seg.rel_peak = int(max(0, round(seg.rel_peak * scale[k]) + d1 - d0))
-    for u in out.units:
-        f0, f1 = deltas[u.fwd_segment]
-        b0, b1 = deltas[u.bwd_segment]
-        u.rc_fwd_rel_peak = int(max(0, u.rc_fwd_rel_peak + f1 - f0))
-        u.rc_bwd_rel_peak = int(max(0, u.rc_bwd_rel_peak + b1 - b0))
+    _shift_levels(out, deltas, scale)
     out.start_level = segs[0].start_level if segs else out.start_level
     info["plain_peak_bytes"] = profile.peak_bytes
     out.peak_bytes = int(max((s.start_level + s.rel_peak for s in segs), default=out.peak_bytes))
