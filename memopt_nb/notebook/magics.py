@@ -40,11 +40,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from IPython.core import magic_arguments as ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from ..core.budget import MIN_TYPED_BYTES, check_typed_budget, format_bytes, is_share, resolve_budget
+from ..core.budget import check_typed_budget, format_bytes, is_share, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError
 from ..core.plan import DEFAULT_STRATEGIES, Plan
@@ -58,9 +57,10 @@ from ..planners.rl.search import search
 from ..profiling.profile import profile as profile_model
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
 from .magic_args import (
+    DEFAULT_FIT_NAME,
+    DEFAULT_PLAN_NAME,
     _article,
     _check_output_name,
-    _exact_options,
     _optimizer_classes,
     _parse_offload_state,
     _parse_patience,
@@ -69,6 +69,8 @@ from .magic_args import (
     _strip_semicolon,
     _unquote,
     parse_magic_line,
+    plan_arguments,
+    profile_arguments,
 )
 from .plots import figure_png, unit_chart
 
@@ -80,10 +82,6 @@ except ImportError:  # pragma: no cover - IPython < 8.13
 
 __all__ = ["DEFAULT_PLAN_NAME", "MemoptMagics", "load_ipython_extension", "unload_ipython_extension"]
 
-#: Where ``%memopt_plan`` stores its plan in the notebook's namespace when ``-o`` is not given.
-DEFAULT_PLAN_NAME = "plan"
-#: where ``%memopt_plan --max-batch`` stores its answer unless ``-o`` says otherwise
-DEFAULT_FIT_NAME = "fit"
 
 _LINE_MAGICS = ("memopt_profile", "memopt_plan")
 _CELL_MAGICS = ("memopt_profile",)
@@ -223,38 +221,7 @@ class MemoptMagics(Magics):
                              "in a cell and pass its name") from None
 
     # ------------------------------------------------------------------ %memopt_profile
-    @_exact_options
-    @ma.magic_arguments()
-    @ma.argument("target", nargs="*", metavar="MODEL INPUT",
-                 help="the model's name, then its example inputs (names or expressions; *name unpacks a tuple, "
-                      "key=expr is a keyword input, **name unpacks a dict of them)")
-    @ma.argument("--model", help="name of the nn.Module (cell magic: default is the one module the cell defines)")
-    @ma.argument("--inputs", nargs="+", metavar="INPUT", help="example inputs (instead of positional ones)")
-    @ma.argument("--loss", metavar="EXPR", help="loss function loss_fn(output) -> scalar (default: output.sum())")
-    @ma.argument("--optimizer", metavar="NAME",
-                 help="your optimizer's variable name, or a torch.optim class (Adam, SGD, ...) built on the model")
-    @ma.argument("--units", metavar="UNITS",
-                 help="'auto' (default: the blocks of ModuleList/Sequential containers), 'fine' (those blocks split "
-                      "into their submodules where that lowers the largest unit), a depth in the module tree, or "
-                      "comma-separated module names")
-    @ma.argument("--repeats", type=int, default=3, help="timed steps; times are medians (default 3)")
-    @ma.argument("--selective", action="store_true",
-                 help="also measure each unit's save-sets for selective checkpointing (then %%memopt_plan "
-                      "--strategies may include selective)")
-    @ma.argument("--autocast", metavar="DTYPE",
-                 help="mixed precision as your loop uses it: bf16 or fp16 (forward and loss under torch.autocast, "
-                      "backward and optimizer step outside)")
-    @ma.argument("--head", choices=["chunked"],
-                 help="'chunked': also measure the LM head and its loss computed a chunk of tokens at a time (the "
-                      "logits never whole; not bit-identical: the gradients are summed in another order), which "
-                      "%%memopt_plan may then choose")
-    @ma.argument("--head-module", metavar="NAME",
-                 help="the nn.Linear to chunk (default: the model's output embeddings)")
-    @ma.argument("--keep-outputs", action="store_true",
-                 help="profile the loop that keeps the model's output through backward, as the transformers "
-                      "documentation's does (outputs = model(**batch); outputs.loss.backward())")
-    @ma.argument("-o", "--output", metavar="NAME", help="store the ModelProfile in the notebook as NAME")
-    @ma.argument("-q", "--quiet", action="store_true", help="do not display the profile")
+    @profile_arguments
     @output_can_be_silenced
     @line_cell_magic
     def memopt_profile(self, line: str, cell: str | None = None) -> Any:
@@ -325,63 +292,7 @@ class MemoptMagics(Magics):
                          "--model NAME")
 
     # ------------------------------------------------------------------ %memopt_plan
-    @_exact_options
-    @ma.magic_arguments()
-    @ma.argument("profile", metavar="PROFILE", nargs="?",
-                 help="name of a ModelProfile in the notebook (from %%memopt_profile)")
-    @ma.argument("--budget",
-                 help="memory budget: a size with its unit ('2GiB', '800MB'), a share of the unoptimized peak ('60%%', "
-                      "or a fraction below 1 such as 0.6), or a plain number of bytes of at least "
-                      f"{MIN_TYPED_BYTES} (a smaller plain number, such as 60, is refused: write 60%% or 60MiB) "
-                      "(default: what the device can still give the step, its capacity or memopt.limit_memory's "
-                      "limit less what other tensors hold there, printed first; on the emulated device outside "
-                      "limit_memory, required)")
-    @ma.argument("--max-batch", metavar="BUILDER",
-                 help="answer how big a batch fits instead: BUILDER is a function in the notebook, "
-                      "builder(batch_size) -> (model, inputs, loss_fn[, optimizer]); shows the largest batch any "
-                      "plan fits, the fastest batch, and plain training and the best classic baseline beside them "
-                      "(memopt.max_batch); stored as `fit` unless -o says otherwise")
-    @ma.argument("--optimizer", metavar="NAME",
-                 help="with --max-batch: the optimizer you train with, which the plans are made for: a torch.optim "
-                      "class (AdamW), or the name of a class, of a function params -> optimizer or of your optimizer "
-                      "(its class and settings) in the notebook; default: the one BUILDER returns, else refused")
-    @ma.argument("--device", metavar="PRESET",
-                 help="plan for a GPU preset instead of the profiled device: " + ", ".join(
-                     DeviceSpec.preset_names()))
-    @ma.argument("--timesteps", type=int, metavar="N",
-                 help="PPO timesteps (default: $MEMOPT_NB_TIMESTEPS if set, else the search's default)")
-    @ma.argument("--seed", type=int, default=0, help="random seed; the same seed gives the same plan (default 0)")
-    @ma.argument("--time-limit", type=float, metavar="SECONDS", default=None,
-                 help="stop the agents after this many seconds (default: no limit; the plan then depends on the "
-                      "machine's speed)")
-    @ma.argument("--patience", metavar="N", default=None,
-                 help="stop once the best plan has not improved in N PPO iterations, N at least 1 (default: the "
-                      "search's, 50); none: run every timestep")
-    @ma.argument("--offload-state", metavar="WHAT", default="all",
-                 help="what of the training state the plan may move off the device: all (default: optimizer state, "
-                      "gradients and parameters), none (activations only), or a comma-separated list of optimizer, "
-                      "grads, params")
-    @ma.argument("--step-in-backward", action="store_true",
-                 help="also allow stepping a unit's parameters inside backward (grads='step'); the training loop may "
-                      "then no longer accumulate gradients over several backwards or clip their global norm")
-    @ma.argument("--strategies", metavar="LIST", default="keep,recompute,swap",
-                 help="the activation strategies the plan may use, comma-separated (default: keep,recompute,swap); "
-                      "e.g. keep,recompute for checkpointing only, or add recompute_offload or selective (opt-in; "
-                      "selective needs a profile made with selective=True)")
-    @ma.argument("--mixed-depths", action="store_true",
-                 help="with a profile made with --units fine: also plan its whole blocks and cuts that mix whole "
-                      "blocks with split ones, and keep the fastest plan that fits (memopt.search_depths; a whole "
-                      "block's checkpoint holds only its input, so blocks may fit where their units do not)")
-    @ma.argument("-o", "--output", metavar="NAME", default=None,
-                 help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME}; with --max-batch the "
-                      f"answer, default {DEFAULT_FIT_NAME})")
-    @ma.argument("--measure", nargs="?", type=int, const=5, default=None, metavar="PAIRS",
-                 help="after the search, run the step with and without the plan in alternating pairs (5 unless "
-                      "PAIRS says otherwise) and show both beside the prediction (memopt.compare); needs a profile "
-                      "made by %%memopt_profile")
-    @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
-    @ma.argument("-q", "--quiet", action="store_true",
-                 help="show nothing: no dashboard, no result (the plan is still stored)")
+    @plan_arguments
     @output_can_be_silenced
     @line_magic
     def memopt_plan(self, line: str) -> Any:
