@@ -226,7 +226,7 @@ class Simulator:
         self.recomputable = np.array([u.recomputable for u in profile.units])
         self.bw_d2h = self.device.d2h_bytes_per_s or 1.0
         self.bw_h2d = self.device.h2d_bytes_per_s or 1.0
-        self._compile_groups(profile.groups)
+        _compile_groups(self, profile.groups)
         self.step_segment = int(getattr(profile, "step_segment", -1))
         self._state: StateTable | None = None
 
@@ -282,57 +282,6 @@ class Simulator:
             self._state = compile_state(self)
         return self._state
 
-    def _compile_groups(self, groups: Sequence[Any]) -> None:
-        def changes(g: Any) -> bool:  # groups no plan can move are left out
-            if g.outside_saver:
-                return g.outside_release is not None
-            return bool(g.savers) or g.free_pos is not None or getattr(g, "release_pos", None) is not None
-
-        gs = [g for g in groups if changes(g)]
-        self.g_list = gs  # the groups the arrays below describe, in their order
-        self.G = G = len(gs)
-        ks = max([len(g.savers) for g in gs] + [1])
-        kc = max([len(g.consumers) for g in gs] + [1])
-        self.g_nb = np.array([g.nbytes for g in gs], dtype=np.float64)
-        self.g_cnt = np.array([g.count for g in gs], dtype=np.float64)  # storages per group (per-copy cost)
-        self.g_prod = np.array([g.producer for g in gs], dtype=np.int64)
-        self.g_sav = np.full((G, ks), -1)
-        self.g_con = np.full((G, kc), -1)
-        for i, g in enumerate(gs):
-            self.g_sav[i, : len(g.savers)] = g.savers
-            self.g_con[i, : len(g.consumers)] = g.consumers
-        self.g_has_sav = self.g_sav[:, 0] >= 0
-        self.g_owner = np.where(self.g_has_sav, self.g_sav.max(axis=1), 0)
-        self.g_free = np.array([g.free_pos if g.free_pos is not None else -1 for g in gs], dtype=np.int64)
-        g_release = np.array([r if (r := getattr(g, "release_pos", None)) is not None else -1 for g in gs],
-                             dtype=np.int64)
-        # liveness outside autograd: resident through segment free-1, or release-1 for what is let go of after the
-        # forward (a model output, a KV cache), or the segment after the forward
-        fallback = np.where(self.g_free >= 0, self.g_free - 1, np.where(g_release >= 0, g_release - 1, self.end))
-        bwd_of = lambda idx: np.where(idx >= 0, self.bwd_seg[np.maximum(idx, 0)], -1)  # noqa: E731
-        self.g_sav_bwd = bwd_of(self.g_sav)
-        self.g_con_bwd = bwd_of(self.g_con)
-        self.g_fallback = fallback
-        # code outside units that saves a storage lets go of it in this segment's backward (-1: no such code)
-        self.g_out_rel = np.array([g.outside_release if g.outside_saver else -1 for g in gs], dtype=np.int64)
-        base = np.maximum(np.where(self.g_has_sav, self.g_sav_bwd.max(axis=1), -1), self.g_out_rel)
-        self.g_base_end = np.maximum(base, fallback)
-        outside = np.array([g.outside_saver for g in gs], dtype=bool)
-        self.g_eligible = self.g_has_sav & (self.g_free >= 0) & ~outside
-        # what a recompute_offload consumer may offload too: its liveness ends in the forward, no code outside units
-        # saves it
-        self.g_ro_eligible = (self.g_free >= 0) & ~outside & (self.g_con[:, 0] >= 0)
-        self.g_next = np.where(self.g_free >= 0, self.next_unit[np.maximum(self.g_free, 0)], 0)
-        self.g_owner_onehot = np.zeros((G, self.n))
-        self.g_owner_onehot[np.arange(G), self.g_owner] = 1.0
-        self.groups_at = {b: np.nonzero((self.g_eligible | self.g_ro_eligible) & (self.g_free == b))[0]
-                          for b in set(self.g_free.tolist()) if b >= 0}
-        # freed partway through a segment whose peak came later: held past it, they add to that peak
-        self.g_late = np.array([getattr(g, "late_bytes", 0) for g in gs], dtype=np.float64)
-        self.g_death = np.array([d if (d := getattr(g, "death_seg", None)) is not None else -1 for g in gs],
-                                dtype=np.int64)
-        self.late_groups = np.nonzero((self.g_late > 0) & (self.g_death >= 0))[0]
-
     # ------------------------------------------------------------------ batched evaluation
     def evaluate(self, strategies: np.ndarray, windows: np.ndarray, distances: np.ndarray,
                  states: np.ndarray | None = None,
@@ -344,7 +293,7 @@ class Simulator:
 
         The planners' inner loop, one vectorised pass in three steps: which storage groups move where
         (:meth:`_group_moves`), the memory of every segment (:meth:`_segment_peaks`), and the time, with the copy
-        queues when the device overlaps copies (:meth:`_copy_queues`).
+        queues when the device overlaps copies (:func:`_copy_queues`).
         """
         b = self._batch(strategies, windows, distances)
         B, n = b.s.shape
@@ -373,7 +322,7 @@ class Simulator:
         else:
             # the training thread's per-storage share of the copies; the bytes run on the copy queues
             thread_copy = dev.copy_seconds(0.0, off_count, "both")
-            t, fwd_stall, bwd_stall = self._copy_queues(b, m, off_nb, pf_bytes, redo)
+            t, fwd_stall, bwd_stall = _copy_queues(self, b, m, off_nb, pf_bytes, redo)
             t = t + thread_copy + st_time
             compute = np.full(B, self.dur.sum()) + recompute + thread_copy
         if not details:
@@ -482,50 +431,6 @@ class Simulator:
         peak = np.maximum(peaks.max(axis=1), st_step) if states is not None else peaks.max(axis=1)
         return peaks, peak, st_step, st_time, st_moved
 
-    def _copy_queues(self, b: _Batch, m: _Moves, off_nb: np.ndarray, pf_bytes: np.ndarray, redo: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The step walked segment by segment beside the two first-in-first-out copy queues: per plan the compute
-        stream's end time and its forward and backward stalls."""
-        S, n, dev, trig, d = self.S, self.n, self.device, b.trig, b.d
-        B = b.s.shape[0]
-        t = np.zeros(B)
-        d2h = np.zeros(B)
-        h2d = np.zeros(B)
-        wait_at = np.zeros((B, S + 2))
-        pf_end = np.zeros((B, n))
-        fwd_stall = np.zeros(B)
-        bwd_stall = np.zeros(B)
-        max_d = int(d.max()) if d.size else 0
-        for k in range(S):
-            groups = self.groups_at.get(k)
-            if groups is not None and groups.size:
-                rg = m.r_pos[:, groups]
-                bg = off_nb[:, groups]
-                for r in np.unique(rg[bg > 0]):
-                    bytes_r = np.where(rg == r, bg, 0.0).sum(axis=1)
-                    has = bytes_r > 0
-                    d2h = np.where(has, np.maximum(d2h, t) + dev.copy_seconds(bytes_r, 0, "d2h"), d2h)
-                    wait_at[:, r] = np.where(has, np.maximum(wait_at[:, r], d2h), wait_at[:, r])
-            if self.next_unit[k] >= 0:
-                nt = np.maximum(t, wait_at[:, k])
-                fwd_stall += nt - t
-                t = nt
-            if self.kind[k] == 1:
-                u = int(self.seg_unit[k])
-                ready = t
-                for o in range(u, max(-1, u - max_d - 1), -1):
-                    mo = (trig[:, o] == u) & (pf_bytes[:, o] > 0)
-                    if mo.any():
-                        h2d = np.where(mo, np.maximum(h2d, ready) + dev.copy_seconds(pf_bytes[:, o], 0, "h2d"), h2d)
-                        pf_end[:, o] = np.where(mo, h2d, pf_end[:, o])
-                nt = np.where(pf_bytes[:, u] > 0, np.maximum(t, pf_end[:, u]), t)
-                bwd_stall += nt - t
-                t = nt
-                t = t + self.dur[k] + redo[:, u]
-            else:
-                t = t + self.dur[k]
-        return t, fwd_stall, bwd_stall
-
     # ------------------------------------------------------------------ plans
     def encode(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A plan as the ``(1, n)`` arrays :meth:`evaluate` takes (after checking it fits the profile)."""
@@ -576,6 +481,105 @@ class Simulator:
     def _timeline(self, rep: Replay) -> list[dict[str, Any]]:
         """Start level and peak of every segment on the simulated clock, for plotting (from the reference replay)."""
         return [dict(row) for row in rep.rows]
+
+
+def _compile_groups(sim: Simulator, groups: Sequence[Any]) -> None:
+    """The storage groups a plan can move, as arrays on ``sim`` (``g_*``, ``G``, ``groups_at``, ``late_groups``): who
+    produces, saves and consumes each, where its liveness ends, when it may leave the device."""
+    def changes(g: Any) -> bool:  # groups no plan can move are left out
+        if g.outside_saver:
+            return g.outside_release is not None
+        return bool(g.savers) or g.free_pos is not None or getattr(g, "release_pos", None) is not None
+
+    gs = [g for g in groups if changes(g)]
+    sim.g_list = gs  # the groups the arrays below describe, in their order
+    sim.G = G = len(gs)
+    ks = max([len(g.savers) for g in gs] + [1])
+    kc = max([len(g.consumers) for g in gs] + [1])
+    sim.g_nb = np.array([g.nbytes for g in gs], dtype=np.float64)
+    sim.g_cnt = np.array([g.count for g in gs], dtype=np.float64)  # storages per group (per-copy cost)
+    sim.g_prod = np.array([g.producer for g in gs], dtype=np.int64)
+    sim.g_sav = np.full((G, ks), -1)
+    sim.g_con = np.full((G, kc), -1)
+    for i, g in enumerate(gs):
+        sim.g_sav[i, : len(g.savers)] = g.savers
+        sim.g_con[i, : len(g.consumers)] = g.consumers
+    sim.g_has_sav = sim.g_sav[:, 0] >= 0
+    sim.g_owner = np.where(sim.g_has_sav, sim.g_sav.max(axis=1), 0)
+    sim.g_free = np.array([g.free_pos if g.free_pos is not None else -1 for g in gs], dtype=np.int64)
+    g_release = np.array([r if (r := getattr(g, "release_pos", None)) is not None else -1 for g in gs],
+                         dtype=np.int64)
+    # liveness outside autograd: resident through segment free-1, or release-1 for what is let go of after the
+    # forward (a model output, a KV cache), or the segment after the forward
+    fallback = np.where(sim.g_free >= 0, sim.g_free - 1, np.where(g_release >= 0, g_release - 1, sim.end))
+    bwd_of = lambda idx: np.where(idx >= 0, sim.bwd_seg[np.maximum(idx, 0)], -1)  # noqa: E731
+    sim.g_sav_bwd = bwd_of(sim.g_sav)
+    sim.g_con_bwd = bwd_of(sim.g_con)
+    sim.g_fallback = fallback
+    # code outside units that saves a storage lets go of it in this segment's backward (-1: no such code)
+    sim.g_out_rel = np.array([g.outside_release if g.outside_saver else -1 for g in gs], dtype=np.int64)
+    base = np.maximum(np.where(sim.g_has_sav, sim.g_sav_bwd.max(axis=1), -1), sim.g_out_rel)
+    sim.g_base_end = np.maximum(base, fallback)
+    outside = np.array([g.outside_saver for g in gs], dtype=bool)
+    sim.g_eligible = sim.g_has_sav & (sim.g_free >= 0) & ~outside
+    # what a recompute_offload consumer may offload too: its liveness ends in the forward, no code outside units
+    # saves it
+    sim.g_ro_eligible = (sim.g_free >= 0) & ~outside & (sim.g_con[:, 0] >= 0)
+    sim.g_next = np.where(sim.g_free >= 0, sim.next_unit[np.maximum(sim.g_free, 0)], 0)
+    sim.g_owner_onehot = np.zeros((G, sim.n))
+    sim.g_owner_onehot[np.arange(G), sim.g_owner] = 1.0
+    sim.groups_at = {b: np.nonzero((sim.g_eligible | sim.g_ro_eligible) & (sim.g_free == b))[0]
+                      for b in set(sim.g_free.tolist()) if b >= 0}
+    # freed partway through a segment whose peak came later: held past it, they add to that peak
+    sim.g_late = np.array([getattr(g, "late_bytes", 0) for g in gs], dtype=np.float64)
+    sim.g_death = np.array([d if (d := getattr(g, "death_seg", None)) is not None else -1 for g in gs],
+                            dtype=np.int64)
+    sim.late_groups = np.nonzero((sim.g_late > 0) & (sim.g_death >= 0))[0]
+
+
+def _copy_queues(sim: Simulator, b: _Batch, m: _Moves, off_nb: np.ndarray, pf_bytes: np.ndarray, redo: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step walked segment by segment beside the two first-in-first-out copy queues: per plan the compute
+    stream's end time and its forward and backward stalls."""
+    S, n, dev, trig, d = sim.S, sim.n, sim.device, b.trig, b.d
+    B = b.s.shape[0]
+    t = np.zeros(B)
+    d2h = np.zeros(B)
+    h2d = np.zeros(B)
+    wait_at = np.zeros((B, S + 2))
+    pf_end = np.zeros((B, n))
+    fwd_stall = np.zeros(B)
+    bwd_stall = np.zeros(B)
+    max_d = int(d.max()) if d.size else 0
+    for k in range(S):
+        groups = sim.groups_at.get(k)
+        if groups is not None and groups.size:
+            rg = m.r_pos[:, groups]
+            bg = off_nb[:, groups]
+            for r in np.unique(rg[bg > 0]):
+                bytes_r = np.where(rg == r, bg, 0.0).sum(axis=1)
+                has = bytes_r > 0
+                d2h = np.where(has, np.maximum(d2h, t) + dev.copy_seconds(bytes_r, 0, "d2h"), d2h)
+                wait_at[:, r] = np.where(has, np.maximum(wait_at[:, r], d2h), wait_at[:, r])
+        if sim.next_unit[k] >= 0:
+            nt = np.maximum(t, wait_at[:, k])
+            fwd_stall += nt - t
+            t = nt
+        if sim.kind[k] == 1:
+            u = int(sim.seg_unit[k])
+            ready = t
+            for o in range(u, max(-1, u - max_d - 1), -1):
+                mo = (trig[:, o] == u) & (pf_bytes[:, o] > 0)
+                if mo.any():
+                    h2d = np.where(mo, np.maximum(h2d, ready) + dev.copy_seconds(pf_bytes[:, o], 0, "h2d"), h2d)
+                    pf_end[:, o] = np.where(mo, h2d, pf_end[:, o])
+            nt = np.where(pf_bytes[:, u] > 0, np.maximum(t, pf_end[:, u]), t)
+            bwd_stall += nt - t
+            t = nt
+            t = t + sim.dur[k] + redo[:, u]
+        else:
+            t = t + sim.dur[k]
+    return t, fwd_stall, bwd_stall
 
 
 def simulate_reference(sim: Simulator | Any, strategies: Sequence[Any], windows: Sequence[int],
