@@ -335,7 +335,7 @@ class MemoptMagics(Magics):
         line, silenced = _strip_semicolon(line)
         args = parse_magic_line(self.memopt_plan, line)
         if args.max_batch is not None:
-            return self._max_batch(args, silenced)
+            return _max_batch(self, args, silenced)
         _check_plan_args(args)
         stop = {"time_limit": args.time_limit, **_parse_patience(args.patience)}
         args.output = args.output or DEFAULT_PLAN_NAME
@@ -374,72 +374,6 @@ class MemoptMagics(Magics):
         print(f"memopt: plan stored as `{args.output}`{space}; apply it with `with memopt.plan({args.output}): ...`")
         return plan
 
-
-    def _max_batch(self, args: Any, silenced: bool) -> MaxBatch | None:
-        """``%memopt_plan --max-batch BUILDER``: :func:`memopt_nb.max_batch` with the magic's plan space."""
-        from IPython.display import display
-
-        for flag, value in (("--timesteps", args.timesteps), ("--measure", args.measure),
-                            ("--time-limit", args.time_limit), ("--patience", args.patience)):
-            if value is not None:
-                raise UsageError(f"{flag} does not apply to --max-batch (it plans each batch with the exact "
-                                 "optimum); leave it out, or plan one batch with %memopt_plan PROFILE --budget ...")
-        output = args.output or DEFAULT_FIT_NAME
-        _check_output_name(output)
-        builder = self._eval(args.max_batch, "--max-batch")
-        if not callable(builder):
-            raise UsageError(f"--max-batch: {args.max_batch!r} is {_article(type(builder).__name__)}, not a function "
-                             "builder(batch_size) -> (model, inputs, loss_fn)")
-        budget: Any = None
-        share = args.budget is not None and is_share((_unquote(args.budget.strip()) or "").strip())
-        if args.profile is not None and not share:  # e.g. "--budget 3000000 parsecs": parsecs is no profile
-            raise UsageError(f"%memopt_plan --max-batch: did not expect {args.profile} (a PROFILE is used with "
-                             "--max-batch only as what a percentage budget is a share of); leave it out, or give "
-                             "--budget as a size such as 2GiB")
-        if share and args.profile is None:
-            raise UsageError(f"--budget {args.budget}: a percentage needs a profile to be a share of "
-                             "(%memopt_plan prof --max-batch BUILDER --budget 60%); or give bytes such as "
-                             "2GiB, or leave --budget out for what the device can still give")
-        if args.budget is not None:
-            reference = None
-            if share:
-                prof = self._eval(args.profile, "profile")
-                if not isinstance(prof, ModelProfile):
-                    raise UsageError(f"profile: {args.profile!r} is {_article(type(prof).__name__)}, not a "
-                                     "ModelProfile")
-                reference = prof.peak_bytes
-            budget = _read_budget(args.budget, reference)
-        optimizer = self._optimizer_arg(args.optimizer) if args.optimizer is not None else None
-        try:
-            optimizer_maker(optimizer)  # what is no optimizer is refused before anything is built
-        except MemoptError as exc:
-            raise UsageError(f"--optimizer {args.optimizer}: {exc}") from None
-        device = None
-        if args.device is not None:
-            try:
-                device = DeviceSpec.preset(args.device)
-            except MemoptError as exc:
-                raise UsageError(f"--device: {exc}") from None
-        try:
-            fit = max_batch(builder, budget, device, optimizer, strategies=_parse_strategies(args.strategies),
-                            offload_state=_parse_offload_state(args.offload_state),
-                            step_in_backward=args.step_in_backward, seed=args.seed)
-        except MemoptError as exc:
-            if str(exc) == NO_OPTIMIZER:
-                raise UsageError(f"--max-batch: say which optimizer you train with, e.g. --optimizer AdamW (a "
-                                 f"torch.optim class, or the name of your optimizer or of a function params -> "
-                                 f"optimizer in the notebook), or let {args.max_batch}(batch_size) return (model, "
-                                 "inputs, loss_fn, optimizer): its state is part of every peak, and a plan that moves "
-                                 "state applies to that optimizer only") from None
-            raise UsageError(f"--max-batch: {exc}") from None
-        self.shell.user_ns[output] = fit
-        if silenced or args.quiet:
-            return None
-        display(fit) if in_notebook() else print(repr(fit))
-        print(f"memopt: stored as `{output}`; train batch {fit.batch} with `with memopt.plan({output}.plan, model, "
-              f"optimizer=opt): ...`, the model built at that batch ({args.max_batch}({fit.batch})) and opt your "
-              f"{fit.optimizer or 'optimizer'} over its parameters (the plan was made for it)")
-        return None
 
     def _compare(self, plan: Plan, prof: ModelProfile, call: dict[str, Any], pairs: int,
                  quiet: bool = False) -> Comparison:
@@ -503,6 +437,75 @@ def _read_budget(raw: str, reference: int | None) -> int:
         check_typed_budget(text)
     except MemoptError as exc:
         raise UsageError(f"--budget {raw}: {exc}") from None
+    return budget
+
+
+def _max_batch(magics: MemoptMagics, args: Any, silenced: bool) -> MaxBatch | None:
+    """``%memopt_plan --max-batch BUILDER``: :func:`memopt_nb.max_batch` with the magic's plan space."""
+    from IPython.display import display
+
+    for flag, value in (("--timesteps", args.timesteps), ("--measure", args.measure),
+                        ("--time-limit", args.time_limit), ("--patience", args.patience)):
+        if value is not None:
+            raise UsageError(f"{flag} does not apply to --max-batch (it plans each batch with the exact "
+                             "optimum); leave it out, or plan one batch with %memopt_plan PROFILE --budget ...")
+    output = args.output or DEFAULT_FIT_NAME
+    _check_output_name(output)
+    builder = magics._eval(args.max_batch, "--max-batch")
+    if not callable(builder):
+        raise UsageError(f"--max-batch: {args.max_batch!r} is {_article(type(builder).__name__)}, not a function "
+                         "builder(batch_size) -> (model, inputs, loss_fn)")
+    budget = _max_batch_budget(magics, args)
+    optimizer = magics._optimizer_arg(args.optimizer) if args.optimizer is not None else None
+    try:
+        optimizer_maker(optimizer)  # what is no optimizer is refused before anything is built
+    except MemoptError as exc:
+        raise UsageError(f"--optimizer {args.optimizer}: {exc}") from None
+    device = _device_arg(args.device)
+    try:
+        fit = max_batch(builder, budget, device, optimizer, strategies=_parse_strategies(args.strategies),
+                        offload_state=_parse_offload_state(args.offload_state),
+                        step_in_backward=args.step_in_backward, seed=args.seed)
+    except MemoptError as exc:
+        if str(exc) == NO_OPTIMIZER:
+            raise UsageError(f"--max-batch: say which optimizer you train with, e.g. --optimizer AdamW (a "
+                             f"torch.optim class, or the name of your optimizer or of a function params -> "
+                             f"optimizer in the notebook), or let {args.max_batch}(batch_size) return (model, "
+                             "inputs, loss_fn, optimizer): its state is part of every peak, and a plan that moves "
+                             "state applies to that optimizer only") from None
+        raise UsageError(f"--max-batch: {exc}") from None
+    magics.shell.user_ns[output] = fit
+    if silenced or args.quiet:
+        return None
+    display(fit) if in_notebook() else print(repr(fit))
+    print(f"memopt: stored as `{output}`; train batch {fit.batch} with `with memopt.plan({output}.plan, model, "
+          f"optimizer=opt): ...`, the model built at that batch ({args.max_batch}({fit.batch})) and opt your "
+          f"{fit.optimizer or 'optimizer'} over its parameters (the plan was made for it)")
+    return None
+
+
+def _max_batch_budget(magics: MemoptMagics, args: Any) -> int | None:
+    """``--budget`` with ``--max-batch``: bytes, or a percentage of the profile given (``None``: what the device can
+    still give)."""
+    budget: Any = None
+    share = args.budget is not None and is_share((_unquote(args.budget.strip()) or "").strip())
+    if args.profile is not None and not share:  # e.g. "--budget 3000000 parsecs": parsecs is no profile
+        raise UsageError(f"%memopt_plan --max-batch: did not expect {args.profile} (a PROFILE is used with "
+                         "--max-batch only as what a percentage budget is a share of); leave it out, or give "
+                         "--budget as a size such as 2GiB")
+    if share and args.profile is None:
+        raise UsageError(f"--budget {args.budget}: a percentage needs a profile to be a share of "
+                         "(%memopt_plan prof --max-batch BUILDER --budget 60%); or give bytes such as "
+                         "2GiB, or leave --budget out for what the device can still give")
+    if args.budget is not None:
+        reference = None
+        if share:
+            prof = magics._eval(args.profile, "profile")
+            if not isinstance(prof, ModelProfile):
+                raise UsageError(f"profile: {args.profile!r} is {_article(type(prof).__name__)}, not a "
+                                 "ModelProfile")
+            reference = prof.peak_bytes
+        budget = _read_budget(args.budget, reference)
     return budget
 
 
