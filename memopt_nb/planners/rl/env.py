@@ -440,65 +440,10 @@ class MemoryPlanningEnv(ParallelEnv):
     # ------------------------------------------------------------------ observations and masks
     def _observe(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
         """Both agents' observations and masks at this step: :meth:`_observe_many` of this copy alone while a unit
-        is still to be decided, :meth:`_observe_end` after the last one."""
+        is still to be decided, :func:`_observe_end` after the last one."""
         if self.t < self.task.n:
             return MemoryPlanningEnv._observe_many([self])[0]
-        return self._observe_end()
-
-    def _observe_end(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
-        """After the last unit's decision: the strategy agent may only keep (its action is ignored), the timing agent
-        times the last decided unit if it is a timed one, with every unit's decision known."""
-        task = self.task
-        n, t = task.n, self.t
-        p = int(self.order[t - 1]) if t == n else -1  # the unit decided last, its timing still open
-        budget = task.budget
-        tol = budget * (1 + 1e-9)
-        level = self.level
-        T = len(TIMINGS)
-        pcode = int(self.codes[p]) if p >= 0 else -1
-        pending = pcode in _TIMED
-        if pending:
-            level = level + self._static(p)["pend_min"][pcode]
-        rest = self._suffix_min[n]
-        rest_step = self._suffix_step[n]
-        rest_move = bool(self._suffix_can_move[n])
-        cur = task.bound(level, self.step_level, self.moved)
-        need = max(cur - budget, 0.01 * budget)
-        need_ratio = max(cur - budget, 0.0) / max(float(self._suffix_red[n]), 1.0)
-        recent = range(max(0, n - 3), n)
-        load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if self.codes[v] == SWAP)
-        load /= max(sum(task.sim.fwd_time[v] for v in recent), 1e-12)
-        least = task.bound(level + self._suffix_min[n], self.step_level + self._suffix_step[n], self.moved,
-                           bool(self._suffix_can_move[n]))
-        common = np.array([t / n, (n - t) / n, (cur - budget) / budget, (least - budget) / budget,
-                           self.spent / task.base_time, float(task.sim.device.copy_overlap), min(need_ratio, 5.0),
-                           min(load, 10.0)], dtype=np.float64)
-        s_mask = np.zeros(task.n_strategies * task.C, dtype=np.int8)
-        s_mask[KEEP] = 1
-        obs = {STRATEGY: {"observation": np.zeros(self._dims[STRATEGY], dtype=np.float32), "action_mask": s_mask}}
-        masks = {STRATEGY: s_mask}
-        t_mask = np.zeros(T, dtype=np.int8)
-        t_feat = np.zeros(self._dims[TIMING])
-        if pending:
-            base = self.level + rest
-            base_step = self.step_level + rest_step
-            b = task.timed_base[pcode]
-            ok = task.option_ok[p, b:b + T]
-            peaks = task.bounds((base[None] + task.marg_peak[p, b:b + T]).max(axis=1), _rowmax(base_step[None]),
-                                np.array([self.moved]), rest_move)
-            t_mask[:] = ok & (peaks <= tol)
-            if not t_mask.any():
-                t_mask[:] = ok
-            sp = self._static(p)
-            ref = float(self.level.max())
-            red = (ref - (self.level[None] + task.marg_peak[p, b:b + T]).max(axis=1)) / need
-            per = np.stack([red, sp["t_cost"][pcode], t_mask.astype(np.float64)], axis=1).ravel()
-            t_feat = np.concatenate([common, sp["t_unit"][pcode], per])
-        else:
-            t_mask[0] = 1
-        obs[TIMING] = {"observation": t_feat.astype(np.float32), "action_mask": t_mask}
-        masks[TIMING] = t_mask
-        return obs, masks
+        return _observe_end(self)
 
     def _unit_features(self, u: int) -> np.ndarray:
         task = self.task
@@ -524,8 +469,65 @@ class MemoryPlanningEnv(ParallelEnv):
         pass
 
 
-# ---------------------------------------------------------------------- observations of stacked copies
-# MemoryPlanningEnv._observe_many in its parts: what the copies share at this step (_Step), then each agent's part.
+# ---------------------------------------------------------------------- observations
+# After the last decision (_observe_end); before it, MemoryPlanningEnv._observe_many in its parts: what the copies
+# share at this step (_step_context), then each agent's part.
+def _observe_end(env: MemoryPlanningEnv) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """After the last unit's decision: the strategy agent may only keep (its action is ignored), the timing agent
+    times the last decided unit if it is a timed one, with every unit's decision known."""
+    task = env.task
+    n, t = task.n, env.t
+    p = int(env.order[t - 1]) if t == n else -1  # the unit decided last, its timing still open
+    budget = task.budget
+    tol = budget * (1 + 1e-9)
+    level = env.level
+    T = len(TIMINGS)
+    pcode = int(env.codes[p]) if p >= 0 else -1
+    pending = pcode in _TIMED
+    if pending:
+        level = level + env._static(p)["pend_min"][pcode]
+    rest = env._suffix_min[n]
+    rest_step = env._suffix_step[n]
+    rest_move = bool(env._suffix_can_move[n])
+    cur = task.bound(level, env.step_level, env.moved)
+    need = max(cur - budget, 0.01 * budget)
+    need_ratio = max(cur - budget, 0.0) / max(float(env._suffix_red[n]), 1.0)
+    recent = range(max(0, n - 3), n)
+    load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if env.codes[v] == SWAP)
+    load /= max(sum(task.sim.fwd_time[v] for v in recent), 1e-12)
+    least = task.bound(level + env._suffix_min[n], env.step_level + env._suffix_step[n], env.moved,
+                       bool(env._suffix_can_move[n]))
+    common = np.array([t / n, (n - t) / n, (cur - budget) / budget, (least - budget) / budget,
+                       env.spent / task.base_time, float(task.sim.device.copy_overlap), min(need_ratio, 5.0),
+                       min(load, 10.0)], dtype=np.float64)
+    s_mask = np.zeros(task.n_strategies * task.C, dtype=np.int8)
+    s_mask[KEEP] = 1
+    obs = {STRATEGY: {"observation": np.zeros(env._dims[STRATEGY], dtype=np.float32), "action_mask": s_mask}}
+    masks = {STRATEGY: s_mask}
+    t_mask = np.zeros(T, dtype=np.int8)
+    t_feat = np.zeros(env._dims[TIMING])
+    if pending:
+        base = env.level + rest
+        base_step = env.step_level + rest_step
+        b = task.timed_base[pcode]
+        ok = task.option_ok[p, b:b + T]
+        peaks = task.bounds((base[None] + task.marg_peak[p, b:b + T]).max(axis=1), _rowmax(base_step[None]),
+                            np.array([env.moved]), rest_move)
+        t_mask[:] = ok & (peaks <= tol)
+        if not t_mask.any():
+            t_mask[:] = ok
+        sp = env._static(p)
+        ref = float(env.level.max())
+        red = (ref - (env.level[None] + task.marg_peak[p, b:b + T]).max(axis=1)) / need
+        per = np.stack([red, sp["t_cost"][pcode], t_mask.astype(np.float64)], axis=1).ravel()
+        t_feat = np.concatenate([common, sp["t_unit"][pcode], per])
+    else:
+        t_mask[0] = 1
+    obs[TIMING] = {"observation": t_feat.astype(np.float32), "action_mask": t_mask}
+    masks[TIMING] = t_mask
+    return obs, masks
+
+
 def _bound(task: PlanningTask, seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
     """The peak bound of segment levels ``seg`` and unit-by-unit step levels ``step`` (the segments' alone where the
     task has no step model)."""
