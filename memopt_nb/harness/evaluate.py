@@ -38,6 +38,7 @@ from ..core.budget import format_bytes, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError, ProfileError
 from ..core.plan import Plan
+from ..core.profile import ProfileLike
 from ..core.progress import advance, stage, task
 from ..planners import BASELINES, optimal
 from ..planners.milp import min_peak
@@ -333,7 +334,7 @@ def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn
 _RULES = ("none", "recompute_all", "sqrt_n", "swap_all", "recompute_offload_all", "op_sac") + STATE_BASELINE_METHODS
 
 
-def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, search_timesteps: int | None,
+def _plan_for(method: str, sim: Simulator, prof: ProfileLike, budget: int, device: Any, search_timesteps: int | None,
               seed: int) -> Plan | None:
     """The method's plan at this batch, or ``None`` when the method cannot make one (budget below the minimum).
 
@@ -364,7 +365,7 @@ _NOT_RUN = ", not run: above this device's memory"
 _RAN_OUT = ", ran out of memory when measured"
 
 
-def _extrapolated(prof: Any) -> bool:
+def _extrapolated(prof: ProfileLike) -> bool:
     return prof.meta.get("method") == "extrapolated"
 
 
@@ -436,7 +437,7 @@ def _checked_sizes(methods: Sequence[str], batch_sizes: Sequence[int] | None, re
     return sizes
 
 
-def _figures(plan: Plan | None, method: str, b: int, prof: Any, simulated: bool, here: int | None,
+def _figures(plan: Plan | None, method: str, b: int, prof: ProfileLike, simulated: bool, here: int | None,
              built_at: Callable, steps: int, autocast: Any, say: Callable[[str], None]) -> tuple[Any, Any, str, bool]:
     """A method's peak, step time, their source and whether it fits this device, at batch ``b``: predicted, or
     (not ``simulated``) measured where the prediction fits this device's memory ``here`` (``None``: unknown)."""

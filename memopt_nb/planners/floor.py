@@ -43,6 +43,7 @@ import numpy as np
 from ..core.budget import format_bytes
 from ..core.plan import DEFAULT_STRATEGIES as every
 from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan, state_choices
+from ..core.profile import ProfileLike
 from ..core.strategies import NAMES, REGISTRY, by_code, by_name, save_set_of
 from ..sim.simulator import Simulator
 from .milp import cached_min_peak_plan, min_peak
@@ -328,11 +329,11 @@ def _floor_split(sim: Simulator, space: Any, floor: int, plan: Any) -> _PeakSpli
     return None
 
 
-def _has_state(profile: Any) -> bool:
+def _has_state(profile: ProfileLike) -> bool:
     return any(getattr(u, "grad_bytes", 0) > 0 for u in profile.units) and getattr(profile, "step_segment", -1) >= 0
 
 
-def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("keep", "recompute", "swap"),
+def state_floor(profile: ProfileLike, device: Any = None, strategies: Sequence[str] = ("keep", "recompute", "swap"),
                 offload_state: Any = True, step_in_backward: bool = False, passes: int = 3) -> tuple[int, Any]:
     """The smallest peak found over activation strategies and state placements, and a plan that reaches it.
 
@@ -387,7 +388,7 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
     return int(round(val)), plan
 
 
-def _moved_bytes(profile: Any, plan: Any) -> int:
+def _moved_bytes(profile: ProfileLike, plan: Any) -> int:
     """State the plan keeps off the device, less the largest amount its schedule brings back at once (a unit's
     state, gradients and parameters with the next unit's state and parameters on their way in; a unit whose state
     streams brings back at most a parameter's state and gradient with the next parameter's state, and the part before
@@ -413,7 +414,7 @@ def _grads_may_move(offload_state: Any) -> bool:
     return any(g != "resident" for _, g, _ in state_choices(offload_state))
 
 
-def _floor_parts(profile: Any, split: Any, floor: int, moved: int) -> tuple[int, str | None, int]:
+def _floor_parts(profile: ProfileLike, split: Any, floor: int, moved: int) -> tuple[int, str | None, int]:
     """The floor's fixed state, its largest unit and that unit's working set: from the floor plan's peak where it is
     known (``split``), else estimated from the profile's totals."""
     if split is not None:  # the parts of the floor plan's peak, where it is
@@ -436,8 +437,8 @@ def _floor_parts(profile: Any, split: Any, floor: int, moved: int) -> tuple[int,
     return fixed, name, work
 
 
-def _floor_advice(profile: Any, device: Any, split: Any, floor: int, bound: str, name: str | None, activations: int,
-                  strategies: Sequence[str], offload_state: Any, step_in_backward: bool,
+def _floor_advice(profile: ProfileLike, device: Any, split: Any, floor: int, bound: str, name: str | None,
+                  activations: int, strategies: Sequence[str], offload_state: Any, step_in_backward: bool,
                   state_floor_bytes: int | None) -> tuple[list[Advice], int, int | None]:
     """What would lower the floor, given what bounds it; the LM head's share of the peak where the head is where it
     sits; the floor with state moved where that was worked out for the advice."""
@@ -494,7 +495,7 @@ def _floor_advice(profile: Any, device: Any, split: Any, floor: int, bound: str,
     return advice, head_bytes, state_floor_bytes
 
 
-def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None = None,
+def explain_floor(profile: ProfileLike, device: Any = None, *, floor_bytes: int | None = None,
                   strategies: Sequence[str] = ("keep", "recompute", "swap"), offload_state: Any = False,
                   step_in_backward: bool = False) -> Floor:
     """Split the smallest reachable peak of ``profile`` (on ``device``) where the floor's plan peaks (the parts of
@@ -581,7 +582,7 @@ def _batch_text(b: int) -> str:
     return f"any batch (over {ESTIMATE_LIMIT:,})" if b >= ESTIMATE_LIMIT else f"batch {b:,}"
 
 
-def _profiled_batch(profile: Any) -> int | None:
+def _profiled_batch(profile: ProfileLike) -> int | None:
     if profile.batch_size:
         return int(profile.batch_size)
     if profile.units:  # the first unit's first input that has a batch and more
@@ -601,7 +602,7 @@ def _largest_batch(capacity: int, fixed: int, total: int, batch: int) -> int:
     return min(ESTIMATE_LIMIT, int((capacity - fixed) / per))
 
 
-def estimate_batch(profile: Any, floor: Floor | None = None) -> BatchEstimate | None:
+def estimate_batch(profile: ProfileLike, floor: Floor | None = None) -> BatchEstimate | None:
     """How big a batch plain training and the best plan fit on the profiled device, from this profile alone.
 
     Plain training's peak and the floor (:func:`explain_floor`, placements allowed, or ``floor`` if given) are split

@@ -26,6 +26,7 @@ from ..core.budget import format_bytes, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES
+from ..core.profile import ProfileLike
 from ..core.space import PlanSpace
 from ..core.strategies import REGISTRY
 from ..sim.simulator import KEEP, RECOMPUTE, SWAP, Simulator
@@ -133,7 +134,7 @@ class PlanningTask:
     is the option of an untimed action (-1 for a timed one).
     """
 
-    def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+    def __init__(self, profile: ProfileLike, budget: Any = None, device: DeviceSpec | str | None = None, *,
                  offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
                  strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> None:
         """Compiles every table the environment reads, in dependency order (one ``_compile_*`` step each)."""

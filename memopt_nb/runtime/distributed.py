@@ -84,6 +84,7 @@ import torch.nn as nn
 
 from ..core.errors import PlanError, ProfileError, WrapOrderError
 from ..core.plan import Plan, plain_module_type
+from ..core.profile import ProfileLike
 from .hooks import uncopied
 
 __all__ = [
@@ -293,7 +294,7 @@ def ddp_bucket_view(ddp: nn.Module) -> bool:
 
 
 # ====================================================================== per-rank account
-def _padded_unit_bytes(profile: Any, index: int, nbytes: int, world_size: int) -> int:
+def _padded_unit_bytes(profile: ProfileLike, index: int, nbytes: int, world_size: int) -> int:
     """A unit's all-gathered parameter bytes: FSDP2 pads every parameter's dim 0 to a multiple of the shard count."""
     fp = profile.fingerprint[index] if index < len(profile.fingerprint) else {}
     shapes = fp.get("param_shapes") or []
@@ -304,7 +305,7 @@ def _padded_unit_bytes(profile: Any, index: int, nbytes: int, world_size: int) -
     return int(round(nbytes * padded / numel))
 
 
-def _check_per_rank(profile: Any, world_size: int, sharding: str | None) -> None:
+def _check_per_rank(profile: ProfileLike, world_size: int, sharding: str | None) -> None:
     """:class:`ProfileError` for a sharding or world size :func:`per_rank` does not know, or a per-rank profile."""
     if sharding not in SHARDINGS:
         raise ProfileError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
@@ -328,8 +329,8 @@ def _shift_levels(out: Any, deltas: list[tuple[float, float]], scale: list[float
         u.rc_bwd_rel_peak = int(max(0, u.rc_bwd_rel_peak + b1 - b0))
 
 
-def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, ddp: nn.Module | None = None,
-             bucket_bytes: int | None = None, gradient_as_bucket_view: bool | None = None) -> Any:
+def per_rank(profile: ProfileLike, world_size: int, sharding: str | None = "fsdp", *, ddp: nn.Module | None = None,
+             bucket_bytes: int | None = None, gradient_as_bucket_view: bool | None = None) -> ProfileLike:
     """What one rank holds: a copy of ``profile`` whose memory is that of one of ``world_size`` ranks.
 
     Give it the profile of the **plain** model at the per-rank batch size; plan and simulate with the result as with
@@ -402,7 +403,7 @@ def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, dd
     return out
 
 
-def _phases(profile: Any) -> tuple[list[int], list[int], int]:
+def _phases(profile: ProfileLike) -> tuple[list[int], list[int], int]:
     fwd = [u.fwd_segment for u in profile.units]
     bwd = [u.bwd_segment for u in profile.units]
     labels = [s.label for s in profile.segments]
@@ -410,7 +411,7 @@ def _phases(profile: Any) -> tuple[list[int], list[int], int]:
     return fwd, bwd, end
 
 
-def _ddp_deltas(prof: Any, ddp: nn.Module | None, bucket_bytes: int | None, view: bool | None,
+def _ddp_deltas(prof: ProfileLike, ddp: nn.Module | None, bucket_bytes: int | None, view: bool | None,
                 info: dict[str, Any]) -> list[tuple[float, float]]:
     if bucket_bytes is None and ddp is not None:
         bucket_bytes = ddp_bucket_bytes(ddp)
@@ -431,7 +432,7 @@ def _ddp_deltas(prof: Any, ddp: nn.Module | None, bucket_bytes: int | None, view
     return out
 
 
-def _fsdp_deltas(prof: Any, N: int, info: dict[str, Any]) -> tuple[list[tuple[float, float]], list[float]]:
+def _fsdp_deltas(prof: ProfileLike, N: int, info: dict[str, Any]) -> tuple[list[tuple[float, float]], list[float]]:
     n = prof.n_units
     fwd, bwd, end = _phases(prof)
     P, opt = prof.param_bytes, prof.optimizer_state_bytes

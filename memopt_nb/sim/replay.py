@@ -101,6 +101,7 @@ from typing import Any
 from ..core.device import DeviceSpec
 from ..core.errors import PlanError, ProfileError
 from ..core.plan import OFFLOADING, SAVE_SETS, STATE_CHOICES, STRATEGIES, Plan
+from ..core.profile import ProfileLike
 from ..core.strategies import by_code, by_name
 
 __all__ = ["CopyJob", "Replay", "copy_seconds", "prefetch_triggers", "replay", "thread_seconds"]
@@ -203,7 +204,7 @@ def prefetch_triggers(strategies: Sequence[str], distances: Sequence[int]) -> li
     return [min(t for j, t in wanted.items() if j >= i) if i in wanted else None for i in range(n)]
 
 
-def _decode(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None,
+def _decode(profile: ProfileLike, plan: Plan | Sequence[Any], windows: Sequence[int] | None,
             distances: Sequence[int] | None) -> tuple[list[str], list[int], list[int], list[str]]:
     """Strategies, windows, distances and save-sets (``""`` for units that are not selective), from a Plan or from
     lists; a strategy is a name (``"selective:<save-set>"`` for selective) or a code."""
@@ -256,7 +257,8 @@ def _save_set_costs(units: Sequence[Any], save_sets: Sequence[str]) -> list[dict
 class _StateReplay:
     """The placements' part of the replay (module docstring): ledger changes, backward steps, the parted step."""
 
-    def __init__(self, profile: Any, placements: Sequence[tuple[str, str, str]], dev: DeviceSpec, factor: float):
+    def __init__(self, profile: ProfileLike, placements: Sequence[tuple[str, str, str]], dev: DeviceSpec,
+                 factor: float) -> None:
         units, segs = profile.units, profile.segments
         n = len(units)
         self.n = n
@@ -454,7 +456,8 @@ class _StateReplay:
         return t
 
 
-def _placements(profile: Any, plan: Plan | Sequence[Any], states: Sequence[Any] | None) -> list[tuple[str, str, str]]:
+def _placements(profile: ProfileLike, plan: Plan | Sequence[Any], states: Sequence[Any] | None
+                ) -> list[tuple[str, str, str]]:
     """The plan's ``(optimizer, grads, params)`` placement per unit."""
     if isinstance(plan, Plan):
         placements = plan.placements
@@ -471,7 +474,7 @@ class _Structure:
     """The step's structure, read from the profile's segments: each unit's forward and backward segment, the
     boundaries next to units' forwards, where offloaded memory is dropped."""
 
-    def __init__(self, profile: Any) -> None:
+    def __init__(self, profile: ProfileLike) -> None:
         units, n = profile.units, len(profile.units)
         self.n = n
         self.fwd_at: dict[int, int] = {}
@@ -507,7 +510,7 @@ class _GroupLedger:
     peak where the plan holds them longer.
     """
 
-    def __init__(self, profile: Any, where: _Structure, strategies: Sequence[str], windows: Sequence[int],
+    def __init__(self, profile: ProfileLike, where: _Structure, strategies: Sequence[str], windows: Sequence[int],
                  chosen: list[Any], triggers: Sequence[int]) -> None:
         n = len(profile.units)
         kinds = [by_name(s) for s in strategies]
@@ -655,7 +658,7 @@ def _phase(k: int, where: _Structure, state: _StateReplay) -> str:
     return "forward" if k < where.forward_end else "backward"
 
 
-def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None = None,
+def replay(profile: ProfileLike, plan: Plan | Sequence[Any], windows: Sequence[int] | None = None,
            distances: Sequence[int] | None = None, device: DeviceSpec | str | None = None,
            states: Sequence[Any] | None = None) -> Replay:
     """Replay one training step of ``profile`` under a plan on ``device`` (default: the profiled device).

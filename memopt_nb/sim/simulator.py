@@ -86,6 +86,7 @@ from ..core.cuts import profile_for
 from ..core.device import DeviceSpec
 from ..core.errors import PlanError, ProfileError
 from ..core.plan import SAVE_SETS, Plan
+from ..core.profile import ProfileLike
 from ..core.strategies import CODES, NAMES, by_code, code_of, save_set_of
 from .replay import Replay, replay
 from .state_cost import StateTable, compile_state, state_part
@@ -196,7 +197,7 @@ class Simulator:
     :class:`~memopt_nb.core.errors.PlanError`.
     """
 
-    def __init__(self, profile: Any, device: DeviceSpec | str | None = None) -> None:
+    def __init__(self, profile: ProfileLike, device: DeviceSpec | str | None = None) -> None:
         self.profile = profile
         self.device = DeviceSpec.resolve(device, profile.device)
         self.factor = self.device.time_factor(profile.device)
@@ -600,7 +601,7 @@ def simulate_reference(sim: Simulator | Any, strategies: Sequence[Any], windows:
             "prefetched": rep.bytes_prefetched, "rows": rep.rows, "copies": rep.copies}
 
 
-def simulate(profile: Any, plan: Plan, device: DeviceSpec | str | None = None,
+def simulate(profile: ProfileLike, plan: Plan, device: DeviceSpec | str | None = None,
              budget: int | None = None) -> SimResult:
     """Predict peak memory, step time and a timeline of one training step of ``profile`` under ``plan``.
 

@@ -157,6 +157,7 @@ def compile_state(sim: Any) -> StateTable:
                       plain_step_peak=plain, time=tcost, chunked_step_extra=extra, allowed=allowed,
                       step_segment=ss)
 
+
 def _state_seconds(sim: Any, u: int, o: str, g: str, p: str, P: int, G: int, Ost: int, nP: int, nG: int, nO: int,
                    step_t: list[float]) -> float:
     """Seconds unit ``u``'s placement adds: its copies, less what hides behind the compute beside them."""
@@ -197,7 +198,9 @@ def _state_seconds(sim: Any, u: int, o: str, g: str, p: str, P: int, G: int, Ost
             t += cost(0, nP, "h2d") + hidden(P, "h2d", step_t[u])
     return float(t)
 
-def state_part(sim: Any, states: np.ndarray | None, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+
+def state_part(sim: Any, states: np.ndarray | None, B: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For ``(B, n)`` choice indices: per plan the segment deltas ``(B, S)``, the step peak, the added seconds and
     whether the plan moves anything."""
     n, S = sim.n, sim.S
