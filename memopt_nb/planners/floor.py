@@ -219,7 +219,7 @@ def _stream_held(up: Any, with_grads: bool, with_peak: bool = True) -> tuple[int
 def _state_off(up: Any, u: int, n: int, choice: tuple[str, str, str], sim: Simulator, k: int,
                step_point: bool) -> tuple[int, int, int]:
     """(parameters, optimizer state, gradients) of unit ``u`` that its placement keeps off the device at segment ``k``
-    (or, ``step_point``, at point ``k`` of the unit-by-unit step), by :class:`~memopt_nb.sim.simulator.StateTable`'s
+    (or, ``step_point``, at point ``k`` of the unit-by-unit step), by :class:`~memopt_nb.sim.state_cost.StateTable`'s
     rules; gradients not yet made count as on the device here (the caller counts only those made). Streamed optimizer
     state is off like offloaded state, except in the step: the point before the unit's has its first parameter's
     state, the unit's own point the state and gradient of the parameter its stream peaks at (the rest of that peak is
