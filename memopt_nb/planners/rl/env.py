@@ -364,63 +364,7 @@ class MemoryPlanningEnv(ParallelEnv):
         got = self._cache.get(u)
         if got is not None:
             return got
-        task = self.task
-        n, C, S = task.n, task.C, task.S
-        K, T = task.n_strategies, len(TIMINGS)
-        unit = self._unit_features(u)
-        choice, ok_s, costs = [], [], []
-        # per timed strategy (keyed by its code): its most frugal allowed timing, what the timing agent sees
-        timed_cost, pend_min, t_cost, t_unit = {}, {}, {}, {}
-        for a, (code, o) in enumerate(zip(task.action_codes.tolist(), task.action_option.tolist(), strict=True)):
-            if o >= 0:  # an untimed action: its one option
-                choice.append(task.marg_peak[u, o])
-                ok_s.append(bool(task.option_ok[u, o]))
-                costs.append(task.marg_time[u, o])
-                continue
-            b = task.timed_base[code]
-            opts = np.flatnonzero(task.option_ok[u, b:b + T])
-            frugal_c = task.marg_peak[u, b + opts].min(axis=0) if opts.size else None
-            choice.append(frugal_c if opts.size else np.zeros(S))
-            ok_s.append(bool(opts.size))
-            default = task.marg_time[u, b + DEFAULT_TIMING]
-            costs.append(default)
-            timed_cost[code] = task.marg_time[u, b + opts].min() if opts.size else None
-            pend_min[code] = frugal_c
-            t_cost[code] = (task.marg_time[u, b:b + T] - default) / self._t_unit
-            t_unit[code] = np.concatenate([unit, np.eye(K)[a]])
-        choice = np.stack(choice)
-        ok_s = np.array(ok_s)
-        costs = np.array(costs)
-        cost_per = {}  # per whether a unit before moved state: (K, C) time of each action, relative
-        for before in (False, True):
-            moved = before | (np.arange(C) > 0)
-            st_cost = task.st_time[u] + np.where(moved & ~before, task.chunk_extra, 0.0)
-            cost_per[before] = (costs[:, None] + st_cost[None]) / self._t_unit
-        if self._states:
-            saving = max(float(-task.st_seg[u, j].min()) for j in range(C) if task.state_ok[u, j])
-            times = [float(task.st_time[u, j]) for j in range(1, C) if task.state_ok[u, j]]
-            unit_s = np.concatenate([unit, [saving / self._b_unit, min(times, default=0.0) / self._t_unit]])
-        else:
-            unit_s = unit
-        # the timing agent's frugal strategy assumption: per action o * C + j, its segments and step points
-        frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(K) for j in range(C)])
-        frugal_step = np.array([task.st_step[u, j] for o in range(K) for j in range(C)]).reshape(K * C, task.K)
-        k = int(self._pos[u])
-        look = [int(v) for v in self.order[k + 1:k + 1 + self.lookahead]]  # the next units this episode decides
-        look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
-                                 task.profile.units[v].interior_bytes / self._b_unit,
-                                 task.marg_time[v, RECOMPUTE] / self._t_unit,
-                                 task.marg_time[v, task.timed_base[SWAP] + DEFAULT_TIMING] / self._t_unit]
-                                for v in look]).reshape(-1, 5)
-        got = {
-            "choice": choice, "ok": (ok_s[:, None] & task.state_ok[u][None]).ravel(), "cost_per": cost_per,
-            "unit": unit, "unit_s": unit_s, "frugal": frugal, "frugal_step": frugal_step,
-            "timed_cost": timed_cost, "pend_min": pend_min, "t_cost": t_cost, "t_unit": t_unit,
-            "look": np.array(look, dtype=np.int64), "look_static": look_static,
-            "look_moved": np.array([bool(task.state_ok[v, 1:].any()) for v in look], dtype=bool),
-            "load_den": max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12),
-        }
-        self._cache[u] = got
+        got = self._cache[u] = _static_features(self, u)
         return got
 
     @staticmethod
@@ -472,6 +416,68 @@ class MemoryPlanningEnv(ParallelEnv):
 # ---------------------------------------------------------------------- observations
 # After the last decision (_observe_end); before it, MemoryPlanningEnv._observe_many in its parts: what the copies
 # share at this step (_step_context), then each agent's part.
+def _static_features(env: MemoryPlanningEnv, u: int) -> dict[str, Any]:
+    """What the observations of unit ``u`` need that no decision changes (:meth:`MemoryPlanningEnv._static` keeps
+    it)."""
+    task = env.task
+    n, C, S = task.n, task.C, task.S
+    K, T = task.n_strategies, len(TIMINGS)
+    unit = env._unit_features(u)
+    choice, ok_s, costs = [], [], []
+    # per timed strategy (keyed by its code): its most frugal allowed timing, what the timing agent sees
+    timed_cost, pend_min, t_cost, t_unit = {}, {}, {}, {}
+    for a, (code, o) in enumerate(zip(task.action_codes.tolist(), task.action_option.tolist(), strict=True)):
+        if o >= 0:  # an untimed action: its one option
+            choice.append(task.marg_peak[u, o])
+            ok_s.append(bool(task.option_ok[u, o]))
+            costs.append(task.marg_time[u, o])
+            continue
+        b = task.timed_base[code]
+        opts = np.flatnonzero(task.option_ok[u, b:b + T])
+        frugal_c = task.marg_peak[u, b + opts].min(axis=0) if opts.size else None
+        choice.append(frugal_c if opts.size else np.zeros(S))
+        ok_s.append(bool(opts.size))
+        default = task.marg_time[u, b + DEFAULT_TIMING]
+        costs.append(default)
+        timed_cost[code] = task.marg_time[u, b + opts].min() if opts.size else None
+        pend_min[code] = frugal_c
+        t_cost[code] = (task.marg_time[u, b:b + T] - default) / env._t_unit
+        t_unit[code] = np.concatenate([unit, np.eye(K)[a]])
+    choice = np.stack(choice)
+    ok_s = np.array(ok_s)
+    costs = np.array(costs)
+    cost_per = {}  # per whether a unit before moved state: (K, C) time of each action, relative
+    for before in (False, True):
+        moved = before | (np.arange(C) > 0)
+        st_cost = task.st_time[u] + np.where(moved & ~before, task.chunk_extra, 0.0)
+        cost_per[before] = (costs[:, None] + st_cost[None]) / env._t_unit
+    if env._states:
+        saving = max(float(-task.st_seg[u, j].min()) for j in range(C) if task.state_ok[u, j])
+        times = [float(task.st_time[u, j]) for j in range(1, C) if task.state_ok[u, j]]
+        unit_s = np.concatenate([unit, [saving / env._b_unit, min(times, default=0.0) / env._t_unit]])
+    else:
+        unit_s = unit
+    # the timing agent's frugal strategy assumption: per action o * C + j, its segments and step points
+    frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(K) for j in range(C)])
+    frugal_step = np.array([task.st_step[u, j] for o in range(K) for j in range(C)]).reshape(K * C, task.K)
+    k = int(env._pos[u])
+    look = [int(v) for v in env.order[k + 1:k + 1 + env.lookahead]]  # the next units this episode decides
+    look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / env._t_unit,
+                             task.profile.units[v].interior_bytes / env._b_unit,
+                             task.marg_time[v, RECOMPUTE] / env._t_unit,
+                             task.marg_time[v, task.timed_base[SWAP] + DEFAULT_TIMING] / env._t_unit]
+                            for v in look]).reshape(-1, 5)
+    got = {
+        "choice": choice, "ok": (ok_s[:, None] & task.state_ok[u][None]).ravel(), "cost_per": cost_per,
+        "unit": unit, "unit_s": unit_s, "frugal": frugal, "frugal_step": frugal_step,
+        "timed_cost": timed_cost, "pend_min": pend_min, "t_cost": t_cost, "t_unit": t_unit,
+        "look": np.array(look, dtype=np.int64), "look_static": look_static,
+        "look_moved": np.array([bool(task.state_ok[v, 1:].any()) for v in look], dtype=bool),
+        "load_den": max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12),
+    }
+    return got
+
+
 def _observe_end(env: MemoryPlanningEnv) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """After the last unit's decision: the strategy agent may only keep (its action is ignored), the timing agent
     times the last decided unit if it is a timed one, with every unit's decision known."""
