@@ -65,9 +65,37 @@ def merge_units(profile: ModelProfile, blocks: Iterable[str]) -> ModelProfile:
     spans = _spans(profile, blocks)
     if not spans:
         return ModelProfile.from_dict(profile.to_dict())._adopt(profile)
-    units, segs = profile.units, profile.segments
-    n = len(units)
-    # units: old index -> new index; each new unit's old indices
+    units = profile.units
+    new_of, members = _members(len(units), spans)
+    seg_new, inside, new_segs = _merged_segments(profile, spans, new_of)
+    groups = _merged_groups(profile, spans, new_of, seg_new, inside, len(new_segs))
+    new_units: list[UnitProfile] = []
+    fingerprint: list[dict[str, Any]] = []
+    for i, (block, old) in enumerate(members):
+        if block is None:
+            src = units[old[0]]
+            new_units.append(dataclasses.replace(
+                copy.deepcopy(src), index=i, fwd_segment=seg_new[src.fwd_segment],
+                bwd_segment=seg_new[src.bwd_segment]))
+            fingerprint.append(copy.deepcopy(profile.fingerprint[old[0]]))
+            continue
+        new_units.append(_merged_unit(profile, block, old, i, seg_new, groups))
+        fp = copy.deepcopy(profile.merges[block]["fingerprint"])
+        reason = next((units[k].not_recomputable_reason for k in old if units[k].not_recomputable_reason), "")
+        if reason:
+            fp["not_recomputable"] = reason
+        fingerprint.append(fp)
+    meta, merges = _merged_meta(profile, [b for _, _, b in spans], new_of)
+    out = dataclasses.replace(
+        profile, units=new_units, segments=new_segs, groups=groups, fingerprint=tuple(fingerprint), meta=meta,
+        merges=merges, step_segment=seg_new.get(profile.step_segment, -1) if profile.step_segment >= 0 else -1,
+        excluded=copy.deepcopy(profile.excluded), device=profile.device,
+        heads={})  # the head options' segments are the fine units' (profile_for chunks the head before merging)
+    return out._adopt(profile)
+
+
+def _members(n: int, spans: list[tuple[int, int, str]]) -> tuple[dict[int, int], list[tuple[str | None, list[int]]]]:
+    """Units: old index -> new index, and each new unit's block (``None``: a unit kept as it was) and old indices."""
     new_of: dict[int, int] = {}
     members: list[tuple[str | None, list[int]]] = []
     starts = {s[0]: s for s in spans}
@@ -83,13 +111,20 @@ def merge_units(profile: ModelProfile, blocks: Iterable[str]) -> ModelProfile:
             new_of[u] = len(members)
             members.append((None, [u]))
             u += 1
-    # segments: each block's forward and backward become one segment
+    return new_of, members
+
+
+def _merged_segments(profile: ModelProfile, spans: list[tuple[int, int, str]], new_of: Mapping[int, int]
+                     ) -> tuple[dict[int, int], set[int], list[Segment]]:
+    """Segments: each block's forward and backward become one segment. Old segment -> new one, the old boundaries
+    strictly inside a merged stretch, and the new segments."""
+    units, segs = profile.units, profile.segments
     ranges: dict[int, int] = {}  # first old segment of a merged stretch -> its last
     for first, last, _ in spans:
         ranges[units[first].fwd_segment] = units[last].fwd_segment
         ranges[units[last].bwd_segment] = units[first].bwd_segment
     seg_new: dict[int, int] = {}
-    inside: set[int] = set()  # old boundaries strictly inside a merged stretch
+    inside: set[int] = set()
     new_segs: list[Segment] = []
     k = 0
     while k < len(segs):
@@ -105,12 +140,19 @@ def merge_units(profile: ModelProfile, blocks: Iterable[str]) -> ModelProfile:
         new_segs.append(Segment(s0.kind, unit, label, sum(s.time for s in part), s0.start_level,
                                 max(s.start_level + s.rel_peak for s in part) - s0.start_level))
         k = end + 1
+    return seg_new, inside, new_segs
+
+
+def _merged_groups(profile: ModelProfile, spans: list[tuple[int, int, str]], new_of: Mapping[int, int],
+                   seg_new: Mapping[int, int], inside: set[int], n_new_segs: int) -> list[StorageGroup]:
+    """The storage groups in the merged units' terms: a block's own code's storages become its own."""
+    units, segs = profile.units, profile.segments
 
     def bnd(b: int | None) -> int | None:
         if b is None:
             return None
         if b >= len(segs):
-            return len(new_segs) + (b - len(segs))
+            return n_new_segs + (b - len(segs))
         return seg_new[b] + 1 if b in inside else seg_new[b]
 
     def seg(k: int | None) -> int | None:
@@ -138,23 +180,13 @@ def merge_units(profile: ModelProfile, blocks: Iterable[str]) -> ModelProfile:
             consumers=tuple(sorted(consumers)), outside_saver=outside, free_pos=bnd(g.free_pos),
             outside_release=seg(release), release_pos=bnd(g.release_pos), death_seg=seg(g.death_seg),
             late_bytes=g.late_bytes, made_pos=bnd(g.made_pos) if producer == -1 else None))
-    new_units: list[UnitProfile] = []
-    fingerprint: list[dict[str, Any]] = []
-    for i, (block, old) in enumerate(members):
-        if block is None:
-            src = units[old[0]]
-            new_units.append(dataclasses.replace(
-                copy.deepcopy(src), index=i, fwd_segment=seg_new[src.fwd_segment],
-                bwd_segment=seg_new[src.bwd_segment]))
-            fingerprint.append(copy.deepcopy(profile.fingerprint[old[0]]))
-            continue
-        new_units.append(_merged_unit(profile, block, old, i, seg_new, groups))
-        fp = copy.deepcopy(profile.merges[block]["fingerprint"])
-        reason = next((units[k].not_recomputable_reason for k in old if units[k].not_recomputable_reason), "")
-        if reason:
-            fp["not_recomputable"] = reason
-        fingerprint.append(fp)
-    merged_names = [b for _, _, b in spans]
+    return groups
+
+
+def _merged_meta(profile: ModelProfile, merged_names: list[str], new_of: Mapping[int, int]
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The merged profile's meta (what is merged, what is split, the modules holding units) and its merges (those
+    not inside a merged block, renumbered)."""
 
     def within(name: str) -> bool:  # a merged block, or a module inside one
         return any(name == b or name.startswith(b + ".") for b in merged_names)
@@ -175,12 +207,7 @@ def merge_units(profile: ModelProfile, blocks: Iterable[str]) -> ModelProfile:
         m = copy.deepcopy(m)
         m["units"] = [new_of[m["units"][0]], new_of[m["units"][1]]]
         merges[name] = m
-    out = dataclasses.replace(
-        profile, units=new_units, segments=new_segs, groups=groups, fingerprint=tuple(fingerprint), meta=meta,
-        merges=merges, step_segment=seg_new.get(profile.step_segment, -1) if profile.step_segment >= 0 else -1,
-        excluded=copy.deepcopy(profile.excluded), device=profile.device,
-        heads={})  # the head options' segments are the fine units' (profile_for chunks the head before merging)
-    return out._adopt(profile)
+    return meta, merges
 
 
 def _merged_unit(profile: ModelProfile, block: str, old: list[int], index: int, seg_new: Mapping[int, int],

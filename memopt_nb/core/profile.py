@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.nn as nn
 
@@ -25,8 +25,8 @@ from .budget import format_bytes
 from .device import DeviceSpec
 from .errors import ProfileError
 
-__all__ = ["ModelProfile", "PROFILE_FORMAT", "PROFILE_SCHEMA", "Segment", "StorageGroup", "UnitProfile",
-           "set_html_renderer"]
+__all__ = ["ModelProfile", "PROFILE_FORMAT", "PROFILE_SCHEMA", "ProfileLike", "Segment", "StorageGroup",
+           "UnitProfile", "set_html_renderer"]
 
 PROFILE_FORMAT = "memopt_nb.profile"
 PROFILE_SCHEMA = 2  # 2: per-unit state bytes and the unit-by-unit optimizer step (schema 1 loads with zeros)
@@ -344,6 +344,22 @@ class ModelProfile:
 #: Draws a profile as HTML in a notebook; the package installs :func:`memopt_nb.notebook.profile_html.profile_html`
 #: (the data types cannot import the planners the table quotes, so the drawing is handed in from above).
 _html_renderer: Callable[[ModelProfile, str], str] | None = None
+
+
+class ProfileLike(Protocol):
+    """What the simulator, the planners and the harness read of a profile: a :class:`ModelProfile`, or any object with
+    these fields (a per-rank copy, a hand-made profile in a test). The fields each reader needs beyond these are
+    :class:`ModelProfile`'s, under the same names."""
+
+    units: list[UnitProfile]
+    segments: list[Segment]
+    groups: list[StorageGroup]
+    device: DeviceSpec
+    peak_bytes: int
+    meta: dict[str, Any]
+
+    @property
+    def n_units(self) -> int: ...
 
 
 def set_html_renderer(render: Callable[[ModelProfile, str], str] | None) -> None:

@@ -38,6 +38,7 @@ from ..core.budget import format_bytes, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, MemoptError, ProfileError
 from ..core.plan import Plan
+from ..core.profile import ProfileLike
 from ..core.progress import advance, stage, task
 from ..planners import BASELINES, optimal
 from ..planners.milp import min_peak
@@ -333,7 +334,7 @@ def _accum_step_time(model: torch.nn.Module, inputs: tuple[tuple, dict], loss_fn
 _RULES = ("none", "recompute_all", "sqrt_n", "swap_all", "recompute_offload_all", "op_sac") + STATE_BASELINE_METHODS
 
 
-def _plan_for(method: str, sim: Simulator, prof: Any, budget: int, device: Any, search_timesteps: int | None,
+def _plan_for(method: str, sim: Simulator, prof: ProfileLike, budget: int, device: Any, search_timesteps: int | None,
               seed: int) -> Plan | None:
     """The method's plan at this batch, or ``None`` when the method cannot make one (budget below the minimum).
 
@@ -364,7 +365,7 @@ _NOT_RUN = ", not run: above this device's memory"
 _RAN_OUT = ", ran out of memory when measured"
 
 
-def _extrapolated(prof: Any) -> bool:
+def _extrapolated(prof: ProfileLike) -> bool:
     return prof.meta.get("method") == "extrapolated"
 
 
@@ -407,6 +408,104 @@ def _profiles(bp: BatchProfiles, batches: Sequence[int], name: str,
 
 
 @task("evaluate")
+class _OneModel:
+    """``built_at(b)``: ``(model, (args, kwargs), loss_fn, optimizer)`` at batch ``b``, for measuring steps there: the
+    builder's, one batch at a time (the device holds one model, as in training)."""
+
+    def __init__(self, bp: BatchProfiles) -> None:
+        self.bp = bp
+        self.built: dict[int, Any] = {}
+
+    def __call__(self, b: int) -> Any:
+        if b not in self.built:
+            self.built.clear()
+            gc.collect()
+            model, args, kwargs, loss_fn, opt = self.bp.make(b)
+            self.built[b] = (model, (args, kwargs), loss_fn, opt)
+        return self.built[b]
+
+
+def _checked_sizes(methods: Sequence[str], batch_sizes: Sequence[int] | None, ref: int) -> list[int]:
+    """The batch sizes to evaluate (default: powers of two around ``ref``); :class:`MemoptError` for an unknown method
+    or a batch size below 1."""
+    for m in methods:
+        if m not in KNOWN_METHODS:
+            raise MemoptError(f"unknown method {m!r}; choose from {', '.join(KNOWN_METHODS)}")
+    sizes = sorted(set(int(b) for b in (batch_sizes or [max(1, ref // 4), max(1, ref // 2), ref, 2 * ref, 4 * ref])))
+    if any(b < 1 for b in sizes):
+        raise MemoptError(f"batch sizes must be positive, got {sizes}")
+    return sizes
+
+
+def _figures(plan: Plan | None, method: str, b: int, prof: ProfileLike, simulated: bool, here: int | None,
+             built_at: Callable, steps: int, autocast: Any, say: Callable[[str], None]) -> tuple[Any, Any, str, bool]:
+    """A method's peak, step time, their source and whether it fits this device, at batch ``b``: predicted, or
+    (not ``simulated``) measured where the prediction fits this device's memory ``here`` (``None``: unknown)."""
+    peak = step = None
+    src = _SIMULATED_EXTRAPOLATED if _extrapolated(prof) else "simulated"
+    fits_here = True
+    if plan is None:
+        return peak, step, src, fits_here
+    peak, step = plan.predicted_peak_bytes, plan.predicted_step_time
+    if not simulated and here is not None and peak is not None and peak > here:
+        # it would run out of this device's memory: predicted, not run
+        fits_here = False
+        src += _NOT_RUN
+    elif not simulated:
+        # measured on this device, within budget or not: the points outside it still feed the fits
+        say(f"measuring {method} at batch {b}")
+        model, inputs, loss_fn, opt = built_at(b)
+        try:
+            m = measure(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt,
+                        plan=plan, steps=steps, autocast=autocast)
+            peak, step, src = m.peak_bytes, m.step_time, "measured"
+        except torch.OutOfMemoryError:  # above its prediction: the predicted figures, labelled so
+            fits_here = False
+            src += _RAN_OUT
+    return peak, step, src, fits_here
+
+
+def _add_point(res: MethodResult, b: int, plan: Plan | None, budget: int, peak: Any, step: Any, src: str,
+               fits_here: bool) -> None:
+    """One batch's figures appended to a method's result (feasible: its peak known, within the budget, and fitting
+    this device)."""
+    ok = peak is not None and peak <= budget and fits_here
+    res.feasible.append(bool(ok))
+    res.peak_bytes.append(int(peak) if peak is not None else None)
+    res.step_time.append(step)
+    res.throughput.append(b / step if step else None)
+    res.source.append(src)
+    res.plans.append(plan)
+    advance()
+
+
+def _fit_all(results: dict[str, MethodResult]) -> list[str]:
+    """Each method's memory and latency fits and its p-score against plain training; a note per poor fit."""
+    warn: list[str] = []
+    for r in results.values():
+        pts = [(b, p) for b, p in zip(r.batch_sizes, r.peak_bytes) if p is not None]
+        if r.method != "grad_accum":
+            r.fit.update(fit_memory(*zip(*pts)) if len(pts) >= 2 else {})
+        lat = [(b, t) for b, t in zip(r.batch_sizes, r.step_time) if t is not None]
+        r.fit.update(fit_latency(*zip(*lat)) if len(lat) >= 2 else {})
+        # a method that plans for the budget (capuchin, optimal, memopt-ppo) picks its peak at each batch to fit the
+        # budget: memory(b) = α·b + β is not its model, so a poor memory fit says nothing to read with care
+        keys = ("r2_memory", "r2_latency") if r.method in _RULES else ("r2_latency",)
+        for key in keys:
+            if key in r.fit and r.fit[key] < 0.9:
+                warn.append(f"{r.method}: {key.replace('_', ' of ')} fit is {r.fit[key]:.2f} (< 0.9); read its "
+                            f"fitted model with care")
+    base = results.get("none")
+    if base is not None and base.fit:
+        for r in results.values():
+            if r is base or r.method == "grad_accum" or "k" not in r.fit or "alpha" not in r.fit:
+                continue
+            dk = r.fit["k"] - base.fit.get("k", 0.0)
+            da = base.fit.get("alpha", 0.0) - r.fit.get("alpha", 0.0)
+            r.p_score = (da / dk) if dk > 0 else (math.inf if da > 0 else None)
+    return warn
+
+
 def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budget: Any = None,
              methods: Sequence[str] = DEFAULT_METHODS, batch_sizes: Sequence[int] | None = None, *,
              reference_batch: int | None = None, search_timesteps: int | None = None, seed: int = 0,
@@ -437,38 +536,20 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
     Returns an :class:`Evaluation` whose ``verdict`` says whether any plan pays off against plain training at its own
     largest batch and against plain training with gradient accumulation.
 
-    Long by design: the evaluation protocol's steps in order, per method and batch.
+    The evaluation protocol's steps in order, per method and batch (a point's figures: :func:`_figures`; the fits:
+    :func:`_fit_all`).
     """
     t_start = time.perf_counter()
     say = progress or (lambda msg: None)
     builder, name, default_batch = _builder_for(model_or_builder)
-    for m in methods:
-        if m not in KNOWN_METHODS:
-            raise MemoptError(f"unknown method {m!r}; choose from {', '.join(KNOWN_METHODS)}")
     ref = reference_batch or default_batch or 8
-    sizes = sorted(set(int(b) for b in (batch_sizes or [max(1, ref // 4), max(1, ref // 2), ref, 2 * ref, 4 * ref])))
-    if any(b < 1 for b in sizes):
-        raise MemoptError(f"batch sizes must be positive, got {sizes}")
+    sizes = _checked_sizes(methods, batch_sizes, ref)
     simulated = device is not None
     spec = None if device is None else (device if isinstance(device, DeviceSpec) else DeviceSpec.preset(device))
     extra = {"selective": True} if "op_sac" in methods else {}  # op_sac needs the save-sets
     bp = BatchProfiles(builder, repeats=steps, autocast=autocast, options=extra)
     profiles, here = _profiles(bp, sorted(set(sizes) | {ref}), name, say)
-    built: dict[int, Any] = {}
-
-    def prof_at(b: int) -> Any:
-        return profiles[b]
-
-    def built_at(b: int) -> Any:
-        """``(model, (args, kwargs), loss_fn, optimizer)`` at batch ``b``, for measuring steps there: the builder's,
-        one batch at a time (the device holds one model, as in training)."""
-        if b not in built:
-            built.clear()
-            gc.collect()
-            model, args, kwargs, loss_fn, opt = bp.make(b)
-            built[b] = (model, (args, kwargs), loss_fn, opt)
-        return built[b]
-
+    prof_at, built_at = profiles.__getitem__, _OneModel(bp)
     ref_prof = prof_at(ref)
     value = resolve_budget(budget if budget is not None else "50%", reference=ref_prof.peak_bytes)
     results = {m: MethodResult(m, list(sizes), [], [], [], [], []) for m in methods if m != "grad_accum"}
@@ -478,60 +559,13 @@ def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budg
         sim = Simulator(prof, spec)
         for method, res in results.items():
             plan = _plan_for(method, sim, prof, value, spec, search_timesteps, seed)
-            peak = step = None
-            src = _SIMULATED_EXTRAPOLATED if _extrapolated(prof) else "simulated"
-            fits_here = True
-            if plan is not None:
-                peak, step = plan.predicted_peak_bytes, plan.predicted_step_time
-                if not simulated and here is not None and peak is not None and peak > here:
-                    # it would run out of this device's memory: predicted, not run
-                    fits_here = False
-                    src += _NOT_RUN
-                elif not simulated:
-                    # measured on this device, within budget or not: the points outside it still feed the fits
-                    say(f"measuring {method} at batch {b}")
-                    model, inputs, loss_fn, opt = built_at(b)
-                    try:
-                        m = measure(model, *inputs[0], model_kwargs=inputs[1], loss_fn=loss_fn, optimizer=opt,
-                                    plan=plan, steps=steps, autocast=autocast)
-                        peak, step, src = m.peak_bytes, m.step_time, "measured"
-                    except torch.OutOfMemoryError:  # above its prediction: the predicted figures, labelled so
-                        fits_here = False
-                        src += _RAN_OUT
-            ok = peak is not None and peak <= value and fits_here
-            res.feasible.append(bool(ok))
-            res.peak_bytes.append(int(peak) if peak is not None else None)
-            res.step_time.append(step)
-            res.throughput.append(b / step if step else None)
-            res.source.append(src)
-            res.plans.append(plan)
-            advance()
+            _add_point(res, b, plan, value,
+                       *_figures(plan, method, b, prof, simulated, here, built_at, steps, autocast, say))
     plain_max = results["none"].max_batch if "none" in results else None
     if "grad_accum" in methods:
         results["grad_accum"] = _grad_accum(results.get("none"), sizes, built_at, prof_at, value, spec, steps, say,
                                             autocast)
-    warn: list[str] = []
-    for r in results.values():
-        pts = [(b, p) for b, p in zip(r.batch_sizes, r.peak_bytes) if p is not None]
-        if r.method != "grad_accum":
-            r.fit.update(fit_memory(*zip(*pts)) if len(pts) >= 2 else {})
-        lat = [(b, t) for b, t in zip(r.batch_sizes, r.step_time) if t is not None]
-        r.fit.update(fit_latency(*zip(*lat)) if len(lat) >= 2 else {})
-        # a method that plans for the budget (capuchin, optimal, memopt-ppo) picks its peak at each batch to fit the
-        # budget: memory(b) = α·b + β is not its model, so a poor memory fit says nothing to read with care
-        keys = ("r2_memory", "r2_latency") if r.method in _RULES else ("r2_latency",)
-        for key in keys:
-            if key in r.fit and r.fit[key] < 0.9:
-                warn.append(f"{r.method}: {key.replace('_', ' of ')} fit is {r.fit[key]:.2f} (< 0.9); read its "
-                            f"fitted model with care")
-    base = results.get("none")
-    if base is not None and base.fit:
-        for r in results.values():
-            if r is base or r.method == "grad_accum" or "k" not in r.fit or "alpha" not in r.fit:
-                continue
-            dk = r.fit["k"] - base.fit.get("k", 0.0)
-            da = base.fit.get("alpha", 0.0) - r.fit.get("alpha", 0.0)
-            r.p_score = (da / dk) if dk > 0 else (math.inf if da > 0 else None)
+    warn = _fit_all(results)
     floor = {b: int(min_peak(Simulator(prof_at(b), spec))) for b in sizes}
     verdict, worth, best = _verdict(results, plain_max)
     # poor fits are part of the result, shown with it (Evaluation.fit_note, the HTML table's R² columns), not a

@@ -37,7 +37,7 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
     """A random ``n``-unit chain profile; ``spread`` scales how much units differ from each other; ``state_bytes``
     (mean parameter bytes per unit, 0: none) gives units parameters, gradients and optimizer state.
 
-    Long by design: it fills a profile field by field, as the profiler would.
+    It fills a profile field by field, as the profiler would (the segments' layout and the units in helpers).
     """
     rng = np.random.default_rng(seed)
     dev = device or DeviceSpec(name="synthetic-gpu", kind="preset", capacity_bytes=16 * 2**30,
@@ -51,31 +51,7 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
     shared = rng.random(n) < shared_boundaries
     transient_f = (interior * (0.2 + 0.3 * rng.random(n))).astype(np.int64)
     transient_b = (interior * (0.3 + 0.3 * rng.random(n))).astype(np.int64)
-    # segment layout: pre, then (fwd u, gap) per unit, head, loss, then bwd per unit (descending), tail
-    kinds, units, labels, times = ["other"], [-1], ["to fwd_start 0"], [1e-4]
-    fwd_seg, bwd_seg = {}, {}
-    for u in range(n):
-        fwd_seg[u] = len(kinds)
-        kinds += ["fwd", "other"]
-        units += [u, -1]
-        labels += [f"fwd {u}", f"to fwd_start {u + 1}" if u + 1 < n else "to forward_end"]
-        times += [float(fwd[u]), 0.0]
-    head = len(kinds) - 1
-    times[head] = 3e-4
-    kinds += ["other", "other"]
-    units += [-1, -1]
-    labels += ["to loss_end", f"to bwd_start {n - 1}"]
-    times += [5e-5, 5e-4]
-    for u in range(n - 1, -1, -1):
-        bwd_seg[u] = len(kinds)
-        kinds.append("bwd")
-        units.append(u)
-        labels.append(f"bwd {u}")
-        times.append(float(bwd[u]))
-    kinds.append("other")
-    units.append(-1)
-    labels.append("to step_end")
-    times.append(1e-3)
+    kinds, units, labels, times, fwd_seg, bwd_seg = _chain_layout(n, fwd, bwd)
     S = len(kinds)
     groups: list[StorageGroup] = []
     for u in range(n):
@@ -115,6 +91,55 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
         else:
             rel = 0.0
         seg_list.append(Segment(kinds[k], u, labels[k], float(times[k]), int(level[k]), int(rel)))
+    unit_list = _chain_units(n, dev, fwd, bwd, interior, boundary, transient_f, transient_b, pb, step_t, fwd_seg,
+                             bwd_seg)
+    peak = int(max(s.start_level + s.rel_peak for s in seg_list))
+    return ModelProfile(
+        units=unit_list, segments=seg_list, groups=groups, device=dev, peak_bytes=peak, step_time=float(sum(times)),
+        start_level=int(level[0]), param_bytes=static_bytes // 4 + int(pb.sum()),
+        grad_bytes=static_bytes // 4 + int(pb.sum()), optimizer_state_bytes=static_bytes // 2 + int(2 * pb.sum()),
+        buffer_bytes=0, input_bytes=0, unattributed_bytes=0, batch_size=None,
+        fingerprint=tuple({"name": f"blocks.{u}", "type": "SyntheticBlock", "param_shapes": []} for u in range(n)),
+        meta={"model_class": f"SyntheticChain{n}", "synthetic_seed": seed}, step_segment=step_seg,
+        outside_step_time=1e-4 if state_bytes > 0 else 0.0,
+    )
+
+
+def _chain_layout(n: int, fwd: np.ndarray, bwd: np.ndarray
+                  ) -> tuple[list[str], list[int], list[str], list[float], dict[int, int], dict[int, int]]:
+    """The chain's segments (kinds, units, labels, seconds) and each unit's forward and backward segment."""
+    # segment layout: pre, then (fwd u, gap) per unit, head, loss, then bwd per unit (descending), tail
+    kinds, units, labels, times = ["other"], [-1], ["to fwd_start 0"], [1e-4]
+    fwd_seg, bwd_seg = {}, {}
+    for u in range(n):
+        fwd_seg[u] = len(kinds)
+        kinds += ["fwd", "other"]
+        units += [u, -1]
+        labels += [f"fwd {u}", f"to fwd_start {u + 1}" if u + 1 < n else "to forward_end"]
+        times += [float(fwd[u]), 0.0]
+    head = len(kinds) - 1
+    times[head] = 3e-4
+    kinds += ["other", "other"]
+    units += [-1, -1]
+    labels += ["to loss_end", f"to bwd_start {n - 1}"]
+    times += [5e-5, 5e-4]
+    for u in range(n - 1, -1, -1):
+        bwd_seg[u] = len(kinds)
+        kinds.append("bwd")
+        units.append(u)
+        labels.append(f"bwd {u}")
+        times.append(float(bwd[u]))
+    kinds.append("other")
+    units.append(-1)
+    labels.append("to step_end")
+    times.append(1e-3)
+    return kinds, units, labels, times, fwd_seg, bwd_seg
+
+
+def _chain_units(n: int, dev: DeviceSpec, fwd: np.ndarray, bwd: np.ndarray, interior: np.ndarray, boundary: np.ndarray,
+                 transient_f: np.ndarray, transient_b: np.ndarray, pb: np.ndarray, step_t: np.ndarray,
+                 fwd_seg: dict[int, int], bwd_seg: dict[int, int]) -> list[UnitProfile]:
+    """The chain's units, from the drawn sizes and times."""
     unit_list = []
     for u in range(n):
         unit_list.append(UnitProfile(
@@ -128,16 +153,7 @@ def chain_profile(n: int, seed: int = 0, *, shared_boundaries: float = 0.3, devi
             grad_storages=2 if pb[u] else 0, optimizer_storages=4 if pb[u] else 0, step_time=float(step_t[u]),
             step_rel_peak=int(pb[u] // 2), params_offloadable=bool(pb[u]), param_steps=_param_steps(int(pb[u]))))
         unit_list[-1].param_bytes = int(pb[u])
-    peak = int(max(s.start_level + s.rel_peak for s in seg_list))
-    return ModelProfile(
-        units=unit_list, segments=seg_list, groups=groups, device=dev, peak_bytes=peak, step_time=float(sum(times)),
-        start_level=int(level[0]), param_bytes=static_bytes // 4 + int(pb.sum()),
-        grad_bytes=static_bytes // 4 + int(pb.sum()), optimizer_state_bytes=static_bytes // 2 + int(2 * pb.sum()),
-        buffer_bytes=0, input_bytes=0, unattributed_bytes=0, batch_size=None,
-        fingerprint=tuple({"name": f"blocks.{u}", "type": "SyntheticBlock", "param_shapes": []} for u in range(n)),
-        meta={"model_class": f"SyntheticChain{n}", "synthetic_seed": seed}, step_segment=step_seg,
-        outside_step_time=1e-4 if state_bytes > 0 else 0.0,
-    )
+    return unit_list
 
 
 def with_save_sets(prof: ModelProfile, seed: int = 0, offered: float = 0.8, pareto: float = 0.8) -> ModelProfile:

@@ -35,32 +35,43 @@ from __future__ import annotations
 
 import base64
 import difflib
-import keyword
-import re
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from IPython.core import magic_arguments as ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.utils.process import arg_split
 
-from ..core.budget import MIN_TYPED_BYTES, check_typed_budget, format_bytes, is_share, resolve_budget
+from ..core.budget import check_typed_budget, format_bytes, is_share, resolve_budget
 from ..core.device import DeviceSpec
-from ..core.errors import BudgetError, MemoptError, PlanError
-from ..core.plan import DEFAULT_STRATEGIES, STATE_PIECES, STRATEGIES, Plan
+from ..core.errors import BudgetError, MemoptError
+from ..core.plan import DEFAULT_STRATEGIES, Plan
 from ..core.profile import ModelProfile
 from ..harness.compare import Comparison, compare
 from ..harness.maxbatch import NO_OPTIMIZER, MaxBatch, max_batch, optimizer_maker
 from ..planners.checks import default_budget
 from ..planners.depths import search_depths
 from ..planners.floor import estimate_batch, explain_floor
-from ..planners.options import allowed_strategies
 from ..planners.rl.search import search
 from ..profiling.profile import profile as profile_model
 from .dashboard import SearchDashboard, in_notebook, timesteps_from_env
+from .magic_args import (
+    DEFAULT_FIT_NAME,
+    DEFAULT_PLAN_NAME,
+    _article,
+    _check_output_name,
+    _optimizer_classes,
+    _parse_offload_state,
+    _parse_patience,
+    _parse_strategies,
+    _parse_units,
+    _strip_semicolon,
+    _unquote,
+    parse_magic_line,
+    plan_arguments,
+    profile_arguments,
+)
 from .plots import figure_png, unit_chart
 
 try:
@@ -71,10 +82,6 @@ except ImportError:  # pragma: no cover - IPython < 8.13
 
 __all__ = ["DEFAULT_PLAN_NAME", "MemoptMagics", "load_ipython_extension", "unload_ipython_extension"]
 
-#: Where ``%memopt_plan`` stores its plan in the notebook's namespace when ``-o`` is not given.
-DEFAULT_PLAN_NAME = "plan"
-#: where ``%memopt_plan --max-batch`` stores its answer unless ``-o`` says otherwise
-DEFAULT_FIT_NAME = "fit"
 
 _LINE_MAGICS = ("memopt_profile", "memopt_plan")
 _CELL_MAGICS = ("memopt_profile",)
@@ -87,178 +94,6 @@ MAGIC_CALL = "_memopt_magic_call"
 
 
 # ====================================================================== helpers
-def _strip_semicolon(line: str) -> tuple[str, bool]:
-    """The magic's arguments without a trailing ``;`` (which silences the result), and whether there was one."""
-    stripped = line.rstrip()
-    if stripped.endswith(";"):
-        return stripped[:-1].rstrip(), True
-    return line, False
-
-
-def _unquote(text: str | None) -> str | None:
-    """IPython splits magic arguments keeping quotes (``'a b'`` stays quoted); drop one matching pair."""
-    if text is not None and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    return text
-
-
-def _article(name: str) -> str:
-    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
-
-
-_OPTION = re.compile(r"^--?[A-Za-z][A-Za-z0-9_-]*")
-_SIZE_UNITS = {"b", "kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib", "k", "m", "g", "%"}
-_NUMBER = re.compile(r"^[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?$", re.IGNORECASE)
-#: Options whose value is a size ("20MB"): a unit split from it by a space is pointed out (elsewhere ``m`` or ``b``
-#: may well be an input's name).
-_SIZE_OPTIONS = ("--budget",)
-_EXAMPLES = {"memopt_plan": "%memopt_plan prof --budget 60%", "memopt_profile": "%memopt_profile model x -o prof"}
-
-
-def parse_magic_line(func: Any, line: str) -> Any:
-    """``magic_arguments.parse_argstring`` with errors written for people rather than argparse's words.
-
-    An option the magic does not have names the closest one ("did you mean --budget?") before argparse would report
-    it as unrecognized, or report a required option as missing when it was only misspelt; a size split by a space
-    (``--budget 20 MB``) says to write ``20MB``; a missing required option names it with an example. Every error is a
-    ``UsageError`` whose first sentence says what to type.
-    """
-    parser = func.parser
-    name = parser.prog or func.__name__
-    usage = f"see %{name}? for every option"
-    known = sorted(parser._option_string_actions)
-    try:
-        tokens = arg_split(line, strict=False)
-    except ValueError:
-        tokens = line.split()
-    for tok in tokens:
-        match = _OPTION.match(tok)
-        if match is None:
-            continue
-        opt = tok.split("=", 1)[0]
-        if opt in known:
-            continue
-        longs = {k.lstrip("-"): k for k in known if k.startswith("--")}
-        starts = [k for k in longs if k.startswith(opt.lstrip("-"))] if opt.startswith("--") else []
-        close = starts if len(starts) == 1 else difflib.get_close_matches(opt.lstrip("-"), list(longs), n=1,
-                                                                          cutoff=0.6)
-        if close:  # options are never abbreviated: --los is not taken for --loss
-            raise UsageError(f"%{name}: did you mean {longs[close[0]]}? There is no option {opt} (options are "
-                             f"written in full; {usage})")
-        raise UsageError(f"%{name}: there is no option {opt}; {usage}")
-    for i, tok in enumerate(tokens):
-        if i >= 2 and tok.lower() in _SIZE_UNITS and _NUMBER.match(tokens[i - 1]) and tokens[i - 2] in _SIZE_OPTIONS:
-            raise UsageError(f"write {tokens[i - 2]} {tokens[i - 1]}{tok}, without a space between the number and "
-                             f"the unit ({tokens[i - 2]} {tokens[i - 1]} {tok} reads {tok} as another argument)")
-    try:
-        return ma.parse_argstring(func, line)
-    except UsageError as exc:
-        msg = str(exc)
-        required = re.match(r"the following arguments are required: (.*)", msg)
-        if required:
-            what = required.group(1)
-            example = _EXAMPLES.get(name, f"%{name} ...")
-            raise UsageError(f"%{name} needs {what}, e.g. {example} ({usage})") from None
-        extra = re.match(r"unrecognized arguments: (.*)", msg)
-        if extra:
-            raise UsageError(f"%{name}: did not expect {extra.group(1)}; quote an expression that contains spaces, "
-                             f"or {usage}") from None
-        bad = re.match(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.*)", msg)
-        if bad:
-            kind = "a whole number" if bad.group(2) == "int" else f"{_article(bad.group(2))} value"
-            raise UsageError(f"{bad.group(1)} {bad.group(3)}: give {kind} ({usage})") from None
-        expected = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", msg)
-        if expected:
-            raise UsageError(f"{expected.group(1)} needs a value after it ({usage})") from None
-        raise UsageError(f"%{name}: {msg} ({usage})") from None
-
-
-def _exact_options(func: Any) -> Any:
-    """Options are written in full: argparse's prefix matching (``--los`` taken for ``--loss``) is off."""
-    func.parser.allow_abbrev = False
-    return func
-
-
-def _check_output_name(name: str | None) -> None:
-    if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
-        raise UsageError(f"-o {name!r}: the output name must be a Python identifier, e.g. -o prof")
-
-
-def _optimizer_classes() -> dict[str, type]:
-    return {name.lower(): cls for name, cls in vars(torch.optim).items()
-            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
-
-
-def _parse_offload_state(text: str) -> bool | set[str]:
-    """``--offload-state``: ``all``, ``none`` or a comma-separated list of the pieces (see ``memopt.search``)."""
-    value = (_unquote(text.strip()) or "").strip().lower()
-    if value == "all":
-        return True
-    if value == "none":
-        return False
-    pieces = [p.strip() for p in value.split(",")]
-    unknown = [p for p in pieces if p not in STATE_PIECES]
-    if not value or unknown:
-        what = f"unknown {', '.join(repr(p) for p in unknown)}" if value else "empty"
-        raise UsageError(f"--offload-state {text!r}: {what}; give all (the default), none (activations only) or a "
-                         f"comma-separated list of {', '.join(STATE_PIECES)}, e.g. --offload-state optimizer,grads")
-    return set(pieces)
-
-
-def _parse_strategies(text: str) -> tuple[str, ...]:
-    """``--strategies``: a comma-separated list of the activation strategies the search may use (see
-    ``memopt.search``)."""
-    value = (_unquote(text.strip()) or "").strip()
-    try:
-        return allowed_strategies([p.strip() for p in value.split(",")] if value else [])
-    except PlanError:
-        unknown = [repr(p.strip()) for p in value.split(",") if p.strip().lower() not in STRATEGIES]
-        what = f"unknown {', '.join(unknown)}" if value else "empty"
-        raise UsageError(f"--strategies {text!r}: {what}; give a comma-separated list of {', '.join(STRATEGIES)} "
-                         f"(default: {','.join(DEFAULT_STRATEGIES)}), e.g. --strategies keep,recompute") from None
-
-
-def _parse_patience(text: str | None) -> dict[str, Any]:
-    """``--patience``: the search's ``patience=`` as keywords: a whole number of at least 1, ``none`` (every timestep
-    runs), or nothing given (the search's default)."""
-    if text is None:
-        return {}
-    value = (_unquote(text.strip()) or "").strip().lower()
-    if value == "none":
-        return {"patience": None}
-    if value.isdigit() and int(value) >= 1:
-        return {"patience": int(value)}
-    raise UsageError(f"--patience {text}: give the number of PPO iterations without a better plan after which the "
-                     "search stops, at least 1 (default 50), or none to run every timestep; e.g. --patience 20")
-
-
-def _read_budget(raw: str, reference: int | None) -> int:
-    """``--budget`` in bytes: read as the Python API reads a budget (:func:`memopt_nb.resolve_budget`; ``reference``:
-    the unoptimized peak a share is taken of), a plain number below 1024 refused (:func:`check_typed_budget`)."""
-    text = (_unquote(raw.strip()) or "").strip()
-    try:  # the one budget parser of the API: "60%" of the profiled peak, "2GiB", bytes
-        budget = resolve_budget(text, reference=reference)
-        check_typed_budget(text)
-    except MemoptError as exc:
-        raise UsageError(f"--budget {raw}: {exc}") from None
-    return budget
-
-
-def _parse_units(text: str | None) -> Any:
-    text = _unquote(text)
-    if text is None or text.strip() in ("", "auto"):
-        return "auto"
-    if text.strip() == "fine":
-        return "fine"
-    text = text.strip()
-    if text.lstrip("-").isdigit():
-        return int(text)
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names:
-        raise UsageError(f"--units {text!r}: give 'auto', 'fine', a depth (an int) or comma-separated module names")
-    return names
-
-
 def _profile_display(prof: ModelProfile) -> None:
     """How a ModelProfile displays while the extension is loaded: its table, then the per-unit chart."""
     from IPython.display import Image, display
@@ -386,38 +221,7 @@ class MemoptMagics(Magics):
                              "in a cell and pass its name") from None
 
     # ------------------------------------------------------------------ %memopt_profile
-    @_exact_options
-    @ma.magic_arguments()
-    @ma.argument("target", nargs="*", metavar="MODEL INPUT",
-                 help="the model's name, then its example inputs (names or expressions; *name unpacks a tuple, "
-                      "key=expr is a keyword input, **name unpacks a dict of them)")
-    @ma.argument("--model", help="name of the nn.Module (cell magic: default is the one module the cell defines)")
-    @ma.argument("--inputs", nargs="+", metavar="INPUT", help="example inputs (instead of positional ones)")
-    @ma.argument("--loss", metavar="EXPR", help="loss function loss_fn(output) -> scalar (default: output.sum())")
-    @ma.argument("--optimizer", metavar="NAME",
-                 help="your optimizer's variable name, or a torch.optim class (Adam, SGD, ...) built on the model")
-    @ma.argument("--units", metavar="UNITS",
-                 help="'auto' (default: the blocks of ModuleList/Sequential containers), 'fine' (those blocks split "
-                      "into their submodules where that lowers the largest unit), a depth in the module tree, or "
-                      "comma-separated module names")
-    @ma.argument("--repeats", type=int, default=3, help="timed steps; times are medians (default 3)")
-    @ma.argument("--selective", action="store_true",
-                 help="also measure each unit's save-sets for selective checkpointing (then %%memopt_plan "
-                      "--strategies may include selective)")
-    @ma.argument("--autocast", metavar="DTYPE",
-                 help="mixed precision as your loop uses it: bf16 or fp16 (forward and loss under torch.autocast, "
-                      "backward and optimizer step outside)")
-    @ma.argument("--head", choices=["chunked"],
-                 help="'chunked': also measure the LM head and its loss computed a chunk of tokens at a time (the "
-                      "logits never whole; not bit-identical: the gradients are summed in another order), which "
-                      "%%memopt_plan may then choose")
-    @ma.argument("--head-module", metavar="NAME",
-                 help="the nn.Linear to chunk (default: the model's output embeddings)")
-    @ma.argument("--keep-outputs", action="store_true",
-                 help="profile the loop that keeps the model's output through backward, as the transformers "
-                      "documentation's does (outputs = model(**batch); outputs.loss.backward())")
-    @ma.argument("-o", "--output", metavar="NAME", help="store the ModelProfile in the notebook as NAME")
-    @ma.argument("-q", "--quiet", action="store_true", help="do not display the profile")
+    @profile_arguments
     @output_can_be_silenced
     @line_cell_magic
     def memopt_profile(self, line: str, cell: str | None = None) -> Any:
@@ -488,63 +292,7 @@ class MemoptMagics(Magics):
                          "--model NAME")
 
     # ------------------------------------------------------------------ %memopt_plan
-    @_exact_options
-    @ma.magic_arguments()
-    @ma.argument("profile", metavar="PROFILE", nargs="?",
-                 help="name of a ModelProfile in the notebook (from %%memopt_profile)")
-    @ma.argument("--budget",
-                 help="memory budget: a size with its unit ('2GiB', '800MB'), a share of the unoptimized peak ('60%%', "
-                      "or a fraction below 1 such as 0.6), or a plain number of bytes of at least "
-                      f"{MIN_TYPED_BYTES} (a smaller plain number, such as 60, is refused: write 60%% or 60MiB) "
-                      "(default: what the device can still give the step, its capacity or memopt.limit_memory's "
-                      "limit less what other tensors hold there, printed first; on the emulated device outside "
-                      "limit_memory, required)")
-    @ma.argument("--max-batch", metavar="BUILDER",
-                 help="answer how big a batch fits instead: BUILDER is a function in the notebook, "
-                      "builder(batch_size) -> (model, inputs, loss_fn[, optimizer]); shows the largest batch any "
-                      "plan fits, the fastest batch, and plain training and the best classic baseline beside them "
-                      "(memopt.max_batch); stored as `fit` unless -o says otherwise")
-    @ma.argument("--optimizer", metavar="NAME",
-                 help="with --max-batch: the optimizer you train with, which the plans are made for: a torch.optim "
-                      "class (AdamW), or the name of a class, of a function params -> optimizer or of your optimizer "
-                      "(its class and settings) in the notebook; default: the one BUILDER returns, else refused")
-    @ma.argument("--device", metavar="PRESET",
-                 help="plan for a GPU preset instead of the profiled device: " + ", ".join(
-                     DeviceSpec.preset_names()))
-    @ma.argument("--timesteps", type=int, metavar="N",
-                 help="PPO timesteps (default: $MEMOPT_NB_TIMESTEPS if set, else the search's default)")
-    @ma.argument("--seed", type=int, default=0, help="random seed; the same seed gives the same plan (default 0)")
-    @ma.argument("--time-limit", type=float, metavar="SECONDS", default=None,
-                 help="stop the agents after this many seconds (default: no limit; the plan then depends on the "
-                      "machine's speed)")
-    @ma.argument("--patience", metavar="N", default=None,
-                 help="stop once the best plan has not improved in N PPO iterations, N at least 1 (default: the "
-                      "search's, 50); none: run every timestep")
-    @ma.argument("--offload-state", metavar="WHAT", default="all",
-                 help="what of the training state the plan may move off the device: all (default: optimizer state, "
-                      "gradients and parameters), none (activations only), or a comma-separated list of optimizer, "
-                      "grads, params")
-    @ma.argument("--step-in-backward", action="store_true",
-                 help="also allow stepping a unit's parameters inside backward (grads='step'); the training loop may "
-                      "then no longer accumulate gradients over several backwards or clip their global norm")
-    @ma.argument("--strategies", metavar="LIST", default="keep,recompute,swap",
-                 help="the activation strategies the plan may use, comma-separated (default: keep,recompute,swap); "
-                      "e.g. keep,recompute for checkpointing only, or add recompute_offload or selective (opt-in; "
-                      "selective needs a profile made with selective=True)")
-    @ma.argument("--mixed-depths", action="store_true",
-                 help="with a profile made with --units fine: also plan its whole blocks and cuts that mix whole "
-                      "blocks with split ones, and keep the fastest plan that fits (memopt.search_depths; a whole "
-                      "block's checkpoint holds only its input, so blocks may fit where their units do not)")
-    @ma.argument("-o", "--output", metavar="NAME", default=None,
-                 help=f"store the plan in the notebook as NAME (default: {DEFAULT_PLAN_NAME}; with --max-batch the "
-                      f"answer, default {DEFAULT_FIT_NAME})")
-    @ma.argument("--measure", nargs="?", type=int, const=5, default=None, metavar="PAIRS",
-                 help="after the search, run the step with and without the plan in alternating pairs (5 unless "
-                      "PAIRS says otherwise) and show both beside the prediction (memopt.compare); needs a profile "
-                      "made by %%memopt_profile")
-    @ma.argument("--no-widget", action="store_true", help="print text progress lines instead of the live dashboard")
-    @ma.argument("-q", "--quiet", action="store_true",
-                 help="show nothing: no dashboard, no result (the plan is still stored)")
+    @plan_arguments
     @output_can_be_silenced
     @line_magic
     def memopt_plan(self, line: str) -> Any:
@@ -587,13 +335,8 @@ class MemoptMagics(Magics):
         line, silenced = _strip_semicolon(line)
         args = parse_magic_line(self.memopt_plan, line)
         if args.max_batch is not None:
-            return self._max_batch(args, silenced)
-        if args.profile is None:
-            raise UsageError("%memopt_plan needs a profile: %memopt_plan prof --budget 60% (make prof with "
-                             "%memopt_profile), or --max-batch BUILDER to ask how big a batch fits")
-        if args.optimizer is not None:
-            raise UsageError("--optimizer applies to --max-batch only: a profile already holds the optimizer it was "
-                             "made with (%memopt_profile ... --optimizer NAME); leave it out")
+            return _max_batch(self, args, silenced)
+        _check_plan_args(args)
         stop = {"time_limit": args.time_limit, **_parse_patience(args.patience)}
         args.output = args.output or DEFAULT_PLAN_NAME
         _check_output_name(args.output)
@@ -602,37 +345,13 @@ class MemoptMagics(Magics):
             kind = _article(type(prof).__name__)
             raise UsageError(f"profile: {args.profile!r} is {kind}, not a ModelProfile; make one "
                              "with %memopt_profile MODEL INPUT... -o prof")
-        device = None
-        if args.device is not None:
-            try:
-                device = DeviceSpec.preset(args.device)
-            except MemoptError as exc:
-                raise UsageError(f"--device: {exc}") from None
-        budget = _read_budget(args.budget, prof.peak_bytes) if args.budget is not None else None
-        free = default_budget(prof, device) if budget is None else None
-        if free is not None and not free.known:
-            raise UsageError("%memopt_plan needs --budget, e.g. %memopt_plan prof --budget 60% (outside "
-                             "memopt.limit_memory the emulated device's capacity is the host's memory; on a GPU, a "
-                             "preset or inside the limit, leaving --budget out plans for what the device can give)")
+        device = _device_arg(args.device)
+        budget, free = _budget_arg(args.budget, prof, device)
         offload_state = _parse_offload_state(args.offload_state)
         strategies = _parse_strategies(args.strategies)
         call = getattr(prof, MAGIC_CALL, None)
-        if args.measure is not None:  # before the search: what --measure needs must still be there after it
-            if call is None:
-                raise UsageError("--measure needs a profile made by %memopt_profile in this session (it knows the "
-                                 "model's inputs and loss); otherwise call memopt.compare(model, *inputs, plan=plan, "
-                                 "profile=prof, loss_fn=..., optimizer=...)")
-            if args.measure < 1:
-                raise UsageError(f"--measure {args.measure}: give at least 1 pair of steps (5 or more to read a "
-                                 "spread)")
-            if call["model"]() is None or (call["optimizer"] is not None and call["optimizer"]() is None):
-                raise UsageError("--measure: the profiled model or optimizer no longer exists; profile it again")
-        if args.timesteps is not None and args.timesteps <= 0:
-            raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {args.timesteps}")
-        try:
-            steps = args.timesteps if args.timesteps is not None else timesteps_from_env()
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+        _check_measure(args.measure, call)  # before the search: what --measure needs must still be there after it
+        steps = _timesteps_arg(args.timesteps)
         mode = "none" if args.quiet else ("text" if args.no_widget else "auto")
         title = f"{prof.meta.get('model_class', 'model')}: {prof.n_units} units, unoptimized peak " \
                 f"{format_bytes(prof.peak_bytes)}"
@@ -644,19 +363,8 @@ class MemoptMagics(Magics):
                              "%memopt_profile ... --units fine")
         if free is not None and not args.quiet:
             print(f"memopt: {free.line()}", flush=True)  # no --budget: what the device can still give the step
-        try:
-            space = dict(offload_state=offload_state, step_in_backward=args.step_in_backward, strategies=strategies)
-            if args.mixed_depths:
-                plan = _mixed_depths(dash, prof, budget, device, steps, args.seed, space, stop, quiet=args.quiet)
-            else:
-                plan = dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, **space, **stop)
-        except BudgetError as exc:
-            if exc.minimum_bytes is not None:  # below the floor: what to ask for first, in the magic's spelling
-                raise UsageError(exc.reworded("magic")) from None
-            said = f"--budget {args.budget}" if free is None else f"memopt: {free.line()}"
-            raise UsageError(f"{said}: {exc}") from None
-        except MemoptError as exc:
-            raise UsageError(str(exc)) from None
+        space = dict(offload_state=offload_state, step_in_backward=args.step_in_backward, strategies=strategies)
+        plan = _run_search(dash, args, prof, budget, free, device, steps, space, stop)
         self.shell.user_ns[args.output] = plan
         if args.measure is not None:
             self._compare(plan, prof, call, args.measure, quiet=args.quiet)
@@ -666,72 +374,6 @@ class MemoptMagics(Magics):
         print(f"memopt: plan stored as `{args.output}`{space}; apply it with `with memopt.plan({args.output}): ...`")
         return plan
 
-
-    def _max_batch(self, args: Any, silenced: bool) -> MaxBatch | None:
-        """``%memopt_plan --max-batch BUILDER``: :func:`memopt_nb.max_batch` with the magic's plan space."""
-        from IPython.display import display
-
-        for flag, value in (("--timesteps", args.timesteps), ("--measure", args.measure),
-                            ("--time-limit", args.time_limit), ("--patience", args.patience)):
-            if value is not None:
-                raise UsageError(f"{flag} does not apply to --max-batch (it plans each batch with the exact "
-                                 "optimum); leave it out, or plan one batch with %memopt_plan PROFILE --budget ...")
-        output = args.output or DEFAULT_FIT_NAME
-        _check_output_name(output)
-        builder = self._eval(args.max_batch, "--max-batch")
-        if not callable(builder):
-            raise UsageError(f"--max-batch: {args.max_batch!r} is {_article(type(builder).__name__)}, not a function "
-                             "builder(batch_size) -> (model, inputs, loss_fn)")
-        budget: Any = None
-        share = args.budget is not None and is_share((_unquote(args.budget.strip()) or "").strip())
-        if args.profile is not None and not share:  # e.g. "--budget 3000000 parsecs": parsecs is no profile
-            raise UsageError(f"%memopt_plan --max-batch: did not expect {args.profile} (a PROFILE is used with "
-                             "--max-batch only as what a percentage budget is a share of); leave it out, or give "
-                             "--budget as a size such as 2GiB")
-        if share and args.profile is None:
-            raise UsageError(f"--budget {args.budget}: a percentage needs a profile to be a share of "
-                             "(%memopt_plan prof --max-batch BUILDER --budget 60%); or give bytes such as "
-                             "2GiB, or leave --budget out for what the device can still give")
-        if args.budget is not None:
-            reference = None
-            if share:
-                prof = self._eval(args.profile, "profile")
-                if not isinstance(prof, ModelProfile):
-                    raise UsageError(f"profile: {args.profile!r} is {_article(type(prof).__name__)}, not a "
-                                     "ModelProfile")
-                reference = prof.peak_bytes
-            budget = _read_budget(args.budget, reference)
-        optimizer = self._optimizer_arg(args.optimizer) if args.optimizer is not None else None
-        try:
-            optimizer_maker(optimizer)  # what is no optimizer is refused before anything is built
-        except MemoptError as exc:
-            raise UsageError(f"--optimizer {args.optimizer}: {exc}") from None
-        device = None
-        if args.device is not None:
-            try:
-                device = DeviceSpec.preset(args.device)
-            except MemoptError as exc:
-                raise UsageError(f"--device: {exc}") from None
-        try:
-            fit = max_batch(builder, budget, device, optimizer, strategies=_parse_strategies(args.strategies),
-                            offload_state=_parse_offload_state(args.offload_state),
-                            step_in_backward=args.step_in_backward, seed=args.seed)
-        except MemoptError as exc:
-            if str(exc) == NO_OPTIMIZER:
-                raise UsageError(f"--max-batch: say which optimizer you train with, e.g. --optimizer AdamW (a "
-                                 f"torch.optim class, or the name of your optimizer or of a function params -> "
-                                 f"optimizer in the notebook), or let {args.max_batch}(batch_size) return (model, "
-                                 "inputs, loss_fn, optimizer): its state is part of every peak, and a plan that moves "
-                                 "state applies to that optimizer only") from None
-            raise UsageError(f"--max-batch: {exc}") from None
-        self.shell.user_ns[output] = fit
-        if silenced or args.quiet:
-            return None
-        display(fit) if in_notebook() else print(repr(fit))
-        print(f"memopt: stored as `{output}`; train batch {fit.batch} with `with memopt.plan({output}.plan, model, "
-              f"optimizer=opt): ...`, the model built at that batch ({args.max_batch}({fit.batch})) and opt your "
-              f"{fit.optimizer or 'optimizer'} over its parameters (the plan was made for it)")
-        return None
 
     def _compare(self, plan: Plan, prof: ModelProfile, call: dict[str, Any], pairs: int,
                  quiet: bool = False) -> Comparison:
@@ -784,6 +426,160 @@ def unload_ipython_extension(ip: Any) -> None:
     formatter.pop(ModelProfile, None)
     if state is not None and state["previous"] is not None:
         formatter.for_type(ModelProfile, state["previous"])
+
+
+def _read_budget(raw: str, reference: int | None) -> int:
+    """``--budget`` in bytes: read as the Python API reads a budget (:func:`memopt_nb.resolve_budget`; ``reference``:
+    the unoptimized peak a share is taken of), a plain number below 1024 refused (:func:`check_typed_budget`)."""
+    text = (_unquote(raw.strip()) or "").strip()
+    try:  # the one budget parser of the API: "60%" of the profiled peak, "2GiB", bytes
+        budget = resolve_budget(text, reference=reference)
+        check_typed_budget(text)
+    except MemoptError as exc:
+        raise UsageError(f"--budget {raw}: {exc}") from None
+    return budget
+
+
+def _max_batch(magics: MemoptMagics, args: Any, silenced: bool) -> MaxBatch | None:
+    """``%memopt_plan --max-batch BUILDER``: :func:`memopt_nb.max_batch` with the magic's plan space."""
+    from IPython.display import display
+
+    for flag, value in (("--timesteps", args.timesteps), ("--measure", args.measure),
+                        ("--time-limit", args.time_limit), ("--patience", args.patience)):
+        if value is not None:
+            raise UsageError(f"{flag} does not apply to --max-batch (it plans each batch with the exact "
+                             "optimum); leave it out, or plan one batch with %memopt_plan PROFILE --budget ...")
+    output = args.output or DEFAULT_FIT_NAME
+    _check_output_name(output)
+    builder = magics._eval(args.max_batch, "--max-batch")
+    if not callable(builder):
+        raise UsageError(f"--max-batch: {args.max_batch!r} is {_article(type(builder).__name__)}, not a function "
+                         "builder(batch_size) -> (model, inputs, loss_fn)")
+    budget = _max_batch_budget(magics, args)
+    optimizer = magics._optimizer_arg(args.optimizer) if args.optimizer is not None else None
+    try:
+        optimizer_maker(optimizer)  # what is no optimizer is refused before anything is built
+    except MemoptError as exc:
+        raise UsageError(f"--optimizer {args.optimizer}: {exc}") from None
+    device = _device_arg(args.device)
+    try:
+        fit = max_batch(builder, budget, device, optimizer, strategies=_parse_strategies(args.strategies),
+                        offload_state=_parse_offload_state(args.offload_state),
+                        step_in_backward=args.step_in_backward, seed=args.seed)
+    except MemoptError as exc:
+        if str(exc) == NO_OPTIMIZER:
+            raise UsageError(f"--max-batch: say which optimizer you train with, e.g. --optimizer AdamW (a "
+                             f"torch.optim class, or the name of your optimizer or of a function params -> "
+                             f"optimizer in the notebook), or let {args.max_batch}(batch_size) return (model, "
+                             "inputs, loss_fn, optimizer): its state is part of every peak, and a plan that moves "
+                             "state applies to that optimizer only") from None
+        raise UsageError(f"--max-batch: {exc}") from None
+    magics.shell.user_ns[output] = fit
+    if silenced or args.quiet:
+        return None
+    display(fit) if in_notebook() else print(repr(fit))
+    print(f"memopt: stored as `{output}`; train batch {fit.batch} with `with memopt.plan({output}.plan, model, "
+          f"optimizer=opt): ...`, the model built at that batch ({args.max_batch}({fit.batch})) and opt your "
+          f"{fit.optimizer or 'optimizer'} over its parameters (the plan was made for it)")
+    return None
+
+
+def _max_batch_budget(magics: MemoptMagics, args: Any) -> int | None:
+    """``--budget`` with ``--max-batch``: bytes, or a percentage of the profile given (``None``: what the device can
+    still give)."""
+    budget: Any = None
+    share = args.budget is not None and is_share((_unquote(args.budget.strip()) or "").strip())
+    if args.profile is not None and not share:  # e.g. "--budget 3000000 parsecs": parsecs is no profile
+        raise UsageError(f"%memopt_plan --max-batch: did not expect {args.profile} (a PROFILE is used with "
+                         "--max-batch only as what a percentage budget is a share of); leave it out, or give "
+                         "--budget as a size such as 2GiB")
+    if share and args.profile is None:
+        raise UsageError(f"--budget {args.budget}: a percentage needs a profile to be a share of "
+                         "(%memopt_plan prof --max-batch BUILDER --budget 60%); or give bytes such as "
+                         "2GiB, or leave --budget out for what the device can still give")
+    if args.budget is not None:
+        reference = None
+        if share:
+            prof = magics._eval(args.profile, "profile")
+            if not isinstance(prof, ModelProfile):
+                raise UsageError(f"profile: {args.profile!r} is {_article(type(prof).__name__)}, not a "
+                                 "ModelProfile")
+            reference = prof.peak_bytes
+        budget = _read_budget(args.budget, reference)
+    return budget
+
+
+def _check_plan_args(args: Any) -> None:
+    """``%memopt_plan`` without ``--max-batch`` needs a profile and takes no ``--optimizer``."""
+    if args.profile is None:
+        raise UsageError("%memopt_plan needs a profile: %memopt_plan prof --budget 60% (make prof with "
+                         "%memopt_profile), or --max-batch BUILDER to ask how big a batch fits")
+    if args.optimizer is not None:
+        raise UsageError("--optimizer applies to --max-batch only: a profile already holds the optimizer it was "
+                         "made with (%memopt_profile ... --optimizer NAME); leave it out")
+
+
+def _device_arg(name: str | None) -> DeviceSpec | None:
+    """``--device``: a GPU preset (``None``: the profiled device)."""
+    if name is None:
+        return None
+    try:
+        return DeviceSpec.preset(name)
+    except MemoptError as exc:
+        raise UsageError(f"--device: {exc}") from None
+
+
+def _budget_arg(raw: str | None, prof: ModelProfile, device: DeviceSpec | None) -> tuple[int | None, Any]:
+    """``--budget`` in bytes, or (``None``) what the device can still give the step, which must then be known."""
+    budget = _read_budget(raw, prof.peak_bytes) if raw is not None else None
+    free = default_budget(prof, device) if budget is None else None
+    if free is not None and not free.known:
+        raise UsageError("%memopt_plan needs --budget, e.g. %memopt_plan prof --budget 60% (outside "
+                         "memopt.limit_memory the emulated device's capacity is the host's memory; on a GPU, a "
+                         "preset or inside the limit, leaving --budget out plans for what the device can give)")
+    return budget, free
+
+
+def _check_measure(pairs: int | None, call: dict[str, Any] | None) -> None:
+    """``--measure``: a profile made by ``%memopt_profile`` whose model and optimizer still exist, and one pair or
+    more."""
+    if pairs is None:
+        return
+    if call is None:
+        raise UsageError("--measure needs a profile made by %memopt_profile in this session (it knows the "
+                         "model's inputs and loss); otherwise call memopt.compare(model, *inputs, plan=plan, "
+                         "profile=prof, loss_fn=..., optimizer=...)")
+    if pairs < 1:
+        raise UsageError(f"--measure {pairs}: give at least 1 pair of steps (5 or more to read a spread)")
+    if call["model"]() is None or (call["optimizer"] is not None and call["optimizer"]() is None):
+        raise UsageError("--measure: the profiled model or optimizer no longer exists; profile it again")
+
+
+def _timesteps_arg(timesteps: int | None) -> int | None:
+    """``--timesteps``, else ``$MEMOPT_NB_TIMESTEPS``, else ``None`` (the search's default)."""
+    if timesteps is not None and timesteps <= 0:
+        raise UsageError(f"--timesteps must be a positive number of PPO timesteps, got {timesteps}")
+    try:
+        return timesteps if timesteps is not None else timesteps_from_env()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _run_search(dash: SearchDashboard, args: Any, prof: ModelProfile, budget: int | None, free: Any, device: Any,
+                steps: int | None, space: dict[str, Any], stop: dict[str, Any]) -> Plan:
+    """``%memopt_plan``'s search (over mixed depths with ``--mixed-depths``) in its dashboard; a planner's error as a
+    ``UsageError`` in the magic's spelling."""
+    try:
+        if args.mixed_depths:
+            return _mixed_depths(dash, prof, budget, device, steps, args.seed, space, stop, quiet=args.quiet)
+        return dash.run(prof, budget, device, total_timesteps=steps, seed=args.seed, **space, **stop)
+    except BudgetError as exc:
+        if exc.minimum_bytes is not None:  # below the floor: what to ask for first, in the magic's spelling
+            raise UsageError(exc.reworded("magic")) from None
+        said = f"--budget {args.budget}" if free is None else f"memopt: {free.line()}"
+        raise UsageError(f"{said}: {exc}") from None
+    except MemoptError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _mixed_depths(dash: SearchDashboard, prof: ModelProfile, budget: int, device: Any, steps: int | None, seed: int,

@@ -43,6 +43,7 @@ import numpy as np
 from ..core.budget import format_bytes
 from ..core.plan import DEFAULT_STRATEGIES as every
 from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan, state_choices
+from ..core.profile import ProfileLike
 from ..core.strategies import NAMES, REGISTRY, by_code, by_name, save_set_of
 from ..sim.simulator import Simulator
 from .milp import cached_min_peak_plan, min_peak
@@ -218,7 +219,7 @@ def _stream_held(up: Any, with_grads: bool, with_peak: bool = True) -> tuple[int
 def _state_off(up: Any, u: int, n: int, choice: tuple[str, str, str], sim: Simulator, k: int,
                step_point: bool) -> tuple[int, int, int]:
     """(parameters, optimizer state, gradients) of unit ``u`` that its placement keeps off the device at segment ``k``
-    (or, ``step_point``, at point ``k`` of the unit-by-unit step), by :class:`~memopt_nb.sim.simulator.StateTable`'s
+    (or, ``step_point``, at point ``k`` of the unit-by-unit step), by :class:`~memopt_nb.sim.state_cost.StateTable`'s
     rules; gradients not yet made count as on the device here (the caller counts only those made). Streamed optimizer
     state is off like offloaded state, except in the step: the point before the unit's has its first parameter's
     state, the unit's own point the state and gradient of the parameter its stream peaks at (the rest of that peak is
@@ -328,11 +329,11 @@ def _floor_split(sim: Simulator, space: Any, floor: int, plan: Any) -> _PeakSpli
     return None
 
 
-def _has_state(profile: Any) -> bool:
+def _has_state(profile: ProfileLike) -> bool:
     return any(getattr(u, "grad_bytes", 0) > 0 for u in profile.units) and getattr(profile, "step_segment", -1) >= 0
 
 
-def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("keep", "recompute", "swap"),
+def state_floor(profile: ProfileLike, device: Any = None, strategies: Sequence[str] = ("keep", "recompute", "swap"),
                 offload_state: Any = True, step_in_backward: bool = False, passes: int = 3) -> tuple[int, Any]:
     """The smallest peak found over activation strategies and state placements, and a plan that reaches it.
 
@@ -387,7 +388,7 @@ def state_floor(profile: Any, device: Any = None, strategies: Sequence[str] = ("
     return int(round(val)), plan
 
 
-def _moved_bytes(profile: Any, plan: Any) -> int:
+def _moved_bytes(profile: ProfileLike, plan: Any) -> int:
     """State the plan keeps off the device, less the largest amount its schedule brings back at once (a unit's
     state, gradients and parameters with the next unit's state and parameters on their way in; a unit whose state
     streams brings back at most a parameter's state and gradient with the next parameter's state, and the part before
@@ -413,34 +414,9 @@ def _grads_may_move(offload_state: Any) -> bool:
     return any(g != "resident" for _, g, _ in state_choices(offload_state))
 
 
-def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None = None,
-                  strategies: Sequence[str] = ("keep", "recompute", "swap"), offload_state: Any = False,
-                  step_in_backward: bool = False) -> Floor:
-    """Split the smallest reachable peak of ``profile`` (on ``device``) where the floor's plan peaks (the parts of
-    :data:`PEAK_PARTS`; grouped into fixed state, that unit's working set and kept activations), and say which bounds
-    it and what would lower it.
-
-    ``floor_bytes``: the floor if already known (else :func:`memopt_nb.planners.min_peak` computes it, or with
-    ``offload_state`` :func:`state_floor`). ``offload_state`` / ``step_in_backward``: the state placements a plan may
-    use (as in :func:`memopt_nb.core.plan.state_choices`; ``False``: activations only).
-    """
-    plan = None
-    state_floor_bytes = None
-    moved = 0
-    sim = as_simulator(profile, device)
-    with_state = offload_state is not False and _has_state(profile)
-    space = (PlanSpace.of(strategies, offload_state, step_in_backward) if with_state
-             else PlanSpace.of(strategies, False, False))
-    if with_state:
-        found, plan = state_floor(profile, device, strategies, offload_state, step_in_backward)
-        if floor_bytes is None:  # the exact floor (the MILP's); the search above gives the plan reaching ~it
-            floor_bytes = min(found, cached_min_peak_plan(sim, space)[0])
-        state_floor_bytes = int(floor_bytes)
-        moved = _moved_bytes(profile, plan)
-    if floor_bytes is None:
-        floor_bytes = cached_min_peak_plan(sim, space)[0]
-    floor = int(floor_bytes)
-    split = _floor_split(sim, space, floor, plan)
+def _floor_parts(profile: ProfileLike, split: Any, floor: int, moved: int) -> tuple[int, str | None, int]:
+    """The floor's fixed state, its largest unit and that unit's working set: from the floor plan's peak where it is
+    known (``split``), else estimated from the profile's totals."""
     if split is not None:  # the parts of the floor plan's peak, where it is
         fixed = split.parts["parameters"] + split.parts["optimizer state"] + split.parts["gradients made so far"]
         if split.phase == "optimizer step":  # the step's own working set is the state's (it grows with it)
@@ -458,12 +434,15 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
             name, work = big.name, min(_working_set(big), floor - fixed)
         else:
             name, work = None, 0
-    kept = max(floor - fixed - work, 0)
-    parts = {FIXED_STATE: fixed, LARGEST_UNIT: work, KEPT_ACTIVATIONS: kept}
-    bound = max(parts, key=lambda k: parts[k])
-    activations = work + kept
-    advice: list[Advice] = []
+    return fixed, name, work
 
+
+def _floor_advice(profile: ProfileLike, device: Any, split: Any, floor: int, bound: str, name: str | None,
+                  activations: int, strategies: Sequence[str], offload_state: Any, step_in_backward: bool,
+                  state_floor_bytes: int | None) -> tuple[list[Advice], int, int | None]:
+    """What would lower the floor, given what bounds it; the LM head's share of the peak where the head is where it
+    sits; the floor with state moved where that was worked out for the advice."""
+    advice: list[Advice] = []
     head_bytes = 0
     if split is not None and split.where.startswith("the LM head"):
         head_bytes = split.parts["held outside units"] + split.parts["working set"]
@@ -474,7 +453,6 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
             advice.append(Advice(what + "memopt.profile(..., head='chunked'), then plan again",
                                  what + "%memopt_profile ... --head chunked, then plan again"))
     if not set(every) <= set(strategies):  # a restricted activation space: what the whole default one reaches
-
         wider = min_peak(profile, device, every, offload_state=offload_state, step_in_backward=step_in_backward)
         if wider < floor:
             advice.append(Advice(f"allow every activation strategy (strategies={every!r}): floor "
@@ -514,6 +492,45 @@ def explain_floor(profile: Any, device: Any = None, *, floor_bytes: int | None =
             what = "recompute_offload, which offloads the unit inputs recompute keeps (opt-in: "
             advice.append(Advice(what + "strategies=memopt_nb.plan.STRATEGIES)",
                                  what + "--strategies keep,recompute,swap,recompute_offload)"))
+    return advice, head_bytes, state_floor_bytes
+
+
+def explain_floor(profile: ProfileLike, device: Any = None, *, floor_bytes: int | None = None,
+                  strategies: Sequence[str] = ("keep", "recompute", "swap"), offload_state: Any = False,
+                  step_in_backward: bool = False) -> Floor:
+    """Split the smallest reachable peak of ``profile`` (on ``device``) where the floor's plan peaks (the parts of
+    :data:`PEAK_PARTS`; grouped into fixed state, that unit's working set and kept activations), and say which bounds
+    it and what would lower it.
+
+    ``floor_bytes``: the floor if already known (else :func:`memopt_nb.planners.min_peak` computes it, or with
+    ``offload_state`` :func:`state_floor`). ``offload_state`` / ``step_in_backward``: the state placements a plan may
+    use (as in :func:`memopt_nb.core.plan.state_choices`; ``False``: activations only).
+    """
+    plan = None
+    state_floor_bytes = None
+    moved = 0
+    sim = as_simulator(profile, device)
+    with_state = offload_state is not False and _has_state(profile)
+    space = (PlanSpace.of(strategies, offload_state, step_in_backward) if with_state
+             else PlanSpace.of(strategies, False, False))
+    if with_state:
+        found, plan = state_floor(profile, device, strategies, offload_state, step_in_backward)
+        if floor_bytes is None:  # the exact floor (the MILP's); the search above gives the plan reaching ~it
+            floor_bytes = min(found, cached_min_peak_plan(sim, space)[0])
+        state_floor_bytes = int(floor_bytes)
+        moved = _moved_bytes(profile, plan)
+    if floor_bytes is None:
+        floor_bytes = cached_min_peak_plan(sim, space)[0]
+    floor = int(floor_bytes)
+    split = _floor_split(sim, space, floor, plan)
+    fixed, name, work = _floor_parts(profile, split, floor, moved)
+    kept = max(floor - fixed - work, 0)
+    parts = {FIXED_STATE: fixed, LARGEST_UNIT: work, KEPT_ACTIVATIONS: kept}
+    bound = max(parts, key=lambda k: parts[k])
+    activations = work + kept
+    advice, head_bytes, state_floor_bytes = _floor_advice(profile, device, split, floor, bound, name, activations,
+                                                          strategies, offload_state, step_in_backward,
+                                                          state_floor_bytes)
     return Floor(floor_bytes=floor, fixed_bytes=fixed, largest_unit=name, largest_unit_bytes=work, kept_bytes=kept,
                  bound=bound, advice=advice, offload_state=offload_state, moved_bytes=moved,
                  state_floor_bytes=state_floor_bytes, plan=plan, peak_where=split.where if split else None,
@@ -565,7 +582,7 @@ def _batch_text(b: int) -> str:
     return f"any batch (over {ESTIMATE_LIMIT:,})" if b >= ESTIMATE_LIMIT else f"batch {b:,}"
 
 
-def _profiled_batch(profile: Any) -> int | None:
+def _profiled_batch(profile: ProfileLike) -> int | None:
     if profile.batch_size:
         return int(profile.batch_size)
     if profile.units:  # the first unit's first input that has a batch and more
@@ -585,7 +602,7 @@ def _largest_batch(capacity: int, fixed: int, total: int, batch: int) -> int:
     return min(ESTIMATE_LIMIT, int((capacity - fixed) / per))
 
 
-def estimate_batch(profile: Any, floor: Floor | None = None) -> BatchEstimate | None:
+def estimate_batch(profile: ProfileLike, floor: Floor | None = None) -> BatchEstimate | None:
     """How big a batch plain training and the best plan fit on the profiled device, from this profile alone.
 
     Plain training's peak and the floor (:func:`explain_floor`, placements allowed, or ``floor`` if given) are split

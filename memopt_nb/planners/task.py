@@ -26,6 +26,7 @@ from ..core.budget import format_bytes, resolve_budget
 from ..core.device import DeviceSpec
 from ..core.errors import BudgetError, PlanError
 from ..core.plan import DEFAULT_STRATEGIES, STATE_CHOICES
+from ..core.profile import ProfileLike
 from ..core.space import PlanSpace
 from ..core.strategies import REGISTRY
 from ..sim.simulator import KEEP, RECOMPUTE, SWAP, Simulator
@@ -133,40 +134,19 @@ class PlanningTask:
     is the option of an untimed action (-1 for a timed one).
     """
 
-    def __init__(self, profile: Any, budget: Any = None, device: DeviceSpec | str | None = None, *,
+    def __init__(self, profile: ProfileLike, budget: Any = None, device: DeviceSpec | str | None = None, *,
                  offload_state: bool | str | Iterable[str] = True, step_in_backward: bool = False,
                  strategies: str | Iterable[str] = DEFAULT_STRATEGIES) -> None:
-        """Long by design: it compiles every table the environment reads, in dependency order."""
+        """Compiles every table the environment reads, in dependency order (one ``_compile_*`` step each)."""
         #: what the agents may decide, parsed once (PlanError on a bad value)
         self.space = PlanSpace.of(strategies, offload_state, step_in_backward)
         self.strategies = self.space.strategies
-        # options: those of every default strategy (keep, recompute, swap × TIMINGS) and, only when allowed and
-        # offered, those of the opt-in ones up to the last of them (so that the default space's tables, actions and
-        # observations stay what they were, and an option index means the same in every task)
-        T = len(TIMINGS)
         self.sim: Simulator = as_simulator(profile, device)
         self.profile = self.sim.profile
         check_save_sets(self.sim, self.strategies)  # selective named for a profile without save-sets: PlanError
         #: per registry strategy, which units may take it (``(n,)``; ``(n, variants)`` for one with variants)
         fits = {s.code: unit_ok(self.sim, s) for s in REGISTRY}
-        #: the strategies the task offers, in registry order: the default ones, and the opt-in ones allowed (one with
-        #: variants only if some unit offers one)
-        self.offered = tuple(s for s in REGISTRY if s.default or (
-            s.name in self.strategies and (not s.variants or bool(fits[s.code].any()))))
-        #: the timed strategies the timing agent times
-        self.timed_codes = tuple(s.code for s in self.offered if s.timed)
-        self.selective = any(s.name == "selective" for s in self.offered)
-        #: whether any opt-in strategy is offered
-        self.opt_in = any(not s.default for s in self.offered)
-        self.action_codes = np.array([c for s in self.offered for c in (s.codes if not s.timed else [s.code])],
-                                     dtype=np.int64)
-        self.n_strategies = len(self.action_codes)
-        self.n_options = max(OPTION_BASE[s.code] + (T if s.timed else len(s.codes)) for s in self.offered)
-        ones = np.ones_like(self.action_codes)
-        self.action_option = np.where(np.isin(self.action_codes, self.timed_codes), -1,
-                                      code_options(self.action_codes, ones, ones))
-        #: first option index of each timed strategy (its timing j is option ``timed_base[code] + j``)
-        self.timed_base = {s.code: OPTION_BASE[s.code] for s in REGISTRY if s.timed}
+        _compile_actions(self, fits)
         allowed = tuple(STATE_CHOICES[c] for c in self.space.placements)
         self.step_in_backward = step_in_backward
         self.n = n = self.sim.n
@@ -178,6 +158,23 @@ class PlanningTask:
         self._compile_states()
         if self.C == 1:  # activations only: the exact floor (before anything else is computed)
             self.budget = check_budget(self.sim, budget, self.space.replace(offload_state=False))
+        self._compile_base()
+        _compile_option_ok(self, fits)
+        _compile_marginals(self)
+        #: what the units from position ``k`` of the forward order on can still do at most (:meth:`suffixes`)
+        self.suffix_min, self.suffix_step, self.suffix_can_move, self.suffix_red = self.suffixes(np.arange(n))
+        if self.C > 1:  # placements may lower the floor below the activation-only one: the enlarged space's floor
+            self.budget = self._check_budget(budget)
+        self._check_step_floor()
+        _compile_copy_ratio(self)
+        #: activations only, from :data:`COMPLETION_FROM_UNITS` units up: a plan known to fit the budget (option
+        #: indices; ``None`` where none is known), whose options the environment's masks assume for the units still
+        #: undecided (:meth:`completion_options`)
+        self.completion = (self.completion_options() if self.C == 1 and n >= COMPLETION_FROM_UNITS else None)
+
+    def _compile_base(self) -> None:
+        """The plan that keeps everything: its segment peaks, peak and step time (what the marginals are against)."""
+        n = self.n
         keep = np.zeros((1, n), dtype=np.int64)
         base = self.sim.evaluate(keep, keep + 1, keep + 1, details=True)
         self.base_peaks = base["peaks"][0]
@@ -185,78 +182,6 @@ class PlanningTask:
         if self.has_step:
             self.base_peak = max(self.base_peak, self.plain_step)
         self.base_time = float(self.evaluate(keep, keep + 1, keep + 1, keep)[1][0])
-        # which options exist for each unit
-        N = self.n_options
-        self.option_ok = np.zeros((n, N), dtype=bool)
-        for s in self.offered:
-            b = OPTION_BASE[s.code]
-            if s.name in self.strategies:
-                self.option_ok[:, b:b + (T if s.timed else len(s.codes))] = (
-                    fits[s.code][:, None] if fits[s.code].ndim == 1 else fits[s.code])
-        timed = [OPTION_BASE[c] for c in self.timed_codes]
-        for u in range(n):  # timings with no distinct effect are disabled, keeping the first of each class
-            seen = set()
-            for j, (w, d) in enumerate(TIMINGS):
-                key = (min(u + 1 + w, n), min(u + d, n - 1))
-                if key in seen:
-                    self.option_ok[u, [b + j for b in timed]] = False
-                seen.add(key)
-        if "keep" not in self.strategies:  # kept only where nothing allowed fits the unit
-            self.option_ok[:, KEEP] = ~self.option_ok[:, 1:].any(axis=1)
-        # marginal model: unit u alone on option o (a variant the unit does not have is scored as keep: not allowed)
-        oc, ow, od = option_codes(np.arange(N))
-        units = np.repeat(np.arange(n), N)
-        opts = np.tile(np.arange(N), n)
-        has = np.ones((n, N), dtype=bool)
-        for s in REGISTRY:  # every strategy with variants whose columns the task has, offered or not
-            if s.variants and OPTION_BASE[s.code] < N:
-                has[:, OPTION_BASE[s.code]:OPTION_BASE[s.code] + len(s.codes)] = self.sim.sel_has
-        mc = np.where(has[units, opts], oc[opts], KEEP)
-        codes, windows, dists = (np.zeros((n * N, n), dtype=np.int64), np.ones((n * N, n), dtype=np.int64),
-                                 np.ones((n * N, n), dtype=np.int64))
-        rows = np.arange(n * N)
-        codes[rows, units] = mc
-        windows[rows, units] = np.where(has[units, opts], ow[opts], 1)
-        dists[rows, units] = np.where(has[units, opts], od[opts], 1)
-        det = self.sim.evaluate(codes, windows, dists, details=True)
-        self.marg_peak = (det["peaks"] - self.base_peaks[None]).reshape(n, N, self.S)
-        self.marg_time = (det["time"] - self.base_time).reshape(n, N)
-        #: seconds unit ``u``'s backward spends recomputing on option ``o`` (the simulator's ``recompute`` of the unit
-        #: alone on it); :meth:`time_floor` adds them up
-        self.marg_recompute = det["recompute"].reshape(n, N).copy()
-        bwd_units = self.sim.seg_unit[self.sim.kind == 1]
-        self._floor_ok = bool((np.bincount(bwd_units[bwd_units >= 0], minlength=n)[:n] >= 1).all())
-        self.marg_peak[~self.option_ok] = 0.0
-        self.marg_time[~self.option_ok] = 0.0
-        big = np.where(self.option_ok[:, :, None], self.marg_peak, np.inf)
-        self.min_marg = big.min(axis=1)  # (n, S): the most any option of the unit can take off each segment
-        # cost efficiency: seconds of overhead per byte taken off each unit's most loaded segment, cheapest option
-        red = -self.marg_peak.min(axis=2)  # (n, options): the largest per-segment saving of each option
-        with np.errstate(divide="ignore", invalid="ignore"):
-            eff = np.where(self.option_ok & (red > 0), np.maximum(self.marg_time, 0.0) / red, np.inf)
-        self.best_eff = eff.min(axis=1)  # (n,)
-        self.rc_eff = eff[:, RECOMPUTE]
-        self.swap_eff = eff[:, self.timed_base[SWAP]:self.timed_base[SWAP] + T].min(axis=1)
-        self.max_red = red.max(axis=1)  # (n,)
-        if self.C > 1:  # the most a placement takes off a segment adds to it
-            self.max_red = self.max_red + np.maximum(-self.st_seg.min(axis=2), 0.0).max(axis=1)
-        #: what the units from position ``k`` of the forward order on can still do at most (:meth:`suffixes`)
-        self.suffix_min, self.suffix_step, self.suffix_can_move, self.suffix_red = self.suffixes(np.arange(n))
-        if self.C > 1:  # placements may lower the floor below the activation-only one: the enlarged space's floor
-            self.budget = self._check_budget(budget)
-        self._check_step_floor()
-        # copy-engine load of swapping a unit, relative to its forward: its bytes plus the storages it owns, priced by
-        # DeviceSpec.copy_seconds (the slower direction)
-        sim, dev = self.sim, self.sim.device
-        owned = np.zeros(n)
-        np.add.at(owned, sim.g_owner[sim.g_eligible], sim.g_cnt[sim.g_eligible])
-        swap_bytes = np.array([u.interior_bytes + u.input_bytes for u in self.profile.units], dtype=float)
-        copy = np.maximum(dev.copy_seconds(swap_bytes, owned, "d2h"), dev.copy_seconds(swap_bytes, owned, "h2d"))
-        self.copy_ratio = copy / np.maximum(sim.dur[sim.fwd_seg], 1e-9)
-        #: activations only, from :data:`COMPLETION_FROM_UNITS` units up: a plan known to fit the budget (option
-        #: indices; ``None`` where none is known), whose options the environment's masks assume for the units still
-        #: undecided (:meth:`completion_options`)
-        self.completion = (self.completion_options() if self.C == 1 and n >= COMPLETION_FROM_UNITS else None)
 
     def completion_options(self) -> np.ndarray | None:
         """Option indices of the lowest-peak plan that gives every unit one allowed timed or recompute option
@@ -465,3 +390,110 @@ class PlanningTask:
         """Zero within budget; a step of 1 plus 20× the relative excess above it."""
         excess = np.asarray(peak) / self.budget - 1.0
         return np.where(excess > 1e-9, 1.0 + 20.0 * excess, 0.0)
+
+
+# ---------------------------------------------------------------------- the task's tables, compiled once
+def _compile_actions(task: PlanningTask, fits: dict[int, np.ndarray]) -> None:
+    """The strategies offered, the strategy agent's actions and the option numbering they map to.
+
+    Options: those of every default strategy (keep, recompute, swap × TIMINGS) and, only when allowed and offered,
+    those of the opt-in ones up to the last of them (so that the default space's tables, actions and observations
+    stay what they were, and an option index means the same in every task)."""
+    T = len(TIMINGS)
+    #: the strategies the task offers, in registry order: the default ones, and the opt-in ones allowed (one with
+    #: variants only if some unit offers one)
+    task.offered = tuple(s for s in REGISTRY if s.default or (
+        s.name in task.strategies and (not s.variants or bool(fits[s.code].any()))))
+    #: the timed strategies the timing agent times
+    task.timed_codes = tuple(s.code for s in task.offered if s.timed)
+    task.selective = any(s.name == "selective" for s in task.offered)
+    #: whether any opt-in strategy is offered
+    task.opt_in = any(not s.default for s in task.offered)
+    task.action_codes = np.array([c for s in task.offered for c in (s.codes if not s.timed else [s.code])],
+                                 dtype=np.int64)
+    task.n_strategies = len(task.action_codes)
+    task.n_options = max(OPTION_BASE[s.code] + (T if s.timed else len(s.codes)) for s in task.offered)
+    ones = np.ones_like(task.action_codes)
+    task.action_option = np.where(np.isin(task.action_codes, task.timed_codes), -1,
+                                  code_options(task.action_codes, ones, ones))
+    #: first option index of each timed strategy (its timing j is option ``timed_base[code] + j``)
+    task.timed_base = {s.code: OPTION_BASE[s.code] for s in REGISTRY if s.timed}
+
+
+def _compile_option_ok(task: PlanningTask, fits: dict[int, np.ndarray]) -> None:
+    """``option_ok``: which options each unit may take."""
+    n, T = task.n, len(TIMINGS)
+    # which options exist for each unit
+    N = task.n_options
+    task.option_ok = np.zeros((n, N), dtype=bool)
+    for s in task.offered:
+        b = OPTION_BASE[s.code]
+        if s.name in task.strategies:
+            task.option_ok[:, b:b + (T if s.timed else len(s.codes))] = (
+                fits[s.code][:, None] if fits[s.code].ndim == 1 else fits[s.code])
+    timed = [OPTION_BASE[c] for c in task.timed_codes]
+    for u in range(n):  # timings with no distinct effect are disabled, keeping the first of each class
+        seen = set()
+        for j, (w, d) in enumerate(TIMINGS):
+            key = (min(u + 1 + w, n), min(u + d, n - 1))
+            if key in seen:
+                task.option_ok[u, [b + j for b in timed]] = False
+            seen.add(key)
+    if "keep" not in task.strategies:  # kept only where nothing allowed fits the unit
+        task.option_ok[:, KEEP] = ~task.option_ok[:, 1:].any(axis=1)
+
+
+def _compile_marginals(task: PlanningTask) -> None:
+    """The marginal model (each unit alone on each option: what it takes off every segment and adds in seconds)
+    and the cost efficiencies the observations and the masks read."""
+    n, N, T = task.n, task.n_options, len(TIMINGS)
+    # marginal model: unit u alone on option o (a variant the unit does not have is scored as keep: not allowed)
+    oc, ow, od = option_codes(np.arange(N))
+    units = np.repeat(np.arange(n), N)
+    opts = np.tile(np.arange(N), n)
+    has = np.ones((n, N), dtype=bool)
+    for s in REGISTRY:  # every strategy with variants whose columns the task has, offered or not
+        if s.variants and OPTION_BASE[s.code] < N:
+            has[:, OPTION_BASE[s.code]:OPTION_BASE[s.code] + len(s.codes)] = task.sim.sel_has
+    mc = np.where(has[units, opts], oc[opts], KEEP)
+    codes, windows, dists = (np.zeros((n * N, n), dtype=np.int64), np.ones((n * N, n), dtype=np.int64),
+                             np.ones((n * N, n), dtype=np.int64))
+    rows = np.arange(n * N)
+    codes[rows, units] = mc
+    windows[rows, units] = np.where(has[units, opts], ow[opts], 1)
+    dists[rows, units] = np.where(has[units, opts], od[opts], 1)
+    det = task.sim.evaluate(codes, windows, dists, details=True)
+    task.marg_peak = (det["peaks"] - task.base_peaks[None]).reshape(n, N, task.S)
+    task.marg_time = (det["time"] - task.base_time).reshape(n, N)
+    #: seconds unit ``u``'s backward spends recomputing on option ``o`` (the simulator's ``recompute`` of the unit
+    #: alone on it); :meth:`time_floor` adds them up
+    task.marg_recompute = det["recompute"].reshape(n, N).copy()
+    bwd_units = task.sim.seg_unit[task.sim.kind == 1]
+    task._floor_ok = bool((np.bincount(bwd_units[bwd_units >= 0], minlength=n)[:n] >= 1).all())
+    task.marg_peak[~task.option_ok] = 0.0
+    task.marg_time[~task.option_ok] = 0.0
+    big = np.where(task.option_ok[:, :, None], task.marg_peak, np.inf)
+    task.min_marg = big.min(axis=1)  # (n, S): the most any option of the unit can take off each segment
+    # cost efficiency: seconds of overhead per byte taken off each unit's most loaded segment, cheapest option
+    red = -task.marg_peak.min(axis=2)  # (n, options): the largest per-segment saving of each option
+    with np.errstate(divide="ignore", invalid="ignore"):
+        eff = np.where(task.option_ok & (red > 0), np.maximum(task.marg_time, 0.0) / red, np.inf)
+    task.best_eff = eff.min(axis=1)  # (n,)
+    task.rc_eff = eff[:, RECOMPUTE]
+    task.swap_eff = eff[:, task.timed_base[SWAP]:task.timed_base[SWAP] + T].min(axis=1)
+    task.max_red = red.max(axis=1)  # (n,)
+    if task.C > 1:  # the most a placement takes off a segment adds to it
+        task.max_red = task.max_red + np.maximum(-task.st_seg.min(axis=2), 0.0).max(axis=1)
+
+
+def _compile_copy_ratio(task: PlanningTask) -> None:
+    """Per unit, the copy-engine load of swapping it relative to its forward."""
+    n = task.n
+    # copy-engine load of swapping a unit, relative to its forward: its bytes plus the storages it owns, priced by
+    # DeviceSpec.copy_seconds (the slower direction)
+    sim, dev = task.sim, task.sim.device
+    owned = np.zeros(n)
+    np.add.at(owned, sim.g_owner[sim.g_eligible], sim.g_cnt[sim.g_eligible])
+    swap_bytes = np.array([u.interior_bytes + u.input_bytes for u in task.profile.units], dtype=float)
+    copy = np.maximum(dev.copy_seconds(swap_bytes, owned, "d2h"), dev.copy_seconds(swap_bytes, owned, "h2d"))
+    task.copy_ratio = copy / np.maximum(sim.dur[sim.fwd_seg], 1e-9)

@@ -74,93 +74,100 @@ class _Births(TorchDispatchMode):
         return out
 
 
-def discover(model: nn.Module, inputs: Sequence[Any],
-              kwargs: Mapping[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], int]:
-    """One forward with hooks on every module: call counts, order, saved bytes, backward reach, RNG, and whether a
-    module's input tensor is changed in place (``"inplace"``: by the module itself, as ``ReLU(inplace=True)``;
-    ``"input_changed"``: by code that runs after it). Such a module cannot be a unit: recomputing it, or swapping its
-    input back, needs the input as it was."""
-    info: dict[str, dict[str, Any]] = {n: {"calls": 0, "order": 10**9, "saved": 0, "backward": False, "seen": set(),
-                                           "inplace": False, "input_changed": False}
-                                       for n, _ in model.named_modules()}
-    #: per module on the stack, its input tensors and their versions when it was called
-    versions: dict[str, list[tuple[weakref.ref, int]]] = {}
-    #: each module's inputs after it returned, as detached aliases (they share the input's version counter and keep
-    #: it readable when the forward's code drops the tensor object), with their versions then
-    after: list[tuple[str, torch.Tensor, int]] = []
-    stack: list[str] = []
-    rng: set[str] = set()
-    order = [0]
-    handles = []
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    total = [0]
-    all_seen: set[int] = set()
+class _Discovery:
+    """What :func:`discover`'s hooks gather during its forward, per module (``info``) and in all (``total``)."""
 
-    def pre(name: str) -> Callable:
+    def __init__(self, model: nn.Module) -> None:
+        self.info: dict[str, dict[str, Any]] = {
+            n: {"calls": 0, "order": 10**9, "saved": 0, "backward": False, "seen": set(), "inplace": False,
+                "input_changed": False} for n, _ in model.named_modules()}
+        #: per module on the stack, its input tensors and their versions when it was called
+        self.versions: dict[str, list[tuple[weakref.ref, int]]] = {}
+        #: each module's inputs after it returned, as detached aliases (they share the input's version counter and
+        #: keep it readable when the forward's code drops the tensor object), with their versions then
+        self.after: list[tuple[str, torch.Tensor, int]] = []
+        self.stack: list[str] = []
+        self.rng: set[str] = set()
+        self.order = 0
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self.total = 0
+        self.all_seen: set[int] = set()
+
+    def pre(self, name: str) -> Callable:
         def hook(mod: nn.Module, args: Any) -> None:
-            d = info[name]
+            d = self.info[name]
             d["calls"] += 1
             if d["order"] == 10**9:
-                d["order"] = order[0]
-                order[0] += 1
-            versions[name] = [(weakref.ref(t), t._version) for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-            stack.append(name)
+                d["order"] = self.order
+                self.order += 1
+            self.versions[name] = [(weakref.ref(t), t._version) for t in tree_leaves(args)
+                                   if isinstance(t, torch.Tensor)]
+            self.stack.append(name)
 
         return hook
 
-    def post(name: str) -> Callable:
+    def post(self, name: str) -> Callable:
         def hook(mod: nn.Module, args: Any, out: Any) -> None:
-            if stack and stack[-1] == name:
-                stack.pop()
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out)):
-                info[name]["backward"] = True
-            for ref, v in versions.pop(name, ()):
+                self.info[name]["backward"] = True
+            for ref, v in self.versions.pop(name, ()):
                 t = ref()
                 if t is not None:
                     if t._version != v:
-                        info[name]["inplace"] = True
-                    after.append((name, t.detach(), t._version))
+                        self.info[name]["inplace"] = True
+                    self.after.append((name, t.detach(), t._version))
 
         return hook
 
-    for name, mod in model.named_modules():
-        if name:
-            handles.append(mod.register_forward_pre_hook(pre(name)))
-            handles.append(mod.register_forward_hook(post(name)))
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
         if is_plain(t):
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            if ptr not in param_ptrs and st.nbytes() > 0:
-                if ptr not in all_seen:
-                    all_seen.add(ptr)
-                    total[0] += st.nbytes()
-                for name in stack:
-                    if ptr not in info[name]["seen"]:
-                        info[name]["seen"].add(ptr)
-                        info[name]["saved"] += st.nbytes()
+            if ptr not in self.param_ptrs and st.nbytes() > 0:
+                if ptr not in self.all_seen:
+                    self.all_seen.add(ptr)
+                    self.total += st.nbytes()
+                for name in self.stack:
+                    if ptr not in self.info[name]["seen"]:
+                        self.info[name]["seen"].add(ptr)
+                        self.info[name]["saved"] += st.nbytes()
         # never ``t`` itself: a tensor an op saves of its own output would then hold its autograd node through the
         # node's saved variable — a cycle through C++ the garbage collector cannot see, keeping the whole model alive
         return t.detach()
 
+
+def discover(model: nn.Module, inputs: Sequence[Any],
+             kwargs: Mapping[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], int]:
+    """One forward with hooks on every module: call counts, order, saved bytes, backward reach, RNG, and whether a
+    module's input tensor is changed in place (``"inplace"``: by the module itself, as ``ReLU(inplace=True)``;
+    ``"input_changed"``: by code that runs after it). Such a module cannot be a unit: recomputing it, or swapping its
+    input back, needs the input as it was."""
+    found = _Discovery(model)
+    info = found.info
+    handles = []
+    for name, mod in model.named_modules():
+        if name:
+            handles.append(mod.register_forward_pre_hook(found.pre(name)))
+            handles.append(mod.register_forward_hook(found.post(name)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpWatcher(stack, rng):
+        with torch.autograd.graph.saved_tensors_hooks(found.pack, lambda t: t), _OpWatcher(found.stack, found.rng):
             out = forward(model, inputs, kwargs or {})
-        for name, t, v in after:
+        for name, t, v in found.after:
             if t._version != v:
                 info[name]["input_changed"] = True
-        after.clear()
+        found.after.clear()
         del out
     finally:
         for h in handles:
             h.remove()
-    for name in rng:
+    for name in found.rng:
         info[name]["rng"] = True
     for d in info.values():
         d.pop("seen")
-    return info, total[0]
+    return info, found.total
 
 
 # ====================================================================== instrumented runs

@@ -84,6 +84,7 @@ import torch.nn as nn
 
 from ..core.errors import PlanError, ProfileError, WrapOrderError
 from ..core.plan import Plan, plain_module_type
+from ..core.profile import ProfileLike
 from .hooks import uncopied
 
 __all__ = [
@@ -293,7 +294,7 @@ def ddp_bucket_view(ddp: nn.Module) -> bool:
 
 
 # ====================================================================== per-rank account
-def _padded_unit_bytes(profile: Any, index: int, nbytes: int, world_size: int) -> int:
+def _padded_unit_bytes(profile: ProfileLike, index: int, nbytes: int, world_size: int) -> int:
     """A unit's all-gathered parameter bytes: FSDP2 pads every parameter's dim 0 to a multiple of the shard count."""
     fp = profile.fingerprint[index] if index < len(profile.fingerprint) else {}
     shapes = fp.get("param_shapes") or []
@@ -304,8 +305,32 @@ def _padded_unit_bytes(profile: Any, index: int, nbytes: int, world_size: int) -
     return int(round(nbytes * padded / numel))
 
 
-def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, ddp: nn.Module | None = None,
-             bucket_bytes: int | None = None, gradient_as_bucket_view: bool | None = None) -> Any:
+def _check_per_rank(profile: ProfileLike, world_size: int, sharding: str | None) -> None:
+    """:class:`ProfileError` for a sharding or world size :func:`per_rank` does not know, or a per-rank profile."""
+    if sharding not in SHARDINGS:
+        raise ProfileError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ProfileError(f"world_size must be a positive int, got {world_size!r}")
+    if profile.meta.get("per_rank"):
+        raise ProfileError("this profile is already per rank; pass the plain model's profile")
+
+
+def _shift_levels(out: Any, deltas: list[tuple[float, float]], scale: list[float]) -> None:
+    """Each segment's start level and peak (its own part scaled by ``scale``) moved by ``deltas`` (what one rank holds
+    more or less at the segment's start and at its peak), and the units' recomputed peaks with them."""
+    for k, seg in enumerate(out.segments):
+        d0, d1 = deltas[k]
+        seg.start_level = int(seg.start_level + d0)
+        seg.rel_peak = int(max(0, round(seg.rel_peak * scale[k]) + d1 - d0))
+    for u in out.units:
+        f0, f1 = deltas[u.fwd_segment]
+        b0, b1 = deltas[u.bwd_segment]
+        u.rc_fwd_rel_peak = int(max(0, u.rc_fwd_rel_peak + f1 - f0))
+        u.rc_bwd_rel_peak = int(max(0, u.rc_bwd_rel_peak + b1 - b0))
+
+
+def per_rank(profile: ProfileLike, world_size: int, sharding: str | None = "fsdp", *, ddp: nn.Module | None = None,
+             bucket_bytes: int | None = None, gradient_as_bucket_view: bool | None = None) -> ProfileLike:
     """What one rank holds: a copy of ``profile`` whose memory is that of one of ``world_size`` ranks.
 
     Give it the profile of the **plain** model at the per-rank batch size; plan and simulate with the result as with
@@ -348,12 +373,7 @@ def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, dd
     Not modelled: mixed precision (``param_dtype``), ``reshard_after_forward=False``, CPU offload, hybrid sharding,
     explicit prefetching, and other layouts than :func:`fully_shard_units`.
     """
-    if sharding not in SHARDINGS:
-        raise ProfileError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ProfileError(f"world_size must be a positive int, got {world_size!r}")
-    if profile.meta.get("per_rank"):
-        raise ProfileError("this profile is already per rank; pass the plain model's profile")
+    _check_per_rank(profile, world_size, sharding)
     out = type(profile).from_dict(profile.to_dict())
     out._model_ref = profile._model_ref
     info: dict[str, Any] = {"world_size": world_size, "sharding": sharding}
@@ -372,15 +392,7 @@ def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, dd
         scale = [1.0] * len(segs)
     else:
         deltas, scale = _fsdp_deltas(out, world_size, info)
-    for k, seg in enumerate(segs):
-        d0, d1 = deltas[k]
-        seg.start_level = int(seg.start_level + d0)
-        seg.rel_peak = int(max(0, round(seg.rel_peak * scale[k]) + d1 - d0))
-    for u in out.units:
-        f0, f1 = deltas[u.fwd_segment]
-        b0, b1 = deltas[u.bwd_segment]
-        u.rc_fwd_rel_peak = int(max(0, u.rc_fwd_rel_peak + f1 - f0))
-        u.rc_bwd_rel_peak = int(max(0, u.rc_bwd_rel_peak + b1 - b0))
+    _shift_levels(out, deltas, scale)
     out.start_level = segs[0].start_level if segs else out.start_level
     info["plain_peak_bytes"] = profile.peak_bytes
     out.peak_bytes = int(max((s.start_level + s.rel_peak for s in segs), default=out.peak_bytes))
@@ -391,7 +403,7 @@ def per_rank(profile: Any, world_size: int, sharding: str | None = "fsdp", *, dd
     return out
 
 
-def _phases(profile: Any) -> tuple[list[int], list[int], int]:
+def _phases(profile: ProfileLike) -> tuple[list[int], list[int], int]:
     fwd = [u.fwd_segment for u in profile.units]
     bwd = [u.bwd_segment for u in profile.units]
     labels = [s.label for s in profile.segments]
@@ -399,7 +411,7 @@ def _phases(profile: Any) -> tuple[list[int], list[int], int]:
     return fwd, bwd, end
 
 
-def _ddp_deltas(prof: Any, ddp: nn.Module | None, bucket_bytes: int | None, view: bool | None,
+def _ddp_deltas(prof: ProfileLike, ddp: nn.Module | None, bucket_bytes: int | None, view: bool | None,
                 info: dict[str, Any]) -> list[tuple[float, float]]:
     if bucket_bytes is None and ddp is not None:
         bucket_bytes = ddp_bucket_bytes(ddp)
@@ -420,7 +432,7 @@ def _ddp_deltas(prof: Any, ddp: nn.Module | None, bucket_bytes: int | None, view
     return out
 
 
-def _fsdp_deltas(prof: Any, N: int, info: dict[str, Any]) -> tuple[list[tuple[float, float]], list[float]]:
+def _fsdp_deltas(prof: ProfileLike, N: int, info: dict[str, Any]) -> tuple[list[tuple[float, float]], list[float]]:
     n = prof.n_units
     fwd, bwd, end = _phases(prof)
     P, opt = prof.param_bytes, prof.optimizer_state_bytes

@@ -101,6 +101,7 @@ from typing import Any
 from ..core.device import DeviceSpec
 from ..core.errors import PlanError, ProfileError
 from ..core.plan import OFFLOADING, SAVE_SETS, STATE_CHOICES, STRATEGIES, Plan
+from ..core.profile import ProfileLike
 from ..core.strategies import by_code, by_name
 
 __all__ = ["CopyJob", "Replay", "copy_seconds", "prefetch_triggers", "replay", "thread_seconds"]
@@ -203,7 +204,7 @@ def prefetch_triggers(strategies: Sequence[str], distances: Sequence[int]) -> li
     return [min(t for j, t in wanted.items() if j >= i) if i in wanted else None for i in range(n)]
 
 
-def _decode(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None,
+def _decode(profile: ProfileLike, plan: Plan | Sequence[Any], windows: Sequence[int] | None,
             distances: Sequence[int] | None) -> tuple[list[str], list[int], list[int], list[str]]:
     """Strategies, windows, distances and save-sets (``""`` for units that are not selective), from a Plan or from
     lists; a strategy is a name (``"selective:<save-set>"`` for selective) or a code."""
@@ -256,7 +257,8 @@ def _save_set_costs(units: Sequence[Any], save_sets: Sequence[str]) -> list[dict
 class _StateReplay:
     """The placements' part of the replay (module docstring): ledger changes, backward steps, the parted step."""
 
-    def __init__(self, profile: Any, placements: Sequence[tuple[str, str, str]], dev: DeviceSpec, factor: float):
+    def __init__(self, profile: ProfileLike, placements: Sequence[tuple[str, str, str]], dev: DeviceSpec,
+                 factor: float) -> None:
         units, segs = profile.units, profile.segments
         n = len(units)
         self.n = n
@@ -454,7 +456,8 @@ class _StateReplay:
         return t
 
 
-def _placements(profile: Any, plan: Plan | Sequence[Any], states: Sequence[Any] | None) -> list[tuple[str, str, str]]:
+def _placements(profile: ProfileLike, plan: Plan | Sequence[Any], states: Sequence[Any] | None
+                ) -> list[tuple[str, str, str]]:
     """The plan's ``(optimizer, grads, params)`` placement per unit."""
     if isinstance(plan, Plan):
         placements = plan.placements
@@ -471,7 +474,7 @@ class _Structure:
     """The step's structure, read from the profile's segments: each unit's forward and backward segment, the
     boundaries next to units' forwards, where offloaded memory is dropped."""
 
-    def __init__(self, profile: Any) -> None:
+    def __init__(self, profile: ProfileLike) -> None:
         units, n = profile.units, len(profile.units)
         self.n = n
         self.fwd_at: dict[int, int] = {}
@@ -507,7 +510,7 @@ class _GroupLedger:
     peak where the plan holds them longer.
     """
 
-    def __init__(self, profile: Any, where: _Structure, strategies: Sequence[str], windows: Sequence[int],
+    def __init__(self, profile: ProfileLike, where: _Structure, strategies: Sequence[str], windows: Sequence[int],
                  chosen: list[Any], triggers: Sequence[int]) -> None:
         n = len(profile.units)
         kinds = [by_name(s) for s in strategies]
@@ -608,7 +611,54 @@ def _own_peak(seg: Any, units: Sequence[Any], rc: Sequence[bool], chosen: list[A
     return own
 
 
-def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | None = None,
+def _offload_at(k: int, clock: _Engines, groups: _GroupLedger, held_at: dict[int, float]) -> float:
+    """Queue the offloads possible at boundary ``k`` (earliest drop first); the seconds the forward waits there for
+    the copies whose memory it drops at ``k``."""
+    for drop in sorted(groups.offloads.get(k, {})):
+        gs = groups.offloads[k][drop]
+        job = clock.job("d2h", k, drop, tuple(sorted({groups.owner_of[id(g)] for g in gs})), gs)
+        clock.d2h_free = clock.run(job, clock.d2h_free)
+        held_at[drop] = max(held_at.get(drop, 0.0), job.end)
+    if k not in held_at:
+        return 0.0
+    wait = max(0.0, held_at[k] - clock.t)
+    clock.t += wait
+    return wait
+
+
+def _prefetch_for(u: int, k: int, clock: _Engines, groups: _GroupLedger, where: _Structure,
+                  triggers: Sequence[int | None], back_at: dict[int, float]) -> float:
+    """Queue the prefetches unit ``u``'s backward (segment ``k``) triggers, latest owner first; the seconds it waits
+    for its own."""
+    for owner in sorted((o for o, tr in enumerate(triggers) if tr == u and o in groups.returns), reverse=True):
+        job = clock.job("h2d", k, where.bwd_at[owner], (owner,), groups.returns[owner])
+        clock.h2d_free = clock.run(job, clock.h2d_free)
+        back_at[owner] = job.end
+    if u not in back_at:
+        return 0.0
+    wait = max(0.0, back_at[u] - clock.t)
+    clock.t += wait
+    return wait
+
+
+def _check_host_link(strategies: Sequence[str], dev: DeviceSpec) -> None:
+    """A plan that offloads needs a device with a host link: :class:`PlanError` otherwise."""
+    if any(s in OFFLOADING for s in strategies) and not dev.has_host_link:
+        used = ", ".join(sorted(set(strategies) & set(OFFLOADING)))
+        raise PlanError(f"the plan offloads units ({used}), but {dev.name} has no host link to copy over; recompute or "
+                        "keep them")
+
+
+def _phase(k: int, where: _Structure, state: _StateReplay) -> str:
+    """The phase segment ``k`` belongs to, as the timeline names it."""
+    if k == state.step_seg:
+        return "optimizer step"
+    if 0 <= state.step_seg < k:
+        return "after the step"
+    return "forward" if k < where.forward_end else "backward"
+
+
+def replay(profile: ProfileLike, plan: Plan | Sequence[Any], windows: Sequence[int] | None = None,
            distances: Sequence[int] | None = None, device: DeviceSpec | str | None = None,
            states: Sequence[Any] | None = None) -> Replay:
     """Replay one training step of ``profile`` under a plan on ``device`` (default: the profiled device).
@@ -619,7 +669,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     ``states``: per unit an ``(optimizer, grads, params)`` placement or an index into
     :data:`~memopt_nb.core.plan.STATE_CHOICES`. See the module docstring for the rules.
 
-    Long by design: one walk over the segments; each one's bookkeeping is in the small classes above.
+    One walk over the segments; each one's bookkeeping is in the small classes and helpers above.
     """
     dev = DeviceSpec.resolve(device, profile.device)
     strategies, windows_, distances_, save_sets = _decode(profile, plan, windows, distances)
@@ -627,10 +677,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     units, segments = profile.units, profile.segments
     rc = [by_name(s).recomputes for s in strategies]  # recomputed
     chosen = _save_set_costs(profile.units, save_sets)  # a selective unit's save-set costs
-    if any(s in OFFLOADING for s in strategies) and not dev.has_host_link:
-        used = ", ".join(sorted(set(strategies) & set(OFFLOADING)))
-        raise PlanError(f"the plan offloads units ({used}), but {dev.name} has no host link to copy over; recompute or "
-                        "keep them")
+    _check_host_link(strategies, dev)
     where = _Structure(profile)
     triggers = prefetch_triggers(strategies, distances_)
     groups = _GroupLedger(profile, where, strategies, windows_, chosen, triggers)
@@ -647,27 +694,11 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
     extra = 0
     for k, seg in enumerate(segments):
         extra += groups.change.get(k, 0)
-        for drop in sorted(groups.offloads.get(k, {})):  # offloads possible at this boundary, earliest drop first
-            gs = groups.offloads[k][drop]
-            job = clock.job("d2h", k, drop, tuple(sorted({groups.owner_of[id(g)] for g in gs})), gs)
-            clock.d2h_free = clock.run(job, clock.d2h_free)
-            held_at[drop] = max(held_at.get(drop, 0.0), job.end)
-        if k in held_at:  # the forward drops offloaded memory here: it waits for those copies
-            wait = max(0.0, held_at[k] - clock.t)
-            fwd_stall += wait
-            clock.t += wait
+        fwd_stall += _offload_at(k, clock, groups, held_at)
         dur = seg.time * factor
         if seg.kind == "bwd":
             u = seg.unit
-            for owner in sorted((o for o, tr in enumerate(triggers) if tr == u and o in groups.returns),
-                                reverse=True):
-                job = clock.job("h2d", k, where.bwd_at[owner], (owner,), groups.returns[owner])
-                clock.h2d_free = clock.run(job, clock.h2d_free)
-                back_at[owner] = job.end
-            if u in back_at:
-                wait = max(0.0, back_at[u] - clock.t)
-                bwd_stall += wait
-                clock.t += wait
+            bwd_stall += _prefetch_for(u, k, clock, groups, where, triggers, back_at)
             if rc[u]:
                 redo = (units[u].fwd_time if chosen[u] is None else float(chosen[u]["recompute_time"])) * factor
                 recompute += redo
@@ -675,11 +706,7 @@ def replay(profile: Any, plan: Plan | Sequence[Any], windows: Sequence[int] | No
         level = seg.start_level + extra + state.extra(k)
         peak = level + _own_peak(seg, units, rc, chosen) + groups.late_at.get(k, 0)
         peak += state.backward_step_gap(k)
-        phase = "forward" if k < where.forward_end else "backward"
-        if k == state.step_seg:
-            phase = "optimizer step"
-        elif 0 <= state.step_seg < k:
-            phase = "after the step"
+        phase = _phase(k, where, state)
         t = clock.t
         if k == state.step_seg and state.moves:
             # the parted step replaces the plain one: one row per part

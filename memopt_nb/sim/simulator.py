@@ -85,9 +85,11 @@ from ..core.budget import format_bytes
 from ..core.cuts import profile_for
 from ..core.device import DeviceSpec
 from ..core.errors import PlanError, ProfileError
-from ..core.plan import SAVE_SETS, STATE_CHOICES, Plan
+from ..core.plan import SAVE_SETS, Plan
+from ..core.profile import ProfileLike
 from ..core.strategies import CODES, NAMES, by_code, code_of, save_set_of
 from .replay import Replay, replay
+from .state_cost import StateTable, compile_state, state_part
 
 __all__ = ["CODES", "NAMES", "SimResult", "Simulator", "StateTable", "code_of", "save_set_of", "simulate",
            "simulate_reference"]
@@ -102,63 +104,38 @@ _OFFLOADS = np.array([by_code(c)[0].offloads for c in NAMES])
 _OFFLOADS_INPUTS = _RECOMPUTES & _OFFLOADS
 
 
-def _row_sums(values: np.ndarray, rows: np.ndarray, B: int, width: int) -> np.ndarray:
-    """``(B, width)`` sums of the rows of ``values`` (``(k, width)``, integers) that ``rows`` (``(k,)``, ascending)
-    assigns to each plan; zero for a plan with none."""
-    out = np.zeros((B, width), dtype=values.dtype)
-    if rows.size:
-        starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
-        out[rows[starts]] = np.add.reduceat(values, starts, axis=0)
-    return out
+@dataclass
+class _Batch:
+    """A batch of ``(B, n)`` plans as :meth:`Simulator.evaluate` reads them (codes, windows, distances, and what the
+    codes mean per unit)."""
+
+    s: np.ndarray
+    w: np.ndarray
+    d: np.ndarray
+    sel: np.ndarray
+    sel_j: np.ndarray
+    ro: np.ndarray
+    rc: np.ndarray
+    sw: np.ndarray
+    trig: np.ndarray
+    rows: np.ndarray
+    units: np.ndarray
+
+    @property
+    def any_sel(self) -> bool:
+        return bool(self.sel.any())
 
 
-def stream_peak(unit: Any, with_grads: bool) -> int:
-    """The most a streamed unit's step holds of its own state at once, its step's peak included: per parameter ``j``
-    its state, the next parameter's on its way in, its gradient when ``with_grads`` (brought back for its step) and
-    the step's own peak (``UnitProfile.param_steps``)."""
-    rows = unit.param_steps
-    return max(int(r["optimizer_bytes"]) + (int(rows[j + 1]["optimizer_bytes"]) if j + 1 < len(rows) else 0)
-               + (int(r["grad_bytes"]) if with_grads else 0) + int(r["step_rel_peak"]) for j, r in enumerate(rows))
+@dataclass
+class _Moves:
+    """Per plan and storage group ``(B, G)``: the last segment holding it, whether it is offloaded, the segments where
+    it leaves and comes back, and (with ``recompute_offload`` in the batch) its owner unit."""
 
-
-@dataclass(frozen=True)
-class StateTable:
-    """The state part of the cost model, in the separable form the planners use (one row per unit and placement).
-
-    With ``c_u`` each unit's index into ``choices`` (:data:`~memopt_nb.core.plan.STATE_CHOICES`) and ``act_peak[s]`` the
-    peak of segment ``s`` under the activation plan alone::
-
-        peak = max( max_s (act_peak[s] + sum_u seg_delta[u, c_u, s]),
-                    plain_step_peak                                   if every c_u == 0
-                    max_k (step_base[k] + sum_u step_delta[u, c_u, k])  otherwise )
-        time = activation time (plain step included) + sum_u time[u, c_u] + (chunked_step_extra if any c_u != 0)
-
-    Attributes:
-        choices: the placements, ``STATE_CHOICES`` (index 0: all resident).
-        seg_delta: ``(n, C, S)`` change of segment ``s``'s peak when unit ``u`` takes choice ``c``. The plain step's
-            segment (``step_segment``) gets ``-plain_step_peak`` for every choice that moves something, so that once
-            any unit moves, the unit-by-unit step points (not the plain step) bound the step; rows of choice 0, and
-            of units with no parameters, are zero.
-        step_base: ``(K,)`` peak at each point of the unit-by-unit step with every unit resident (``K = n + 1``:
-            point 0 steps the parameters outside units, point ``k + 1`` unit ``k``).
-        step_delta: ``(n, C, K)`` change of step point ``k``'s peak when unit ``u`` takes choice ``c``.
-        plain_step_peak: peak of the plain optimizer step (every unit resident).
-        time: ``(n, C)`` seconds unit ``u``'s choice ``c`` adds to the step.
-        chunked_step_extra: seconds the unit-by-unit step costs over the plain one.
-        allowed: ``(n, C)`` whether unit ``u`` can take choice ``c`` at all (has parameters the optimizer steps; its
-            parameters can be offloaded); planners also apply :func:`~memopt_nb.core.plan.state_choices`.
-        step_segment: index of the plain step's segment (``-1``: the profile has none).
-    """
-
-    choices: tuple[tuple[str, str, str], ...]
-    seg_delta: np.ndarray
-    step_base: np.ndarray
-    step_delta: np.ndarray
-    plain_step_peak: int
-    time: np.ndarray
-    chunked_step_extra: float
-    allowed: np.ndarray | None = None
-    step_segment: int = -1
+    plan_end: np.ndarray
+    off: np.ndarray
+    r_pos: np.ndarray
+    t_pos: np.ndarray
+    owner: np.ndarray | None
 
 
 @dataclass
@@ -220,7 +197,7 @@ class Simulator:
     :class:`~memopt_nb.core.errors.PlanError`.
     """
 
-    def __init__(self, profile: Any, device: DeviceSpec | str | None = None) -> None:
+    def __init__(self, profile: ProfileLike, device: DeviceSpec | str | None = None) -> None:
         self.profile = profile
         self.device = DeviceSpec.resolve(device, profile.device)
         self.factor = self.device.time_factor(profile.device)
@@ -250,7 +227,7 @@ class Simulator:
         self.recomputable = np.array([u.recomputable for u in profile.units])
         self.bw_d2h = self.device.d2h_bytes_per_s or 1.0
         self.bw_h2d = self.device.h2d_bytes_per_s or 1.0
-        self._compile_groups(profile.groups)
+        _compile_groups(self, profile.groups)
         self.step_segment = int(getattr(profile, "step_segment", -1))
         self._state: StateTable | None = None
 
@@ -303,204 +280,8 @@ class Simulator:
     def state_table(self) -> StateTable:
         """The state part of the model (see :class:`StateTable`), compiled once per simulator."""
         if self._state is None:
-            self._state = self._compile_state()
+            self._state = compile_state(self)
         return self._state
-
-    def _compile_state(self) -> StateTable:
-        prof, n, S = self.profile, self.n, self.S
-        C = len(STATE_CHOICES)
-        units, segs = prof.units, prof.segments
-        ss = self.step_segment
-        peak0 = self.start_level + self.rel  # every unit kept, every placement resident
-        level_after = np.append(self.start_level[1:], self.start_level[-1] if S else 0)
-        seg_delta = np.zeros((n, C, S), dtype=np.int64)
-        step_delta = np.zeros((n, C, n + 1), dtype=np.int64)
-        tcost = np.zeros((n, C))
-        allowed = np.zeros((n, C), dtype=bool)
-        allowed[:, 0] = True
-        rel = [int(getattr(prof, "outside_step_rel_peak", 0))] + [int(getattr(u, "step_rel_peak", 0)) for u in units]
-        base_level = int(segs[ss].start_level) if ss >= 0 else 0
-        step_base = np.array([base_level + r for r in rel], dtype=np.int64)
-        plain = int(peak0[ss]) if ss >= 0 else 0
-        step_t = [float(getattr(prof, "outside_step_time", 0.0)) * self.factor] + [
-            float(getattr(u, "step_time", 0.0)) * self.factor for u in units]
-        seg_idx = np.arange(S)
-        # what the runtime may move for this profile (memopt_nb.runtime.distributed.per_rank: nothing under FSDP2, no
-        # gradients under DDP); a choice that moves anything else is left out (all-zero rows, not allowed)
-        movable = prof.meta.get("state_movable")
-        movable = None if movable is None else set(movable)
-        for u, up in enumerate(units):
-            P, G, Ost = int(up.param_bytes), int(getattr(up, "grad_bytes", 0)), int(getattr(up, "optimizer_bytes", 0))
-            nP, nG, nO = (int(getattr(up, k, 0)) for k in ("param_storages", "grad_storages", "optimizer_storages"))
-            if G == 0:
-                continue  # nothing the optimizer steps: every choice is choice 0
-            fs, bs = int(self.fwd_seg[u]), int(self.bwd_seg[u])
-            fwd_from = int(self.fwd_seg[u - 1]) if u > 0 else fs
-            bwd_from = int(self.bwd_seg[u + 1]) if u + 1 < n else bs
-            p_here = ((seg_idx >= fwd_from) & (seg_idx <= fs)) | ((seg_idx >= bwd_from) & (seg_idx <= bs))
-            after_bwd = seg_idx > bs
-            for c, (o, g, p) in enumerate(STATE_CHOICES):
-                if c == 0:
-                    continue
-                if p == "offload" and not getattr(up, "params_offloadable", False):
-                    continue
-                if o == "stream" and not up.param_steps:
-                    continue  # profiled without the per-parameter steps: it cannot stream
-                if movable is not None and ((o != "resident" and "optimizer" not in movable)
-                                            or (g != "resident" and "grads" not in movable)
-                                            or (p == "offload" and "params" not in movable)):
-                    continue
-                allowed[u, c] = True
-                d = np.zeros(S, dtype=np.int64)
-                k = np.zeros(n + 1, dtype=np.int64)
-                mine = u + 1  # the step point of unit u; point u is the one before, while u's state comes in
-                near = np.zeros(n + 1, dtype=bool)
-                near[u:u + 2] = True
-                if o != "resident":
-                    d -= Ost
-                    k -= np.where(near & (g != "step"), 0, Ost)
-                if o == "stream" and g != "step":  # one parameter's state at a time (stream_peak)
-                    k[u] += int(up.param_steps[0]["optimizer_bytes"]) - Ost  # the previous part brings the first
-                    k[mine] += stream_peak(up, g == "offload") - Ost - (G if g == "offload" else 0) - rel[mine]
-                if g in ("offload", "step"):
-                    d -= np.where(after_bwd, G, 0)
-                    k -= G
-                    if g == "offload":
-                        k[mine] += G  # brought back for its step
-                    else:
-                        k[mine] -= rel[mine]  # stepped in backward: nothing to step here
-                if p == "offload":
-                    d -= np.where(p_here, 0, P)
-                    k -= np.where(near & (g != "step"), 0, P)
-                if g == "step":  # the step at the end of its backward: the level there plus the step's own peak
-                    own = rel[mine] if o != "stream" else stream_peak(up, False) - Ost
-                    spike = int(level_after[bs]) + int(getattr(up, "grads_done_extra", 0)) + own
-                    d[bs] = max(int(peak0[bs]) + int(d[bs]), spike) - int(peak0[bs])
-                if ss >= 0:
-                    d[ss] = -plain
-                seg_delta[u, c] = d
-                step_delta[u, c] = k
-                tcost[u, c] = self._state_seconds(u, o, g, p, P, G, Ost, nP, nG, nO, step_t)
-        extra = max(0.0, (float(getattr(prof, "chunked_step_time", 0.0)) - (segs[ss].time if ss >= 0 else 0.0))
-                    ) * self.factor
-        return StateTable(choices=STATE_CHOICES, seg_delta=seg_delta, step_base=step_base, step_delta=step_delta,
-                          plain_step_peak=plain, time=tcost, chunked_step_extra=extra, allowed=allowed,
-                          step_segment=ss)
-
-    def _state_seconds(self, u: int, o: str, g: str, p: str, P: int, G: int, Ost: int, nP: int, nG: int, nO: int,
-                       step_t: list[float]) -> float:
-        """Seconds unit ``u``'s placement adds: its copies, less what hides behind the compute beside them."""
-        dev = self.device
-        cost = lambda nbytes, count, direction: dev.copy_seconds(nbytes, count, direction)  # noqa: E731
-        up_steps = self.profile.units[u].param_steps
-        # streaming steps the unit one parameter at a time: their seconds replace the unit's step
-        t0 = (sum(float(r["step_time"]) for r in up_steps) * self.factor - step_t[u + 1]) if o == "stream" else 0.0
-        if not dev.copy_overlap:
-            t = t0
-            if o != "resident":
-                t += cost(Ost, nO, "both")
-            if g == "offload":
-                t += cost(G, nG, "both")
-            if p == "offload":
-                t += 2 * cost(P, nP, "h2d") + cost(P, nP, "both" if g != "step" else "d2h")
-            return float(t)
-        n = self.n
-        t = t0
-        hidden = lambda nbytes, direction, window: max(0.0, dev.copy_seconds(nbytes, 0, direction) - window)  # noqa
-        if o != "resident":
-            t += cost(0, nO, "both") + dev.copy_seconds(Ost, 0, "d2h")
-        if o == "offload":
-            t += hidden(Ost, "h2d", step_t[u]) if g != "step" else dev.copy_seconds(Ost, 0, "h2d")
-        if o == "stream":  # each parameter's state comes in beside the step before it (the previous part's first)
-            windows = [step_t[u]] + [float(r["step_time"]) * self.factor for r in up_steps[:-1]]
-            for r, w in zip(up_steps, windows, strict=True):
-                nbytes = int(r["optimizer_bytes"])
-                t += hidden(nbytes, "h2d", w) if g != "step" else dev.copy_seconds(nbytes, 0, "h2d")
-        if g == "offload":
-            t += cost(G, nG, "both")
-        if p == "offload":
-            prev_fwd = float(self.fwd_time[u - 1]) if u > 0 else 0.0
-            next_bwd = float(self.dur[self.bwd_seg[u + 1]]) if u + 1 < n else 0.0
-            t += cost(0, nP, "h2d") * 2 + hidden(P, "h2d", prev_fwd) + hidden(P, "h2d", next_bwd)
-            t += cost(P, nP, "d2h")
-            if g != "step":
-                t += cost(0, nP, "h2d") + hidden(P, "h2d", step_t[u])
-        return float(t)
-
-    def _state_part(self, states: np.ndarray | None, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """For ``(B, n)`` choice indices: per plan the segment deltas ``(B, S)``, the step peak, the added seconds and
-        whether the plan moves anything."""
-        n, S = self.n, self.S
-        if states is None:
-            return np.zeros((B, S)), np.zeros(B), np.zeros(B), np.zeros(B, dtype=bool)
-        c = np.atleast_2d(np.asarray(states, dtype=np.int64))
-        if c.shape != (B, n) or (c.size and (c.min() < 0 or c.max() >= len(STATE_CHOICES))):
-            raise PlanError(f"states must be a (B, {n}) array of indices into STATE_CHOICES "
-                            f"(0..{len(STATE_CHOICES) - 1}), got shape {c.shape}")
-        tab = self.state_table()
-        cols = np.arange(n)[None, :]
-        # choice 0 (all resident) has all-zero rows: only the units that move something add to the integer sums
-        # (exact in any order), so plans that move little cost little
-        rows, units = np.nonzero(c)
-        moved = np.zeros(B, dtype=bool)
-        moved[rows] = True
-        seg = _row_sums(tab.seg_delta[units, c[rows, units]], rows, B, S).astype(np.float64)  # (B, S)
-        K = tab.step_base.size
-        chunked = (tab.step_base[None, :] + _row_sums(tab.step_delta[units, c[rows, units]], rows, B, K)).max(axis=1)
-        step = np.where(moved, chunked, tab.plain_step_peak).astype(np.float64)
-        t = tab.time[cols, c].sum(axis=1) + np.where(moved, tab.chunked_step_extra, 0.0)
-        return seg, step, t, moved
-
-    def _compile_groups(self, groups: Sequence[Any]) -> None:
-        def changes(g: Any) -> bool:  # groups no plan can move are left out
-            if g.outside_saver:
-                return g.outside_release is not None
-            return bool(g.savers) or g.free_pos is not None or getattr(g, "release_pos", None) is not None
-
-        gs = [g for g in groups if changes(g)]
-        self.g_list = gs  # the groups the arrays below describe, in their order
-        self.G = G = len(gs)
-        ks = max([len(g.savers) for g in gs] + [1])
-        kc = max([len(g.consumers) for g in gs] + [1])
-        self.g_nb = np.array([g.nbytes for g in gs], dtype=np.float64)
-        self.g_cnt = np.array([g.count for g in gs], dtype=np.float64)  # storages per group (per-copy cost)
-        self.g_prod = np.array([g.producer for g in gs], dtype=np.int64)
-        self.g_sav = np.full((G, ks), -1)
-        self.g_con = np.full((G, kc), -1)
-        for i, g in enumerate(gs):
-            self.g_sav[i, : len(g.savers)] = g.savers
-            self.g_con[i, : len(g.consumers)] = g.consumers
-        self.g_has_sav = self.g_sav[:, 0] >= 0
-        self.g_owner = np.where(self.g_has_sav, self.g_sav.max(axis=1), 0)
-        self.g_free = np.array([g.free_pos if g.free_pos is not None else -1 for g in gs], dtype=np.int64)
-        g_release = np.array([r if (r := getattr(g, "release_pos", None)) is not None else -1 for g in gs],
-                             dtype=np.int64)
-        # liveness outside autograd: resident through segment free-1, or release-1 for what is let go of after the
-        # forward (a model output, a KV cache), or the segment after the forward
-        fallback = np.where(self.g_free >= 0, self.g_free - 1, np.where(g_release >= 0, g_release - 1, self.end))
-        bwd_of = lambda idx: np.where(idx >= 0, self.bwd_seg[np.maximum(idx, 0)], -1)  # noqa: E731
-        self.g_sav_bwd = bwd_of(self.g_sav)
-        self.g_con_bwd = bwd_of(self.g_con)
-        self.g_fallback = fallback
-        # code outside units that saves a storage lets go of it in this segment's backward (-1: no such code)
-        self.g_out_rel = np.array([g.outside_release if g.outside_saver else -1 for g in gs], dtype=np.int64)
-        base = np.maximum(np.where(self.g_has_sav, self.g_sav_bwd.max(axis=1), -1), self.g_out_rel)
-        self.g_base_end = np.maximum(base, fallback)
-        outside = np.array([g.outside_saver for g in gs], dtype=bool)
-        self.g_eligible = self.g_has_sav & (self.g_free >= 0) & ~outside
-        # what a recompute_offload consumer may offload too: its liveness ends in the forward, no code outside units
-        # saves it
-        self.g_ro_eligible = (self.g_free >= 0) & ~outside & (self.g_con[:, 0] >= 0)
-        self.g_next = np.where(self.g_free >= 0, self.next_unit[np.maximum(self.g_free, 0)], 0)
-        self.g_owner_onehot = np.zeros((G, self.n))
-        self.g_owner_onehot[np.arange(G), self.g_owner] = 1.0
-        self.groups_at = {b: np.nonzero((self.g_eligible | self.g_ro_eligible) & (self.g_free == b))[0]
-                          for b in set(self.g_free.tolist()) if b >= 0}
-        # freed partway through a segment whose peak came later: held past it, they add to that peak
-        self.g_late = np.array([getattr(g, "late_bytes", 0) for g in gs], dtype=np.float64)
-        self.g_death = np.array([d if (d := getattr(g, "death_seg", None)) is not None else -1 for g in gs],
-                                dtype=np.int64)
-        self.late_groups = np.nonzero((self.g_late > 0) & (self.g_death >= 0))[0]
 
     # ------------------------------------------------------------------ batched evaluation
     def evaluate(self, strategies: np.ndarray, windows: np.ndarray, distances: np.ndarray,
@@ -511,24 +292,62 @@ class Simulator:
         ``states``: ``(B, n)`` indices into :data:`~memopt_nb.core.plan.STATE_CHOICES` (``None``: everything resident);
         the state part follows :class:`StateTable` exactly.
 
-        Long by design: the planners' inner loop, one vectorised pass whose steps share a dozen ``(B, S)`` arrays.
+        The planners' inner loop, one vectorised pass in three steps: which storage groups move where
+        (:meth:`_group_moves`), the memory of every segment (:meth:`_segment_peaks`), and the time, with the copy
+        queues when the device overlaps copies (:func:`_copy_queues`).
         """
+        b = self._batch(strategies, windows, distances)
+        B, n = b.s.shape
+        m = self._group_moves(b)
+        peaks, peak, st_step, st_time, st_moved = self._segment_peaks(b, m, states)
+        # ---- time
+        off_nb = self.g_nb[None] * m.off
+        off_count = (self.g_cnt[None] * m.off).sum(axis=1)  # storages offloaded (and brought back)
+        if m.owner is not None:  # (B, n) bytes each owner brings back
+            pf_bytes = np.bincount((b.rows * n + m.owner).ravel(), weights=off_nb.ravel(),
+                                   minlength=B * n).reshape(B, n)
+        else:
+            pf_bytes = off_nb @ self.g_owner_onehot
+        # seconds each unit's backward spends recomputing (a selective unit: what its save-set leaves to recompute)
+        redo = np.where(b.rc, self.fwd_time[None], 0.0)
+        if b.any_sel:
+            redo = np.where(b.sel, self.sel_time[b.units, b.sel_j], redo)
+        recompute = redo.sum(axis=1)
+        dev = self.device
+        copy_time = dev.copy_seconds(off_nb.sum(axis=1), off_count, "both")
+        if not dev.copy_overlap:
+            # copies share the compute cores (CPU device, no spare core): their time adds to the step, nothing overlaps
+            t = self.dur.sum() + recompute + copy_time + st_time
+            fwd_stall = bwd_stall = np.zeros(B)
+            compute = self.dur.sum() + recompute + copy_time
+        else:
+            # the training thread's per-storage share of the copies; the bytes run on the copy queues
+            thread_copy = dev.copy_seconds(0.0, off_count, "both")
+            t, fwd_stall, bwd_stall = _copy_queues(self, b, m, off_nb, pf_bytes, redo)
+            t = t + thread_copy + st_time
+            compute = np.full(B, self.dur.sum()) + recompute + thread_copy
+        if not details:
+            return peak, t
+        return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": fwd_stall, "bwd_stall": bwd_stall,
+                "step_peak": st_step, "state_time": st_time, "moved": st_moved,
+                "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
+                "compute": compute, "trig": b.trig, "off": m.off, "r_pos": m.r_pos,
+                "t_pos": m.t_pos, "storages": off_count, "plan_end": m.plan_end}
+
+    def _batch(self, strategies: np.ndarray, windows: np.ndarray, distances: np.ndarray) -> _Batch:
+        """The ``(B, n)`` codes checked and read: what each unit recomputes, offloads, keeps selectively, and its
+        effective prefetch trigger."""
         s = np.atleast_2d(np.asarray(strategies, dtype=np.int64))
         w = np.atleast_2d(np.asarray(windows, dtype=np.int64))
         d = np.atleast_2d(np.asarray(distances, dtype=np.int64))
-        B, n, S, G = s.shape[0], self.n, self.S, self.G
+        B, n = s.shape[0], self.n
         if s.shape[1] != n or w.shape != s.shape or d.shape != s.shape:
             raise PlanError(f"expected (B, {n}) arrays of strategies, windows and distances, got {s.shape}, "
                             f"{w.shape}, {d.shape}")
         if s.size and (s.min() < 0 or s.max() >= len(NAMES)):
             by_code(int(s.min() if s.min() < 0 else s.max()))  # PlanError naming the codes
         sel, sel_j = self._selective_of(s)
-        ro = _OFFLOADS_INPUTS[s]
-        any_ro = bool(ro.any())
-        any_sel = bool(sel.any())
-        rc = _RECOMPUTES[s]  # recomputed (plain, with its inputs offloaded, or selectively)
         sw = _OFFLOADS[s]  # offloads to the host, with the swap timing
-        rows = np.arange(B)[:, None]
         # effective prefetch triggers (descending scan)
         trig = np.full((B, n), -1)
         later = np.full(B, n - 1)
@@ -536,7 +355,13 @@ class Simulator:
             t = np.minimum(np.minimum(u + d[:, u], n - 1), later)
             trig[:, u] = np.where(sw[:, u], t, -1)
             later = np.where(sw[:, u], t, later)
-        # ---- storage groups
+        return _Batch(s=s, w=w, d=d, sel=sel, sel_j=sel_j, ro=_OFFLOADS_INPUTS[s], rc=_RECOMPUTES[s], sw=sw,
+                      trig=trig, rows=np.arange(B)[:, None], units=np.arange(n)[None])
+
+    def _group_moves(self, b: _Batch) -> _Moves:
+        """Per plan and storage group: the last segment that holds it, whether it is offloaded, and the boundaries
+        where it leaves the device and comes back (see the module docstring's rules)."""
+        n, rows, rc, sw, w, trig = self.n, b.rows, b.rc, b.sw, b.w, b.trig
         sav = self.g_sav[None]
         sav_ok = sav >= 0
         sav_rc = np.where(sav_ok, rc[rows[:, :, None], np.maximum(sav, 0)], False)
@@ -549,10 +374,11 @@ class Simulator:
         end_con = np.where(con_rc, self.g_con_bwd[None], -1).max(axis=2)
         plan_end = np.maximum(np.maximum(end_sav, end_con), self.g_out_rel[None])
         plan_end = np.maximum(plan_end, self.g_fallback[None])
-        if any_ro:
+        owner = None
+        if b.ro.any():
             # the owner is the last unit that hands the storage to the swap engine: a saver (not a recomputing
             # producer, whose saved tensors the recomputation recreates) or a recompute_offload unit taking it as input
-            con_ro = np.where(con_ok, ro[rows[:, :, None], np.maximum(con, 0)], False)
+            con_ro = np.where(con_ok, b.ro[rows[:, :, None], np.maximum(con, 0)], False)
             owner = np.maximum(np.where(hold_sav, sav, -1).max(axis=2), np.where(con_ro, con, -1).max(axis=2))
             has_owner = owner >= 0
             owner = np.maximum(owner, 0)
@@ -569,12 +395,21 @@ class Simulator:
             trig_g = trig[:, self.g_owner]
         r_pos = np.where(r_unit < n, self.fwd_seg[np.minimum(r_unit, n - 1)], self.end)
         t_pos = self.bwd_seg[np.maximum(trig_g, 0)]
+        return _Moves(plan_end=plan_end, off=off, r_pos=r_pos, t_pos=t_pos, owner=owner)
+
+    def _segment_peaks(self, b: _Batch, m: _Moves, states: np.ndarray | None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per plan: every segment's peak ``(B, S)``, the step's peak, and the state part's step peak, seconds and
+        whether it moves anything."""
+        S, G, n = self.S, self.G, self.n
+        B = b.s.shape[0]
+        sel, sel_j, units, off, plan_end = b.sel, b.sel_j, b.units, m.off, m.plan_end
+        any_sel = bool(sel.any())
         nb = self.g_nb[None]
         # difference array over segment index
         flat = (np.arange(B) * (S + 2))[:, None]
-        idx = np.concatenate([plan_end + 1, np.broadcast_to(self.g_base_end + 1, (B, G)), r_pos, t_pos], axis=1)
+        idx = np.concatenate([plan_end + 1, np.broadcast_to(self.g_base_end + 1, (B, G)), m.r_pos, m.t_pos], axis=1)
         val = np.concatenate([-nb * np.ones((B, 1)), nb * np.ones((B, 1)), -nb * off, nb * off], axis=1)
-        units = np.arange(n)[None]
         if any_sel:  # what a selective unit's save-set keeps: held after its forward, through its backward
             held = np.where(sel, self.sel_held[units, sel_j], 0.0)
             idx = np.concatenate([idx, np.broadcast_to(self.fwd_seg + 1, (B, n)),
@@ -583,89 +418,19 @@ class Simulator:
         D = np.bincount((flat + np.clip(idx, 0, S + 1)).ravel(), weights=val.ravel(), minlength=B * (S + 2))
         delta = np.cumsum(D.reshape(B, S + 2), axis=1)[:, :S]
         unit_of = np.maximum(self.seg_unit, 0)
-        seg_rc = (self.seg_unit >= 0)[None] & rc[:, unit_of]
+        seg_rc = (self.seg_unit >= 0)[None] & b.rc[:, unit_of]
         rel = np.where(seg_rc, self.rc_rel[None], self.rel[None])
         if any_sel:
             rel[:, self.fwd_seg] = np.where(sel, self.sel_fwd_rel[units, sel_j], rel[:, self.fwd_seg])
             rel[:, self.bwd_seg] = np.where(sel, self.sel_bwd_rel[units, sel_j], rel[:, self.bwd_seg])
-        st_seg, st_step, st_time, st_moved = self._state_part(states, B)
+        st_seg, st_step, st_time, st_moved = state_part(self, states, B)
         peaks = self.start_level[None] + delta + rel + st_seg
         lg = self.late_groups
         if lg.size:  # held past the segment the profiled run freed them in, partway (StorageGroup.late_bytes)
             late = np.where(plan_end[:, lg] > self.g_death[lg][None], self.g_late[lg][None], 0.0)
             np.add.at(peaks, (slice(None), self.g_death[lg]), late)
         peak = np.maximum(peaks.max(axis=1), st_step) if states is not None else peaks.max(axis=1)
-        # ---- time
-        off_nb = nb * off
-        off_count = (self.g_cnt[None] * off).sum(axis=1)  # storages offloaded (and brought back)
-        if any_ro:  # (B, n) bytes each owner brings back
-            pf_bytes = np.bincount((rows * n + owner).ravel(), weights=off_nb.ravel(), minlength=B * n).reshape(B, n)
-        else:
-            pf_bytes = off_nb @ self.g_owner_onehot
-        # seconds each unit's backward spends recomputing (a selective unit: what its save-set leaves to recompute)
-        redo = np.where(rc, self.fwd_time[None], 0.0)
-        if any_sel:
-            redo = np.where(sel, self.sel_time[units, sel_j], redo)
-        recompute = redo.sum(axis=1)
-        dev = self.device
-        copy_time = dev.copy_seconds(off_nb.sum(axis=1), off_count, "both")
-        if not dev.copy_overlap:
-            # copies share the compute cores (CPU device, no spare core): their time adds to the step, nothing overlaps
-            t = self.dur.sum() + recompute + copy_time + st_time
-            if not details:
-                return peak, t
-            zero = np.zeros(B)
-            return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": zero, "bwd_stall": zero,
-                    "step_peak": st_step, "state_time": st_time, "moved": st_moved,
-                    "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
-                    "compute": self.dur.sum() + recompute + copy_time, "trig": trig, "off": off, "r_pos": r_pos,
-                    "t_pos": t_pos, "storages": off_count, "plan_end": plan_end}
-        # the training thread's per-storage share of the copies; the bytes run on the copy queues below
-        thread_copy = dev.copy_seconds(0.0, off_count, "both")
-        t = np.zeros(B)
-        d2h = np.zeros(B)
-        h2d = np.zeros(B)
-        wait_at = np.zeros((B, S + 2))
-        pf_end = np.zeros((B, n))
-        fwd_stall = np.zeros(B)
-        bwd_stall = np.zeros(B)
-        max_d = int(d.max()) if d.size else 0
-        for k in range(S):
-            groups = self.groups_at.get(k)
-            if groups is not None and groups.size:
-                rg = r_pos[:, groups]
-                bg = off_nb[:, groups]
-                for r in np.unique(rg[bg > 0]):
-                    bytes_r = np.where(rg == r, bg, 0.0).sum(axis=1)
-                    has = bytes_r > 0
-                    d2h = np.where(has, np.maximum(d2h, t) + dev.copy_seconds(bytes_r, 0, "d2h"), d2h)
-                    wait_at[:, r] = np.where(has, np.maximum(wait_at[:, r], d2h), wait_at[:, r])
-            if self.next_unit[k] >= 0:
-                nt = np.maximum(t, wait_at[:, k])
-                fwd_stall += nt - t
-                t = nt
-            if self.kind[k] == 1:
-                u = int(self.seg_unit[k])
-                ready = t
-                for o in range(u, max(-1, u - max_d - 1), -1):
-                    m = (trig[:, o] == u) & (pf_bytes[:, o] > 0)
-                    if m.any():
-                        h2d = np.where(m, np.maximum(h2d, ready) + dev.copy_seconds(pf_bytes[:, o], 0, "h2d"), h2d)
-                        pf_end[:, o] = np.where(m, h2d, pf_end[:, o])
-                nt = np.where(pf_bytes[:, u] > 0, np.maximum(t, pf_end[:, u]), t)
-                bwd_stall += nt - t
-                t = nt
-                t = t + self.dur[k] + redo[:, u]
-            else:
-                t = t + self.dur[k]
-        t = t + thread_copy + st_time
-        if not details:
-            return peak, t
-        return {"peak": peak, "time": t, "peaks": peaks, "fwd_stall": fwd_stall, "bwd_stall": bwd_stall,
-                "step_peak": st_step, "state_time": st_time, "moved": st_moved,
-                "offloaded": off_nb.sum(axis=1), "recompute": recompute, "copy": copy_time,
-                "compute": np.full(B, self.dur.sum()) + recompute + thread_copy, "trig": trig, "off": off,
-                "r_pos": r_pos, "t_pos": t_pos, "storages": off_count, "plan_end": plan_end}
+        return peaks, peak, st_step, st_time, st_moved
 
     # ------------------------------------------------------------------ plans
     def encode(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -719,6 +484,105 @@ class Simulator:
         return [dict(row) for row in rep.rows]
 
 
+def _compile_groups(sim: Simulator, groups: Sequence[Any]) -> None:
+    """The storage groups a plan can move, as arrays on ``sim`` (``g_*``, ``G``, ``groups_at``, ``late_groups``): who
+    produces, saves and consumes each, where its liveness ends, when it may leave the device."""
+    def changes(g: Any) -> bool:  # groups no plan can move are left out
+        if g.outside_saver:
+            return g.outside_release is not None
+        return bool(g.savers) or g.free_pos is not None or getattr(g, "release_pos", None) is not None
+
+    gs = [g for g in groups if changes(g)]
+    sim.g_list = gs  # the groups the arrays below describe, in their order
+    sim.G = G = len(gs)
+    ks = max([len(g.savers) for g in gs] + [1])
+    kc = max([len(g.consumers) for g in gs] + [1])
+    sim.g_nb = np.array([g.nbytes for g in gs], dtype=np.float64)
+    sim.g_cnt = np.array([g.count for g in gs], dtype=np.float64)  # storages per group (per-copy cost)
+    sim.g_prod = np.array([g.producer for g in gs], dtype=np.int64)
+    sim.g_sav = np.full((G, ks), -1)
+    sim.g_con = np.full((G, kc), -1)
+    for i, g in enumerate(gs):
+        sim.g_sav[i, : len(g.savers)] = g.savers
+        sim.g_con[i, : len(g.consumers)] = g.consumers
+    sim.g_has_sav = sim.g_sav[:, 0] >= 0
+    sim.g_owner = np.where(sim.g_has_sav, sim.g_sav.max(axis=1), 0)
+    sim.g_free = np.array([g.free_pos if g.free_pos is not None else -1 for g in gs], dtype=np.int64)
+    g_release = np.array([r if (r := getattr(g, "release_pos", None)) is not None else -1 for g in gs],
+                         dtype=np.int64)
+    # liveness outside autograd: resident through segment free-1, or release-1 for what is let go of after the
+    # forward (a model output, a KV cache), or the segment after the forward
+    fallback = np.where(sim.g_free >= 0, sim.g_free - 1, np.where(g_release >= 0, g_release - 1, sim.end))
+    bwd_of = lambda idx: np.where(idx >= 0, sim.bwd_seg[np.maximum(idx, 0)], -1)  # noqa: E731
+    sim.g_sav_bwd = bwd_of(sim.g_sav)
+    sim.g_con_bwd = bwd_of(sim.g_con)
+    sim.g_fallback = fallback
+    # code outside units that saves a storage lets go of it in this segment's backward (-1: no such code)
+    sim.g_out_rel = np.array([g.outside_release if g.outside_saver else -1 for g in gs], dtype=np.int64)
+    base = np.maximum(np.where(sim.g_has_sav, sim.g_sav_bwd.max(axis=1), -1), sim.g_out_rel)
+    sim.g_base_end = np.maximum(base, fallback)
+    outside = np.array([g.outside_saver for g in gs], dtype=bool)
+    sim.g_eligible = sim.g_has_sav & (sim.g_free >= 0) & ~outside
+    # what a recompute_offload consumer may offload too: its liveness ends in the forward, no code outside units
+    # saves it
+    sim.g_ro_eligible = (sim.g_free >= 0) & ~outside & (sim.g_con[:, 0] >= 0)
+    sim.g_next = np.where(sim.g_free >= 0, sim.next_unit[np.maximum(sim.g_free, 0)], 0)
+    sim.g_owner_onehot = np.zeros((G, sim.n))
+    sim.g_owner_onehot[np.arange(G), sim.g_owner] = 1.0
+    sim.groups_at = {b: np.nonzero((sim.g_eligible | sim.g_ro_eligible) & (sim.g_free == b))[0]
+                      for b in set(sim.g_free.tolist()) if b >= 0}
+    # freed partway through a segment whose peak came later: held past it, they add to that peak
+    sim.g_late = np.array([getattr(g, "late_bytes", 0) for g in gs], dtype=np.float64)
+    sim.g_death = np.array([d if (d := getattr(g, "death_seg", None)) is not None else -1 for g in gs],
+                            dtype=np.int64)
+    sim.late_groups = np.nonzero((sim.g_late > 0) & (sim.g_death >= 0))[0]
+
+
+def _copy_queues(sim: Simulator, b: _Batch, m: _Moves, off_nb: np.ndarray, pf_bytes: np.ndarray, redo: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step walked segment by segment beside the two first-in-first-out copy queues: per plan the compute
+    stream's end time and its forward and backward stalls."""
+    S, n, dev, trig, d = sim.S, sim.n, sim.device, b.trig, b.d
+    B = b.s.shape[0]
+    t = np.zeros(B)
+    d2h = np.zeros(B)
+    h2d = np.zeros(B)
+    wait_at = np.zeros((B, S + 2))
+    pf_end = np.zeros((B, n))
+    fwd_stall = np.zeros(B)
+    bwd_stall = np.zeros(B)
+    max_d = int(d.max()) if d.size else 0
+    for k in range(S):
+        groups = sim.groups_at.get(k)
+        if groups is not None and groups.size:
+            rg = m.r_pos[:, groups]
+            bg = off_nb[:, groups]
+            for r in np.unique(rg[bg > 0]):
+                bytes_r = np.where(rg == r, bg, 0.0).sum(axis=1)
+                has = bytes_r > 0
+                d2h = np.where(has, np.maximum(d2h, t) + dev.copy_seconds(bytes_r, 0, "d2h"), d2h)
+                wait_at[:, r] = np.where(has, np.maximum(wait_at[:, r], d2h), wait_at[:, r])
+        if sim.next_unit[k] >= 0:
+            nt = np.maximum(t, wait_at[:, k])
+            fwd_stall += nt - t
+            t = nt
+        if sim.kind[k] == 1:
+            u = int(sim.seg_unit[k])
+            ready = t
+            for o in range(u, max(-1, u - max_d - 1), -1):
+                mo = (trig[:, o] == u) & (pf_bytes[:, o] > 0)
+                if mo.any():
+                    h2d = np.where(mo, np.maximum(h2d, ready) + dev.copy_seconds(pf_bytes[:, o], 0, "h2d"), h2d)
+                    pf_end[:, o] = np.where(mo, h2d, pf_end[:, o])
+            nt = np.where(pf_bytes[:, u] > 0, np.maximum(t, pf_end[:, u]), t)
+            bwd_stall += nt - t
+            t = nt
+            t = t + sim.dur[k] + redo[:, u]
+        else:
+            t = t + sim.dur[k]
+    return t, fwd_stall, bwd_stall
+
+
 def simulate_reference(sim: Simulator | Any, strategies: Sequence[Any], windows: Sequence[int],
                        distances: Sequence[int], device: DeviceSpec | str | None = None) -> dict[str, Any]:
     """One plan through the independent reference (:func:`memopt_nb.sim.replay.replay`), as a dict.
@@ -737,7 +601,7 @@ def simulate_reference(sim: Simulator | Any, strategies: Sequence[Any], windows:
             "prefetched": rep.bytes_prefetched, "rows": rep.rows, "copies": rep.copies}
 
 
-def simulate(profile: Any, plan: Plan, device: DeviceSpec | str | None = None,
+def simulate(profile: ProfileLike, plan: Plan, device: DeviceSpec | str | None = None,
              budget: int | None = None) -> SimResult:
     """Predict peak memory, step time and a timeline of one training step of ``profile`` under ``plan``.
 

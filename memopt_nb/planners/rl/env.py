@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -363,199 +364,18 @@ class MemoryPlanningEnv(ParallelEnv):
         got = self._cache.get(u)
         if got is not None:
             return got
-        task = self.task
-        n, C, S = task.n, task.C, task.S
-        K, T = task.n_strategies, len(TIMINGS)
-        unit = self._unit_features(u)
-        choice, ok_s, costs = [], [], []
-        # per timed strategy (keyed by its code): its most frugal allowed timing, what the timing agent sees
-        timed_cost, pend_min, t_cost, t_unit = {}, {}, {}, {}
-        for a, (code, o) in enumerate(zip(task.action_codes.tolist(), task.action_option.tolist(), strict=True)):
-            if o >= 0:  # an untimed action: its one option
-                choice.append(task.marg_peak[u, o])
-                ok_s.append(bool(task.option_ok[u, o]))
-                costs.append(task.marg_time[u, o])
-                continue
-            b = task.timed_base[code]
-            opts = np.flatnonzero(task.option_ok[u, b:b + T])
-            frugal_c = task.marg_peak[u, b + opts].min(axis=0) if opts.size else None
-            choice.append(frugal_c if opts.size else np.zeros(S))
-            ok_s.append(bool(opts.size))
-            default = task.marg_time[u, b + DEFAULT_TIMING]
-            costs.append(default)
-            timed_cost[code] = task.marg_time[u, b + opts].min() if opts.size else None
-            pend_min[code] = frugal_c
-            t_cost[code] = (task.marg_time[u, b:b + T] - default) / self._t_unit
-            t_unit[code] = np.concatenate([unit, np.eye(K)[a]])
-        choice = np.stack(choice)
-        ok_s = np.array(ok_s)
-        costs = np.array(costs)
-        cost_per = {}  # per whether a unit before moved state: (K, C) time of each action, relative
-        for before in (False, True):
-            moved = before | (np.arange(C) > 0)
-            st_cost = task.st_time[u] + np.where(moved & ~before, task.chunk_extra, 0.0)
-            cost_per[before] = (costs[:, None] + st_cost[None]) / self._t_unit
-        if self._states:
-            saving = max(float(-task.st_seg[u, j].min()) for j in range(C) if task.state_ok[u, j])
-            times = [float(task.st_time[u, j]) for j in range(1, C) if task.state_ok[u, j]]
-            unit_s = np.concatenate([unit, [saving / self._b_unit, min(times, default=0.0) / self._t_unit]])
-        else:
-            unit_s = unit
-        # the timing agent's frugal strategy assumption: per action o * C + j, its segments and step points
-        frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(K) for j in range(C)])
-        frugal_step = np.array([task.st_step[u, j] for o in range(K) for j in range(C)]).reshape(K * C, task.K)
-        k = int(self._pos[u])
-        look = [int(v) for v in self.order[k + 1:k + 1 + self.lookahead]]  # the next units this episode decides
-        look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / self._t_unit,
-                                 task.profile.units[v].interior_bytes / self._b_unit,
-                                 task.marg_time[v, RECOMPUTE] / self._t_unit,
-                                 task.marg_time[v, task.timed_base[SWAP] + DEFAULT_TIMING] / self._t_unit]
-                                for v in look]).reshape(-1, 5)
-        got = {
-            "choice": choice, "ok": (ok_s[:, None] & task.state_ok[u][None]).ravel(), "cost_per": cost_per,
-            "unit": unit, "unit_s": unit_s, "frugal": frugal, "frugal_step": frugal_step,
-            "timed_cost": timed_cost, "pend_min": pend_min, "t_cost": t_cost, "t_unit": t_unit,
-            "look": np.array(look, dtype=np.int64), "look_static": look_static,
-            "look_moved": np.array([bool(task.state_ok[v, 1:].any()) for v in look], dtype=bool),
-            "load_den": max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12),
-        }
-        self._cache[u] = got
+        got = self._cache[u] = _static_features(self, u)
         return got
 
     @staticmethod
     def _observe_many(envs: list[MemoryPlanningEnv]) -> list[tuple[dict, dict]]:
         """Both agents' observations and masks for copies at the same step ``t < n`` of one task and decision order,
-        computed together on stacked arrays (one copy alone: :meth:`_observe`).
-
-        Long by design: one vectorised computation over the copies whose parts share the stacked arrays.
-        """
-        first = envs[0]
-        task, t = first.task, first.t
-        u = int(first.order[t])  # the unit decided at this step; p, the one before (its timing still open)
-        p = int(first.order[t - 1]) if t >= 1 else -1
-        n, C, E = task.n, task.C, len(envs)
-        budget = task.budget
-        tol = budget * (1 + 1e-9)
-        st = first._static(u)
-        base_level = np.stack([env.level for env in envs])
-        step_level = np.stack([env.step_level for env in envs])
-        was_moved = np.array([env.moved for env in envs])
-        pcode = np.array([env.codes[p] if t >= 1 else -1 for env in envs])  # timed: its timing still open
-        pending = np.isin(pcode, _TIMED)
-        level = base_level.copy()
-        for code in np.unique(pcode[pending]):
-            sel = pcode == code
-            level[sel] = base_level[sel] + first._static(p)["pend_min"][int(code)]
-
-        def bound(seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
-            seg_max = seg.max(axis=-1)
-            if not task.has_step:
-                return seg_max
-            return task.bounds(seg_max, _rowmax(step) if task.K else np.full(seg_max.shape, -np.inf), moved,
-                               can_move)
-
-        rest = first._suffix_min[t + 1]
-        rest_step = first._suffix_step[t + 1]
-        rest_move = bool(first._suffix_can_move[t + 1])
-        cur = bound(level, step_level, was_moved, False)
-        need = np.maximum(cur - budget, 0.01 * budget)
-        need_ratio = np.maximum(cur - budget, 0.0) / max(float(first._suffix_red[t]), 1.0)
-        loads = []
-        for env in envs:
-            load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in range(max(0, u - 3), u)
-                       if env.codes[v] == SWAP)
-            loads.append(min(load / st["load_den"], 10.0))
-        least = bound(level + first._suffix_min[t], step_level + first._suffix_step[t], was_moved,
-                      bool(first._suffix_can_move[t]))
-        common = np.stack([np.full(E, t / n), np.full(E, (n - t) / n), (cur - budget) / budget,
-                           (least - budget) / budget, np.array([env.spent for env in envs]) / task.base_time,
-                           np.full(E, float(task.sim.device.copy_overlap)), np.minimum(need_ratio, 5.0),
-                           np.array(loads)], axis=1)
-        # strategy agent, unit u: every (strategy o, placement j) of every copy, (E, K, C, S) and (E, C, K)
-        ok = st["ok"]
-        seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[u][None, None]
-        step = step_level[:, None, :] + task.st_step[u][None]
-        moved = was_moved[:, None] | (np.arange(C) > 0)[None]  # (E, C)
-        rest_max = _rowmax(step + rest_step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
-        comp = first._suffix_comp
-        # the rest at its best case per segment, or (comp) on the completion plan
-        with_rest = (seg + (rest if comp is None else comp[t + 1])).max(axis=3)
-        if task.has_step:
-            with_rest = task.bounds(with_rest, rest_max, moved[:, None], rest_move)
-        with_rest = with_rest.reshape(E, -1)
-        if comp is None:  # the actions after which the budget stays in reach (all, where none does)
-            s_mask = (ok[None] & (with_rest <= tol)).astype(np.int8)
-            s_mask[~s_mask.any(axis=1)] = ok
-        else:  # the actions that keep the budget with the completion plan for the rest (else the ones closest to it:
-            # where an earlier choice of the other agent went over, back towards the budget)
-            with_rest = np.where(ok[None], with_rest, np.inf)
-            s_mask = (ok[None] & (with_rest <= np.maximum(tol, with_rest.min(axis=1, keepdims=True)))).astype(np.int8)
-        step_max = _rowmax(step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
-        est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
-        cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
-        per = np.stack([(cur[:, None, None] - est) / need[:, None, None], cost,
-                        s_mask.reshape(E, task.n_strategies, C).astype(np.float64)], axis=3).reshape(E, -1)
-        vs = st["look"]
-        look = np.zeros((E, first.lookahead, first._n_look))
-        if vs.size:
-            m = vs.size
-            c_, n_ = cur[:, None], need[:, None]
-            look[:, :m, :5] = st["look_static"][None]
-            look[:, :m, 5] = (c_ - (level[:, None, :] + task.marg_peak[vs, RECOMPUTE][None]).max(axis=2)) / n_
-            look[:, :m, 6] = (c_ - (level[:, None, :] + task.min_marg[vs][None]).max(axis=2)) / n_
-            if first._states:
-                st_est = (level[:, None, :] + task.st_min_seg[vs][None]).max(axis=2)
-                if task.has_step:
-                    chunked = (_rowmax(step_level[:, None, :] + task.st_min_step[vs][None]) if task.K else
-                               np.full((E, m), -np.inf))
-                    st_est = np.maximum(st_est, np.where(was_moved[:, None] | st["look_moved"][None], chunked,
-                                                         task.plain_step))
-                look[:, :m, 7] = (c_ - st_est) / n_
-        s_feat = np.concatenate([common, np.broadcast_to(st["unit_s"], (E, st["unit_s"].size)), per,
-                                 look.reshape(E, -1)], axis=1).astype(np.float32)
-        # timing agent, unit p (only where it is timed: per timed strategy, the copies that chose it)
-        T = len(TIMINGS)
-        t_mask = np.zeros((E, T), dtype=np.int8)
-        t_mask[:, 0] = 1
-        t_feat = np.zeros((E, first._dims[TIMING]), dtype=np.float32)
-        for code in (int(c) for c in np.unique(pcode[pending])):
-            sp = first._static(p)
-            k = np.flatnonzero(pcode == code)
-            bo = task.timed_base[code]
-            popt = task.option_ok[p, bo:bo + T]
-            marg = task.marg_peak[p, bo:bo + T]
-            if comp is None:  # unit u at its most frugal allowed action, the rest at their best case
-                sel = s_mask[k].astype(bool)
-                frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
-                frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
-                t_move = (sel & (np.arange(sel.shape[1]) % C > 0)[None]).any(axis=1)
-                base = base_level[k] + frugal + rest
-                base_step = step_level[k] + frugal_step + rest_step
-                seg_max = (base[:, None, :] + marg[None]).max(axis=2)
-                if task.has_step:
-                    bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
-                    still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
-                    peaks = np.maximum(seg_max, np.where(was_moved[k], bmax, still)[:, None])
-                else:
-                    peaks = seg_max
-                tm = (popt[None] & (peaks <= tol)).astype(np.int8)
-                tm[~tm.any(axis=1)] = popt
-            else:  # likewise with unit u and the rest on the completion plan
-                cseg = ((base_level[k] + comp[t])[:, None, :] + marg[None]).max(axis=2)
-                if task.has_step:
-                    cseg = np.maximum(cseg, np.where(was_moved[k], -np.inf, task.plain_step)[:, None])
-                cseg = np.where(popt[None], cseg, np.inf)
-                tm = (popt[None] & (cseg <= np.maximum(tol, cseg.min(axis=1, keepdims=True)))).astype(np.int8)
-            t_mask[k] = tm
-            ref = base_level[k].max(axis=1)
-            red = (ref[:, None] - (base_level[k][:, None, :] + marg[None]).max(axis=2)) / need[k, None]
-            per_t = np.stack([red, np.broadcast_to(sp["t_cost"][code], red.shape), tm.astype(np.float64)],
-                             axis=2).reshape(k.size, -1)
-            t_unit = sp["t_unit"][code]
-            t_feat[k] = np.concatenate([common[k], np.broadcast_to(t_unit, (k.size, t_unit.size)), per_t],
-                                       axis=1).astype(np.float32)
+        computed together on stacked arrays (one copy alone: :meth:`_observe`)."""
+        c = _step_context(envs)
+        s_feat, s_mask = _strategy_part(c)
+        t_feat, t_mask = _timing_part(c, s_mask)
         out = []
-        for e in range(E):
+        for e in range(c.E):
             obs = {STRATEGY: {"observation": s_feat[e], "action_mask": s_mask[e]},
                    TIMING: {"observation": t_feat[e], "action_mask": t_mask[e]}}
             out.append((obs, {STRATEGY: s_mask[e], TIMING: t_mask[e]}))
@@ -564,65 +384,10 @@ class MemoryPlanningEnv(ParallelEnv):
     # ------------------------------------------------------------------ observations and masks
     def _observe(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
         """Both agents' observations and masks at this step: :meth:`_observe_many` of this copy alone while a unit
-        is still to be decided, :meth:`_observe_end` after the last one."""
+        is still to be decided, :func:`_observe_end` after the last one."""
         if self.t < self.task.n:
             return MemoryPlanningEnv._observe_many([self])[0]
-        return self._observe_end()
-
-    def _observe_end(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
-        """After the last unit's decision: the strategy agent may only keep (its action is ignored), the timing agent
-        times the last decided unit if it is a timed one, with every unit's decision known."""
-        task = self.task
-        n, t = task.n, self.t
-        p = int(self.order[t - 1]) if t == n else -1  # the unit decided last, its timing still open
-        budget = task.budget
-        tol = budget * (1 + 1e-9)
-        level = self.level
-        T = len(TIMINGS)
-        pcode = int(self.codes[p]) if p >= 0 else -1
-        pending = pcode in _TIMED
-        if pending:
-            level = level + self._static(p)["pend_min"][pcode]
-        rest = self._suffix_min[n]
-        rest_step = self._suffix_step[n]
-        rest_move = bool(self._suffix_can_move[n])
-        cur = task.bound(level, self.step_level, self.moved)
-        need = max(cur - budget, 0.01 * budget)
-        need_ratio = max(cur - budget, 0.0) / max(float(self._suffix_red[n]), 1.0)
-        recent = range(max(0, n - 3), n)
-        load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if self.codes[v] == SWAP)
-        load /= max(sum(task.sim.fwd_time[v] for v in recent), 1e-12)
-        least = task.bound(level + self._suffix_min[n], self.step_level + self._suffix_step[n], self.moved,
-                           bool(self._suffix_can_move[n]))
-        common = np.array([t / n, (n - t) / n, (cur - budget) / budget, (least - budget) / budget,
-                           self.spent / task.base_time, float(task.sim.device.copy_overlap), min(need_ratio, 5.0),
-                           min(load, 10.0)], dtype=np.float64)
-        s_mask = np.zeros(task.n_strategies * task.C, dtype=np.int8)
-        s_mask[KEEP] = 1
-        obs = {STRATEGY: {"observation": np.zeros(self._dims[STRATEGY], dtype=np.float32), "action_mask": s_mask}}
-        masks = {STRATEGY: s_mask}
-        t_mask = np.zeros(T, dtype=np.int8)
-        t_feat = np.zeros(self._dims[TIMING])
-        if pending:
-            base = self.level + rest
-            base_step = self.step_level + rest_step
-            b = task.timed_base[pcode]
-            ok = task.option_ok[p, b:b + T]
-            peaks = task.bounds((base[None] + task.marg_peak[p, b:b + T]).max(axis=1), _rowmax(base_step[None]),
-                                np.array([self.moved]), rest_move)
-            t_mask[:] = ok & (peaks <= tol)
-            if not t_mask.any():
-                t_mask[:] = ok
-            sp = self._static(p)
-            ref = float(self.level.max())
-            red = (ref - (self.level[None] + task.marg_peak[p, b:b + T]).max(axis=1)) / need
-            per = np.stack([red, sp["t_cost"][pcode], t_mask.astype(np.float64)], axis=1).ravel()
-            t_feat = np.concatenate([common, sp["t_unit"][pcode], per])
-        else:
-            t_mask[0] = 1
-        obs[TIMING] = {"observation": t_feat.astype(np.float32), "action_mask": t_mask}
-        masks[TIMING] = t_mask
-        return obs, masks
+        return _observe_end(self)
 
     def _unit_features(self, u: int) -> np.ndarray:
         task = self.task
@@ -646,6 +411,280 @@ class MemoryPlanningEnv(ParallelEnv):
 
     def close(self) -> None:
         pass
+
+
+# ---------------------------------------------------------------------- observations
+# After the last decision (_observe_end); before it, MemoryPlanningEnv._observe_many in its parts: what the copies
+# share at this step (_step_context), then each agent's part.
+def _static_features(env: MemoryPlanningEnv, u: int) -> dict[str, Any]:
+    """What the observations of unit ``u`` need that no decision changes (:meth:`MemoryPlanningEnv._static` keeps
+    it)."""
+    task = env.task
+    n, C, S = task.n, task.C, task.S
+    K, T = task.n_strategies, len(TIMINGS)
+    unit = env._unit_features(u)
+    choice, ok_s, costs = [], [], []
+    # per timed strategy (keyed by its code): its most frugal allowed timing, what the timing agent sees
+    timed_cost, pend_min, t_cost, t_unit = {}, {}, {}, {}
+    for a, (code, o) in enumerate(zip(task.action_codes.tolist(), task.action_option.tolist(), strict=True)):
+        if o >= 0:  # an untimed action: its one option
+            choice.append(task.marg_peak[u, o])
+            ok_s.append(bool(task.option_ok[u, o]))
+            costs.append(task.marg_time[u, o])
+            continue
+        b = task.timed_base[code]
+        opts = np.flatnonzero(task.option_ok[u, b:b + T])
+        frugal_c = task.marg_peak[u, b + opts].min(axis=0) if opts.size else None
+        choice.append(frugal_c if opts.size else np.zeros(S))
+        ok_s.append(bool(opts.size))
+        default = task.marg_time[u, b + DEFAULT_TIMING]
+        costs.append(default)
+        timed_cost[code] = task.marg_time[u, b + opts].min() if opts.size else None
+        pend_min[code] = frugal_c
+        t_cost[code] = (task.marg_time[u, b:b + T] - default) / env._t_unit
+        t_unit[code] = np.concatenate([unit, np.eye(K)[a]])
+    choice = np.stack(choice)
+    ok_s = np.array(ok_s)
+    costs = np.array(costs)
+    cost_per = {}  # per whether a unit before moved state: (K, C) time of each action, relative
+    for before in (False, True):
+        moved = before | (np.arange(C) > 0)
+        st_cost = task.st_time[u] + np.where(moved & ~before, task.chunk_extra, 0.0)
+        cost_per[before] = (costs[:, None] + st_cost[None]) / env._t_unit
+    if env._states:
+        saving = max(float(-task.st_seg[u, j].min()) for j in range(C) if task.state_ok[u, j])
+        times = [float(task.st_time[u, j]) for j in range(1, C) if task.state_ok[u, j]]
+        unit_s = np.concatenate([unit, [saving / env._b_unit, min(times, default=0.0) / env._t_unit]])
+    else:
+        unit_s = unit
+    # the timing agent's frugal strategy assumption: per action o * C + j, its segments and step points
+    frugal = np.array([choice[o] if j == 0 else choice[o] + task.st_seg[u, j] for o in range(K) for j in range(C)])
+    frugal_step = np.array([task.st_step[u, j] for o in range(K) for j in range(C)]).reshape(K * C, task.K)
+    k = int(env._pos[u])
+    look = [int(v) for v in env.order[k + 1:k + 1 + env.lookahead]]  # the next units this episode decides
+    look_static = np.array([[1.0, task.sim.dur[task.sim.fwd_seg[v]] / env._t_unit,
+                             task.profile.units[v].interior_bytes / env._b_unit,
+                             task.marg_time[v, RECOMPUTE] / env._t_unit,
+                             task.marg_time[v, task.timed_base[SWAP] + DEFAULT_TIMING] / env._t_unit]
+                            for v in look]).reshape(-1, 5)
+    got = {
+        "choice": choice, "ok": (ok_s[:, None] & task.state_ok[u][None]).ravel(), "cost_per": cost_per,
+        "unit": unit, "unit_s": unit_s, "frugal": frugal, "frugal_step": frugal_step,
+        "timed_cost": timed_cost, "pend_min": pend_min, "t_cost": t_cost, "t_unit": t_unit,
+        "look": np.array(look, dtype=np.int64), "look_static": look_static,
+        "look_moved": np.array([bool(task.state_ok[v, 1:].any()) for v in look], dtype=bool),
+        "load_den": max(sum(task.sim.fwd_time[v] for v in range(max(0, u - 3), min(u + 1, n))), 1e-12),
+    }
+    return got
+
+
+def _observe_end(env: MemoryPlanningEnv) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """After the last unit's decision: the strategy agent may only keep (its action is ignored), the timing agent
+    times the last decided unit if it is a timed one, with every unit's decision known."""
+    task = env.task
+    n, t = task.n, env.t
+    p = int(env.order[t - 1]) if t == n else -1  # the unit decided last, its timing still open
+    budget = task.budget
+    tol = budget * (1 + 1e-9)
+    level = env.level
+    T = len(TIMINGS)
+    pcode = int(env.codes[p]) if p >= 0 else -1
+    pending = pcode in _TIMED
+    if pending:
+        level = level + env._static(p)["pend_min"][pcode]
+    rest = env._suffix_min[n]
+    rest_step = env._suffix_step[n]
+    rest_move = bool(env._suffix_can_move[n])
+    cur = task.bound(level, env.step_level, env.moved)
+    need = max(cur - budget, 0.01 * budget)
+    need_ratio = max(cur - budget, 0.0) / max(float(env._suffix_red[n]), 1.0)
+    recent = range(max(0, n - 3), n)
+    load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in recent if env.codes[v] == SWAP)
+    load /= max(sum(task.sim.fwd_time[v] for v in recent), 1e-12)
+    least = task.bound(level + env._suffix_min[n], env.step_level + env._suffix_step[n], env.moved,
+                       bool(env._suffix_can_move[n]))
+    common = np.array([t / n, (n - t) / n, (cur - budget) / budget, (least - budget) / budget,
+                       env.spent / task.base_time, float(task.sim.device.copy_overlap), min(need_ratio, 5.0),
+                       min(load, 10.0)], dtype=np.float64)
+    s_mask = np.zeros(task.n_strategies * task.C, dtype=np.int8)
+    s_mask[KEEP] = 1
+    obs = {STRATEGY: {"observation": np.zeros(env._dims[STRATEGY], dtype=np.float32), "action_mask": s_mask}}
+    masks = {STRATEGY: s_mask}
+    t_mask = np.zeros(T, dtype=np.int8)
+    t_feat = np.zeros(env._dims[TIMING])
+    if pending:
+        base = env.level + rest
+        base_step = env.step_level + rest_step
+        b = task.timed_base[pcode]
+        ok = task.option_ok[p, b:b + T]
+        peaks = task.bounds((base[None] + task.marg_peak[p, b:b + T]).max(axis=1), _rowmax(base_step[None]),
+                            np.array([env.moved]), rest_move)
+        t_mask[:] = ok & (peaks <= tol)
+        if not t_mask.any():
+            t_mask[:] = ok
+        sp = env._static(p)
+        ref = float(env.level.max())
+        red = (ref - (env.level[None] + task.marg_peak[p, b:b + T]).max(axis=1)) / need
+        per = np.stack([red, sp["t_cost"][pcode], t_mask.astype(np.float64)], axis=1).ravel()
+        t_feat = np.concatenate([common, sp["t_unit"][pcode], per])
+    else:
+        t_mask[0] = 1
+    obs[TIMING] = {"observation": t_feat.astype(np.float32), "action_mask": t_mask}
+    masks[TIMING] = t_mask
+    return obs, masks
+
+
+def _bound(task: PlanningTask, seg: np.ndarray, step: np.ndarray, moved: np.ndarray, can_move: bool) -> np.ndarray:
+    """The peak bound of segment levels ``seg`` and unit-by-unit step levels ``step`` (the segments' alone where the
+    task has no step model)."""
+    seg_max = seg.max(axis=-1)
+    if not task.has_step:
+        return seg_max
+    return task.bounds(seg_max, _rowmax(step) if task.K else np.full(seg_max.shape, -np.inf), moved, can_move)
+
+
+def _step_context(envs: list[MemoryPlanningEnv]) -> SimpleNamespace:
+    """What both agents' observations share for copies at the same step: the units decided now (``u``) and before
+    (``p``), the copies' levels (the pending timing at its best), the bounds and the common features."""
+    first = envs[0]
+    task, t = first.task, first.t
+    u = int(first.order[t])  # the unit decided at this step; p, the one before (its timing still open)
+    p = int(first.order[t - 1]) if t >= 1 else -1
+    n, C, E = task.n, task.C, len(envs)
+    budget = task.budget
+    tol = budget * (1 + 1e-9)
+    st = first._static(u)
+    base_level = np.stack([env.level for env in envs])
+    step_level = np.stack([env.step_level for env in envs])
+    was_moved = np.array([env.moved for env in envs])
+    pcode = np.array([env.codes[p] if t >= 1 else -1 for env in envs])  # timed: its timing still open
+    pending = np.isin(pcode, _TIMED)
+    level = base_level.copy()
+    for code in np.unique(pcode[pending]):
+        sel = pcode == code
+        level[sel] = base_level[sel] + first._static(p)["pend_min"][int(code)]
+    rest = first._suffix_min[t + 1]
+    rest_step = first._suffix_step[t + 1]
+    rest_move = bool(first._suffix_can_move[t + 1])
+    cur = _bound(task, level, step_level, was_moved, False)
+    need = np.maximum(cur - budget, 0.01 * budget)
+    need_ratio = np.maximum(cur - budget, 0.0) / max(float(first._suffix_red[t]), 1.0)
+    loads = []
+    for env in envs:
+        load = sum(task.copy_ratio[v] * task.sim.fwd_time[v] for v in range(max(0, u - 3), u)
+                   if env.codes[v] == SWAP)
+        loads.append(min(load / st["load_den"], 10.0))
+    least = _bound(task, level + first._suffix_min[t], step_level + first._suffix_step[t], was_moved,
+                   bool(first._suffix_can_move[t]))
+    common = np.stack([np.full(E, t / n), np.full(E, (n - t) / n), (cur - budget) / budget,
+                       (least - budget) / budget, np.array([env.spent for env in envs]) / task.base_time,
+                       np.full(E, float(task.sim.device.copy_overlap)), np.minimum(need_ratio, 5.0),
+                       np.array(loads)], axis=1)
+    comp = first._suffix_comp
+    return SimpleNamespace(first=first, task=task, t=t, u=u, p=p, n=n, C=C, E=E, budget=budget, tol=tol, st=st,
+                           base_level=base_level, step_level=step_level, was_moved=was_moved, pcode=pcode,
+                           pending=pending, rest=rest, rest_step=rest_step, rest_move=rest_move, cur=cur, need=need,
+                           common=common, level=level, comp=comp)
+
+
+def _strategy_part(c: SimpleNamespace) -> tuple[np.ndarray, np.ndarray]:
+    """The strategy agent's observations and masks for unit ``c.u``, every copy at once."""
+    first, task, t, u, C, E, st, tol = c.first, c.task, c.t, c.u, c.C, c.E, c.st, c.tol
+    level, step_level, was_moved, cur, need, common = c.level, c.step_level, c.was_moved, c.cur, c.need, c.common
+    rest, rest_step, rest_move = c.rest, c.rest_step, c.rest_move
+    # strategy agent, unit u: every (strategy o, placement j) of every copy, (E, K, C, S) and (E, C, K)
+    ok = st["ok"]
+    seg = (level[:, None, :] + st["choice"][None])[:, :, None, :] + task.st_seg[u][None, None]
+    step = step_level[:, None, :] + task.st_step[u][None]
+    moved = was_moved[:, None] | (np.arange(C) > 0)[None]  # (E, C)
+    rest_max = _rowmax(step + rest_step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
+    comp = c.comp
+    # the rest at its best case per segment, or (comp) on the completion plan
+    with_rest = (seg + (rest if comp is None else comp[t + 1])).max(axis=3)
+    if task.has_step:
+        with_rest = task.bounds(with_rest, rest_max, moved[:, None], rest_move)
+    with_rest = with_rest.reshape(E, -1)
+    if comp is None:  # the actions after which the budget stays in reach (all, where none does)
+        s_mask = (ok[None] & (with_rest <= tol)).astype(np.int8)
+        s_mask[~s_mask.any(axis=1)] = ok
+    else:  # the actions that keep the budget with the completion plan for the rest (else the ones closest to it:
+        # where an earlier choice of the other agent went over, back towards the budget)
+        with_rest = np.where(ok[None], with_rest, np.inf)
+        s_mask = (ok[None] & (with_rest <= np.maximum(tol, with_rest.min(axis=1, keepdims=True)))).astype(np.int8)
+    step_max = _rowmax(step)[:, None] if task.K else np.full((E, 1, C), -np.inf)
+    est = task.bounds(seg.max(axis=3), step_max, moved[:, None], False) if task.has_step else seg.max(axis=3)
+    cost = np.stack([st["cost_per"][bool(m)] for m in was_moved])
+    per = np.stack([(cur[:, None, None] - est) / need[:, None, None], cost,
+                    s_mask.reshape(E, task.n_strategies, C).astype(np.float64)], axis=3).reshape(E, -1)
+    vs = st["look"]
+    look = np.zeros((E, first.lookahead, first._n_look))
+    if vs.size:
+        m = vs.size
+        c_, n_ = cur[:, None], need[:, None]
+        look[:, :m, :5] = st["look_static"][None]
+        look[:, :m, 5] = (c_ - (level[:, None, :] + task.marg_peak[vs, RECOMPUTE][None]).max(axis=2)) / n_
+        look[:, :m, 6] = (c_ - (level[:, None, :] + task.min_marg[vs][None]).max(axis=2)) / n_
+        if first._states:
+            st_est = (level[:, None, :] + task.st_min_seg[vs][None]).max(axis=2)
+            if task.has_step:
+                chunked = (_rowmax(step_level[:, None, :] + task.st_min_step[vs][None]) if task.K else
+                           np.full((E, m), -np.inf))
+                st_est = np.maximum(st_est, np.where(was_moved[:, None] | st["look_moved"][None], chunked,
+                                                     task.plain_step))
+            look[:, :m, 7] = (c_ - st_est) / n_
+    s_feat = np.concatenate([common, np.broadcast_to(st["unit_s"], (E, st["unit_s"].size)), per,
+                             look.reshape(E, -1)], axis=1).astype(np.float32)
+    return s_feat, s_mask
+
+
+def _timing_part(c: SimpleNamespace, s_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The timing agent's observations and masks for unit ``c.p`` (only where it is timed: per timed strategy, the
+    copies that chose it)."""
+    first, task, t, p, C, E, st, tol, comp = c.first, c.task, c.t, c.p, c.C, c.E, c.st, c.tol, c.comp
+    base_level, step_level, was_moved, need, common = c.base_level, c.step_level, c.was_moved, c.need, c.common
+    rest, rest_step, rest_move, pcode, pending = c.rest, c.rest_step, c.rest_move, c.pcode, c.pending
+    # timing agent, unit p (only where it is timed: per timed strategy, the copies that chose it)
+    T = len(TIMINGS)
+    t_mask = np.zeros((E, T), dtype=np.int8)
+    t_mask[:, 0] = 1
+    t_feat = np.zeros((E, first._dims[TIMING]), dtype=np.float32)
+    for code in (int(c) for c in np.unique(pcode[pending])):
+        sp = first._static(p)
+        k = np.flatnonzero(pcode == code)
+        bo = task.timed_base[code]
+        popt = task.option_ok[p, bo:bo + T]
+        marg = task.marg_peak[p, bo:bo + T]
+        if comp is None:  # unit u at its most frugal allowed action, the rest at their best case
+            sel = s_mask[k].astype(bool)
+            frugal = np.where(sel[:, :, None], st["frugal"][None], np.inf).min(axis=1)
+            frugal_step = np.where(sel[:, :, None], st["frugal_step"][None], np.inf).min(axis=1)
+            t_move = (sel & (np.arange(sel.shape[1]) % C > 0)[None]).any(axis=1)
+            base = base_level[k] + frugal + rest
+            base_step = step_level[k] + frugal_step + rest_step
+            seg_max = (base[:, None, :] + marg[None]).max(axis=2)
+            if task.has_step:
+                bmax = _rowmax(base_step) if task.K else np.full(k.size, -np.inf)
+                still = np.where(t_move | rest_move, np.minimum(task.plain_step, bmax), task.plain_step)
+                peaks = np.maximum(seg_max, np.where(was_moved[k], bmax, still)[:, None])
+            else:
+                peaks = seg_max
+            tm = (popt[None] & (peaks <= tol)).astype(np.int8)
+            tm[~tm.any(axis=1)] = popt
+        else:  # likewise with unit u and the rest on the completion plan
+            cseg = ((base_level[k] + comp[t])[:, None, :] + marg[None]).max(axis=2)
+            if task.has_step:
+                cseg = np.maximum(cseg, np.where(was_moved[k], -np.inf, task.plain_step)[:, None])
+            cseg = np.where(popt[None], cseg, np.inf)
+            tm = (popt[None] & (cseg <= np.maximum(tol, cseg.min(axis=1, keepdims=True)))).astype(np.int8)
+        t_mask[k] = tm
+        ref = base_level[k].max(axis=1)
+        red = (ref[:, None] - (base_level[k][:, None, :] + marg[None]).max(axis=2)) / need[k, None]
+        per_t = np.stack([red, np.broadcast_to(sp["t_cost"][code], red.shape), tm.astype(np.float64)],
+                         axis=2).reshape(k.size, -1)
+        t_unit = sp["t_unit"][code]
+        t_feat[k] = np.concatenate([common[k], np.broadcast_to(t_unit, (k.size, t_unit.size)), per_t],
+                                   axis=1).astype(np.float32)
+    return t_feat, t_mask
 
 
 class PlanningVectorEnv(SyncVectorEnv):

@@ -295,46 +295,31 @@ def train(envs: SyncVectorEnv, config: PPOConfig, on_episode: Callable[[dict], N
     after each update with mean episodic returns per agent and the losses. Raising in a callback stops training;
     ``should_stop()``, asked after each update, ends it early and still returns the agents.
 
-    Long by design: CleanRL's single-file shape, setup, rollout, GAE and update read top to bottom.
+    CleanRL's shape, read top to bottom: setup here, then per iteration the rollout (:func:`_rollout`) and per agent
+    GAE and the update (:func:`_update_agents`).
     """
     # ---- seeding: every random draw comes from these two generators
     gen = torch.Generator().manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
 
     # ---- env setup
-    if envs.num_envs != config.num_envs:
-        raise ValueError(f"config.num_envs is {config.num_envs}, but envs holds {envs.num_envs} copies")
     names = list(envs.possible_agents)
-    first = names[0]
-    num_steps = config.num_steps or envs.episode_steps
-    if not num_steps:
-        raise ValueError("set config.num_steps: the environment's episodes have no one length (envs.episode_steps)")
+    num_steps = _check_setup(envs, config, names)
     batch_size = config.num_envs * num_steps
     minibatch_size = max(1, batch_size // config.num_minibatches)
     num_iterations = max(1, config.total_timesteps // batch_size)
     E = config.num_envs
-    if config.risk_quantile is not None:
-        if config.num_steps is not None:
-            raise ValueError("risk_quantile needs one episode per environment copy per rollout: leave num_steps=None")
-        risk_seeking_advantages(torch.zeros(1), config.risk_quantile, 1)  # a wrong quantile is refused here
-        unknown = set(config.risk_agents or ()) - set(names)
-        if unknown:
-            raise ValueError(f"risk_agents names {sorted(unknown)}; the environment's agents are {names}")
 
     # ---- agent setup: one actor-critic and one Adam per agent (scoring the actions' parts where the env names them)
     agents = {a: Agent(envs.observation_space(a)["observation"].shape[0], envs.action_space(a).n, config.hidden, gen,
                        envs.action_parts(a) if config.score_parts else None) for a in names}
     optims = {a: torch.optim.Adam(agents[a].parameters(), lr=config.learning_rate, eps=1e-5) for a in names}
 
-    def stack(obs_list: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        o = {a: torch.as_tensor(np.stack([ob[a]["observation"] for ob in obs_list])) for a in names}
-        m = {a: torch.as_tensor(np.stack([ob[a]["action_mask"] for ob in obs_list])) for a in names}
-        return o, m
-
     # ---- storage setup
     current = envs.reset(seed=config.seed)
-    next_obs, next_mask = stack(current)
-    next_done = torch.zeros(E)
+    next_obs, next_mask = _stack(current, names)
+    roll = _Rollout(current=current, next_obs=next_obs, next_mask=next_mask, next_done=torch.zeros(E),
+                    ep_return={a: np.zeros(E) for a in names})
     buf = {a: {
         "obs": torch.zeros((num_steps, E, next_obs[a].shape[1])),
         "mask": torch.zeros((num_steps, E, next_mask[a].shape[1]), dtype=torch.int8),
@@ -344,8 +329,6 @@ def train(envs: SyncVectorEnv, config: PPOConfig, on_episode: Callable[[dict], N
         "values": torch.zeros((num_steps, E)),
         "dones": torch.zeros((num_steps, E)),
     } for a in names}
-    ep_return = {a: np.zeros(E) for a in names}
-    global_step = 0
     start = time.perf_counter()
     for iteration in range(1, num_iterations + 1):
         # ---- learning-rate annealing
@@ -353,64 +336,116 @@ def train(envs: SyncVectorEnv, config: PPOConfig, on_episode: Callable[[dict], N
             frac = 1.0 - (iteration - 1.0) / num_iterations
             for opt in optims.values():
                 opt.param_groups[0]["lr"] = frac * config.learning_rate
-
-        # ---- rollout: both agents act at every step of every env copy
-        finished = {a: [] for a in names}
-        for step in range(num_steps):
-            global_step += E
-            acts = {}
-            for a in names:
-                b = buf[a]
-                b["obs"][step] = next_obs[a]
-                b["mask"][step] = next_mask[a]
-                b["dones"][step] = next_done
-                with torch.no_grad():
-                    action, logprob, _, value = agents[a].get_action_and_value(next_obs[a], next_mask[a], gen=gen)
-                b["actions"][step], b["logprobs"][step], b["values"][step] = action, logprob, value
-                acts[a] = action.numpy()
-            dones = np.zeros(E)
-            step_acts = [{a: int(acts[a][i]) for a in names} for i in range(E)]
-            results = envs.step(step_acts)
-            for i in range(E):
-                obs_i, rew_i, term_i, trunc_i, info_i = results[i]
-                for a in names:
-                    buf[a]["rewards"][step, i] = float(rew_i[a])
-                    ep_return[a][i] += float(rew_i[a])
-                if term_i[first] or trunc_i[first]:
-                    dones[i] = 1.0
-                    for a in names:
-                        finished[a].append(ep_return[a][i])
-                        ep_return[a][i] = 0.0
-                    if on_episode is not None:
-                        on_episode(info_i[first])
-                    obs_i = envs.reset_one(i)
-                current[i] = obs_i
-            next_obs, next_mask = stack(current)
-            next_done = torch.as_tensor(dones, dtype=torch.float32)
-
-        stats: dict[str, Any] = {"iteration": iteration, "global_step": global_step,
-                                 "sps": int(global_step / max(time.perf_counter() - start, 1e-9))}
-        for a in names:
-            b = buf[a]
-            # ---- bootstrap value and GAE
-            with torch.no_grad():
-                next_value = agents[a].get_value(next_obs[a]).reshape(1, -1)
-                advantages, returns = compute_gae(b["rewards"], b["values"], b["dones"], next_value, next_done,
-                                                  config.gamma, config.gae_lambda)
-            weights = None
-            if config.risk_quantile is not None and (config.risk_agents is None or a in config.risk_agents):
-                if not bool(next_done.all()) or bool(b["dones"][1:].any()):
-                    raise RuntimeError("risk_quantile: a rollout did not hold exactly one episode per copy (the "
-                                       "environment's episodes must all be envs.episode_steps long)")
-                advantages, weights = risk_seeking_advantages(b["rewards"].sum(0), config.risk_quantile, num_steps)
-            # ---- optimize the policy and value networks
-            update = update_agent(agents[a], optims[a], config, b, advantages, returns, rng, minibatch_size, weights)
-            # ---- logging
-            stats[f"{a}/episodic_return"] = float(np.mean(finished[a])) if finished[a] else float("nan")
-            for key, value in update.items():
-                stats[f"{a}/{key}"] = value
+        finished = _rollout(envs, agents, buf, roll, names, num_steps, gen, on_episode)
+        stats: dict[str, Any] = {"iteration": iteration, "global_step": roll.global_step,
+                                 "sps": int(roll.global_step / max(time.perf_counter() - start, 1e-9))}
+        _update_agents(agents, optims, config, buf, roll, finished, rng, minibatch_size, num_steps, stats)
         if on_iteration is not None:
             on_iteration(stats)
         if should_stop is not None and should_stop():
             break
     return agents
+
+
+def _check_setup(envs: SyncVectorEnv, config: PPOConfig, names: list[str]) -> int:
+    """The rollout length; a ``ValueError`` saying what to change where ``config`` does not fit ``envs``."""
+    if envs.num_envs != config.num_envs:
+        raise ValueError(f"config.num_envs is {config.num_envs}, but envs holds {envs.num_envs} copies")
+    num_steps = config.num_steps or envs.episode_steps
+    if not num_steps:
+        raise ValueError("set config.num_steps: the environment's episodes have no one length (envs.episode_steps)")
+    if config.risk_quantile is not None:
+        if config.num_steps is not None:
+            raise ValueError("risk_quantile needs one episode per environment copy per rollout: leave num_steps=None")
+        risk_seeking_advantages(torch.zeros(1), config.risk_quantile, 1)  # a wrong quantile is refused here
+        unknown = set(config.risk_agents or ()) - set(names)
+        if unknown:
+            raise ValueError(f"risk_agents names {sorted(unknown)}; the environment's agents are {names}")
+    return num_steps
+
+
+def _stack(obs_list: list[dict], names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per agent, the copies' observations and action masks stacked."""
+    o = {a: torch.as_tensor(np.stack([ob[a]["observation"] for ob in obs_list])) for a in names}
+    m = {a: torch.as_tensor(np.stack([ob[a]["action_mask"] for ob in obs_list])) for a in names}
+    return o, m
+
+
+@dataclass
+class _Rollout:
+    """What carries over from one rollout to the next: the copies' current observations, the episodes' returns so
+    far, and the steps taken."""
+
+    current: list[dict]
+    next_obs: dict[str, torch.Tensor]
+    next_mask: dict[str, torch.Tensor]
+    next_done: torch.Tensor
+    ep_return: dict[str, np.ndarray]
+    global_step: int = 0
+
+
+def _rollout(envs: SyncVectorEnv, agents: dict[str, Agent], buf: dict[str, dict[str, torch.Tensor]], roll: _Rollout,
+             names: list[str], num_steps: int, gen: torch.Generator,
+             on_episode: Callable[[dict], None] | None) -> dict[str, list[float]]:
+    """Both agents act at every step of every env copy for ``num_steps`` steps, filling ``buf``; per agent, the
+    returns of the episodes that finished."""
+    E, first = envs.num_envs, names[0]
+    finished: dict[str, list[float]] = {a: [] for a in names}
+    for step in range(num_steps):
+        roll.global_step += E
+        acts = {}
+        for a in names:
+            b = buf[a]
+            b["obs"][step] = roll.next_obs[a]
+            b["mask"][step] = roll.next_mask[a]
+            b["dones"][step] = roll.next_done
+            with torch.no_grad():
+                action, logprob, _, value = agents[a].get_action_and_value(roll.next_obs[a], roll.next_mask[a],
+                                                                           gen=gen)
+            b["actions"][step], b["logprobs"][step], b["values"][step] = action, logprob, value
+            acts[a] = action.numpy()
+        dones = np.zeros(E)
+        step_acts = [{a: int(acts[a][i]) for a in names} for i in range(E)]
+        results = envs.step(step_acts)
+        for i in range(E):
+            obs_i, rew_i, term_i, trunc_i, info_i = results[i]
+            for a in names:
+                buf[a]["rewards"][step, i] = float(rew_i[a])
+                roll.ep_return[a][i] += float(rew_i[a])
+            if term_i[first] or trunc_i[first]:
+                dones[i] = 1.0
+                for a in names:
+                    finished[a].append(roll.ep_return[a][i])
+                    roll.ep_return[a][i] = 0.0
+                if on_episode is not None:
+                    on_episode(info_i[first])
+                obs_i = envs.reset_one(i)
+            roll.current[i] = obs_i
+        roll.next_obs, roll.next_mask = _stack(roll.current, names)
+        roll.next_done = torch.as_tensor(dones, dtype=torch.float32)
+    return finished
+
+
+def _update_agents(agents: dict[str, Agent], optims: dict[str, torch.optim.Optimizer], config: PPOConfig,
+                   buf: dict[str, dict[str, torch.Tensor]], roll: _Rollout, finished: dict[str, list[float]],
+                   rng: np.random.Generator, minibatch_size: int, num_steps: int, stats: dict[str, Any]) -> None:
+    """Per agent: bootstrap value and GAE, then the policy and value update; its figures go into ``stats``."""
+    for a in agents:
+        b = buf[a]
+        # ---- bootstrap value and GAE
+        with torch.no_grad():
+            next_value = agents[a].get_value(roll.next_obs[a]).reshape(1, -1)
+            advantages, returns = compute_gae(b["rewards"], b["values"], b["dones"], next_value, roll.next_done,
+                                              config.gamma, config.gae_lambda)
+        weights = None
+        if config.risk_quantile is not None and (config.risk_agents is None or a in config.risk_agents):
+            if not bool(roll.next_done.all()) or bool(b["dones"][1:].any()):
+                raise RuntimeError("risk_quantile: a rollout did not hold exactly one episode per copy (the "
+                                   "environment's episodes must all be envs.episode_steps long)")
+            advantages, weights = risk_seeking_advantages(b["rewards"].sum(0), config.risk_quantile, num_steps)
+        # ---- optimize the policy and value networks
+        update = update_agent(agents[a], optims[a], config, b, advantages, returns, rng, minibatch_size, weights)
+        # ---- logging
+        stats[f"{a}/episodic_return"] = float(np.mean(finished[a])) if finished[a] else float("nan")
+        for key, value in update.items():
+            stats[f"{a}/{key}"] = value
