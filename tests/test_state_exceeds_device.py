@@ -5,7 +5,8 @@ transformers GPT-2 8 × 256 (random init) inside ``memopt.limit_memory`` = ½ ×
 ``memopt.profile`` makes a state-streamed profile (``meta["state_streamed"]``) without the limit ever being exceeded,
 whose bytes are those of the plain step's profile made outside the limit; ``memopt.search(prof)`` with no budget plans
 for the limit, and three AdamW steps under the plan are bit-identical to plain training of a copy outside the limit,
-with the limit's measured peak within it through the steps.
+with the limit's measured peak within it through the steps. ``memopt.max_batch`` of ViT-Tiny's blocks at ¾ of their
+training state (plain training never fits) answers a batch whose step runs inside the limit under its plan.
 """
 
 import copy
@@ -116,3 +117,29 @@ def test_plan_for_the_limit_trains_bit_identically_inside_it(big):
     for p, q in zip(big["model"].parameters(), big["ref"].parameters(), strict=True):
         sa, sb = big["opt"].state[p], ref_opt.state[q]
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def vit_builder(b):
+    """ViT-Tiny's blocks (memopt's zoo) on 16 patches and a class token: ``(model, inputs, loss_fn, AdamW)``."""
+    z = memopt.zoo.vit_tiny(batch_size=b, image=32, patch=8, seed=0)
+    return z.model, z.inputs, z.loss_fn, torch.optim.AdamW(z.model.parameters(), lr=1e-3)
+
+
+@pytest.mark.slow
+def test_max_batch_below_the_training_state_answers_a_batch_whose_step_runs_inside_it():
+    """Plain training never fits: every profile is state-streamed. The answer's step, run again under its plan,
+    stays inside the limit."""
+    limit = int(0.75 * state_bytes(vit_builder(1)[0]))
+    with memopt.limit_memory(limit):
+        res = memopt.max_batch(vit_builder, optimizer=torch.optim.AdamW)
+    assert res.plain.batch is None
+    assert res.batch is not None and res.batch >= 1
+    assert res.verified["batch"] == res.batch and res.verified["peak_bytes"] <= limit
+    model, inputs, loss_fn, opt = vit_builder(res.batch)
+    with memopt.plan(res.plan, model, optimizer=opt), memopt.limit_memory(limit) as lim:
+        for _ in range(2):
+            loss_fn(model(*inputs)).backward()
+            opt.step()
+            opt.zero_grad()
+        peak = lim.peak_bytes
+    assert peak <= limit

@@ -13,6 +13,12 @@ field, since then it would not predict the batch asked for. Times are extrapolat
 with one step, not ``repeats``); the profile records the check's step-time error, and what each batch tried cost
 (``meta["extrapolation"]["attempts"]``: ``[batch, seconds, fitted]``, the batch asked for first).
 
+Where not even batch 1 fits, or only batch 1 does (what the model holds without activations, its parameters,
+gradients and optimizer state, is too much for the device), the step is profiled state-streamed at the batch asked for
+(:mod:`memopt_nb.profiling.streamed`: the optimizer's state a unit at a time, each gradient let go as backward makes
+it, both counted in the levels); where even that runs out of memory, state-streamed profiles at smaller batches are
+extrapolated as above. A step whose state fits is profiled exactly as before.
+
 Why this approach: it needs nothing but the ordinary profiler, on the real device, at sizes that fit; the bytes of a
 training step are linear in the batch for almost every layer (activations grow with it; the fixed state does not), and
 the two largest fitting batches put the line's ends close to the batch asked for. ``FakeTensorMode`` would give exact
