@@ -8,9 +8,11 @@ profiled again there and at its half (both fit unplanned) so that the line, and 
 near the answer. The largest batch any plan fits is then the largest whose smallest reachable peak
 (:func:`memopt_nb.solvers.min_peak`, the planner's floor) is within the budget (doubling, then bisection), and a plan is
 made for it (the exact optimum by default); on the device the model is on, real steps at that batch under the
-plan check it (``verify``). Throughput is predicted at each power of two up to that batch and at the
-batch itself; the best one is :attr:`MaxBatch.best_batch` (throughput first). Plain training and the best classic
-baseline (recompute-all, sqrt(n), swap-all, Capuchin, every-k-th-layer checkpointing) get the same numbers side by side.
+plan check it (``verify``), stepping down to a batch that runs where they do not (a model whose training state
+exceeds the budget: plans for the budget less a margin, since such a peak barely moves with the batch). Throughput is
+predicted at each power of two up to that batch and at the batch itself; the best one is
+:attr:`MaxBatch.best_batch` (throughput first). Plain training and the best classic baseline (recompute-all, sqrt(n),
+swap-all, Capuchin, every-k-th-layer checkpointing) get the same numbers side by side.
 
 What it is given is checked before it costs a run: the optimizer the user trains with is required (the builder's, or
 ``optimizer=`` as a class, a function of the parameters or an optimizer object), since its state is in every peak and
@@ -412,94 +414,139 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     :class:`~memopt_nb.errors.MemoptError` when no optimizer is known, or when the builder's step does not grow with
     the batch (a builder that ignores its argument: every batch would seem to fit).
 
-    Long by design: the answer's steps in order (probes, extrapolation, bisection on the floor, plans, the check).
+    A model whose own training state does not fit the budget is profiled state-streamed
+    (:mod:`memopt_nb.profiling.streamed`). Its peaks are made mostly of state, which barely moves with the batch, so
+    where the answer's step does not run inside the budget the batch is not shrunk in proportion to the excess: plans
+    are made for the budget less a growing margin (:data:`VERIFY_MARGINS`, at least the measured excess over the
+    prediction), each at the largest batch whose smallest peak fits it, and the answer is the largest batch whose step
+    ran inside the budget; batch 1 under its smallest-peak plan is the last one tried.
     """
     t0 = time.perf_counter()
+    probes = _check_args(planner, probe)
+    value = _absolute_budget(budget) if budget is not None else None
+    bp = BatchProfiles(builder, optimizer, repeats=repeats, autocast=autocast, require_optimizer=True,
+                       options={"head": head} if head else None)
+    stage("probe profiles", total=len(probes))
+    for b in probes:
+        bp.profiled(b)
+        advance()
+    _check_grows(bp.profiles[probes[0]], bp.profiles[probes[-1]], probes[0], probes[-1])
+    bp.fit(probes[1], probes[2], check=probes[0])  # refuses a step that is not linear in the batch
+    last = bp.profiles[probes[-1]]
+    spec = DeviceSpec.resolve(device, last.device) if device is not None else last.device
+    notes: list[str] = []
+    if value is None:  # what the device can still give, with what the notebook holds there now
+        free = default_budget(last, spec)
+        value = free.free_bytes
+        notes.append(free.line())
+    pl = _Planner(bp.at, spec, value, planner, strategies,
+                  {"offload_state": offload_state, "step_in_backward": step_in_backward}, search_timesteps, seed)
+    plain_max = _plain_max(bp, pl, probes, limit, notes)
+    best_max = _plan_max(pl, limit, notes)
+    verified: dict[str, Any] = {}
+    if verify and device is None:
+        stage("checking the answer under its plan")
+        best_max = _verify(bp.make, best_max, pl, autocast, verified, notes)
+    stage("predicting throughput per batch")
+    candidates = sorted({b for b in _powers(best_max)} | {best_max} | ({plain_max} if plain_max else set()))
+    memopt_ans = _answer(planner if planner == "optimal" else "memopt-ppo", candidates, best_max, pl.plan_for, value)
+    plain_ans = _answer("none", [b for b in candidates if plain_max and b <= plain_max], plain_max,
+                        lambda b: solvers.none(bp.at(b), None, spec), value)
+    baseline_ans = _baseline_answer(pl, candidates, best_max)
+    throughputs = {a.method: a._tp for a in (memopt_ans, plain_ans, baseline_ans) if hasattr(a, "_tp")}
+    for a in (memopt_ans, plain_ans, baseline_ans):
+        a.__dict__.pop("_tp", None)
+    return MaxBatch(memopt=memopt_ans, plain=plain_ans, baseline=baseline_ans, budget_bytes=value, device=spec.name,
+                    probes=probes, profiled=sorted(bp.profiles), throughputs=throughputs,
+                    seconds=time.perf_counter() - t0, notes=notes, verified=verified,
+                    optimizer=bp.optimizer_class or "", _at=bp.at)
+
+
+def _check_args(planner: str, probe: Sequence[int]) -> list[int]:
     if planner not in ("optimal", "search"):
         raise MemoptError(f"planner must be 'optimal' or 'search', got {planner!r}")
     probes = sorted({int(b) for b in probe})
     if len(probes) != 3 or probes[0] < 1:
         raise MemoptError(f"probe must be three different positive batch sizes, e.g. (2, 4, 8); got {tuple(probe)!r}")
-    value = _absolute_budget(budget) if budget is not None else None
-    bp = BatchProfiles(builder, optimizer, repeats=repeats, autocast=autocast, require_optimizer=True,
-                       options={"head": head} if head else None)
-    profiles, profiled, at = bp.profiles, bp.profiled, bp.at
-    stage("probe profiles", total=len(probes))
-    for b in probes:
-        profiled(b)
-        advance()
-    _check_grows(profiles[probes[0]], profiles[probes[-1]], probes[0], probes[-1])
-    bp.fit(probes[1], probes[2], check=probes[0])  # refuses a step that is not linear in the batch
+    return probes
 
-    spec = DeviceSpec.resolve(device, profiles[probes[-1]].device) if device is not None \
-        else profiles[probes[-1]].device
-    space = {"offload_state": offload_state, "step_in_backward": step_in_backward}
-    notes: list[str] = []
-    if value is None:  # what the device can still give, with what the notebook holds there now
-        free = default_budget(profiles[probes[-1]], spec)
-        value = free.free_bytes
-        notes.append(free.line())
 
-    def floor(b: int) -> int:
-        return int(solvers.min_peak(at(b), spec, strategies, **space))
+class _Planner:
+    """max_batch's plans by batch: the floor (smallest reachable peak), plain training's peak, and a plan for the
+    budget (or a smaller one), each from the profile at that batch."""
 
-    def plain_peak(b: int) -> int:  # plain training's peak, also where it is far above the device (no budget check)
-        return int(simulate(at(b), Plan.uniform(at(b), "keep", method="none"), spec).peak_bytes)
+    def __init__(self, at: Callable[[int], Any], spec: DeviceSpec, value: int, planner: str,
+                 strategies: Sequence[str], space: dict[str, Any], search_timesteps: int | None, seed: int) -> None:
+        self.at, self.spec, self.value, self.planner = at, spec, value, planner
+        self.strategies, self.space, self.search_timesteps, self.seed = strategies, space, search_timesteps, seed
+        self.plans: dict[tuple[int, int], Plan | None] = {}
 
-    # plain training's largest batch, and profiles near it for times that hold there
-    plain_max = _largest(lambda b: plain_peak(b) <= value, 1, limit)
+    def floor(self, b: int) -> int:
+        return int(solvers.min_peak(self.at(b), self.spec, self.strategies, **self.space))
+
+    def plain_peak(self, b: int) -> int:  # plain training's peak, also where it is far above the device
+        at = self.at(b)
+        return int(simulate(at, Plan.uniform(at, "keep", method="none"), self.spec).peak_bytes)
+
+    def plan_for(self, b: int, budget: int | None = None) -> Plan | None:
+        """The plan at batch ``b`` for ``budget`` (default: max_batch's), ``None`` where there is none."""
+        key = (b, self.value if budget is None else int(budget))
+        if key not in self.plans:
+            prof = self.at(b)
+            try:
+                if self.planner == "search":
+                    self.plans[key] = search(prof, key[1], self.spec, total_timesteps=self.search_timesteps,
+                                             seed=self.seed, strategies=self.strategies, **self.space)
+                else:
+                    self.plans[key] = solvers.optimal(prof, key[1], self.spec, self.strategies, **self.space)
+            except (BudgetError, PlanError):
+                self.plans[key] = None
+        return self.plans[key]
+
+
+def _plain_max(bp: BatchProfiles, pl: _Planner, probes: list[int], limit: int, notes: list[str]) -> int | None:
+    """Plain training's largest batch, with profiles near it for times that hold there."""
+    value = pl.value
+    plain_max = _largest(lambda b: pl.plain_peak(b) <= value, 1, limit)
     if plain_max is not None and plain_max >= 2 * probes[-1]:
         hi, mid = plain_max, plain_max // 2
         stage("profiles near plain training's largest batch", total=2)
         try:
-            profiled(mid)
+            bp.profiled(mid)
             advance()
-            profiled(hi)
+            bp.profiled(hi)
             advance()
             bp.fit(mid, hi, check=probes[-1])
-            plain_max = _largest(lambda b: plain_peak(b) <= value, 1, limit)
+            plain_max = _largest(lambda b: pl.plain_peak(b) <= value, 1, limit)
         except MemoptError as exc:
             notes.append(f"kept the line through the probe batches: profiling near batch {hi} said: {exc}")
+    return plain_max
+
+
+def _plan_max(pl: _Planner, limit: int, notes: list[str]) -> int:
+    """The largest batch whose floor fits the budget and for which the planner finds a plan within it."""
+    value = pl.value
     stage("finding the largest batch a plan fits")
-    best_max = _largest(lambda b: floor(b) <= value, 1, limit)
+    best_max = _largest(lambda b: pl.floor(b) <= value, 1, limit)
     if best_max is None:
-        raise BudgetError(f"not even batch 1 fits any plan in {format_bytes(value)} on {spec.name}: the smallest "
-                          f"peak there is {format_bytes(floor(1))}. A bigger device, a smaller model, or a wider plan "
-                          "space (offload_state=True, strategies=memopt.plan.STRATEGIES) would lower it")
+        raise BudgetError(f"not even batch 1 fits any plan in {format_bytes(value)} on {pl.spec.name}: the smallest "
+                          f"peak there is {format_bytes(pl.floor(1))}. A bigger device, a smaller model, or a wider "
+                          "plan space (offload_state=True, strategies=memopt.plan.STRATEGIES) would lower it")
     if best_max >= limit:
         notes.append(f"every batch up to {limit} fits a plan (the largest considered)")
-
-    plans: dict[int, Plan | None] = {}
-
-    def plan_for(b: int) -> Plan | None:
-        if b not in plans:
-            prof = at(b)
-            try:
-                if planner == "search":
-                    plans[b] = search(prof, value, spec, total_timesteps=search_timesteps, seed=seed,
-                                      strategies=strategies, **space)
-                else:
-                    plans[b] = solvers.optimal(prof, value, spec, strategies, **space)
-            except (BudgetError, PlanError):
-                plans[b] = None
-        return plans[b]
-
     top = best_max
-    while best_max > max(1, top - 8) and not _usable(plan_for(best_max), value):
+    while best_max > max(1, top - 8) and not _usable(pl.plan_for(best_max), value):
         best_max -= 1  # at the floor's very edge the planner may find no plan within the budget: the next that does
     if best_max < top:
         notes.append(f"batch {top} is at the smallest peak's edge and no plan there came within the budget; the "
                      f"answer is batch {best_max}")
-    verified: dict[str, Any] = {}
-    if verify and device is None:
-        stage("checking the answer under its plan")
-        best_max = _verify(bp.make, best_max, plan_for, value, autocast, verified, notes)
-    stage("predicting throughput per batch")
-    candidates = sorted({b for b in _powers(best_max)} | {best_max} | ({plain_max} if plain_max else set()))
-    memopt_ans = _answer(planner if planner == "optimal" else "memopt-ppo", candidates, best_max, plan_for, value)
-    plain_ans = _answer("none", [b for b in candidates if plain_max and b <= plain_max], plain_max,
-                        lambda b: solvers.none(at(b), None, spec), value)
-    baseline_ans = BatchAnswer(method="none")
+    return best_max
+
+
+def _baseline_answer(pl: _Planner, candidates: list[int], best_max: int) -> BatchAnswer:
+    """The classic baseline that fits the largest batch (then the fastest), as a :class:`BatchAnswer`."""
+    value, spec, at = pl.value, pl.spec, pl.at
+    best = BatchAnswer(method="none")
     for name, fn in solvers.CLASSIC_BASELINES.items():
         if name == "none":
             continue
@@ -515,18 +562,9 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
         if top is None:
             continue
         ans = _answer(name, sorted({b for b in candidates if b <= top} | {top}), top, make, value)
-        if (ans.batch or 0, ans.best_throughput or 0.0) > (baseline_ans.batch or 0,
-                                                            baseline_ans.best_throughput or 0.0):
-            baseline_ans = ans
-    if baseline_ans.batch is None:
-        baseline_ans = BatchAnswer(method="-")
-    throughputs = {a.method: a._tp for a in (memopt_ans, plain_ans, baseline_ans) if hasattr(a, "_tp")}
-    for a in (memopt_ans, plain_ans, baseline_ans):
-        a.__dict__.pop("_tp", None)
-    return MaxBatch(memopt=memopt_ans, plain=plain_ans, baseline=baseline_ans, budget_bytes=value, device=spec.name,
-                    probes=probes, profiled=sorted(profiles), throughputs=throughputs,
-                    seconds=time.perf_counter() - t0, notes=notes, verified=verified,
-                    optimizer=bp.optimizer_class or "", _at=at)
+        if (ans.batch or 0, ans.best_throughput or 0.0) > (best.batch or 0, best.best_throughput or 0.0):
+            best = ans
+    return best if best.batch is not None else BatchAnswer(method="-")
 
 
 def _absolute_budget(budget: int | float | str) -> int:
@@ -553,44 +591,74 @@ def _check_grows(small: Any, large: Any, lo: int, hi: int) -> None:
                           "lambda b: (model, (torch.randn(b, 3, 32, 32),), loss_fn, opt)")
 
 
-def _verify(make: Callable[[int], tuple], batch: int, plan_for: Callable[[int], Plan | None],
-            budget: int, autocast: Any, out: dict[str, Any], notes: list[str]) -> int:
-    """Run the answer: build the model at ``batch`` and measure real steps under its plan. Where they do not fit
-    the budget (out of memory, or a measured peak above it: a peak that grows faster above the profiled batches than
-    below them), try a smaller batch, in proportion to the excess, up to four times."""
-    tried: list[str] = []
-    for _ in range(4):
-        plan = plan_for(batch)
-        if plan is None:
-            tried.append(f"batch {batch}: no plan")
-            batch -= 1
-            if batch < 1:
-                break
-            continue
-        gc.collect()
-        model, args, kwargs, loss_fn, opt = make(batch)
-        try:
-            m = measure(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1,
-                        autocast=autocast)
-            peak: int | None = m.peak_bytes
-        except torch.OutOfMemoryError:
-            peak = None
+#: shares of the budget kept free, in turn, when the answer's step does not run inside the budget under its plan
+VERIFY_MARGINS = (0.0, 0.05, 0.1, 0.2, 0.35, 0.5)
+
+
+def _run(make: Callable[[int], tuple], batch: int, plan: Plan, autocast: Any) -> tuple[int | None, Any]:
+    """One real step at ``batch`` under ``plan``: its measured peak (``None``: out of memory) and the measurement."""
+    gc.collect()
+    model, args, kwargs, loss_fn, opt = make(batch)
+    try:
+        m = measure(model, *args, model_kwargs=kwargs, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1,
+                    autocast=autocast)
+    except torch.OutOfMemoryError:
+        return None, None
+    finally:
         del model, opt
-        if peak is not None and peak <= budget:
-            out.update({"batch": batch, "peak_bytes": int(peak), "predicted_peak_bytes": plan.predicted_peak_bytes,
-                        "step_time": m.step_time})
-            return batch
-        lower = max(1, min(batch - 1, int(batch * budget / peak) if peak else int(batch * 0.9)))
-        note = (f"batch {batch} under its plan measured " + (format_bytes(peak) if peak else "out of memory")
-                + f" against the budget of {format_bytes(budget)} (predicted "
-                f"{format_bytes(plan.predicted_peak_bytes or 0)}); tried {lower}")
-        notes.append(note)
-        tried.append(note)
-        if batch == 1:
-            break
-        batch = lower
-    raise BudgetError(f"no batch near the prediction ran inside {format_bytes(budget)} under its plan: "
-                      + "; ".join(tried))
+    return int(m.peak_bytes), m
+
+
+def _verify(make: Callable[[int], tuple], batch: int, pl: _Planner, autocast: Any, out: dict[str, Any],
+            notes: list[str]) -> int:
+    """Run the answer: build the model at ``batch`` and measure a real step under its plan. Where it does not fit
+    the budget (out of memory, or a measured peak above it), plan for the budget less the next of
+    :data:`VERIFY_MARGINS` (at least the share the step measured above its prediction) at the largest smaller batch
+    whose floor fits that, and run that; last, batch 1 under its smallest-peak plan. The answer is the first batch
+    that ran inside the budget; its plan replaces the one for the budget there."""
+    budget, tried, margin, failed = pl.value, [], 0.0, batch + 1
+    targets: list[tuple[int, int]] = [(batch, budget)]
+    while targets:
+        b, target = targets.pop(0)
+        plan = pl.plan_for(b, target)
+        peak, m = _run(make, b, plan, autocast) if plan is not None else (None, None)
+        if plan is not None and peak is not None and peak <= budget:
+            out.update({"batch": b, "peak_bytes": peak, "predicted_peak_bytes": plan.predicted_peak_bytes,
+                        "step_time": m.step_time, "planned_for_bytes": target})
+            pl.plans[(b, budget)] = plan
+            if tried:
+                notes.extend(tried)
+                notes.append(f"batch {b} ran under a plan for {format_bytes(target)}, {format_bytes(peak)} against "
+                             f"the budget of {format_bytes(budget)}")
+            return b
+        failed = min(failed, b)
+        if plan is None:
+            tried.append(f"batch {b}: no plan for {format_bytes(target)}")
+        else:
+            tried.append(f"batch {b} under a plan for {format_bytes(target)} (predicted "
+                         f"{format_bytes(plan.predicted_peak_bytes or 0)}) measured "
+                         + (format_bytes(peak) if peak is not None else "out of memory"))
+            if peak is not None and plan.predicted_peak_bytes:  # what the prediction missed, kept free next
+                margin = max(margin, (peak - plan.predicted_peak_bytes) / budget + 0.01)
+        margin = next((x for x in VERIFY_MARGINS if x > margin), math.inf)
+        nxt = _next_try(pl, budget, margin, failed) if math.isfinite(margin) else None
+        if nxt is None and failed > 1:  # last: batch 1 under a plan for little more than its smallest peak
+            low = pl.floor(1)
+            nxt = (1, min(budget, low + (budget - low) // 10))
+            margin = math.inf
+        if nxt is not None:
+            targets.append(nxt)
+    notes.extend(tried)
+    raise BudgetError(f"no batch down to 1 ran inside {format_bytes(budget)} under its plan: " + "; ".join(tried))
+
+
+def _next_try(pl: _Planner, budget: int, margin: float, failed: int) -> tuple[int, int] | None:
+    """The largest batch below ``failed`` whose floor fits the budget less ``margin``, and that budget."""
+    target = int(budget * (1 - margin))
+    if failed <= 1:
+        return None
+    b = _largest(lambda k: pl.floor(k) <= target, 1, failed - 1)
+    return (b, target) if b is not None else None
 
 
 def _usable(p: Plan | None, budget: int) -> bool:

@@ -13,6 +13,12 @@ field, since then it would not predict the batch asked for. Times are extrapolat
 with one step, not ``repeats``); the profile records the check's step-time error, and what each batch tried cost
 (``meta["extrapolation"]["attempts"]``: ``[batch, seconds, fitted]``, the batch asked for first).
 
+Where not even batch 1 fits, or only batch 1 does (what the model holds without activations, its parameters,
+gradients and optimizer state, is too much for the device), the step is profiled state-streamed at the batch asked for
+(:mod:`memopt_nb.profiling.streamed`: the optimizer's state a unit at a time, each gradient let go as backward makes
+it, both counted in the levels); where even that runs out of memory, state-streamed profiles at smaller batches are
+extrapolated as above. A step whose state fits is profiled exactly as before.
+
 Why this approach: it needs nothing but the ordinary profiler, on the real device, at sizes that fit; the bytes of a
 training step are linear in the batch for almost every layer (activations grow with it; the fixed state does not), and
 the two largest fitting batches put the line's ends close to the batch asked for. ``FakeTensorMode`` would give exact
@@ -41,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 from ..core.errors import ProfileError
 from ..core.profile import ModelProfile
 
-__all__ = ["LINEAR_TOLERANCE", "extrapolate", "extrapolating", "profile_or_extrapolate"]
+__all__ = ["LINEAR_TOLERANCE", "extrapolate", "extrapolating", "profile_or_extrapolate", "state_streamed"]
 
 #: relative error (of the measured value) a byte count at the check batch may be off by; at least :data:`LINEAR_SLACK`
 LINEAR_TOLERANCE = 0.02
@@ -65,6 +71,16 @@ _SHAPES = frozenset({"input_shapes", "output_shapes"})
 _TAKE_LARGER = frozenset({"meta", "pareto", "batch_size"})  # taken from the larger batch's profile
 
 _DIRECT: contextvars.ContextVar[bool] = contextvars.ContextVar("memopt_profile_direct", default=False)
+_STREAMED: contextvars.ContextVar[bool] = contextvars.ContextVar("memopt_profile_streamed", default=False)
+
+
+class _StateTooBig(ProfileError):
+    """The step does not fit at batch 1, or fits only there: what the model holds without activations is too much."""
+
+
+def state_streamed() -> bool:
+    """Whether :func:`memopt_nb.profile` is to profile the step state-streamed (:mod:`memopt_nb.profiling.streamed`)."""
+    return _STREAMED.get()
 
 
 def extrapolating() -> bool:
@@ -120,10 +136,45 @@ def profile_or_extrapolate(profile_fn: Callable[..., Any], model: torch.nn.Modul
         # outside the except block: the failed step's traceback, and with it its tensors, are gone
         gc.collect()
         failed = time.perf_counter() - t0
-        prof = _extrapolated_profile(profile_fn, model, inputs, options, kwargs, batch_dim, batch_fn, first, failed)
-        return _knowing_inputs(prof, inputs, options, kwargs)
+        try:
+            prof = _extrapolated_profile(profile_fn, model, inputs, options, kwargs, batch_dim, batch_fn, first, failed)
+        except _StateTooBig as exc:
+            if options.get("optimizer") is None:
+                raise
+            too_big = exc
+        else:
+            return _knowing_inputs(prof, inputs, options, kwargs)
+        gc.collect()
+        return _knowing_inputs(_streamed_profile(profile_fn, model, inputs, options, kwargs, batch_dim, batch_fn,
+                                                 too_big), inputs, options, kwargs)
     finally:
         _DIRECT.reset(token)
+
+
+def _streamed_profile(profile_fn: Callable[..., Any], model: torch.nn.Module, inputs: tuple, options: dict,
+                      kwargs: dict, batch_dim: int | None, batch_fn: Callable[[int], Any] | None,
+                      too_big: ProfileError) -> Any:
+    """The step profiled state-streamed (:mod:`memopt_nb.profiling.streamed`), at its batch or, where even its
+    activations do not fit beside the parameters, extrapolated from smaller batches profiled so."""
+    t0 = time.perf_counter()
+    token = _STREAMED.set(True)
+    try:
+        try:
+            return profile_fn(model, *inputs, **options, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - only out of memory is handled; the rest is raised as it was
+            if not _is_oom(exc):
+                raise
+            first = _first_line(exc)
+        gc.collect()
+        try:
+            return _extrapolated_profile(profile_fn, model, inputs, options, kwargs, batch_dim, batch_fn, first,
+                                         time.perf_counter() - t0)
+        except _StateTooBig:
+            raise ProfileError(f"{too_big} Profiled state-streamed (the optimizer's state a unit at a time, each "
+                               "gradient let go as backward made it), it still does not fit: the parameters with "
+                               "one step's activations are too much for the device") from None
+    finally:
+        _STREAMED.reset(token)
 
 
 def _knowing_inputs(prof: Any, inputs: tuple, options: dict, kwargs: dict) -> Any:
@@ -143,11 +194,11 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
     all_kwargs = {**kwargs, **(options.get("model_kwargs") or {})}
     batch = _batch_of(inputs, all_kwargs, batch_dim if batch_dim is not None else 0)
     if batch is None or batch < 2:
-        raise ProfileError(f"the training step does not fit the device ({first}) and its batch cannot be made "
+        raise _StateTooBig(f"the training step does not fit the device ({first}) and its batch cannot be made "
                            "smaller to profile it in parts (no input tensor with a batch dimension of 2 or more). "
                            "Lower the batch or the sequence length, or free device memory") from None
     if batch_fn is None and batch_dim is None:
-        raise ProfileError(f"the training step does not fit the device ({first}); profile(..., batch_dim=None) "
+        raise _StateTooBig(f"the training step does not fit the device ({first}); profile(..., batch_dim=None) "
                            "forbids slicing the inputs. Pass batch_dim= (the inputs' batch dimension) or "
                            "batch_fn=lambda b: (inputs, loss_fn) to profile it at smaller batches") from None
 
@@ -196,12 +247,12 @@ def _extrapolated_profile(profile_fn: Callable[..., Any], model: torch.nn.Module
         gc.collect()
         hi //= 2
     if prof_hi is None:
-        raise ProfileError(f"the training step does not fit the device even at batch 1 ({first}; tried "
+        raise _StateTooBig(f"the training step does not fit the device even at batch 1 ({first}; tried "
                            f"{', '.join(tried)}): what the model holds without activations is too much. Plan its "
                            "state with a preset instead (memopt.profile on a bigger device or the CPU, then "
                            "memopt.search(prof, device=...)), or make the model smaller") from None
     if hi < 2:
-        raise ProfileError(f"the training step does not fit the device at batch {batch} ({first}) and fits only at "
+        raise _StateTooBig(f"the training step does not fit the device at batch {batch} ({first}) and fits only at "
                            f"batch 1, so it cannot be extrapolated in the batch. Free device memory or lower the "
                            f"batch") from None
     # the smaller batches are profiled on the same units (how a model is split may depend on its saved bytes); split
