@@ -5,11 +5,14 @@ transformers GPT-2 8 × 256 (random init) inside ``memopt.limit_memory`` = ½ ×
 ``memopt.profile`` makes a state-streamed profile (``meta["state_streamed"]``) without the limit ever being exceeded,
 whose bytes are those of the plain step's profile made outside the limit; ``memopt.search(prof)`` with no budget plans
 for the limit, and three AdamW steps under the plan are bit-identical to plain training of a copy outside the limit,
-with the limit's measured peak within it through the steps. ``memopt.max_batch`` of ViT-Tiny's blocks at ¾ of their
+with the limit's measured peak within it through the steps, ``model.state_dict()`` and ``torch.save`` of both state
+dicts inside the plan's block, and leaving the block (the state the device cannot hold stays on the host until
+``memopt.bring_back``); the checkpoint saved inside holds the trained values. ``memopt.max_batch`` of ViT-Tiny's blocks at ¾ of their
 training state (plain training never fits) answers a batch whose step runs inside the limit under its plan.
 """
 
 import copy
+import io
 
 import pytest
 import torch
@@ -60,15 +63,21 @@ def big():
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     limit = state_bytes(model) // 2
+    buf = io.BytesIO()
     with memopt.limit_memory(limit) as lim:
         prof = memopt.profile(model, model_kwargs=inputs, loss_fn=loss_fn, optimizer=opt, repeats=1)
         profile_peak = lim.peak_bytes
         plan = memopt.search(prof, total_timesteps=TIMESTEPS)
-    with memopt.plan(plan), memopt.limit_memory(limit) as lim:  # leaving the plan block is not checked here
-        losses = train(model, opt, inputs)
-        step_peak = lim.peak_bytes
+        with memopt.plan(plan):
+            losses = train(model, opt, inputs)
+            step_peak = lim.peak_bytes
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            save_peak = lim.peak_bytes
+        exit_peak = lim.peak_bytes
+    memopt.bring_back(opt)  # outside the limit: all of it fits
     return {"model": model, "ref": ref, "inputs": inputs, "limit": limit, "prof": prof, "plan": plan,
-            "profile_peak": profile_peak, "step_peak": step_peak, "losses": losses, "opt": opt}
+            "profile_peak": profile_peak, "step_peak": step_peak, "save_peak": save_peak, "exit_peak": exit_peak,
+            "losses": losses, "opt": opt, "checkpoint": buf}
 
 
 def test_profile_is_state_streamed_inside_the_limit(big):
@@ -117,6 +126,21 @@ def test_plan_for_the_limit_trains_bit_identically_inside_it(big):
     for p, q in zip(big["model"].parameters(), big["ref"].parameters(), strict=True):
         sa, sb = big["opt"].state[p], ref_opt.state[q]
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_checkpoint_inside_the_block_and_leaving_it_stay_inside_the_limit(big):
+    assert big["save_peak"] <= big["limit"] and big["exit_peak"] <= big["limit"]
+    big["checkpoint"].seek(0)
+    ck = torch.load(big["checkpoint"], weights_only=True)
+    for (name, a), b in zip(ck["model"].items(), big["model"].state_dict().values(), strict=True):
+        assert a.device.type == "cpu" and torch.equal(a, b), name
+    fresh, _ = gpt2()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    fresh.load_state_dict(ck["model"])
+    fresh_opt.load_state_dict(ck["opt"])
+    for p, q in zip(fresh.parameters(), big["model"].parameters(), strict=True):
+        sa, sb = fresh_opt.state[p], big["opt"].state[q]
+        assert all(torch.equal(sa[k], sb[k]) for k in sb)
 
 
 def vit_builder(b):
