@@ -7,8 +7,9 @@ whose bytes are those of the plain step's profile made outside the limit; ``memo
 for the limit, and three AdamW steps under the plan are bit-identical to plain training of a copy outside the limit,
 with the limit's measured peak within it through the steps, ``model.state_dict()`` and ``torch.save`` of both state
 dicts inside the plan's block, and leaving the block (the state the device cannot hold stays on the host until
-``memopt.bring_back``); the checkpoint saved inside holds the trained values. ``memopt.max_batch`` of ViT-Tiny's blocks at ¾ of their
-training state (plain training never fits) answers a batch whose step runs inside the limit under its plan.
+``memopt.bring_back``); the checkpoint saved inside holds the trained values. ``memopt.max_batch`` of ViT-Tiny's
+blocks at ¾ of their training state (plain training never fits) answers a batch whose step runs inside the limit under
+its plan.
 """
 
 import copy
