@@ -180,6 +180,10 @@ def test_max_batch_beats_plain_training_and_its_step_fits(setup, answer):
     assert res.best_throughput == pytest.approx(max(res.throughputs["optimal"].values()), rel=1e-4)
     assert res.throughput == pytest.approx(res.batch / res.step_time)
     assert res.plain.best_throughput is not None
+    assert res.noise >= 0.03 and res.best_batch not in res.within_noise
+    for b in res.within_noise:  # each is as fast as the best within the profiled times' spread, and the text says so
+        assert res.throughputs["optimal"][b] >= res.best_throughput * (1 - res.noise)
+    assert ("within noise of it" in res.summary()) == bool(res.within_noise)
     text = repr(res)
     assert "plain training" in text and f"batch {res.batch} fits with a plan" in text
     assert "<table>" in res._repr_html_()
@@ -188,6 +192,21 @@ def test_max_batch_beats_plain_training_and_its_step_fits(setup, answer):
     with memopt.limit_memory(limit) as lim, memopt.plan(res.plan, model, optimizer=opt):
         train(model, inputs, loss_fn, opt, 2)
     assert lim.peak_bytes <= limit
+
+
+def test_batches_within_the_profiled_spread_of_the_best_are_named_within_noise():
+    from memopt_nb.harness.maxbatch import BatchAnswer, MaxBatch
+
+    def res(noise):
+        return MaxBatch(memopt=BatchAnswer("optimal", batch=32, best_batch=16, best_throughput=100.0),
+                        plain=BatchAnswer("none", batch=8, best_batch=8, best_throughput=80.0),
+                        baseline=BatchAnswer("sqrt_n"), budget_bytes=2**20, device="cpu", probes=[2, 4, 8],
+                        profiled=[4, 8], throughputs={"optimal": {8: 90.0, 16: 100.0, 32: 97.0}}, noise=noise)
+
+    assert res(0.05).within_noise == [32] and "batch 32 within noise of it (the profiled times vary by 5%)" in \
+        res(0.05).summary()
+    assert res(0.12).within_noise == [8, 32] and "batches 8, 32 within noise" in res(0.12).summary()
+    assert res(0.02).within_noise == [] and "within noise" not in res(0.02).summary()
 
 
 #: how far the profile summary's batch estimate may be from max_batch's answer: plain training's within 10% (at least

@@ -11,7 +11,8 @@ made for it (the exact optimum by default); on the device the model is on, real 
 plan check it (``verify``), stepping down to a batch that runs where they do not (a model whose training state
 exceeds the budget: plans for the budget less a margin, since such a peak barely moves with the batch). Throughput is
 predicted at each power of two up to that batch and at the batch itself; the best one is
-:attr:`MaxBatch.best_batch` (throughput first). Plain training and the best classic baseline (recompute-all, sqrt(n),
+:attr:`MaxBatch.best_batch` (throughput first); batches within the profiled times' spread of it are named too
+(:attr:`MaxBatch.within_noise`: the profile cannot tell them apart). Plain training and the best classic baseline (recompute-all, sqrt(n),
 swap-all, Capuchin, every-k-th-layer checkpointing) get the same numbers side by side.
 
 What it is given is checked before it costs a run: the optimizer the user trains with is required (the builder's, or
@@ -49,6 +50,8 @@ __all__ = ["NO_OPTIMIZER", "BatchAnswer", "BatchProfiles", "MaxBatch", "Optimize
 
 #: the largest batch :func:`max_batch` considers
 MAX_BATCH_LIMIT = 1 << 20
+#: predicted throughputs closer than this (relative) are never told apart, however steady the profiled times were
+NOISE_FLOOR = 0.03
 
 
 @dataclass
@@ -101,7 +104,19 @@ class MaxBatch:
     notes: list[str] = field(default_factory=list)
     verified: dict[str, Any] = field(default_factory=dict)
     optimizer: str = ""
+    #: the relative spread of the profiled step times (at least :data:`NOISE_FLOOR`): predicted throughputs closer
+    #: than this to the best cannot be told apart from it
+    noise: float = 0.0
     _at: Callable[[int], Any] | None = field(default=None, repr=False)
+
+    @property
+    def within_noise(self) -> list[int]:
+        """The other batches whose predicted throughput (memopt's plans) is within :attr:`noise` of the best batch's:
+        the profile's times cannot tell them from :attr:`best_batch`, so any of them is as good an answer."""
+        tp, best = self.throughputs.get(self.memopt.method, {}), self.memopt.best_throughput
+        if not best:
+            return []
+        return sorted(b for b, t in tp.items() if b != self.best_batch and t >= best * (1.0 - self.noise))
 
     @property
     def batch(self) -> int | None:
@@ -150,9 +165,12 @@ class MaxBatch:
     def summary(self) -> str:
         """One line: at this budget, batch N fits with a plan; plain training fits M."""
         plain = self.plain.batch
+        near = self.within_noise
+        tie = (f", batch{'es' if len(near) > 1 else ''} {', '.join(map(str, near))} within noise of it (the profiled "
+               f"times vary by {self.noise:.0%})" if near else "")
         return (f"at {format_bytes(self.budget_bytes)} on {self.device}: batch {_b(self.batch)} fits with a plan "
                 f"({_ratio(self.batch, plain)} plain training's {_b(plain)}); the fastest is batch "
-                f"{_b(self.best_batch)} at {_f(self.best_throughput)} samples/s (plain training: "
+                f"{_b(self.best_batch)} at {_f(self.best_throughput)} samples/s{tie} (plain training: "
                 f"{_f(self.plain.best_throughput)} at batch {_b(self.plain.best_batch)})")
 
     def __repr__(self) -> str:
@@ -459,7 +477,14 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
     return MaxBatch(memopt=memopt_ans, plain=plain_ans, baseline=baseline_ans, budget_bytes=value, device=spec.name,
                     probes=probes, profiled=sorted(bp.profiles), throughputs=throughputs,
                     seconds=time.perf_counter() - t0, notes=notes, verified=verified,
-                    optimizer=bp.optimizer_class or "", _at=bp.at)
+                    optimizer=bp.optimizer_class or "", noise=_noise(bp.profiles.values()), _at=bp.at)
+
+
+def _noise(profiles: Iterable[Any]) -> float:
+    """The largest relative spread of the profiled step times (``meta["timing"]["step_spread"]``), at least
+    :data:`NOISE_FLOOR`."""
+    spreads = [float((p.meta.get("timing") or {}).get("step_spread", 0.0)) for p in profiles]
+    return max([NOISE_FLOOR, *spreads])
 
 
 def _check_args(planner: str, probe: Sequence[int]) -> list[int]:
