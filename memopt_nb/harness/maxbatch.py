@@ -12,8 +12,8 @@ plan check it (``verify``), stepping down to a batch that runs where they do not
 exceeds the budget: plans for the budget less a margin, since such a peak barely moves with the batch). Throughput is
 predicted at each power of two up to that batch and at the batch itself; the best one is
 :attr:`MaxBatch.best_batch` (throughput first); batches within the profiled times' spread of it are named too
-(:attr:`MaxBatch.within_noise`: the profile cannot tell them apart). Plain training and the best classic baseline (recompute-all, sqrt(n),
-swap-all, Capuchin, every-k-th-layer checkpointing) get the same numbers side by side.
+(:attr:`MaxBatch.within_noise`: the profile cannot tell them apart). Plain training and the best classic baseline
+(recompute-all, sqrt(n), swap-all, Capuchin, every-k-th-layer checkpointing) get the same numbers side by side.
 
 What it is given is checked before it costs a run: the optimizer the user trains with is required (the builder's, or
 ``optimizer=`` as a class, a function of the parameters or an optimizer object), since its state is in every peak and
