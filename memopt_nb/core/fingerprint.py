@@ -5,7 +5,7 @@ shapes (:func:`unit_fingerprint`); for the whole model a hash of its module tree
 children of every module holding a unit (:func:`model_fingerprint`, so that a plan for 4 blocks is refused by a model
 with 6); for a plan that moves optimizer state, the optimizer's class, hyper-parameters and parameter shapes per group
 (:func:`optimizer_fingerprint`). The ``*_differences`` functions say what differs, and the ``_check_*`` ones refuse a
-corrupt fingerprint read from JSON.
+corrupt fingerprint read from JSON; :func:`check_plan_target` refuses a model or profile the plan was not made for.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 from .errors import PlanError
 
-__all__ = ["model_fingerprint", "optimizer_differences", "optimizer_fingerprint", "plain_module_type",
-           "unit_fingerprint"]
+__all__ = ["check_plan_target", "model_fingerprint", "optimizer_differences", "optimizer_fingerprint",
+           "plain_module_type", "unit_fingerprint"]
 
 
 def _fingerprint_matches(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -234,3 +234,49 @@ def _check_unit_fingerprint(entries: Any) -> tuple[dict[str, Any], ...]:
             raise PlanError(f"corrupt plan: fingerprint entry {i} must be {{\"name\": str, \"type\": str, "
                             f"\"param_shapes\": [[int, ...], ...]}}, got {f!r}"[:400])
     return tuple(entries)
+
+
+def check_plan_target(plan: Any, target: Any) -> None:
+    """Raise :class:`PlanError` unless ``plan`` was made for ``target`` (an ``nn.Module`` or a ModelProfile): what
+    :meth:`Plan.validate <memopt_nb.core.plan.Plan.validate>` checks."""
+    import torch.nn as nn
+
+    if isinstance(target, nn.Module):
+        modules = dict(target.named_modules())
+        problems = []
+        if plan.model_fingerprint:
+            problems += _model_differences(plan.model_fingerprint, model_fingerprint(target, plan.units))
+        for i, d in enumerate(plan.decisions):
+            mod = modules.get(d.unit)
+            if mod is None:
+                problems.append(f"unit {d.unit!r}: no such module")
+                continue
+            if plan.fingerprint:
+                want = plan.fingerprint[i]
+                have = unit_fingerprint(d.unit, mod)
+                if not _fingerprint_matches(want, have):
+                    problems.append(
+                        f"unit {d.unit!r}: plan {want['type']} {want['param_shapes']}, "
+                        f"model {have['type']} {have['param_shapes']}"
+                    )
+        if problems:
+            raise PlanError("this plan was made for another model: " + "; ".join(problems)
+                            + ". Profile this model and make a plan for it")
+        return
+    fp = getattr(target, "fingerprint", None)
+    if fp is None:
+        raise PlanError(f"can validate a plan against an nn.Module or a ModelProfile, not {type(target).__name__}")
+    have = {f["name"]: f for f in fp}
+    problems = []
+    for i, d in enumerate(plan.decisions):
+        if d.unit not in have:
+            problems.append(f"unit {d.unit!r}: not a unit of the profile")
+        elif plan.fingerprint and not _fingerprint_matches(plan.fingerprint[i], have[d.unit]):
+            problems.append(f"unit {d.unit!r}: module type or parameter shapes differ")
+    if [f["name"] for f in fp] != plan.units and not problems:
+        problems.append(f"unit order differs (profile: {[f['name'] for f in fp]}, plan: {plan.units})")
+    have_model = (getattr(target, "meta", None) or {}).get("model_fingerprint")
+    if plan.model_fingerprint and have_model:
+        problems = _model_differences(plan.model_fingerprint, have_model) + problems
+    if problems:
+        raise PlanError("this plan was made for another model: " + "; ".join(problems))

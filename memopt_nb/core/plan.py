@@ -2,8 +2,9 @@
 where its state lives. The strategies and placements themselves are declared in :mod:`memopt_nb.core.strategies`.
 
 A :class:`Plan` is plain data. It knows the units it was made for (a fingerprint of names, module types and parameter
-shapes), the budget and device it targets, who made it and what the simulator predicted. It saves to versioned JSON and
-refuses to be applied to a model it was not made for.
+shapes), the budget and device it targets, who made it and what the simulator predicted. It saves to versioned JSON
+(:mod:`memopt_nb.core.plan_json`), reads as one line or a table (:mod:`memopt_nb.core.plan_display`) and refuses to be
+applied to a model it was not made for (:func:`~memopt_nb.core.fingerprint.check_plan_target`).
 
 ``recompute_offload`` recomputes the unit like ``recompute`` and, instead of keeping the unit's inputs on the device
 for the recomputation, offloads them to the host like ``swap`` offloads saved tensors (a storage something else still
@@ -40,28 +41,25 @@ use for an ``offload_state=`` argument.
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .budget import format_bytes
 from .errors import PlanError
 from .fingerprint import (
-    _check_model_fingerprint,
-    _check_unit_fingerprint,
-    _fingerprint_matches,
     _fingerprint_mismatch,
-    _model_differences,
+    check_plan_target,
     model_fingerprint,
     optimizer_differences,
     optimizer_fingerprint,
     plain_module_type,
     unit_fingerprint,
 )
+from .plan_display import PlanDisplay
+from .plan_json import FORMAT, SCHEMA_VERSION, _is_int, checked_fields, parse_plan_json, plan_dict, read_plan_file
 from .strategies import (
     DEFAULT_STRATEGIES,
     DISTANCES,
@@ -71,7 +69,6 @@ from .strategies import (
     PARAM_PLACES,
     PLACE_OF,
     RECOMPUTING,
-    REGISTRY,
     SAVE_SETS,
     STATE_CHOICES,
     STATE_PIECES,
@@ -86,8 +83,6 @@ __all__ = ["DEFAULT_STRATEGIES", "DISTANCES", "Decision", "FORMAT", "GRAD_PLACES
            "optimizer_differences", "optimizer_fingerprint", "plain_module_type", "selective_decision",
            "state_choices", "unit_fingerprint", "with_profile_facts"]
 
-SCHEMA_VERSION = 2
-FORMAT = "memopt_nb.plan"
 MAX_TIMING = 64
 
 
@@ -258,19 +253,8 @@ def with_profile_facts(meta: dict[str, Any], profile: Any) -> dict[str, Any]:
     return out
 
 
-def _check_field(data: Mapping[str, Any], key: str, ok: Callable[[Any], bool], want: str) -> Any:
-    value = data.get(key)
-    if value is not None and not ok(value):
-        raise PlanError(f"corrupt plan: {key} must be {want} or null, got {value!r}"[:300])
-    return value
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(eq=False)
-class Plan:
+class Plan(PlanDisplay):
     """A memory plan for one model: a :class:`Decision` per unit plus what it was made for.
 
     Two plans are equal (``==``) when they make the same decisions for the same units; metadata such as search time or
@@ -474,107 +458,18 @@ class Plan:
         shapes), or the part of the module tree that differs. A plan without a model fingerprint (saved by an older
         version) is checked by its units only.
         """
-        import torch.nn as nn
+        check_plan_target(self, target)
 
-        if isinstance(target, nn.Module):
-            modules = dict(target.named_modules())
-            problems = []
-            if self.model_fingerprint:
-                problems += _model_differences(self.model_fingerprint, model_fingerprint(target, self.units))
-            for i, d in enumerate(self.decisions):
-                mod = modules.get(d.unit)
-                if mod is None:
-                    problems.append(f"unit {d.unit!r}: no such module")
-                    continue
-                if self.fingerprint:
-                    want = self.fingerprint[i]
-                    have = unit_fingerprint(d.unit, mod)
-                    if not _fingerprint_matches(want, have):
-                        problems.append(
-                            f"unit {d.unit!r}: plan {want['type']} {want['param_shapes']}, "
-                            f"model {have['type']} {have['param_shapes']}"
-                        )
-            if problems:
-                raise PlanError("this plan was made for another model: " + "; ".join(problems)
-                                + ". Profile this model and make a plan for it")
-            return
-        fp = getattr(target, "fingerprint", None)
-        if fp is None:
-            raise PlanError(f"can validate a plan against an nn.Module or a ModelProfile, not {type(target).__name__}")
-        have = {f["name"]: f for f in fp}
-        problems = []
-        for i, d in enumerate(self.decisions):
-            if d.unit not in have:
-                problems.append(f"unit {d.unit!r}: not a unit of the profile")
-            elif self.fingerprint and not _fingerprint_matches(self.fingerprint[i], have[d.unit]):
-                problems.append(f"unit {d.unit!r}: module type or parameter shapes differ")
-        if [f["name"] for f in fp] != self.units and not problems:
-            problems.append(f"unit order differs (profile: {[f['name'] for f in fp]}, plan: {self.units})")
-        have_model = (getattr(target, "meta", None) or {}).get("model_fingerprint")
-        if self.model_fingerprint and have_model:
-            problems = _model_differences(self.model_fingerprint, have_model) + problems
-        if problems:
-            raise PlanError("this plan was made for another model: " + "; ".join(problems))
-
-    # ------------------------------------------------------------------ JSON
+    # ------------------------------------------------------------------ JSON (:mod:`memopt_nb.core.plan_json`)
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "schema_version": SCHEMA_VERSION,
-            "method": self.method,
-            "seed": self.seed,
-            "budget_bytes": self.budget_bytes,
-            "device": self.device,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_step_time": self.predicted_step_time,
-            "feasible": self.feasible,
-            "decisions": [d.to_dict() for d in self.decisions],
-            "fingerprint": [dict(f) for f in self.fingerprint],
-            "model_fingerprint": self.model_fingerprint,
-            "step_in_backward": self.step_in_backward,
-            "optimizer_fingerprint": self.optimizer_fingerprint,
-            "head": self.head,
-            "meta": _jsonable(self.meta),
-        }
+        return plan_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise PlanError("not a memopt_nb plan (missing \"format\": \"memopt_nb.plan\")")
-        version = data.get("schema_version")
-        if not isinstance(version, int):
-            raise PlanError("corrupt plan: schema_version is missing or not an int")
-        if version > SCHEMA_VERSION:
-            raise PlanError(
-                f"this plan was written by a newer memopt_nb (schema {version}); this version reads schema "
-                f"{SCHEMA_VERSION} — upgrade memopt_nb to load it"
-            )
-        if not isinstance(data.get("decisions"), list) or not all(isinstance(d, dict) for d in data["decisions"]):
-            raise PlanError("corrupt plan: decisions must be a list of {\"unit\": ..., \"strategy\": ...} objects")
-        number = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)  # noqa: E731
-        fields = {
-            "budget_bytes": _check_field(data, "budget_bytes", lambda v: _is_int(v) and v > 0,
-                                         "a positive int of bytes"),
-            "device": _check_field(data, "device", lambda v: isinstance(v, dict), "an object"),
-            "method": _check_field(data, "method", lambda v: isinstance(v, str), "a string") or "manual",
-            "seed": _check_field(data, "seed", _is_int, "an int"),
-            "predicted_peak_bytes": _check_field(data, "predicted_peak_bytes", lambda v: _is_int(v) and v >= 0,
-                                                 "an int of bytes"),
-            "predicted_step_time": _check_field(data, "predicted_step_time", number, "a number of seconds"),
-            "feasible": _check_field(data, "feasible", lambda v: isinstance(v, bool), "true or false"),
-            "meta": _check_field(data, "meta", lambda v: isinstance(v, dict), "an object") or {},
-            "step_in_backward": _check_field(data, "step_in_backward", lambda v: isinstance(v, bool),
-                                             "true or false") or False,
-            "optimizer_fingerprint": _check_field(data, "optimizer_fingerprint", lambda v: isinstance(v, dict),
-                                                  "an object"),
-            "head": _check_field(data, "head", lambda v: isinstance(v, dict), "an object"),
-        }
-        fingerprint = _check_unit_fingerprint(data.get("fingerprint"))
-        model_fp = _check_model_fingerprint(data.get("model_fingerprint"))
+        fields = checked_fields(data)
         try:
-            decisions = tuple(Decision(**d) for d in data["decisions"])
-            return cls(decisions=decisions, fingerprint=fingerprint, model_fingerprint=model_fp,
-                       **{**fields, "meta": dict(fields["meta"])})
+            decisions = tuple(Decision(**d) for d in fields.pop("decisions"))
+            return cls(decisions=decisions, **fields)
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -585,11 +480,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"corrupt plan file: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_plan_json(text))
 
     def save(self, path: str | Path) -> Path:
         """Write the plan as JSON; returns the path."""
@@ -604,94 +495,11 @@ class Plan:
         Raises :class:`PlanError` for a path that is missing or a directory, a file that is not UTF-8 JSON, or JSON
         that is not a valid plan (each field is checked, so a plan that loads also displays and applies).
         """
-        path = Path(path)
-        if not path.exists():
-            raise PlanError(f"no plan file at {path}")
-        if path.is_dir():
-            raise PlanError(f"{path} is a directory; give the path of a plan's JSON file (written by plan.save(path))")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise PlanError(f"{path} is not a memopt_nb plan: not UTF-8 text (byte {exc.start}); a plan is the JSON "
-                            "file written by plan.save(path)") from None
-        except OSError as exc:
-            raise PlanError(f"cannot read the plan file {path}: {exc.strerror or exc}") from None
-        return cls.from_json(text)
+        return cls.from_json(read_plan_file(path))
 
-    # ------------------------------------------------------------------ display
-    def summary(self) -> str:
-        """One line: method, the device it is for, strategy counts and predictions."""
-        c = self.counts()
-        name = (self.device or {}).get("name")
-        device = f" for {name}" if name else ""
-        counted = ", ".join(f"{s.name} {c[s.name]}" for s in REGISTRY if s.default or c[s.name])  # opt-in: if used
-        parts = [f"Plan[{self.method}]{device}: {len(self.decisions)} units: {counted}"]
-        sc = self.state_counts()
-        moved = [f"{k} {v}" for k, v in (("optimizer offloaded", sc["optimizer"]),
-                                         ("grads offloaded", sc["grads"]), ("stepped in backward", sc["step"]),
-                                         ("params offloaded", sc["params"])) if v]
-        streamed = sum(d.optimizer == "stream" for d in self.decisions)
-        if streamed:
-            moved[0] += f" ({streamed} streamed a parameter at a time)"
-        if moved:
-            parts.append("state: " + ", ".join(moved))
-        if self.head:
-            parts.append(f"LM head {self.head['module']} in {self.head['chunks']} chunks (not bit-identical: "
-                         "gradients summed in another order)")
-        if self.budget_bytes:
-            parts.append(f"budget {format_bytes(self.budget_bytes)}")
-        if self.predicted_peak_bytes is not None:
-            parts.append(f"predicted peak {format_bytes(self.predicted_peak_bytes)}")
-        if self.predicted_step_time is not None:
-            parts.append(f"step {self.predicted_step_time * 1e3:.2f} ms")
-        if self.feasible is False:
-            parts.append("INFEASIBLE")
-        if self.meta.get("interrupted"):
-            parts.append("interrupted")
-        return ", ".join(parts)
-
+    # ------------------------------------------------------------------ display (:class:`PlanDisplay`: summary, HTML)
     def __repr__(self) -> str:
         return f"<{self.summary()}>"
-
-    def _repr_html_(self) -> str:
-        rows = []
-        for d in self.decisions:
-            timing = ""
-            if d.strategy in OFFLOADING:
-                w, k = d.offload_window, d.prefetch_distance
-                out = ("copy to host done before the next forward" if w == 0 else
-                       f"copy to host may overlap the next {w} forward{'s' if w > 1 else ''}")
-                back = ("copy back when its backward starts" if k == 0 else
-                        f"copy back starts {k} unit{'s' if k > 1 else ''} ahead in backward")
-                timing = f"{out}; {back} (window {w}, prefetch {k})"
-            state = ", ".join(f"{k} {v}" for k, v in zip(("optimizer", "grads", "params"), d.placement, strict=True)
-                              if v != "resident") or "resident"
-            if d.strategy == "selective":
-                timing = f"saves {html.escape(d.save_set)} ({len(d.save_ops)} op outputs)"
-            rows.append(f"<tr><td>{html.escape(d.unit)}</td><td>{d.strategy}</td><td>{timing}</td>"
-                        f"<td>{state}</td></tr>")
-        return (
-            f"<div><b>{html.escape(self.summary())}</b><table><thead><tr><th>unit</th><th>strategy</th>"
-            '<th title="swapped units only: offload window (forwards the copy to host may overlap) and prefetch '
-            f'distance (units ahead the copy back starts)">swap timing</th>'
-            '<th title="where the unit\'s optimizer state, gradients and parameters live">state</th></tr></thead>'
-            f'<tbody>{"".join(rows)}'
-            "</tbody></table></div>"
-        )
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and obj != obj:
-        return None
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if hasattr(obj, "item"):
-        return obj.item()
-    return str(obj)
 
 
 def selective_decision(unit: Any, save_set: str, window: int = 1, distance: int = 1,

@@ -34,18 +34,27 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core.budget import format_bytes
 from ..core.device import DeviceSpec
 from ..core.errors import MemoptError
 from ..core.plan import Plan
 from ..planners.rl.search import search
 from ..sim.simulator import simulate
+from .dashboard_text import (
+    AGENTS_TITLE,
+    STOP_HINT,
+    _png_width,
+    _rate_text,
+    agents_html,
+    final_text,
+    img_html,
+    stats_html,
+    text_line,
+)
 from .plots import agents_figure, figure_png, search_figure
 
 __all__ = ["AGENTS_TITLE", "STOP_HINT", "TIMESTEPS_ENV", "SearchDashboard", "in_notebook", "live_search",
@@ -78,55 +87,6 @@ def in_notebook() -> bool:
         return False
     ip = get_ipython()
     return ip is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(ip).__mro__)
-
-
-def _fmt_ms(seconds: float | None) -> str:
-    return "–" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.2f} ms"
-
-
-def _fmt_num(x: Any) -> str:
-    return "–" if x is None or not isinstance(x, (int, float)) or not math.isfinite(x) else f"{x:+.3g}"
-
-
-def _fmt_bytes(x: Any) -> str:
-    return "–" if x is None or not math.isfinite(float(x)) else format_bytes(x)
-
-
-def _png_width(png: bytes) -> int:
-    """The pixel width in a PNG's header."""
-    return int.from_bytes(png[16:20], "big") if png[:8] == b"\x89PNG\r\n\x1a\n" else 0
-
-
-def _pct(t: Any, base: Any) -> str:
-    """``+7.0%``: how much slower a step of ``t`` seconds is than ``base``."""
-    if not t or not base or not math.isfinite(t) or not math.isfinite(base):
-        return "–"
-    return f"{(t / base - 1) * 100:+.1f}%"
-
-
-#: Under the top line while the search runs: how to stop it (Jupyter's ■ interrupts the kernel).
-STOP_HINT = "■ stops the search and keeps the best plan so far"
-#: Title of the collapsed section with the agents' curves.
-AGENTS_TITLE = "how the agents learn"
-
-
-def _fmt_clock(seconds: float | None) -> str:
-    """``mm:ss`` (or ``h:mm:ss``), as tqdm shows elapsed time and time left."""
-    if seconds is None or not math.isfinite(seconds):
-        return "?"
-    s = int(round(max(seconds, 0.0)))
-    h, rest = divmod(s, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
-
-
-def _rate_text(step: int, total: int | None, seconds: float, finished: bool = False) -> str:
-    """tqdm's ``1,200/4,000 [00:07<00:16, 171 steps/s]``: done, elapsed < time left, rate."""
-    rate = step / seconds if seconds > 0 and step > 0 else None
-    left = None if finished or rate is None or not total else max(total - step, 0) / rate
-    done = f"{step:,}" + (f"/{total:,}" if total and not finished else "")
-    rate_s = f"{rate:,.0f} steps/s" if rate is not None else "? steps/s"
-    tail = f"{_fmt_clock(seconds)}" + ("" if finished else f"<{_fmt_clock(left)}")
-    return f"{done} timesteps [{tail}, {rate_s}]"
 
 
 class SearchDashboard:
@@ -370,7 +330,7 @@ class SearchDashboard:
             if self._finished:  # twice the resolution, shown at the live frames' size
                 self.image.layout.width = f"{_png_width(png) // 2}px"
             self.image.value = png
-            self.agents_text.value = self._agents_html()
+            self.agents_text.value = agents_html(self.history)
             if self._finished or self.agents.selected_index is not None:
                 self._draw_agents()
         self.frames += 1
@@ -392,17 +352,10 @@ class SearchDashboard:
     def static_html(self) -> str:
         """The final dashboard as one HTML block: the top line and summary, the picture (at twice the resolution,
         shown at half its pixel width) and the agents' section, collapsed (``<details>``)."""
-        def img(png: bytes | None, alt: str) -> str:
-            if png is None:
-                return ""
-            data = base64.b64encode(png).decode("ascii")
-            return f'<img alt="{alt}" width="{_png_width(png) // 2}" style="max-width:100%" ' \
-                   f'src="data:image/png;base64,{data}">'
-
-        agents = (f"<details><summary>{AGENTS_TITLE}</summary>{self._agents_html()}<br>"
-                  f"{img(self.agents_png, 'rewards and episodes within the budget per PPO iteration')}</details>"
+        agents = (f"<details><summary>{AGENTS_TITLE}</summary>{agents_html(self.history)}<br>"
+                  f"{img_html(self.agents_png, 'rewards and episodes within the budget per PPO iteration')}</details>"
                   if self.history else "")
-        return (f"<div>{self._stats_html(self._error)}<br>{img(self.png, 'memory timeline, peak and step time')}"
+        return (f"<div>{self._stats_html(self._error)}<br>{img_html(self.png, 'memory timeline, peak and step time')}"
                 f"{agents}</div>")
 
     def _leave_static(self) -> None:
@@ -415,121 +368,22 @@ class SearchDashboard:
                             metadata={"image/png": {"width": _png_width(self.png) // 2}}, raw=True)
 
     def _stats_html(self, error: BaseException | None = None) -> str:
-        head = f"<b>{html.escape(self._heading())}</b><br>"
-        if self._finished:
-            lines = self._final_text(error).split("\n")
-            return head + "<br>".join(html.escape(t) for t in lines)
-        if not self.history:
-            return head + "<span>waiting for the first PPO iteration…</span>"
-        return head + self._top_line(self.history[-1]) + f"<br><small>{html.escape(STOP_HINT)}</small>"
-
-    def _top_line(self, r: dict[str, Any]) -> str:
-        """The live top line in the user's terms: the best plan so far's peak against the budget, its slowdown
-        against no plan, the time elapsed and left."""
-        total = self._total()
-        step, seconds = int(r.get("global_step", 0)), float(r.get("seconds", 0.0))
-        rate = step / seconds if seconds > 0 and step > 0 else None
-        left = f", about {_fmt_clock(max(total - step, 0) / rate)} left" if rate and total else ""
-        clock = f"{_fmt_clock(seconds)} elapsed{left}"
-        budget, base_peak = _fmt_bytes(r.get("budget")), _fmt_bytes(r.get("base_peak"))
-        if r.get("best_peak") is None or not math.isfinite(float(r["best_peak"])):
-            return (f"no plan within the budget {budget} yet (no plan: {base_peak}) · {clock}")
-        best_t, base_t = r.get("best_step_time"), r.get("base_step_time")
-        return (f"best plan so far: predicted peak <b>{_fmt_bytes(r.get('best_peak'))}</b> / budget {budget} "
-                f"(no plan: {base_peak}) · step <b>{_pct(best_t, base_t)}</b> vs no plan ({_fmt_ms(best_t)} vs "
-                f"{_fmt_ms(base_t)}) · {clock}")
-
-    def _agents_html(self) -> str:
-        """The collapsed section's text: the agents' own figures, in the terms of reinforcement learning."""
-        if not self.history:
-            return ""
-        r = self.history[-1]
-        return (f"PPO iteration <b>{r['iteration']}</b>: average reward per episode (higher is better): strategy agent "
-                f"{_fmt_num(r.get('reward_strategy'))}, timing agent {_fmt_num(r.get('reward_timing'))}; episodes "
-                f"within the budget {r.get('feasible_fraction', 0):.0%}. The strategy agent decides what each unit "
-                "does, the timing agent when its copies to and from the host run.")
+        final = self._final_text(error) if self._finished else None
+        return stats_html(self._heading(), self.history[-1] if self.history else None, self._total(), final)
 
     def _print_header(self) -> None:
         self.out(f"[memopt.search] {self._heading()} (an interrupt, Ctrl-C, stops it and keeps the best plan so far)")
         self.lines += 1
 
-    def _line(self, r: dict[str, Any]) -> str:
-        """One text line: the best plan so far in the user's terms, progress, then the agents' rewards."""
-        total = self._total()
-        return (f"[memopt.search] iter {r['iteration']:>4}  best peak {_fmt_bytes(r.get('best_peak'))} / budget "
-                f"{_fmt_bytes(r.get('budget'))}, step {_pct(r.get('best_step_time'), r.get('base_step_time'))} vs no "
-                f"plan  {_rate_text(int(r['global_step']), total, float(r['seconds']))}  agents' reward: strategy "
-                f"{_fmt_num(r.get('reward_strategy'))}, timing {_fmt_num(r.get('reward_timing'))}")
-
     def _print_line(self, r: dict[str, Any]) -> None:
         self._printed = r
-        self.out(self._line(r))
+        self.out(text_line(r, self._total()))
         self.lines += 1
 
     def _final_text(self, error: BaseException | None = None) -> str:
         """The summary: every figure in it comes from the returned plan (or the search's own totals)."""
-        if error is not None:
-            return f"search failed: {type(error).__name__}: {error}"
-        p = self.plan
-        if p is None:
-            return "search finished without a plan"
-        m = p.meta
-        interrupted = bool(m.get("interrupted"))
-        base_t = m.get("base_step_time")
-        state = "interrupted" if interrupted else "done"
-        if self.show_plan:
-            lines = [f"{state}: {p.summary()}"]
-            if p.predicted_step_time is not None and base_t:
-                lines.append(f"step time {_pct(p.predicted_step_time, base_t)} vs the unoptimized step "
-                             f"({_fmt_ms(base_t)})")
-        else:  # the plan itself shows under the dashboard: say what it means, not the plan again
-            rows = self.history or m.get("history") or [{}]
-            base_peak = m.get("base_peak") or rows[-1].get("base_peak")
-            if base_peak is None and self.profile is not None:
-                base_peak = self._unoptimized_sim().peak_bytes
-            lines = [f"{state}: predicted peak {_fmt_bytes(p.predicted_peak_bytes)} / budget "
-                     f"{_fmt_bytes(p.budget_bytes)} (no plan: {_fmt_bytes(base_peak)}) · step "
-                     f"{_pct(p.predicted_step_time, base_t)} vs no plan ({_fmt_ms(p.predicted_step_time)} vs "
-                     f"{_fmt_ms(base_t)})"]
-        stopped = m.get("stopped")
-        if stopped and stopped != "all timesteps run" and not interrupted:
-            lines.append(f"the agents stopped: {stopped} (--patience / --time-limit change when)")
-        if m.get("no_feasible_plan"):
-            lines.append("NO feasible plan found: this is the least infeasible one; raise the budget or the timesteps")
-        polish = m.get("polish")
-        agents = m.get("agents_step_time")
-        start = m.get("polish_start", "agents")
-        from_agents = start == "agents" or start.startswith(("agents_placed", "polished_placed"))
-        if m.get("agents_found_no_plan"):
-            lines.append(f"no plan of the agents fitted the budget; the one they came closest with was repaired "
-                         f"({m.get('repair_moves', 0)} change(s)) and polished: {_fmt_ms(p.predicted_step_time)}")
-        elif polish == "ran" and not from_agents:
-            origin = ("keep-all with its best state placement" if start.startswith("plain_placed")
-                      else f"the {start} baseline's plan")
-            lines.append(f"the agents' best plan took {_fmt_ms(agents)}; a local search (polish) found a faster one "
-                         f"starting from {origin}: {_fmt_ms(p.predicted_step_time)} after {m.get('polish_moves', 0)} "
-                         "change(s)")
-        elif polish == "ran" and m.get("polish_moves"):
-            lines.append(f"the agents' best plan took {_fmt_ms(agents)}; a local search (polish) then changed "
-                         f"{m['polish_moves']} unit decision(s), giving {_fmt_ms(p.predicted_step_time)}")
-        elif polish == "ran":
-            lines.append("the agents' best plan is returned as found: a local search (polish) could not improve it")
-        elif isinstance(polish, str) and polish.startswith("skipped") and not m.get("no_feasible_plan"):
-            lines.append(f"the agents' best plan, not polished ({polish})")
-        run = m.get("timesteps_run")
-        total = m.get("total_timesteps")
-        secs = m.get("search_seconds")
-        if run is not None and secs:
-            if interrupted:
-                lines.append(f"interrupted after {run:,} of {total:,} timesteps in {secs:.1f} s: the best plan so "
-                             "far")
-            else:
-                lines.append(f"{run:,} timesteps in {secs:.1f} s ({run / secs:,.0f} steps/s)")
-        elif secs is not None:
-            lines.append(f"{secs:.1f} s" + ("; interrupted: the best plan so far" if interrupted else ""))
-        elif interrupted:
-            lines.append("interrupted: the best plan so far")
-        return "\n".join(lines)
+        return final_text(self.plan, error, show_plan=self.show_plan, history=self.history,
+                          unoptimized_peak=lambda: getattr(self._unoptimized_sim(), "peak_bytes", None))
 
 
 def live_search(profile: Any, budget: Any, device: Any = None, *, total_timesteps: int | None = None, seed: int = 0,
