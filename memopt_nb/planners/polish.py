@@ -5,7 +5,8 @@ agents' plan exactly by MILP (:func:`~memopt_nb.planners.milp.place_states`, at 
 and also polishes the classic baselines that fit (:data:`HEURISTIC_STARTS`, :data:`HEURISTIC_ROUNDS` rounds of moves
 in all); the fastest result wins. Its cost is bounded by counts of work, not by the clock, so that with the same inputs
 it returns the same plan however loaded the machine is; the clock only reports what it took. (Each placement MILP
-still has HiGHS' own time limit, :data:`PLACEMENT_SOLVE_SECONDS`, far above what the solves take.)
+ends at HiGHS' node limit, :data:`~memopt_nb.planners.milp.NODE_LIMIT`, also a count; its wall-clock limit,
+:data:`PLACEMENT_SOLVE_SECONDS`, is only a safety net far above what the solves take.)
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.
 PLACEMENT_SOLVES = 6
 
 #: HiGHS' time limit on each exact-placement MILP: a safety net far above what the solves take (well under a second at
-#: 12 units); a solve that reaches it returns the best placement found so far, which then depends on the machine.
-PLACEMENT_SOLVE_SECONDS = 10.0
+#: 12 units; they end at their node limit, :data:`~memopt_nb.planners.milp.NODE_LIMIT`, or sooner); a solve that
+#: reaches it returns the best placement found so far, which then depends on the machine
+#: (``meta["polish_placement_stops"]`` says what ended each solve).
+PLACEMENT_SOLVE_SECONDS = 600.0
 
 
 def _time_of(task: PlanningTask, c: np.ndarray, w: np.ndarray, d: np.ndarray, st: np.ndarray) -> float:
@@ -71,7 +74,7 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
         return (*current, moves)
 
     best, best_t = (*current, moves), _time_of(task, *current)
-    solves, skipped = 0, 0
+    solves, skipped, stops = 0, 0, []
     starts = [("agents_placed", agents[:3]), ("plain_placed", option_arrays(task.plain_options())),
               ("polished_placed", current[:3])]
     seen: set[bytes] = set()
@@ -85,7 +88,7 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
             skipped += 1
             continue
         solves += 1
-        st = place_states(task.sim, task.budget, c, w, d, task.space, time_limit=PLACEMENT_SOLVE_SECONDS)
+        st = place_states(task.sim, task.budget, c, w, d, task.space, time_limit=PLACEMENT_SOLVE_SECONDS, stops=stops)
         c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
         t = _time_of(task, c2, w2, d2, st2)
         if t < best_t * (1 - 1e-12):
@@ -95,7 +98,8 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
             # the polish changed the activations too: place the state for those, exactly, and polish again
             starts.append((label.removesuffix("_again") + "_again", (c2, w2, d2)))
     if info is not None:
-        info.update(polish_placement_budget_solves=PLACEMENT_SOLVES, polish_placement_skipped=skipped)
+        info.update(polish_placement_budget_solves=PLACEMENT_SOLVES, polish_placement_skipped=skipped,
+                    polish_placement_stops=stops)
     return best
 
 

@@ -70,7 +70,7 @@ def default_risk_quantile(task: PlanningTask) -> float | None:
 
 
 #: Seconds the agents may train by default: no limit, so that the same seed gives the same plan on any machine
-#: (``time_limit=`` sets one; the polish after the agents is bounded on its own).
+#: (``time_limit=`` sets one; the budget check and the polish are bounded by counts of work, not by it).
 TIME_LIMIT: float | None = None
 #: PPO iterations without a faster plan after which an agent pair stops, by default. Small problems settle within a
 #: few dozen iterations but get at least 30k steps (hundreds of iterations); large ones run out of steps first.
@@ -210,9 +210,12 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             two large last blocks must be decided first, while chains with the step in backward did better forward
             (benchmarks/RESULTS.md). A bad value raises :class:`~memopt_nb.core.errors.PlanError` before any
             training.
-        time_limit: seconds the agents may train (default :data:`TIME_LIMIT`: no limit). The polish after them is
-            bounded on its own. A search the limit stops depends on the machine's speed (a loaded machine trains
-            fewer iterations; ``meta["stopped"]`` says ``"time limit"``); the other stops do not depend on time.
+        time_limit: seconds the agents may train (default :data:`TIME_LIMIT`: no limit). It does not cap the budget
+            check before them or the polish after them: those are bounded by counts of work (HiGHS's node limit,
+            :data:`~memopt_nb.planners.milp.NODE_LIMIT`; the polish's rounds and solves), so the whole search may
+            take longer than ``time_limit``. A search the limit stops depends on the machine's speed (a loaded
+            machine trains fewer iterations; ``meta["stopped"]`` says ``"time limit"``); the other stops do not
+            depend on time.
         patience: stop an agent pair once its best plan has not become faster by more than :data:`PATIENCE_TOLERANCE`
             in this many PPO iterations (default :data:`PATIENCE`; ``None``: run every timestep). The agents settle
             long before the default number of timesteps on most models, and the polish finishes the plan.
@@ -227,8 +230,11 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     from; only all-resident when the cost model has no state table), ``allowed_strategies`` (the activation strategies
     searched, as ``optimal`` records them), ``agents_states`` (the agents' placements before the polish) and, where the
     polish started from exact placements, ``polish_placement_budget_solves`` (the MILPs they may solve,
-    :data:`~memopt_nb.planners.polish.PLACEMENT_SOLVES`) and ``polish_placement_skipped`` (starts left out when they
-    ran out; normally 0); where the polish ran, ``polish_heuristic_starts`` (the baselines it also started from),
+    :data:`~memopt_nb.planners.polish.PLACEMENT_SOLVES`), ``polish_placement_skipped`` (starts left out when they
+    ran out; normally 0) and ``polish_placement_stops`` (what ended each of their MILPs,
+    :func:`~memopt_nb.planners.milp.stopped_by`: ``"optimal"`` or ``"node_limit"``, the same on every machine, unless
+    the wall-clock safety net ``"time_limit"`` was reached); where the polish ran, ``polish_heuristic_starts`` (the
+    baselines it also started from),
     ``polish_heuristic_skipped`` and ``polish_heuristic_cut`` (those left out, or polished only until
     :data:`~memopt_nb.planners.polish.HEURISTIC_ROUNDS` ran out; normally none),
     ``stopped`` (why the agents stopped: ``"all timesteps run"``, ``"no better plan in the last N iterations"`` or
