@@ -48,6 +48,7 @@ every planner makes against the smallest reachable peak is :func:`~memopt_nb.pla
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -74,15 +75,43 @@ from .options import (
     unit_states,
 )
 
-__all__ = ["NODE_LIMIT", "Formulation", "cached_min_peak", "cached_min_peak_plan", "min_peak", "place_states",
-           "solve_min_peak", "solve_min_peak_plan", "stopped_by"]
+__all__ = ["MIN_NODES", "NODE_FULL_NONZEROS", "NODE_LIMIT", "RANDOM_SEED", "Formulation", "cached_min_peak",
+           "cached_min_peak_plan", "min_peak", "node_limit", "place_states", "solve_min_peak", "solve_min_peak_plan",
+           "solver_options", "stopped_by"]
 
-#: Branch-and-bound nodes HiGHS may solve per MILP: the limit that ends a solve which has not proven its optimum yet.
-#: A count of work, not seconds, so that the same program gives the same plan however fast or loaded the machine is
-#: (HiGHS's search is deterministic for a given program and options). The wall-clock ``time_limit`` each solve also gets
-#: is a safety net above what these nodes take at a few dozen units (at a few hundred units one node takes seconds, and
-#: the clock may end a solve first); which of the two ended one is :func:`stopped_by` (``plan.meta["solver_stop"]``).
+#: Branch-and-bound nodes HiGHS may solve per MILP of up to :data:`NODE_FULL_NONZEROS` nonzeros: the limit that ends a
+#: solve which has not proven its optimum yet. A count of work, not seconds, so that the same program gives the same
+#: plan however fast or loaded the machine is (HiGHS's search is deterministic for a given program and options; its
+#: presolve and root node are work of their own, bounded by the program). The wall-clock ``time_limit`` each solve also
+#: gets is only a safety net far above what these take; which limit ended a solve is :func:`stopped_by`
+#: (``plan.meta["solver_stop"]``).
 NODE_LIMIT = 2_000
+
+#: Nonzeros of the constraint matrix up to which a MILP gets all :data:`NODE_LIMIT` nodes (the programs of up to about
+#: 64 units); a larger one gets fewer, in proportion to the square of the ratio (a node's LP grows with the program,
+#: and at a few hundred units one takes seconds): see :func:`node_limit`.
+NODE_FULL_NONZEROS = 400_000
+
+#: The fewest nodes a MILP gets, however large.
+MIN_NODES = 20
+
+#: HiGHS's random seed, fixed (its default) so that the options, not the run, decide the search.
+RANDOM_SEED = 0
+
+
+def node_limit(nonzeros: int) -> int:
+    """Branch-and-bound nodes for a program whose constraint matrix has ``nonzeros`` nonzeros: :data:`NODE_LIMIT` up
+    to :data:`NODE_FULL_NONZEROS`, then fewer with the square of the size (at least :data:`MIN_NODES`)."""
+    if nonzeros <= NODE_FULL_NONZEROS:
+        return NODE_LIMIT
+    return max(MIN_NODES, int(NODE_LIMIT * (NODE_FULL_NONZEROS / nonzeros) ** 2))
+
+
+def solver_options(nonzeros: int) -> dict[str, Any]:
+    """The limits a MILP of ``nonzeros`` nonzeros gets (SciPy ``milp`` options; HiGHS's own names pass through to
+    it): counts of work, the same on every machine (no ``time_limit``: the caller adds its safety net)."""
+    return {"node_limit": node_limit(nonzeros), "mip_rel_gap": 0.0, "random_seed": RANDOM_SEED}
+
 
 Expr = dict[int, float]
 _CUT_REACH = 8  # issue boundaries (4 units) a link-time cut looks back
@@ -153,9 +182,11 @@ class _Program:
 
         def run(limit: float, presolve: bool) -> Any:
             with third_party_quiet():  # HiGHS prints debugging lines with C's printf, past sys.stdout
-                res = milp(cost, constraints=LinearConstraint(a, self.lo, self.hi), integrality=np.array(self.integer),
-                           bounds=Bounds(self.lb, self.ub), options={"node_limit": NODE_LIMIT, "time_limit": limit,
-                                                                     "mip_rel_gap": 0.0, "presolve": presolve})
+                with warnings.catch_warnings():  # SciPy warns that it passes HiGHS's own options on as they are
+                    warnings.filterwarnings("ignore", message="Unrecognized options", category=RuntimeWarning)
+                    res = milp(cost, constraints=LinearConstraint(a, self.lo, self.hi),
+                               integrality=np.array(self.integer), bounds=Bounds(self.lb, self.ub),
+                               options={**solver_options(a.nnz), "time_limit": limit, "presolve": presolve})
             if _NODE_LIMIT_STATUS in str(res.message):  # SciPy does not know this HiGHS status: a limit, as a time
                 res.status = 1  # limit is (status 1), so callers treat both alike
             return res

@@ -16,7 +16,7 @@ from ..core.space import PlanSpace
 from ..sim.simulator import Simulator
 from .checks import check_budget, planning_for_free
 from .heads import choosing_head
-from .milp import NODE_LIMIT, Formulation, stopped_by
+from .milp import Formulation, stopped_by
 from .options import (
     OffloadState,
     as_simulator,
@@ -67,10 +67,9 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
     (the plan then forbids gradient accumulation and clipping). ``plan.meta`` has the solver status, the MILP
     objective, the simulated time of the plan, the solve time, whether optimality was proven and ``solver_stop``: what
     ended the solve, ``"optimal"``, ``"infeasible"`` (nothing beats the cut-off), ``"node_limit"`` (HiGHS's
-    :data:`~memopt_nb.planners.milp.NODE_LIMIT` branch-and-bound nodes, a count of work: the same plan on every
-    machine) or ``"time_limit"``. ``time_limit`` (seconds) is a safety net above what the node limit takes at a few
-    dozen units; a solve it stops (at a few hundred units each node takes seconds) returns a plan that depends on the
-    machine's speed and load.
+    branch-and-bound nodes, :func:`~memopt_nb.planners.milp.node_limit`: fewer the larger the program, a count of
+    work, so the same plan on every machine) or ``"time_limit"``. ``time_limit`` (seconds) is only a safety net far
+    above what those take; a solve it stops returns a plan that depends on the machine's speed and load.
     """
     space = PlanSpace.of(strategies, offload_state, step_in_backward)  # PlanError on a bad value
     return solve_optimal(as_simulator(profile, device), budget, space, time_limit)
@@ -99,11 +98,12 @@ def solve_optimal(sim: Simulator, budget: Any, space: PlanSpace, time_limit: flo
                     "milp_step_time": fallback.predicted_step_time, "allowed_strategies": list(strategies),
                     "allowed_placements": allowed, "mip_gap": 0.0 if proven else float("nan"),
                     "solver_stop": stopped_by(res),
-                    "note": note + ("" if proven else f" within the solver's limits ({NODE_LIMIT} nodes)")}
+                    "note": note + ("" if proven else " within the solver's node limit")}
             return fallback.with_meta(method="optimal", step_in_backward=fallback.step_in_backward or step_in_backward,
                                       meta=meta)
-        raise BudgetError(f"the exact solver found no plan within its limits ({NODE_LIMIT} nodes, {time_limit:.0f} s; "
-                          f"{res.message}); raise the budget, or memopt.solvers.milp.NODE_LIMIT or time_limit")
+        raise BudgetError(f"the exact solver found no plan within its limits ({res.get('mip_node_count')} nodes of "
+                          f"memopt.solvers.milp.node_limit, {time_limit:.0f} s; {res.message}); raise the budget, or "
+                          f"memopt.solvers.milp.NODE_LIMIT or time_limit")
     codes, ws, ds, states = form.read_back(res.x)
     milp_time = (float(res.fun) + const) * tscale + offset
     return make_plan(sim, codes, ws, ds, budget=b, method="optimal", states=states,

@@ -23,6 +23,7 @@ from ..heads import choosing_head
 from ..optimal import optimal
 from ..options import make_plan, plan_decisions
 from ..polish import (
+    Deadline,
     option_arrays,
     polish,
     polish_exact_placements,
@@ -210,12 +211,15 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             two large last blocks must be decided first, while chains with the step in backward did better forward
             (benchmarks/RESULTS.md). A bad value raises :class:`~memopt_nb.core.errors.PlanError` before any
             training.
-        time_limit: seconds the agents may train (default :data:`TIME_LIMIT`: no limit). It does not cap the budget
-            check before them or the polish after them: those are bounded by counts of work (HiGHS's node limit,
-            :data:`~memopt_nb.planners.milp.NODE_LIMIT`; the polish's rounds and solves), so the whole search may
-            take longer than ``time_limit``. A search the limit stops depends on the machine's speed (a loaded
-            machine trains fewer iterations; ``meta["stopped"]`` says ``"time limit"``); the other stops do not
-            depend on time.
+        time_limit: seconds the whole search may take, from the call to the polish's end (default
+            :data:`TIME_LIMIT`: no limit): the agents stop training, and the polish stops with the plan it has, once
+            it passes. Only the budget check before the agents (one MILP, cached, bounded by HiGHS's work limits,
+            :data:`~memopt_nb.planners.milp.NODE_LIMIT`) and a solve under way (its own wall-clock limit is set to
+            the time left) may run past it. A search the limit cut depends on the machine's speed (a loaded machine
+            trains fewer iterations and polishes less) and says so: ``meta["cut_by_time_limit"]`` is ``True``,
+            ``meta["stopped"]`` says ``"time limit"`` where it stopped the agents and ``meta["polish"]`` ``"cut by the
+            time limit"`` where it stopped the polish. Without a time limit nothing depends on the clock: the other
+            stops and the polish count work, not seconds.
         patience: stop an agent pair once its best plan has not become faster by more than :data:`PATIENCE_TOLERANCE`
             in this many PPO iterations (default :data:`PATIENCE`; ``None``: run every timestep). The agents settle
             long before the default number of timesteps on most models, and the polish finishes the plan.
@@ -238,7 +242,8 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     ``polish_heuristic_skipped`` and ``polish_heuristic_cut`` (those left out, or polished only until
     :data:`~memopt_nb.planners.polish.HEURISTIC_ROUNDS` ran out; normally none),
     ``stopped`` (why the agents stopped: ``"all timesteps run"``, ``"no better plan in the last N iterations"`` or
-    ``"time limit"``), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan was returned:
+    ``"time limit"``), ``cut_by_time_limit`` (``time_limit=`` stopped the agents or the polish: the plan depends on
+    the machine's speed), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan was returned:
     ``"agents"``, ``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, one of those three with ``"_again"``
     (see :func:`polish_exact_placements`) or a baseline's name). The plan's own ``predicted_peak_bytes`` /
     ``predicted_step_time`` are the final figures.
@@ -398,7 +403,8 @@ class SearchTracker:
                 "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids],
                 "allowed_strategies": list(self.task.strategies), "decision_order": list(self.order),
                 "best_restart": self.best["restart"], "time_limit": self.time_limit, "patience": self.patience,
-                "stopped": "; ".join(dict.fromkeys(self.stopped)) or "all timesteps run"}
+                "stopped": "; ".join(dict.fromkeys(self.stopped)) or "all timesteps run",
+                "cut_by_time_limit": "time limit" in self.stopped}
 
 
 def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
@@ -430,18 +436,21 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     elif interrupted:
         polish_state = "skipped: interrupted"
     else:
-        c, w, d, st, moves = polish(task, c, w, d, st)
-        polish_state = "ran"
+        deadline = Deadline(tracker.time_limit, t0)  # the search's time limit, from its start
+        c, w, d, st, moves = polish(task, c, w, d, st, deadline=deadline)
         placement["polish_start"] = "agents"
-        c, w, d, st, moves = polish_exact_placements(task, (c, w, d, st), best["plan"], moves, placement)
-        c, w, d, st, moves = polish_heuristic_starts(task, (c, w, d, st, moves), placement)
+        c, w, d, st, moves = polish_exact_placements(task, (c, w, d, st), best["plan"], moves, placement, deadline)
+        c, w, d, st, moves = polish_heuristic_starts(task, (c, w, d, st, moves), placement, deadline)
+        polish_state = "cut by the time limit" if deadline.cut else "ran"
     plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta, **repaired,
                             agents_step_time=agents_time, agents_peak=best["peak"],
                             agents_decisions=[int(x) for x in to_options(*best["plan"][:3])],
                             agents_states=[int(x) for x in best["plan"][3]],
                             polished=moves > 0, polish_moves=moves, polish=polish_state, **placement)
     # Only a polish that ran has a step time of its own; the plan's predictions are the one source of the final numbers.
-    plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state == "ran" else None
+    plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state in ("ran", "cut by the time limit") \
+        else None
+    plan.meta["cut_by_time_limit"] = meta["cut_by_time_limit"] or polish_state == "cut by the time limit"
     plan.meta["search_seconds"] = time.perf_counter() - t0
     return plan
 
