@@ -89,7 +89,7 @@ NODE_LIMIT = 2_000
 
 #: Nonzeros of the constraint matrix up to which a MILP gets all :data:`NODE_LIMIT` nodes (the programs of up to about
 #: 64 units); a larger one gets fewer, in proportion to the square of the ratio (a node's LP grows with the program,
-#: and at a few hundred units one takes seconds): see :func:`node_limit`.
+#: and so do its presolve and root node, which no node limit bounds): see :func:`node_limit`.
 NODE_FULL_NONZEROS = 400_000
 
 #: The fewest nodes a MILP gets, however large.

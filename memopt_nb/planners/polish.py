@@ -78,7 +78,7 @@ PLACEMENT_SOLVE_SECONDS = 600.0
 
 #: Units above which the polish places no state exactly (its starts are skipped, ``meta["polish_placement_skipped"]``):
 #: the placement MILP grows with the square of the units (over a million nonzeros at 168 units, where HiGHS's presolve
-#: alone takes tens of seconds a solve); the polish's own placement moves still place the state there. A count, not
+#: alone outweighs the rest of the polish); the polish's own placement moves still place the state there. A count, not
 #: seconds, like the rest of the polish.
 PLACEMENT_MAX_UNITS = 64
 
