@@ -211,15 +211,15 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             two large last blocks must be decided first, while chains with the step in backward did better forward
             (benchmarks/RESULTS.md). A bad value raises :class:`~memopt_nb.core.errors.PlanError` before any
             training.
-        time_limit: seconds the whole search may take, from the call to the polish's end (default
-            :data:`TIME_LIMIT`: no limit): the agents stop training, and the polish stops with the plan it has, once
-            it passes. Only the budget check before the agents (one MILP, cached, bounded by HiGHS's work limits,
-            :data:`~memopt_nb.planners.milp.NODE_LIMIT`) and a solve under way (its own wall-clock limit is set to
-            the time left) may run past it. A search the limit cut depends on the machine's speed (a loaded machine
-            trains fewer iterations and polishes less) and says so: ``meta["cut_by_time_limit"]`` is ``True``,
-            ``meta["stopped"]`` says ``"time limit"`` where it stopped the agents and ``meta["polish"]`` ``"cut by the
-            time limit"`` where it stopped the polish. Without a time limit nothing depends on the clock: the other
-            stops and the polish count work, not seconds.
+        time_limit: seconds the whole search may take, from the call to the polish's end (default :data:`TIME_LIMIT`:
+            no limit): the agents stop training, and the polish stops with the plan it has, once it passes. Only the
+            work before the agents (the budget check and, on a profile with a chunked head, the choice of its option:
+            MILPs bounded by HiGHS's work limits, :func:`~memopt_nb.planners.milp.node_limit`) and a solve under way
+            (its wall-clock limit is set to the time left) may run past it. A search the limit cut depends on the
+            machine's speed (a loaded machine trains fewer iterations and polishes less) and says so:
+            ``meta["cut_by_time_limit"]`` is ``True``, ``meta["stopped"]`` says ``"time limit"`` where it stopped the
+            agents and ``meta["polish"]`` ``"cut by the time limit"`` where it stopped the polish. Without a time limit
+            nothing depends on the clock: the other stops and the polish count work, not seconds.
         patience: stop an agent pair once its best plan has not become faster by more than :data:`PATIENCE_TOLERANCE`
             in this many PPO iterations (default :data:`PATIENCE`; ``None``: run every timestep). The agents settle
             long before the default number of timesteps on most models, and the polish finishes the plan.
