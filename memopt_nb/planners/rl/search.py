@@ -70,8 +70,8 @@ def default_risk_quantile(task: PlanningTask) -> float | None:
     return RISK_QUANTILE if task.C > 1 else None
 
 
-#: Seconds the agents may train by default: no limit, so that the same seed gives the same plan on any machine
-#: (``time_limit=`` sets one; the budget check and the polish are bounded by counts of work, not by it).
+#: Seconds the search (agents and polish) may take by default: no limit, so that the same seed gives the same plan on
+#: any machine (``time_limit=`` sets one, and the plan then says where it cut: ``meta["cut_by_time_limit"]``).
 TIME_LIMIT: float | None = None
 #: PPO iterations without a faster plan after which an agent pair stops, by default. Small problems settle within a
 #: few dozen iterations but get at least 30k steps (hundreds of iterations); large ones run out of steps first.
