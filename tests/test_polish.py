@@ -295,8 +295,8 @@ def test_at_depth_the_heuristic_starts_stop_after_two_in_a_row_that_do_not_win(m
     # start k: options all k (so none is a duplicate), polished to the time below (e would win, if polished)
     times = {0: 1.0, 1: 0.9, 2: 0.95, 3: 0.92, 4: 0.91, 5: 0.5}
     starts = [(nm, np.full(n, k + 1), np.zeros(n, dtype=np.int64), float(k)) for k, nm in enumerate(names)]
-    monkeypatch.setattr(polish_mod, "_heuristic_starts", lambda task: starts)
-    monkeypatch.setattr(polish_mod, "polish", lambda task, c, w, d, st, max_rounds=None: (c, w, d, st, 0))
+    monkeypatch.setattr(polish_mod, "_heuristic_starts", lambda task, deadline=None: starts)
+    monkeypatch.setattr(polish_mod, "polish", lambda task, c, w, d, st, **_: (c, w, d, st, 0))
     monkeypatch.setattr(polish_mod, "option_arrays", lambda opts: (opts, opts, opts))
     monkeypatch.setattr(polish_mod, "to_options", lambda c, w, d: np.asarray(c))
     monkeypatch.setattr(polish_mod, "_time_of", lambda task, c, w, d, st: times[int(np.asarray(c)[0])])

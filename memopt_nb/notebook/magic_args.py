@@ -263,8 +263,8 @@ plan_arguments = _stacked(
                 help="PPO timesteps (default: $MEMOPT_NB_TIMESTEPS if set, else the search's default)"),
     ma.argument("--seed", type=int, default=0, help="random seed; the same seed gives the same plan (default 0)"),
     ma.argument("--time-limit", type=float, metavar="SECONDS", default=None,
-                help="stop the agents after this many seconds (default: no limit; the plan then depends on the "
-                     "machine's speed)"),
+                help="stop the search, polish included, after this many seconds (default: no limit; the plan "
+                     "then depends on the machine's speed)"),
     ma.argument("--patience", metavar="N", default=None,
                 help="stop once the best plan has not improved in N PPO iterations, N at least 1 (default: the "
                      "search's, 50); none: run every timestep"),

@@ -23,8 +23,10 @@ __all__ = ["HEAD_MARGIN", "choosing_head", "head_min_peak"]
 
 #: a chunked head is chosen over the head as written only when its plan is this much faster (or alone fits)
 HEAD_MARGIN = 0.01
-#: seconds the exact MILP may take per option when it chooses the option for the agents
-CHOOSE_TIME_LIMIT = 30.0
+#: seconds the exact MILP may take per option when it chooses the option for the agents: a safety net far above what
+#: its node limit (:func:`~memopt_nb.planners.milp.node_limit`, the same on every machine) takes on the models planned
+#: here, so that the choice does not depend on the machine's load
+CHOOSE_TIME_LIMIT = 600.0
 
 
 def _candidates(profile: Any, head: bool) -> list[tuple[dict[str, Any] | None, Any]]:

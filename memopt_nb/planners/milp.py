@@ -48,6 +48,7 @@ every planner makes against the smallest reachable peak is :func:`~memopt_nb.pla
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -74,8 +75,43 @@ from .options import (
     unit_states,
 )
 
-__all__ = ["Formulation", "cached_min_peak", "cached_min_peak_plan", "min_peak", "place_states", "solve_min_peak",
-           "solve_min_peak_plan"]
+__all__ = ["MIN_NODES", "NODE_FULL_NONZEROS", "NODE_LIMIT", "RANDOM_SEED", "Formulation", "cached_min_peak",
+           "cached_min_peak_plan", "min_peak", "node_limit", "place_states", "solve_min_peak", "solve_min_peak_plan",
+           "solver_options", "stopped_by"]
+
+#: Branch-and-bound nodes HiGHS may solve per MILP of up to :data:`NODE_FULL_NONZEROS` nonzeros: the limit that ends a
+#: solve which has not proven its optimum yet. A count of work, not seconds, so that the same program gives the same
+#: plan however fast or loaded the machine is (HiGHS's search is deterministic for a given program and options; its
+#: presolve and root node are work of their own, bounded by the program). The wall-clock ``time_limit`` each solve also
+#: gets is only a safety net far above what these take; which limit ended a solve is :func:`stopped_by`
+#: (``plan.meta["solver_stop"]``).
+NODE_LIMIT = 2_000
+
+#: Nonzeros of the constraint matrix up to which a MILP gets all :data:`NODE_LIMIT` nodes (the programs of up to about
+#: 64 units); a larger one gets fewer, in proportion to the square of the ratio (a node's LP grows with the program,
+#: and so do its presolve and root node, which no node limit bounds): see :func:`node_limit`.
+NODE_FULL_NONZEROS = 400_000
+
+#: The fewest nodes a MILP gets, however large.
+MIN_NODES = 20
+
+#: HiGHS's random seed, fixed (its default) so that the options, not the run, decide the search.
+RANDOM_SEED = 0
+
+
+def node_limit(nonzeros: int) -> int:
+    """Branch-and-bound nodes for a program whose constraint matrix has ``nonzeros`` nonzeros: :data:`NODE_LIMIT` up
+    to :data:`NODE_FULL_NONZEROS`, then fewer with the square of the size (at least :data:`MIN_NODES`)."""
+    if nonzeros <= NODE_FULL_NONZEROS:
+        return NODE_LIMIT
+    return max(MIN_NODES, int(NODE_LIMIT * (NODE_FULL_NONZEROS / nonzeros) ** 2))
+
+
+def solver_options(nonzeros: int) -> dict[str, Any]:
+    """The limits a MILP of ``nonzeros`` nonzeros gets (SciPy ``milp`` options; HiGHS's own names pass through to
+    it): counts of work, the same on every machine (no ``time_limit``: the caller adds its safety net)."""
+    return {"node_limit": node_limit(nonzeros), "mip_rel_gap": 0.0, "random_seed": RANDOM_SEED}
+
 
 Expr = dict[int, float]
 _CUT_REACH = 8  # issue boundaries (4 units) a link-time cut looks back
@@ -146,14 +182,35 @@ class _Program:
 
         def run(limit: float, presolve: bool) -> Any:
             with third_party_quiet():  # HiGHS prints debugging lines with C's printf, past sys.stdout
-                return milp(cost, constraints=LinearConstraint(a, self.lo, self.hi), integrality=np.array(self.integer),
-                            bounds=Bounds(self.lb, self.ub),
-                            options={"time_limit": limit, "mip_rel_gap": 0.0, "presolve": presolve})
+                with warnings.catch_warnings():  # SciPy warns that it passes HiGHS's own options on as they are
+                    warnings.filterwarnings("ignore", message="Unrecognized options", category=RuntimeWarning)
+                    res = milp(cost, constraints=LinearConstraint(a, self.lo, self.hi),
+                               integrality=np.array(self.integer), bounds=Bounds(self.lb, self.ub),
+                               options={**solver_options(a.nnz), "time_limit": limit, "presolve": presolve})
+            if _NODE_LIMIT_STATUS in str(res.message):  # SciPy does not know this HiGHS status: a limit, as a time
+                res.status = 1  # limit is (status 1), so callers treat both alike
+            return res
 
         res = run(float(time_limit), presolve)
         if res.status == 4 and presolve:  # HiGHS's presolve fails on a few programs ("Solve error"): again without
             res = run(max(float(time_limit) - (time.perf_counter() - t0), 1.0), False)
         return res
+
+
+#: how SciPy's message names HiGHS's "solution limit" status, which is what the node limit ends a solve with
+_NODE_LIMIT_STATUS = "HiGHS Status 16:"
+
+
+def stopped_by(res: Any) -> str:
+    """What ended a solve (SciPy's ``milp`` result): ``"optimal"``, ``"infeasible"``, ``"node_limit"``
+    (:data:`NODE_LIMIT`, the same on every machine), ``"time_limit"`` (the wall-clock safety net: the plan then depends
+    on the machine's speed) or ``"error"``."""
+    message = str(getattr(res, "message", ""))
+    if _NODE_LIMIT_STATUS in message:
+        return "node_limit"
+    if "Time limit" in message:
+        return "time_limit"
+    return {0: "optimal", 2: "infeasible"}.get(int(getattr(res, "status", 4)), "error")
 
 
 def _add(expr: Expr, other: Expr, scale: float = 1.0) -> None:
@@ -644,7 +701,7 @@ class Formulation:
 
 
 # ---------------------------------------------------------------------- the floor and budget checks
-def solve_min_peak(sim: Simulator, space: PlanSpace, time_limit: float = 60.0) -> int:
+def solve_min_peak(sim: Simulator, space: PlanSpace, time_limit: float = 600.0) -> int:
     """The smallest peak any plan in ``space`` reaches (bytes), by MILP, checked with the simulator."""
     return solve_min_peak_plan(sim, space, time_limit)[0]
 
@@ -653,14 +710,14 @@ def solve_min_peak(sim: Simulator, space: PlanSpace, time_limit: float = 60.0) -
 PlanArrays = tuple[list[int], list[int], list[int], list[int]]
 
 
-def solve_min_peak_plan(sim: Simulator, space: PlanSpace, time_limit: float = 60.0) -> tuple[int, PlanArrays | None]:
-    """:func:`solve_min_peak` and a plan that reaches it (``None`` when the solve hit its time limit: the value is then
-    the solver's lower bound, which no plan it found reaches)."""
+def solve_min_peak_plan(sim: Simulator, space: PlanSpace, time_limit: float = 600.0) -> tuple[int, PlanArrays | None]:
+    """:func:`solve_min_peak` and a plan that reaches it (``None`` when the solve hit a limit, :data:`NODE_LIMIT` or
+    the ``time_limit`` safety net: the value is then the solver's lower bound, which no plan it found reaches)."""
     form = Formulation(sim, space)
     objective = form.minimize_peak()
     res = form.solve(objective, time_limit)
-    if res.status != 0 and (res.status == 1 or res.x is not None):  # the time limit: never refuse a budget some
-        # plan might meet; the proven bound is a floor (at a few hundred units HiGHS may not find a plan in time)
+    if res.status != 0 and (res.status == 1 or res.x is not None):  # a limit: never refuse a budget some plan
+        # might meet; the proven bound is a floor (at a few hundred units HiGHS may not find a plan within its limits)
         bound = getattr(res, "mip_dual_bound", None)
         return (int(np.floor(float(bound) * form.mem_scale)) if bound is not None and np.isfinite(bound) else 0), None
     if res.x is None:  # pragma: no cover - solver failure
@@ -690,11 +747,13 @@ def cached_min_peak_plan(sim: Simulator, space: PlanSpace) -> tuple[int, PlanArr
 
 
 def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: Sequence[int],
-                 distances: Sequence[int], space: PlanSpace, *, time_limit: float = 60.0) -> list[int]:
+                 distances: Sequence[int], space: PlanSpace, *, time_limit: float = 600.0,
+                 stops: list[str] | None = None) -> list[int]:
     """The fastest state placement per unit (indices into STATE_CHOICES) that fits ``budget`` with the activation
     decisions fixed (exact: the MILP with one option per unit); if none fits, the one with the smallest peak.
 
-    Everything stays resident when ``space`` moves no state, or the simulator has no state model.
+    Everything stays resident when ``space`` moves no state, or the simulator has no state model. ``stops`` receives
+    what ended each solve (:func:`stopped_by`).
     """
     n = sim.n
     if not any(len(row) > 1 for row in unit_states(sim, space, table=state_table_of(sim))):
@@ -709,9 +768,13 @@ def place_states(sim: Simulator, budget: float, codes: Sequence[int], windows: S
     form.limit_memory(budget)
     objective, _, _ = form.time_objective()
     res = form.solve(objective, time_limit)
+    if stops is not None:
+        stops.append(stopped_by(res))
     if res.x is None:
         form = Formulation(sim, space, options=options)
         res = form.solve(form.minimize_peak(), time_limit)
+        if stops is not None:
+            stops.append(stopped_by(res))
         if res.x is None:  # pragma: no cover - solver failure
             return [0] * n
     return form.read_back(res.x)[3]

@@ -16,7 +16,7 @@ from ..core.space import PlanSpace
 from ..sim.simulator import Simulator
 from .checks import check_budget, planning_for_free
 from .heads import choosing_head
-from .milp import Formulation
+from .milp import Formulation, stopped_by
 from .options import (
     OffloadState,
     as_simulator,
@@ -53,7 +53,7 @@ def _fallback(sim: Simulator, b: int, space: PlanSpace, time_limit: float) -> tu
 @choosing_head()
 @planning_for_free
 def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = None,
-            strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 120.0, *,
+            strategies: Sequence[str] = DEFAULT_STRATEGIES, time_limit: float = 600.0, *,
             offload_state: OffloadState = True, step_in_backward: bool = False) -> Plan:
     """The plan with the smallest simulated step time whose simulated peak fits ``budget`` (``None``: on the profiled
     device what it can still give the step, its capacity less what live tensors outside the step hold, as
@@ -65,13 +65,17 @@ def optimal(profile: Any, budget: Any = None, device: DeviceSpec | str | None = 
     device: ``True`` (optimizer state, gradients, parameters), ``False`` (activations only) or a set of
     ``"optimizer"``, ``"grads"``, ``"params"``; ``step_in_backward=True`` also allows stepping units inside backward
     (the plan then forbids gradient accumulation and clipping). ``plan.meta`` has the solver status, the MILP
-    objective, the simulated time of the plan, the solve time and whether optimality was proven within ``time_limit``.
+    objective, the simulated time of the plan, the solve time, whether optimality was proven and ``solver_stop``: what
+    ended the solve, ``"optimal"``, ``"infeasible"`` (nothing beats the cut-off), ``"node_limit"`` (HiGHS's
+    branch-and-bound nodes, :func:`~memopt_nb.planners.milp.node_limit`: fewer the larger the program, a count of
+    work, so the same plan on every machine) or ``"time_limit"``. ``time_limit`` (seconds) is only a safety net far
+    above what those take; a solve it stops returns a plan that depends on the machine's speed and load.
     """
     space = PlanSpace.of(strategies, offload_state, step_in_backward)  # PlanError on a bad value
     return solve_optimal(as_simulator(profile, device), budget, space, time_limit)
 
 
-def solve_optimal(sim: Simulator, budget: Any, space: PlanSpace, time_limit: float = 120.0) -> Plan:
+def solve_optimal(sim: Simulator, budget: Any, space: PlanSpace, time_limit: float = 600.0) -> Plan:
     """:func:`optimal` on a compiled simulator over a parsed :class:`~memopt_nb.core.space.PlanSpace`."""
     strategies, step_in_backward = space.strategies, space.step_in_backward
     b = check_budget(sim, budget, space)
@@ -93,15 +97,18 @@ def solve_optimal(sim: Simulator, budget: Any, space: PlanSpace, time_limit: flo
             meta = {"solver": "highs-milp", "proven_optimal": proven, "solve_seconds": solve_time,
                     "milp_step_time": fallback.predicted_step_time, "allowed_strategies": list(strategies),
                     "allowed_placements": allowed, "mip_gap": 0.0 if proven else float("nan"),
-                    "note": note + ("" if proven else " within the time limit")}
+                    "solver_stop": stopped_by(res),
+                    "note": note + ("" if proven else " within the solver's node limit")}
             return fallback.with_meta(method="optimal", step_in_backward=fallback.step_in_backward or step_in_backward,
                                       meta=meta)
-        raise BudgetError(f"the exact solver found no plan within {time_limit:.0f} s ({res.message}); raise "
-                          f"time_limit or the budget")
+        raise BudgetError(f"the exact solver found no plan within its limits ({res.get('mip_node_count')} nodes of "
+                          f"memopt.solvers.milp.node_limit, {time_limit:.0f} s; {res.message}); raise the budget, or "
+                          f"memopt.solvers.milp.NODE_LIMIT or time_limit")
     codes, ws, ds, states = form.read_back(res.x)
     milp_time = (float(res.fun) + const) * tscale + offset
     return make_plan(sim, codes, ws, ds, budget=b, method="optimal", states=states,
                      step_in_backward=step_in_backward, solver="highs-milp",
                      proven_optimal=bool(res.status == 0), milp_step_time=milp_time, solve_seconds=solve_time,
+                     solver_stop=stopped_by(res),
                      mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0), allowed_strategies=list(strategies),
                      allowed_placements=allowed)

@@ -5,7 +5,10 @@ agents' plan exactly by MILP (:func:`~memopt_nb.planners.milp.place_states`, at 
 and also polishes the classic baselines that fit (:data:`HEURISTIC_STARTS`, :data:`HEURISTIC_ROUNDS` rounds of moves
 in all); the fastest result wins. Its cost is bounded by counts of work, not by the clock, so that with the same inputs
 it returns the same plan however loaded the machine is; the clock only reports what it took. (Each placement MILP
-still has HiGHS' own time limit, :data:`PLACEMENT_SOLVE_SECONDS`, far above what the solves take.)
+ends at HiGHS' work limits, :data:`~memopt_nb.planners.milp.NODE_LIMIT`, also counts; its wall-clock limit,
+:data:`PLACEMENT_SOLVE_SECONDS`, is only a safety net far above what the solves take.) The one exception is a
+:class:`Deadline` the caller sets (``search(time_limit=...)``): where it passes, the polish stops with the plan it has
+and the deadline records that the clock cut it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,32 @@ from .milp import place_states
 from .options import code_options, option_codes
 from .task import PlanningTask
 
-__all__ = ["HEURISTIC_PATIENCE", "HEURISTIC_ROUNDS", "HEURISTIC_STARTS", "PLACEMENT_SOLVES", "PLACEMENT_SOLVE_SECONDS",
-           "option_arrays", "polish", "polish_exact_placements", "polish_heuristic_starts", "repair", "to_options"]
+__all__ = ["Deadline", "HEURISTIC_PATIENCE", "HEURISTIC_ROUNDS", "HEURISTIC_STARTS", "PLACEMENT_MAX_UNITS",
+           "PLACEMENT_SOLVES", "PLACEMENT_SOLVE_SECONDS", "option_arrays", "polish", "polish_exact_placements",
+           "polish_heuristic_starts", "repair", "to_options"]
+
+
+class Deadline:
+    """A point in time (``time.perf_counter()``) after which work stops with what it has; ``seconds=None``: never.
+
+    ``cut`` becomes ``True`` once the deadline has stopped something (a plan then depends on the machine's speed)."""
+
+    def __init__(self, seconds: float | None, start: float | None = None) -> None:
+        self.at = None if seconds is None else (time.perf_counter() if start is None else start) + float(seconds)
+        self.cut = False
+
+    def passed(self) -> bool:
+        """Whether the deadline has passed (recorded in ``cut``: the caller stops on it)."""
+        if self.at is not None and time.perf_counter() >= self.at:
+            self.cut = True
+        return self.cut
+
+    def seconds_left(self, cap: float) -> float:
+        """Seconds a solve may take: ``cap`` (its safety net), or less where the deadline comes first (at least 1)."""
+        return cap if self.at is None else max(1.0, min(cap, self.at - time.perf_counter()))
+
+
+NEVER = Deadline(None)
 
 
 def option_arrays(opt_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -44,8 +71,16 @@ def to_options(codes: np.ndarray, windows: np.ndarray, dists: np.ndarray) -> np.
 PLACEMENT_SOLVES = 6
 
 #: HiGHS' time limit on each exact-placement MILP: a safety net far above what the solves take (well under a second at
-#: 12 units); a solve that reaches it returns the best placement found so far, which then depends on the machine.
-PLACEMENT_SOLVE_SECONDS = 10.0
+#: 12 units; they end at their node limit, :func:`~memopt_nb.planners.milp.node_limit`, or sooner); a solve that
+#: reaches it returns the best placement found so far, which then depends on the machine
+#: (``meta["polish_placement_stops"]`` says what ended each solve).
+PLACEMENT_SOLVE_SECONDS = 600.0
+
+#: Units above which the polish places no state exactly (its starts are skipped, ``meta["polish_placement_skipped"]``):
+#: the placement MILP grows with the square of the units (over a million nonzeros at 168 units, where HiGHS's presolve
+#: alone outweighs the rest of the polish); the polish's own placement moves still place the state there. A count, not
+#: seconds, like the rest of the polish.
+PLACEMENT_MAX_UNITS = 64
 
 
 def _time_of(task: PlanningTask, c: np.ndarray, w: np.ndarray, d: np.ndarray, st: np.ndarray) -> float:
@@ -55,7 +90,7 @@ def _time_of(task: PlanningTask, c: np.ndarray, w: np.ndarray, d: np.ndarray, st
 
 
 def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, moves: int,
-                             info: dict[str, Any] | None = None) -> tuple:
+                             info: dict[str, Any] | None = None, deadline: Deadline = NEVER) -> tuple:
     """Where placements may move, more starts for the polish: the agents' activation decisions, keep-all (where keep
     is not allowed, each unit's plainest allowed option:
     :meth:`~memopt_nb.planners.task.PlanningTask.plain_options`) and the
@@ -63,15 +98,17 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
     for those activations (exact: the MILP with activations fixed, :func:`~memopt_nb.planners.place_states`), then
     polished. A start whose polished plan is the best so far changed activations and placements together: its
     activations are placed exactly and polished again (``"..._again"``), until that no longer helps. Returns the
-    fastest feasible of the polished plans (``current`` first: ties keep it). Only for the cost model's own state table
-    (a hand-made one is not the MILP's). At most :data:`PLACEMENT_SOLVES` MILPs are solved; ``info`` receives that
-    budget, the number of starts skipped for lack of it and, where one of these starts wins, ``polish_start``
-    (``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, or one of them with ``"_again"``)."""
+    fastest feasible of the polished plans (``current`` first: ties keep it). Only for the cost model's own state
+    table (a hand-made one is not the MILP's), and up to :data:`PLACEMENT_MAX_UNITS` units. At most
+    :data:`PLACEMENT_SOLVES` MILPs are solved; ``info`` receives that budget, the number of starts skipped for lack
+    of it and, where one of these starts wins, ``polish_start`` (``"agents_placed"``, ``"plain_placed"``,
+    ``"polished_placed"``, or one of them with ``"_again"``). Once ``deadline`` passes, the starts left are skipped
+    and the solve under way ends at its wall-clock limit."""
     if task.C == 1 or task.state_model is None or not task.state_model.native:
         return (*current, moves)
 
     best, best_t = (*current, moves), _time_of(task, *current)
-    solves, skipped = 0, 0
+    solves, skipped, stops = 0, 0, []
     starts = [("agents_placed", agents[:3]), ("plain_placed", option_arrays(task.plain_options())),
               ("polished_placed", current[:3])]
     seen: set[bytes] = set()
@@ -81,12 +118,15 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
         if key in seen:
             continue
         seen.add(key)
-        if solves >= PLACEMENT_SOLVES:
+        if solves >= PLACEMENT_SOLVES or task.n > PLACEMENT_MAX_UNITS or deadline.passed():
             skipped += 1
             continue
         solves += 1
-        st = place_states(task.sim, task.budget, c, w, d, task.space, time_limit=PLACEMENT_SOLVE_SECONDS)
-        c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64))
+        st = place_states(task.sim, task.budget, c, w, d, task.space,
+                          time_limit=deadline.seconds_left(PLACEMENT_SOLVE_SECONDS), stops=stops)
+        if stops and stops[-1] == "time_limit" and deadline.at is not None:
+            deadline.cut = True
+        c2, w2, d2, st2, m = polish(task, c, w, d, np.asarray(st, dtype=np.int64), deadline=deadline)
         t = _time_of(task, c2, w2, d2, st2)
         if t < best_t * (1 - 1e-12):
             best, best_t = (c2, w2, d2, st2, moves + m + 1), t
@@ -95,7 +135,8 @@ def polish_exact_placements(task: PlanningTask, current: tuple, agents: tuple, m
             # the polish changed the activations too: place the state for those, exactly, and polish again
             starts.append((label.removesuffix("_again") + "_again", (c2, w2, d2)))
     if info is not None:
-        info.update(polish_placement_budget_solves=PLACEMENT_SOLVES, polish_placement_skipped=skipped)
+        info.update(polish_placement_budget_solves=PLACEMENT_SOLVES, polish_placement_skipped=skipped,
+                    polish_placement_stops=stops)
     return best
 
 
@@ -125,13 +166,14 @@ _STATE_STARTS = {"state_offload": ("offload", "offload", "resident"),
                  "step_in_backward_recompute": ("resident", "step", "resident")}
 
 
-def _heuristic_starts(task: PlanningTask) -> list[tuple[str, np.ndarray, np.ndarray, float]]:
+def _heuristic_starts(task: PlanningTask, deadline: Deadline = NEVER
+                      ) -> list[tuple[str, np.ndarray, np.ndarray, float]]:
     """The plans of :data:`HEURISTIC_STARTS` that fit the budget in the task's space, fastest first (ties: the order
     of the list), as (name, options, placements, step time).
 
     A baseline's plan is used as it is: activation decisions (the classic heuristics, all-resident) or its fixed
     placements (the state baselines); it is left out when it needs a strategy, timing or placement the task does not
-    allow, refuses the budget, or misses it."""
+    allow, refuses the budget, or misses it; those not yet built when ``deadline`` passes are left out."""
     n, found = task.n, []
     allowed = np.zeros((n, len(STATE_CHOICES)), dtype=bool)
     allowed[:, 0] = True
@@ -147,7 +189,7 @@ def _heuristic_starts(task: PlanningTask) -> list[tuple[str, np.ndarray, np.ndar
         if STATE_CHOICES.index(placement) not in task.state_ids:
             skip.add(name)
     for name in HEURISTIC_STARTS:
-        if name in skip:
+        if name in skip or deadline.passed():
             continue
         try:
             with warnings.catch_warnings():
@@ -168,18 +210,19 @@ def _heuristic_starts(task: PlanningTask) -> list[tuple[str, np.ndarray, np.ndar
     return found
 
 
-def polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, Any]) -> tuple:
+def polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, Any],
+                            deadline: Deadline = NEVER) -> tuple:
     """Polish from the baselines' plans too (:func:`_heuristic_starts`, fastest first, each one not already among the
     starts) while :data:`HEURISTIC_ROUNDS` last; returns the fastest feasible plan, ``current`` (codes, windows,
     distances, placements, moves) on ties. ``info`` receives ``polish_heuristic_starts`` (the baselines polished),
     ``polish_heuristic_skipped`` (left out for lack of rounds), ``polish_heuristic_cut`` (polished until the rounds ran
     out), ``polish_heuristic_budget_rounds``, ``polish_heuristic_seconds`` (what they took: reported, never read) and,
-    where one of them wins, ``polish_start`` (its name)."""
+    where one of them wins, ``polish_start`` (its name). Once ``deadline`` passes, the starts left are skipped."""
     t0 = time.perf_counter()
     left = HEURISTIC_ROUNDS
     late: list[str] = []
-    if left > 0:
-        starts = _heuristic_starts(task)
+    if left > 0 and not deadline.passed():
+        starts = _heuristic_starts(task, deadline)
     else:
         starts, late = [], list(HEURISTIC_STARTS)
     best, best_t = current, _time_of(task, *current[:4])
@@ -190,13 +233,13 @@ def polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, 
     for name, opts, st, _ in starts:
         if (opts.tobytes(), st.tobytes()) in seen:
             continue
-        if left <= 0 or (task.n >= STACK_FROM_UNITS and misses >= HEURISTIC_PATIENCE):
+        if left <= 0 or (task.n >= STACK_FROM_UNITS and misses >= HEURISTIC_PATIENCE) or deadline.passed():
             late.append(name)
             continue
         seen.add((opts.tobytes(), st.tobytes()))
         used.append(name)
         rounds = min(left, POLISH_ROUNDS)
-        c, w, d, st2, m = polish(task, *option_arrays(opts), st, max_rounds=rounds)
+        c, w, d, st2, m = polish(task, *option_arrays(opts), st, max_rounds=rounds, deadline=deadline)
         left -= min(m + 1, rounds)  # the moves made and the round that found none
         if m == rounds < POLISH_ROUNDS:
             cut.append(name)
@@ -213,11 +256,11 @@ def polish_heuristic_starts(task: PlanningTask, current: tuple, info: dict[str, 
 
 
 def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np.ndarray,
-           states: np.ndarray | None = None, max_rounds: int | None = None
+           states: np.ndarray | None = None, max_rounds: int | None = None, deadline: Deadline = NEVER
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Best-improvement local search while the simulator says it helps; returns codes, windows, distances, placements
     (indices into STATE_CHOICES) and the number of moves made. At most ``max_rounds`` rounds (default
-    :data:`POLISH_ROUNDS`; the plan so far is returned).
+    :data:`POLISH_ROUNDS`; the plan so far is returned), and none once ``deadline`` has passed.
 
     A move changes one unit's option (strategy and timing). Each round takes the fastest move within budget (ties: the
     earlier unit, then the earlier option) if it is faster than the current plan. Where placements may be chosen, a
@@ -240,6 +283,8 @@ def polish(task: PlanningTask, codes: np.ndarray, windows: np.ndarray, dists: np
     rows = np.arange(units.size)
     simulated = 0  # moves the last round simulated
     for _ in range(POLISH_ROUNDS if max_rounds is None else max_rounds):
+        if deadline.passed():
+            break
         cand = np.repeat(cur[None], units.size, axis=0)
         cand[rows, units] = opts
         if task.C > 1:

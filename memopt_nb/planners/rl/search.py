@@ -23,6 +23,7 @@ from ..heads import choosing_head
 from ..optimal import optimal
 from ..options import make_plan, plan_decisions
 from ..polish import (
+    Deadline,
     option_arrays,
     polish,
     polish_exact_placements,
@@ -69,8 +70,8 @@ def default_risk_quantile(task: PlanningTask) -> float | None:
     return RISK_QUANTILE if task.C > 1 else None
 
 
-#: Seconds the agents may train by default: no limit, so that the same seed gives the same plan on any machine
-#: (``time_limit=`` sets one; the polish after the agents is bounded on its own).
+#: Seconds the search (agents and polish) may take by default: no limit, so that the same seed gives the same plan on
+#: any machine (``time_limit=`` sets one, and the plan then says where it cut: ``meta["cut_by_time_limit"]``).
 TIME_LIMIT: float | None = None
 #: PPO iterations without a faster plan after which an agent pair stops, by default. Small problems settle within a
 #: few dozen iterations but get at least 30k steps (hundreds of iterations); large ones run out of steps first.
@@ -210,9 +211,15 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
             two large last blocks must be decided first, while chains with the step in backward did better forward
             (benchmarks/RESULTS.md). A bad value raises :class:`~memopt_nb.core.errors.PlanError` before any
             training.
-        time_limit: seconds the agents may train (default :data:`TIME_LIMIT`: no limit). The polish after them is
-            bounded on its own. A search the limit stops depends on the machine's speed (a loaded machine trains
-            fewer iterations; ``meta["stopped"]`` says ``"time limit"``); the other stops do not depend on time.
+        time_limit: seconds the whole search may take, from the call to the polish's end (default :data:`TIME_LIMIT`:
+            no limit): the agents stop training, and the polish stops with the plan it has, once it passes. Only the
+            work before the agents (the budget check and, on a profile with a chunked head, the choice of its option:
+            MILPs bounded by HiGHS's work limits, :func:`~memopt_nb.planners.milp.node_limit`) and a solve under way
+            (its wall-clock limit is set to the time left) may run past it. A search the limit cut depends on the
+            machine's speed (a loaded machine trains fewer iterations and polishes less) and says so:
+            ``meta["cut_by_time_limit"]`` is ``True``, ``meta["stopped"]`` says ``"time limit"`` where it stopped the
+            agents and ``meta["polish"]`` ``"cut by the time limit"`` where it stopped the polish. Without a time limit
+            nothing depends on the clock: the other stops and the polish count work, not seconds.
         patience: stop an agent pair once its best plan has not become faster by more than :data:`PATIENCE_TOLERANCE`
             in this many PPO iterations (default :data:`PATIENCE`; ``None``: run every timestep). The agents settle
             long before the default number of timesteps on most models, and the polish finishes the plan.
@@ -227,12 +234,16 @@ def search(profile: Any, budget: Any = None, device: DeviceSpec | str | None = N
     from; only all-resident when the cost model has no state table), ``allowed_strategies`` (the activation strategies
     searched, as ``optimal`` records them), ``agents_states`` (the agents' placements before the polish) and, where the
     polish started from exact placements, ``polish_placement_budget_solves`` (the MILPs they may solve,
-    :data:`~memopt_nb.planners.polish.PLACEMENT_SOLVES`) and ``polish_placement_skipped`` (starts left out when they
-    ran out; normally 0); where the polish ran, ``polish_heuristic_starts`` (the baselines it also started from),
+    :data:`~memopt_nb.planners.polish.PLACEMENT_SOLVES`), ``polish_placement_skipped`` (starts left out when they
+    ran out; normally 0) and ``polish_placement_stops`` (what ended each of their MILPs,
+    :func:`~memopt_nb.planners.milp.stopped_by`: ``"optimal"`` or ``"node_limit"``, the same on every machine, unless
+    the wall-clock safety net ``"time_limit"`` was reached); where the polish ran, ``polish_heuristic_starts`` (the
+    baselines it also started from),
     ``polish_heuristic_skipped`` and ``polish_heuristic_cut`` (those left out, or polished only until
     :data:`~memopt_nb.planners.polish.HEURISTIC_ROUNDS` ran out; normally none),
     ``stopped`` (why the agents stopped: ``"all timesteps run"``, ``"no better plan in the last N iterations"`` or
-    ``"time limit"``), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan was returned:
+    ``"time limit"``), ``cut_by_time_limit`` (``time_limit=`` stopped the agents or the polish: the plan depends on
+    the machine's speed), ``polish_heuristic_seconds`` and ``polish_start`` (the start whose polished plan was returned:
     ``"agents"``, ``"agents_placed"``, ``"plain_placed"``, ``"polished_placed"``, one of those three with ``"_again"``
     (see :func:`polish_exact_placements`) or a baseline's name). The plan's own ``predicted_peak_bytes`` /
     ``predicted_step_time`` are the final figures.
@@ -392,7 +403,8 @@ class SearchTracker:
                 "state_choices": [list(STATE_CHOICES[int(i)]) for i in self.task.state_ids],
                 "allowed_strategies": list(self.task.strategies), "decision_order": list(self.order),
                 "best_restart": self.best["restart"], "time_limit": self.time_limit, "patience": self.patience,
-                "stopped": "; ".join(dict.fromkeys(self.stopped)) or "all timesteps run"}
+                "stopped": "; ".join(dict.fromkeys(self.stopped)) or "all timesteps run",
+                "cut_by_time_limit": "time limit" in self.stopped}
 
 
 def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupted: bool, polish_plan: bool,
@@ -424,18 +436,21 @@ def _finish(task: PlanningTask, tracker: SearchTracker, *, seed: int, interrupte
     elif interrupted:
         polish_state = "skipped: interrupted"
     else:
-        c, w, d, st, moves = polish(task, c, w, d, st)
-        polish_state = "ran"
+        deadline = Deadline(tracker.time_limit, t0)  # the search's time limit, from its start
+        c, w, d, st, moves = polish(task, c, w, d, st, deadline=deadline)
         placement["polish_start"] = "agents"
-        c, w, d, st, moves = polish_exact_placements(task, (c, w, d, st), best["plan"], moves, placement)
-        c, w, d, st, moves = polish_heuristic_starts(task, (c, w, d, st, moves), placement)
+        c, w, d, st, moves = polish_exact_placements(task, (c, w, d, st), best["plan"], moves, placement, deadline)
+        c, w, d, st, moves = polish_heuristic_starts(task, (c, w, d, st, moves), placement, deadline)
+        polish_state = "cut by the time limit" if deadline.cut else "ran"
     plan = plan_from_arrays(task, c, w, d, st, seed=seed, **meta, **repaired,
                             agents_step_time=agents_time, agents_peak=best["peak"],
                             agents_decisions=[int(x) for x in to_options(*best["plan"][:3])],
                             agents_states=[int(x) for x in best["plan"][3]],
                             polished=moves > 0, polish_moves=moves, polish=polish_state, **placement)
     # Only a polish that ran has a step time of its own; the plan's predictions are the one source of the final numbers.
-    plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state == "ran" else None
+    plan.meta["polished_step_time"] = plan.predicted_step_time if polish_state in ("ran", "cut by the time limit") \
+        else None
+    plan.meta["cut_by_time_limit"] = meta["cut_by_time_limit"] or polish_state == "cut by the time limit"
     plan.meta["search_seconds"] = time.perf_counter() - t0
     return plan
 
