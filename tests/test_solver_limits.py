@@ -11,6 +11,8 @@ slows HiGHS itself, unlike a slowed Python clock): the plans must be the same.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -148,7 +150,16 @@ CASES = {"zoo_gpt-24": (_zoo_gpt, 6), "hf_gpt2-28": (_hf_gpt2, 4),
          "zoo_gpt-168": (_zoo_gpt, 42), "hf_gpt2-168": (_hf_gpt2, 24)}
 
 
+#: the cases CI runs; the others (minutes each on 2 cores) with MEMOPT_NB_ALL_SOLVER_CASES=1, and their table in
+#: ``benchmarks/solver_determinism.py``
+IN_CI = ("zoo_gpt-24",)
+
+
 def _fine_profile(name: str):
+    if name not in IN_CI and not os.environ.get("MEMOPT_NB_ALL_SOLVER_CASES"):
+        pytest.skip(f"{name}: minutes on 2 cores; MEMOPT_NB_ALL_SOLVER_CASES=1 runs it "
+                    "(benchmarks/solver_determinism.py "
+                    "prints every case)")
     build, layers = CASES[name]
     model, inputs, loss_fn = build(layers)
     opt = torch.optim.Adam(model.parameters())
