@@ -407,7 +407,6 @@ def _profiles(bp: BatchProfiles, batches: Sequence[int], name: str,
     return out, here
 
 
-@task("evaluate")
 class _OneModel:
     """``built_at(b)``: ``(model, (args, kwargs), loss_fn, optimizer)`` at batch ``b``, for measuring steps there: the
     builder's, one batch at a time (the device holds one model, as in training)."""
@@ -506,6 +505,7 @@ def _fit_all(results: dict[str, MethodResult]) -> list[str]:
     return warn
 
 
+@task("evaluate")
 def evaluate(model_or_builder: Any, device: DeviceSpec | str | None = None, budget: Any = None,
              methods: Sequence[str] = DEFAULT_METHODS, batch_sizes: Sequence[int] | None = None, *,
              reference_batch: int | None = None, search_timesteps: int | None = None, seed: int = 0,
