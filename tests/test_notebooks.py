@@ -59,6 +59,10 @@ STORED_KEYS = {
                                               "floor_kept_as_written": REL, "floor_chunked": REL, "budget": REL,
                                               "chunked": EXACT, "exact": EXACT, "within_budget": EXACT,
                                               "first_loss_equal": EXACT},
+    "08_when_the_model_is_bigger_than_the_device.ipynb": {
+        "param_bytes": REL, "state_bytes": REL, "limit": REL, "profiled_peak": REL, "plain_fits": EXACT,
+        "state_streamed": EXACT, "peak_within_limit": EXACT, "losses_equal": EXACT, "params_equal": EXACT,
+        "largest_memopt": EXACT, "largest_plain": EXACT, "largest_offload_everything": EXACT},
 }
 
 
@@ -291,6 +295,19 @@ def test_notebook_executes(path, notebook_env):
         assert summary["chunked"] is True and summary["exact"] is False
         assert summary["within_budget"] is True and summary["measured_peak"] <= summary["budget"]
         assert summary["first_loss_equal"] is True and summary["drift"] < 1e-5 and summary["curve_worst"] < 1e-3
+    if path.name == "08_when_the_model_is_bigger_than_the_device.ipynb":
+        # the training state is twice the device: plain training does not fit, the profile is state-streamed and
+        # its peak (the plain step's) above the limit; the plan is for the limit's free memory; profiling, training,
+        # saving, leaving the block and resuming stay inside it, bit-identical to plain training outside it
+        assert summary["state_bytes"] >= 2 * summary["limit"] and summary["plain_fits"] is False
+        assert summary["state_streamed"] is True and summary["profiled_peak"] > summary["limit"]
+        assert summary["budget"] <= summary["free_bytes"] <= summary["limit"]
+        assert summary["peak_within_limit"] is True
+        assert max(summary["profile_peak"], summary["first_peak"], summary["resumed_peak"]) <= summary["limit"]
+        assert summary["losses_equal"] is True and summary["params_equal"] is True
+        # max_model: memopt trains a deeper model than plain training, and its answer ran inside the budget
+        assert summary["largest_plain"] is not None and summary["largest_memopt"] > summary["largest_plain"], summary
+        assert summary["memopt_verified"] is True
     if path.name == "05_when_the_optimizer_state_is_the_problem.ipynb":
         assert summary["state_bytes"] >= 2 * summary["budget"]  # the model's state is over twice the budget
         assert summary["activations_only_floor"] > summary["budget"] >= summary["whole_step_floor"]
