@@ -64,3 +64,18 @@ def test_a_preset_predicts_without_running() -> None:
 def test_wrong_arguments_say_what_works(kwargs: dict, words: str) -> None:
     with pytest.raises(memopt.MemoptError, match=words):
         memopt.max_model(gpt2, **kwargs)
+
+
+def test_a_size_that_cannot_be_profiled_fits_no_method(monkeypatch) -> None:
+    from memopt_nb.harness import maxmodel
+
+    real = maxmodel.profile
+
+    def profile(model, *args, **kwargs):
+        if len(model.transformer.h) > 2:
+            raise memopt.ProfileError("does not fit even state-streamed")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(maxmodel, "profile", profile)
+    r = memopt.max_model(gpt2, [1, 2, 4], budget=BUDGET, verify=False)
+    assert r.largest["memopt"] == 2 and r.row(4).error and not any(r.row(4).fits.values())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import html
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from .. import planners as solvers
 from ..core.budget import format_bytes, resolve_budget
 from ..core.device import DeviceSpec
-from ..core.errors import BudgetError, MemoptError
+from ..core.errors import BudgetError, MemoptError, MemoptWarning, ProfileError
 from ..core.plan import Plan
 from ..core.progress import advance, stage, task
 from ..planners.checks import default_budget
@@ -72,6 +73,8 @@ class ModelSize:
     step_time: dict[str, float] = field(default_factory=dict)
     verified: bool | None = None
     measured_peak_bytes: int | None = None
+    #: why the size could not be profiled (it then fits no method), "" if it was
+    error: str = ""
 
 
 @dataclass
@@ -188,7 +191,12 @@ def max_model(builder: Callable[[Any], Any], sizes: Sequence[Any], budget: Any =
     def at(i: int) -> ModelSize:
         if i not in rows:
             gc.collect()
-            rows[i] = _probe(builder, sizes[i], make, device, budget, repeats, units)
+            try:
+                rows[i] = _probe(builder, sizes[i], make, device, budget, repeats, units)
+            except ProfileError as exc:  # not even a state-streamed profile fits: the size fits no method
+                row = ModelSize(size=sizes[i], params=0, state_bytes=0, peak_bytes=0, floor_bytes=0,
+                                fits=dict.fromkeys(METHODS, False), error=str(exc))
+                rows[i] = (row, None, 0)
             advance(1)
         return rows[i][0]
 
@@ -212,6 +220,8 @@ def max_model(builder: Callable[[Any], Any], sizes: Sequence[Any], budget: Any =
             plan = solvers.optimal(prof, b, device, time_limit=time_limit, offload_state=True)
         except BudgetError:
             plan = None
+        if (plan is None or not plan.feasible) and row.fits["offload_everything"]:
+            plan = solvers.offload_everything(prof, b, device)  # in memopt's space too: never a smaller answer
         if plan is not None and plan.feasible:
             row.step_time["memopt"] = plan.predicted_step_time
             if verify and not preset:
@@ -225,8 +235,12 @@ def max_model(builder: Callable[[Any], Any], sizes: Sequence[Any], budget: Any =
     tops = {"memopt": top}
     for m in ("plain", "offload_everything"):
         tops[m] = largest(m, top) if top >= 0 else -1
-    b = next(iter(rows.values()))[2] if rows else 0
-    name = as_simulator(next(iter(rows.values()))[1], device).device.name
+    profiled = [r for r in rows.values() if r[1] is not None]
+    if not profiled:
+        raise MemoptError(f"max_model: none of the sizes looked at could be profiled here ("
+                          f"{'; '.join(r[0].error for r in rows.values())[:400]}); give smaller sizes")
+    b = profiled[0][2]
+    name = as_simulator(profiled[0][1], device).device.name
     ordered = [rows[i][0] for i in sorted(rows)]
     return ModelSizes(largest={m: (sizes[i] if i >= 0 else None) for m, i in tops.items()}, plan=plan,
                       budget_bytes=b, device=name, rows=ordered)
@@ -236,11 +250,16 @@ def _verify(built: tuple, plan: Plan, budget: int) -> tuple[bool, int | None]:
     """Whether one step under ``plan`` runs inside ``budget`` (the limit in force, else one set to ``budget``)."""
     model, args, kwargs, loss_fn, opt = built
     try:
-        if limit_in_force() is not None:
-            m = measure(model, *args, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1, **kwargs)
-        else:
-            with limit_memory(budget):
+        with warnings.catch_warnings():  # the state this throw-away model leaves parked on the host is let go below
+            warnings.simplefilter("ignore", MemoptWarning)
+            if limit_in_force() is not None:
                 m = measure(model, *args, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1, **kwargs)
+            else:
+                with limit_memory(budget):
+                    m = measure(model, *args, loss_fn=loss_fn, optimizer=opt, plan=plan, steps=1, **kwargs)
     except (torch.OutOfMemoryError, MemoryError, MemoptError):
         return False, None
+    finally:
+        del model, opt
+        gc.collect()
     return m.peak_bytes <= budget, m.peak_bytes
