@@ -180,7 +180,7 @@ def test_max_batch_beats_plain_training_and_its_step_fits(setup, answer):
     assert res.best_throughput == pytest.approx(max(res.throughputs["optimal"].values()), rel=1e-4)
     assert res.throughput == pytest.approx(res.batch / res.step_time)
     assert res.plain.best_throughput is not None
-    assert res.noise >= 0.03 and res.best_batch not in res.within_noise
+    assert res.noise >= 0.10 and res.best_batch not in res.within_noise  # profiled on the CPU
     for b in res.within_noise:  # each is as fast as the best within the profiled times' spread, and the text says so
         assert res.throughputs["optimal"][b] >= res.best_throughput * (1 - res.noise)
     assert ("within noise of it" in res.summary()) == bool(res.within_noise)

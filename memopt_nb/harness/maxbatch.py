@@ -50,8 +50,11 @@ __all__ = ["NO_OPTIMIZER", "BatchAnswer", "BatchProfiles", "MaxBatch", "Optimize
 
 #: the largest batch :func:`max_batch` considers
 MAX_BATCH_LIMIT = 1 << 20
-#: predicted throughputs closer than this (relative) are never told apart, however steady the profiled times were
+#: predicted throughputs closer than this (relative) are never told apart, however steady the profiled times were;
+#: on the CPU (the emulated device) the larger :data:`CPU_NOISE_FLOOR`: there a step's time moves by 10 % or more from
+#: one profile to the next, more than one profile's repeats show
 NOISE_FLOOR = 0.03
+CPU_NOISE_FLOOR = 0.10
 
 
 @dataclass
@@ -104,7 +107,8 @@ class MaxBatch:
     notes: list[str] = field(default_factory=list)
     verified: dict[str, Any] = field(default_factory=dict)
     optimizer: str = ""
-    #: the relative spread of the profiled step times (at least :data:`NOISE_FLOOR`): predicted throughputs closer
+    #: the relative spread of the profiled step times (at least :data:`NOISE_FLOOR`, on the CPU
+    #: :data:`CPU_NOISE_FLOOR`): predicted throughputs closer
     #: than this to the best cannot be told apart from it
     noise: float = 0.0
     _at: Callable[[int], Any] | None = field(default=None, repr=False)
@@ -482,9 +486,11 @@ def max_batch(builder: Callable[[int], Any], budget: int | str | None = None,
 
 def _noise(profiles: Iterable[Any]) -> float:
     """The largest relative spread of the profiled step times (``meta["timing"]["step_spread"]``), at least
-    :data:`NOISE_FLOOR`."""
+    :data:`NOISE_FLOOR` (:data:`CPU_NOISE_FLOOR` for profiles made on the CPU)."""
+    profiles = list(profiles)
+    floor = CPU_NOISE_FLOOR if any(p.device.kind == "cpu" for p in profiles) else NOISE_FLOOR
     spreads = [float((p.meta.get("timing") or {}).get("step_spread", 0.0)) for p in profiles]
-    return max([NOISE_FLOOR, *spreads])
+    return max([floor, *spreads])
 
 
 def _check_args(planner: str, probe: Sequence[int]) -> list[int]:
