@@ -1,10 +1,10 @@
 """Plans change memory and time, never results: losses, gradients, parameters, optimizer state and BatchNorm
 statistics are bit-identical after a real training loop (forward, backward, Adam)."""
 
-import threading
 
 import pytest
 import torch
+from helpers.threads import memopt_threads
 
 import memopt_nb as memopt
 from memopt_nb.core.errors import PlanError
@@ -182,10 +182,6 @@ def test_plan_for_other_model_is_refused_unchanged(zoo_profiles):
     assert _snapshot(other) == before
 
 
-def _memopt_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("memopt-")]
-
-
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_failure_mid_step_restores_everything(zoo_profiles, where):
     """An error inside a unit's forward, or inside backward, while copies are in flight: the model is as before."""
@@ -209,7 +205,7 @@ def test_failure_mid_step_restores_everything(zoo_profiles, where):
     handle = failing.register_forward_hook(hook)
     before = _snapshot(model)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    assert _memopt_threads() == []
+    others = frozenset(memopt_threads())  # another test's parked plan, if any: not this one's
     applied = memopt.plan(plan, model)
     with pytest.raises(RuntimeError, match="boom"):
         with applied:
@@ -219,7 +215,7 @@ def test_failure_mid_step_restores_everything(zoo_profiles, where):
         assert seen["stats"]["prefetched_bytes"] > 0
     assert _snapshot(model) == before  # forwards and hooks (ours is still there, and only ours)
     assert not applied.active and applied.engine is None
-    assert _memopt_threads() == []
+    assert memopt_threads(others) == []
     for eng in seen["engine"]._copy.values():
         assert eng.closed and not any(eng.pool._free.values())  # host pool emptied
     for n, p in model.named_parameters():

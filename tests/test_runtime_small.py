@@ -7,10 +7,10 @@ the simulator predicts (a copy released late, or a prefetch started early, moves
 back, and none on demand (the prefetch was started by its trigger). Small enough to run once per mutant.
 """
 
-import threading
 
 import pytest
 import torch
+from helpers.threads import memopt_threads
 
 import memopt_nb as memopt
 from memopt_nb import solvers
@@ -158,6 +158,7 @@ def test_failure_mid_step_restores_and_training_goes_on_identically(small, where
         out.register_hook(fail)
 
     before = _snapshot(model)
+    others = frozenset(memopt_threads())  # another test's parked plan, if any: not this one's
     handle = failing.register_forward_hook(hook)
     params = [p.detach().clone() for p in model.parameters()]
     applied = memopt.plan(plan, model)
@@ -170,7 +171,7 @@ def test_failure_mid_step_restores_and_training_goes_on_identically(small, where
         assert seen["stats"]["prefetched_bytes"] > 0
     assert _snapshot(model) == before  # forwards and hooks (ours removed above)
     assert not applied.active and applied.engine is None
-    assert not [t for t in threading.enumerate() if t.name.startswith("memopt-")]
+    assert not memopt_threads(others)
     for eng in seen["engine"]._copy.values():
         assert eng.closed and not any(eng.pool._free.values())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
