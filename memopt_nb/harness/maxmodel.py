@@ -186,7 +186,7 @@ def max_model(builder: Callable[[Any], Any], sizes: Sequence[Any], budget: Any =
                           "or a size such as '6GiB', or no budget for what the device can still give")
     make = optimizer_maker(optimizer)
     rows: dict[int, tuple[ModelSize, Any, int]] = {}
-    preset = device is not None and DeviceSpec.resolve(device, None).kind == "preset"  # an unknown name refused before any build
+    preset = device is not None and DeviceSpec.resolve(device, None).kind == "preset"
 
     def at(i: int) -> ModelSize:
         if i not in rows:
